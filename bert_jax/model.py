@@ -1,0 +1,594 @@
+"""BERT in Flax linen: embeddings, post-LN encoder, pooler, pre-training and fine-tuning heads.
+
+Parameters are float32 and carry logical axis names (vocab, embed, mlp, heads, kv, layers) that
+`sharding.py` maps onto a device mesh; activations are constrained with names (batch, length,
+act_embed, act_mlp, act_heads). Compute runs in `BertConfig.dtype` (bfloat16 on accelerators);
+softmax, LayerNorm statistics and losses stay in float32.
+
+Parameter layout (unscanned; with `scan_layers` the per-layer trees are stacked under
+`encoder/layers` with a leading `layers` axis):
+
+  bert/embeddings/{word_embeddings,position_embeddings,token_type_embeddings}/embedding
+  bert/embeddings/layer_norm/{scale,bias}
+  bert/encoder/layer_{i}/attention/{query,key,value}/{kernel [embed,heads,kv], bias [heads,kv]}
+  bert/encoder/layer_{i}/attention/output/{kernel [heads,kv,embed], bias}
+  bert/encoder/layer_{i}/attention_layer_norm/{scale,bias}
+  bert/encoder/layer_{i}/mlp/{intermediate,output}/{kernel,bias}
+  bert/encoder/layer_{i}/output_layer_norm/{scale,bias}
+  bert/pooler/{kernel,bias}
+  mlm/transform/{kernel,bias}, mlm/layer_norm/{scale,bias}, mlm/output_bias   (tied decoder)
+  nsp/{kernel,bias}
+  classifier/{kernel,bias}  (sequence / token classification), qa_outputs/{kernel,bias}
+"""
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+# The fields of the original bert_config.json, in its order.
+_ORIGINAL_FIELDS = (
+    'vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads',
+    'intermediate_size', 'hidden_act', 'hidden_dropout_prob', 'attention_probs_dropout_prob',
+    'max_position_embeddings', 'type_vocab_size', 'initializer_range')
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  """Architecture (the original fields) plus how to run it (dtype, scan, remat, attention)."""
+  vocab_size: int = 30522
+  hidden_size: int = 768
+  num_hidden_layers: int = 12
+  num_attention_heads: int = 12
+  intermediate_size: int = 3072
+  hidden_act: str = 'gelu'
+  hidden_dropout_prob: float = 0.1
+  attention_probs_dropout_prob: float = 0.1
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 2
+  initializer_range: float = 0.02
+  layer_norm_eps: float = 1e-12
+  # How to run, not what the model is: not written to bert_config.json.
+  dtype: str = 'float32'
+  scan_layers: bool = False
+  remat_policy: str = 'none'
+  attention_impl: str | None = None
+
+  def __post_init__(self):
+    if self.hidden_size % self.num_attention_heads:
+      raise ValueError(f'hidden_size {self.hidden_size} is not a multiple of '
+                       f'num_attention_heads {self.num_attention_heads}')
+    if self.hidden_act not in _ACTIVATIONS:
+      raise ValueError(f'hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}')
+    if self.remat_policy not in _REMAT_POLICIES:
+      raise ValueError(f'remat_policy {self.remat_policy!r} is not one of '
+                       f'{sorted(_REMAT_POLICIES)}')
+    if self.attention_impl not in (None, 'xla', 'cudnn'):
+      raise ValueError(f"attention_impl {self.attention_impl!r} is not None, 'xla' or 'cudnn'")
+    jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_attention_heads
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  def replace(self, **kwargs) -> 'BertConfig':
+    return dataclasses.replace(self, **kwargs)
+
+  # ---- JSON in the original and the Hugging Face formats ----
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any], source: str = 'config') -> 'BertConfig':
+    """Reads a bert_config.json or a Hugging Face config.json dict (extra keys ignored)."""
+    model_type = d.get('model_type', 'bert')
+    if model_type != 'bert':
+      raise ValueError(f'{source}: model_type is {model_type!r}, only BERT is supported')
+    missing = [k for k in _ORIGINAL_FIELDS if k not in d and k != 'initializer_range']
+    if missing:
+      raise ValueError(f'{source}: missing BERT config fields {missing}')
+    if d.get('position_embedding_type', 'absolute') != 'absolute':
+      raise ValueError(f'{source}: position_embedding_type '
+                       f'{d["position_embedding_type"]!r} is not supported (absolute only)')
+    # Only the architecture: a file's `dtype` (HF writes one) says how it was saved, not how
+    # to compute, and must not switch the compute dtype.
+    kwargs = {k: d[k] for k in _ORIGINAL_FIELDS + ('layer_norm_eps',) if k in d}
+    return cls(**kwargs)
+
+  @classmethod
+  def from_json_file(cls, path: str) -> 'BertConfig':
+    with open(path) as f:
+      try:
+        d = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}: not valid JSON: {e}') from e
+    return cls.from_dict(d, source=path)
+
+  def to_original_dict(self) -> dict[str, Any]:
+    """The fields of the original bert_config.json (plus layer_norm_eps if not default)."""
+    d = {k: getattr(self, k) for k in _ORIGINAL_FIELDS}
+    if self.layer_norm_eps != 1e-12:
+      d['layer_norm_eps'] = self.layer_norm_eps
+    return d
+
+  def to_hf_dict(self) -> dict[str, Any]:
+    """A Hugging Face `config.json` for BertForPreTraining."""
+    d = {k: getattr(self, k) for k in _ORIGINAL_FIELDS}
+    d.update(architectures=['BertForPreTraining'], model_type='bert',
+             layer_norm_eps=self.layer_norm_eps, pad_token_id=0,
+             position_embedding_type='absolute', torch_dtype='float32')
+    return d
+
+  def write_json(self, path: str, hf: bool = False) -> None:
+    d = self.to_hf_dict() if hf else self.to_original_dict()
+    with open(path, 'w') as f:
+      json.dump(d, f, indent=2, sort_keys=not hf)
+      f.write('\n')
+
+
+# Named sizes: (layers, hidden, heads). Intermediate size is always 4 x hidden.
+_COMPACT_LAYERS = (2, 4, 6, 8, 10, 12)
+_COMPACT_HIDDEN = (128, 256, 512, 768)
+SIZES: dict[str, tuple[int, int, int]] = {
+    f'L{l}_H{h}': (l, h, h // 64) for l in _COMPACT_LAYERS for h in _COMPACT_HIDDEN}
+SIZES.update({
+    'tiny': SIZES['L2_H128'],     # Turc et al.'s BERT-Tiny; what the tests run.
+    'mini': SIZES['L4_H256'],
+    'small': SIZES['L4_H512'],
+    'medium': SIZES['L8_H512'],
+    'base': (12, 768, 12),
+    'large': (24, 1024, 16),
+})
+
+
+def config_for_size(size: str, **overrides) -> BertConfig:
+  """`BertConfig` of a named size (see `SIZES`), with any field overridden."""
+  if size not in SIZES:
+    raise ValueError(f'unknown model size {size!r}; known: tiny, mini, small, medium, base, '
+                     f'large and L{{2..12}}_H{{128,256,512,768}}')
+  layers, hidden, heads = SIZES[size]
+  return BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                    intermediate_size=4 * hidden, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+
+_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    'gelu': lambda x: jax.nn.gelu(x, approximate=False),   # The paper's exact erf GELU.
+    'gelu_new': lambda x: jax.nn.gelu(x, approximate=True),
+    'gelu_pytorch_tanh': lambda x: jax.nn.gelu(x, approximate=True),
+    'relu': jax.nn.relu,
+    'silu': jax.nn.silu,
+    'swish': jax.nn.silu,
+}
+
+_REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _init(config: BertConfig, axes: tuple[str | None, ...]):
+  """Truncated-normal init (the original's) with logical axis names attached."""
+  return nn.with_logical_partitioning(
+      nn.initializers.truncated_normal(config.initializer_range), axes)
+
+
+def _zeros(axes):
+  return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+def _ones(axes):
+  return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
+
+
+def _layer_norm(config: BertConfig, name: str) -> nn.Module:
+  return LayerNorm(config, name=name)
+
+
+class LayerNorm(nn.Module):
+  """LayerNorm with float32 statistics and affine; output in the compute dtype."""
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    h = x.shape[-1]
+    scale = self.param('scale', _ones(('embed',)), (h,), jnp.float32)
+    bias = self.param('bias', _zeros(('embed',)), (h,), jnp.float32)
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + self.config.layer_norm_eps) * scale + bias
+    return y.astype(self.config.compute_dtype)
+
+
+def _dense(config: BertConfig, features, axes, name: str, in_axes=-1) -> nn.Module:
+  features = features if isinstance(features, tuple) else (features,)
+  return nn.DenseGeneral(features=features, axis=in_axes, dtype=config.compute_dtype,
+                         param_dtype=jnp.float32, kernel_init=_init(config, axes),
+                         bias_init=_zeros(axes[-len(features):]), name=name)
+
+
+def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
+  return nn.with_logical_constraint(x, axes)
+
+
+class Embeddings(nn.Module):
+  """Word + learned position + token type embeddings, LayerNorm, dropout."""
+  config: BertConfig
+
+  def setup(self):
+    c = self.config
+    self.word_embeddings = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.compute_dtype,
+                                    param_dtype=jnp.float32,
+                                    embedding_init=_init(c, ('vocab', 'embed')))
+    self.position_embeddings = nn.Embed(c.max_position_embeddings, c.hidden_size,
+                                        dtype=c.compute_dtype, param_dtype=jnp.float32,
+                                        embedding_init=_init(c, (None, 'embed')))
+    self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size,
+                                          dtype=c.compute_dtype, param_dtype=jnp.float32,
+                                          embedding_init=_init(c, (None, 'embed')))
+    self.layer_norm = _layer_norm(c, 'layer_norm')
+    self.dropout = nn.Dropout(c.hidden_dropout_prob)
+
+  def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool) -> Array:
+    seq_len = input_ids.shape[1]
+    if seq_len > self.config.max_position_embeddings:
+      raise ValueError(f'sequence length {seq_len} exceeds max_position_embeddings '
+                       f'{self.config.max_position_embeddings}')
+    positions = jnp.arange(seq_len)[None, :]
+    x = (self.word_embeddings(input_ids) + self.position_embeddings(positions) +
+         self.token_type_embeddings(segment_ids))
+    x = _constrain(x, ('batch', 'length', 'act_embed'))
+    return self.dropout(self.layer_norm(x), deterministic=deterministic)
+
+  def attend(self, x: Array) -> Array:
+    """Logits over the vocabulary with the (tied) word embedding matrix."""
+    return self.word_embeddings.attend(x)
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention over a padding mask."""
+  config: BertConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array, seq_lengths: Array) -> Array:
+    c = self.config
+    heads, head_dim = c.num_attention_heads, c.head_dim
+    qkv_axes = ('embed', 'heads', 'kv')
+    q = _dense(c, (heads, head_dim), qkv_axes, 'query')(x)
+    k = _dense(c, (heads, head_dim), qkv_axes, 'key')(x)
+    v = _dense(c, (heads, head_dim), qkv_axes, 'value')(x)
+    q = _constrain(q, ('batch', 'length', 'act_heads', 'kv'))
+    k = _constrain(k, ('batch', 'length', 'act_heads', 'kv'))
+    v = _constrain(v, ('batch', 'length', 'act_heads', 'kv'))
+    dropout = 0.0 if self.deterministic else c.attention_probs_dropout_prob
+    if dropout > 0.0:
+      # jax.nn.dot_product_attention has no dropout; same numerics, written out.
+      logits = jnp.einsum('btnh,bsnh->bnts', q, k, preferred_element_type=jnp.float32)
+      logits = logits / np.sqrt(head_dim).astype(np.float32)
+      logits = jnp.where(mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
+      probs = jax.nn.softmax(logits, axis=-1)
+      probs = nn.Dropout(dropout)(probs, deterministic=False).astype(v.dtype)
+      out = jnp.einsum('bnts,bsnh->btnh', probs, v)
+    elif c.attention_impl == 'cudnn':
+      # The fused kernel takes padding as lengths: BERT masks are prefixes of ones.
+      out = jax.nn.dot_product_attention(q, k, v, query_seq_lengths=seq_lengths,
+                                         key_value_seq_lengths=seq_lengths,
+                                         implementation='cudnn')
+    else:
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, None, :],
+                                         implementation=c.attention_impl)
+    out = _constrain(out, ('batch', 'length', 'act_heads', 'kv'))
+    return _dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1))(out)
+
+
+class Mlp(nn.Module):
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    c = self.config
+    h = _dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate')(x)
+    h = _ACTIVATIONS[c.hidden_act](h)
+    h = _constrain(h, ('batch', 'length', 'act_mlp'))
+    return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output')(h)
+
+
+class EncoderLayer(nn.Module):
+  """The paper's post-LN Transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x))."""
+  config: BertConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array, seq_lengths: Array) -> tuple[Array, Array]:
+    c = self.config
+    drop = nn.Dropout(c.hidden_dropout_prob, deterministic=self.deterministic)
+    attn = SelfAttention(c, self.deterministic, name='attention')(x, mask, seq_lengths)
+    x = _layer_norm(c, 'attention_layer_norm')(x + drop(attn))
+    x = _constrain(x, ('batch', 'length', 'act_embed'))
+    y = Mlp(c, name='mlp')(x)
+    x = _layer_norm(c, 'output_layer_norm')(x + drop(y))
+    x = _constrain(x, ('batch', 'length', 'act_embed'))
+    # Returned twice: as the scan carry and as the per-layer output (hidden states).
+    return x, x
+
+
+class Encoder(nn.Module):
+  """A stack of encoder layers, looped or `nn.scan`-ed, optionally rematerialized."""
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array, seq_lengths: Array, deterministic: bool = True,
+               return_hidden_states: bool = False) -> tuple[Array, list[Array]]:
+    c = self.config
+    layer_cls = EncoderLayer
+    policy = _REMAT_POLICIES[c.remat_policy]
+    if c.remat_policy != 'none':
+      layer_cls = nn.remat(layer_cls, policy=policy, prevent_cse=not c.scan_layers)
+    if c.scan_layers:
+      scanned = nn.scan(layer_cls, variable_axes={'params': 0},
+                        split_rngs={'params': True, 'dropout': True},
+                        in_axes=(nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
+                        metadata_params={nn.PARTITION_NAME: 'layers'})
+      x, stacked = scanned(c, deterministic, name='layers')(x, mask, seq_lengths)
+      hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
+    else:
+      hidden = []
+      for i in range(c.num_hidden_layers):
+        x, _ = layer_cls(c, deterministic, name=f'layer_{i}')(x, mask, seq_lengths)
+        hidden.append(x)
+      if not return_hidden_states:
+        hidden = []
+    return x, hidden
+
+
+class BertModel(nn.Module):
+  """Embeddings + encoder + pooler. Returns (sequence_output, pooled_output[, hidden_states])."""
+  config: BertConfig
+
+  def setup(self):
+    self.embeddings = Embeddings(self.config)
+    self.encoder = Encoder(self.config)
+    self.pooler = _dense(self.config, self.config.hidden_size, ('embed', 'mlp'), 'pooler')
+
+  def __call__(self, input_ids: Array, input_mask: Array, segment_ids: Array,
+               deterministic: bool = True, return_hidden_states: bool = False):
+    mask = input_mask.astype(bool)
+    seq_lengths = jnp.sum(input_mask, axis=-1, dtype=jnp.int32)
+    x = self.embeddings(input_ids, segment_ids, deterministic)
+    seq, hidden = self.encoder(x, mask, seq_lengths, deterministic, return_hidden_states)
+    pooled = jnp.tanh(self.pooler(seq[:, 0]))
+    if return_hidden_states:
+      return seq, pooled, [x] + hidden
+    return seq, pooled
+
+  def attend(self, x: Array) -> Array:
+    return self.embeddings.attend(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads
+# ---------------------------------------------------------------------------------------------
+
+
+class MlmHead(nn.Module):
+  """Transform (dense + activation + LayerNorm), then logits tied to the word embeddings."""
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x: Array, attend: Callable[[Array], Array]) -> Array:
+    c = self.config
+    # Explicit layouts around the tied decoder: left to itself, XLA's SPMD partitioner computed
+    # wrong embedding gradients on a mesh with data, fsdp and tensor axes all > 1.
+    x = _constrain(x, ('batch', None, 'act_embed'))
+    x = _dense(c, c.hidden_size, ('embed', 'mlp'), 'transform')(x)
+    x = _layer_norm(c, 'layer_norm')(_ACTIVATIONS[c.hidden_act](x))
+    x = _constrain(x, ('batch', None, 'act_embed'))
+    bias = self.param('output_bias', _zeros(('vocab',)), (c.vocab_size,), jnp.float32)
+    logits = _constrain(attend(x).astype(jnp.float32), ('batch', None, 'act_vocab'))
+    return logits + bias
+
+
+def gather_positions(sequence: Array, positions: Array) -> Array:
+  """[B, T, H] gathered at [B, P] positions -> [B, P, H]."""
+  return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
+
+
+class BertForPreTraining(nn.Module):
+  """BERT with the MLM head (only at `masked_lm_positions`) and the NSP head."""
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions,
+               deterministic: bool = True) -> tuple[Array, Array]:
+    bert = BertModel(self.config, name='bert')
+    seq, pooled = bert(input_ids, input_mask, segment_ids, deterministic)
+    # Only the P masked positions reach the vocabulary projection: [B, P, V], not [B, T, V].
+    masked = gather_positions(seq, masked_lm_positions)
+    mlm_logits = MlmHead(self.config, name='mlm')(masked, bert.attend)
+    nsp_logits = _dense(self.config, 2, ('embed', None), 'nsp')(pooled).astype(jnp.float32)
+    return mlm_logits, nsp_logits
+
+
+class BertForSequenceClassification(nn.Module):
+  """Pooled [CLS] -> dropout -> dense. `num_labels=1` is regression (STS-B)."""
+  config: BertConfig
+  num_labels: int
+
+  @nn.compact
+  def __call__(self, input_ids, input_mask, segment_ids, deterministic: bool = True) -> Array:
+    _, pooled = BertModel(self.config, name='bert')(input_ids, input_mask, segment_ids,
+                                                    deterministic)
+    pooled = nn.Dropout(self.config.hidden_dropout_prob)(pooled, deterministic=deterministic)
+    return _dense(self.config, self.num_labels, ('embed', None), 'classifier')(
+        pooled).astype(jnp.float32)
+
+
+class BertForTokenClassification(nn.Module):
+  """Every token -> dropout -> dense (NER tagging)."""
+  config: BertConfig
+  num_labels: int
+
+  @nn.compact
+  def __call__(self, input_ids, input_mask, segment_ids, deterministic: bool = True) -> Array:
+    seq, _ = BertModel(self.config, name='bert')(input_ids, input_mask, segment_ids,
+                                                 deterministic)
+    seq = nn.Dropout(self.config.hidden_dropout_prob)(seq, deterministic=deterministic)
+    return _dense(self.config, self.num_labels, ('embed', None), 'classifier')(
+        seq).astype(jnp.float32)
+
+
+class BertForQuestionAnswering(nn.Module):
+  """Span QA: start and end logits per token, [B, T] each."""
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, input_ids, input_mask, segment_ids,
+               deterministic: bool = True) -> tuple[Array, Array]:
+    seq, _ = BertModel(self.config, name='bert')(input_ids, input_mask, segment_ids,
+                                                 deterministic)
+    logits = _dense(self.config, 2, ('embed', None), 'qa_outputs')(seq).astype(jnp.float32)
+    return logits[..., 0], logits[..., 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses and metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def pretraining_loss(mlm_logits: Array, nsp_logits: Array, batch: dict[str, Array],
+                     use_nsp: bool = True) -> tuple[Array, dict[str, Array]]:
+  """Total loss and metrics. MLM cross-entropy is weighted by `masked_lm_weights`.
+
+  Metrics come as (sum, count) pairs so that they average exactly over devices, micro-batches
+  and evaluation batches.
+  """
+  weights = batch['masked_lm_weights'].astype(jnp.float32)
+  labels = batch['masked_lm_ids']
+  logp = jax.nn.log_softmax(mlm_logits.astype(jnp.float32), axis=-1)
+  mlm_nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+  mlm_sum, mlm_count = jnp.sum(mlm_nll * weights), jnp.sum(weights)
+  mlm_correct = jnp.sum((jnp.argmax(mlm_logits, -1) == labels) * weights)
+  nsp_labels = batch['next_sentence_labels'].reshape(-1)
+  nsp_logp = jax.nn.log_softmax(nsp_logits.astype(jnp.float32), axis=-1)
+  nsp_nll = -jnp.take_along_axis(nsp_logp, nsp_labels[:, None], axis=-1)[:, 0]
+  n = jnp.asarray(nsp_labels.shape[0], jnp.float32)
+  nsp_sum = jnp.sum(nsp_nll)
+  nsp_correct = jnp.sum(jnp.argmax(nsp_logits, -1) == nsp_labels)
+  # The original divides by sum(weights) + 1e-5 so that an all-padding batch gives 0, not NaN.
+  loss = mlm_sum / (mlm_count + 1e-5)
+  if use_nsp:
+    loss = loss + nsp_sum / n
+  metrics = {
+      'mlm_loss': (mlm_sum, mlm_count), 'mlm_accuracy': (mlm_correct, mlm_count),
+      'nsp_loss': (nsp_sum, n), 'nsp_accuracy': (nsp_correct.astype(jnp.float32), n),
+  }
+  return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter layout helpers and the public encode function
+# ---------------------------------------------------------------------------------------------
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+  """Scanned layout (encoder/layers with a leading axis) -> encoder/layer_{i}. Idempotent."""
+  def walk(tree):
+    if not isinstance(tree, dict):
+      return tree
+    out = {}
+    for k, v in tree.items():
+      if k == 'encoder' and isinstance(v, dict) and 'layers' in v:
+        enc = {kk: vv for kk, vv in v.items() if kk != 'layers'}
+        for i in range(num_layers):
+          enc[f'layer_{i}'] = jax.tree.map(lambda a, i=i: a[i], v['layers'])
+        out[k] = enc
+      else:
+        out[k] = walk(v)
+    return out
+  return walk(params)
+
+
+def stack_layers(params: dict) -> dict:
+  """encoder/layer_{i} -> scanned layout (encoder/layers, leading axis). Idempotent."""
+  def walk(tree):
+    if not isinstance(tree, dict):
+      return tree
+    out = {}
+    for k, v in tree.items():
+      if k == 'encoder' and isinstance(v, dict) and 'layer_0' in v:
+        names = sorted((n for n in v if re.fullmatch(r'layer_\d+', n)),
+                       key=lambda n: int(n.split('_')[1]))
+        if names != [f'layer_{i}' for i in range(len(names))]:
+          raise ValueError(f'encoder layers are not numbered 0..{len(names) - 1}: {names}')
+        layers = [v[n] for n in names]
+        enc = {kk: vv for kk, vv in v.items() if kk not in names}
+        stack = np.stack if isinstance(jax.tree.leaves(layers[0])[0], np.ndarray) else jnp.stack
+        enc['layers'] = jax.tree.map(lambda *a: stack(a), *layers)
+        out[k] = enc
+      else:
+        out[k] = walk(v)
+    return out
+  return walk(params)
+
+
+def match_layout(config: BertConfig, params: dict) -> dict:
+  """Puts `params` in the layout `config.scan_layers` expects."""
+  if config.scan_layers:
+    return stack_layers(params)
+  return unstack_layers(params, config.num_hidden_layers)
+
+
+def count_params(params) -> int:
+  return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
+
+
+def init_params(config: BertConfig, rng: Array, model_cls=BertForPreTraining, seq_len: int = 8,
+                **model_kwargs) -> dict:
+  """Unboxed float32 parameters of `model_cls` (small example input; shapes don't depend on it)."""
+  model = model_cls(config, **model_kwargs)
+  ids = jnp.zeros((1, seq_len), jnp.int32)
+  args = (ids, jnp.ones_like(ids), ids)
+  if model_cls is BertForPreTraining:
+    args += (jnp.zeros((1, 2), jnp.int32),)
+  variables = model.init(rng, *args, deterministic=True)
+  return nn.unbox(variables['params'])
+
+
+def encode(config: BertConfig, params: dict, input_ids, input_mask, segment_ids,
+           deterministic: bool = True, rngs=None) -> tuple[Array, Array]:
+  """(sequence_output [B, T, H], pooled_output [B, H]) of BERT for a batch of ids.
+
+  `params` is the tree of any model here (or `load_pretrained`'s): the `bert` subtree is used.
+  """
+  bert_params = params['bert'] if 'bert' in params else params
+  bert_params = match_layout(config, bert_params)
+  input_ids = jnp.asarray(input_ids, jnp.int32)
+  if input_ids.ndim != 2:
+    raise ValueError(f'input_ids must be [batch, length], got shape {input_ids.shape}')
+  input_mask = jnp.asarray(input_mask, jnp.int32)
+  segment_ids = jnp.asarray(segment_ids, jnp.int32)
+  for name, x in (('input_mask', input_mask), ('segment_ids', segment_ids)):
+    if x.shape != input_ids.shape:
+      raise ValueError(f'{name} has shape {x.shape}, input_ids {input_ids.shape}')
+  return BertModel(config).apply({'params': bert_params}, input_ids, input_mask, segment_ids,
+                                 deterministic, rngs=rngs)

@@ -1,0 +1,194 @@
+"""Model properties: sizes, layouts, heads, mixed precision, dropout, config files."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax import model as model_lib
+
+TINY = model_lib.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=37,
+                            max_position_embeddings=40)
+
+
+def _batch(batch=3, seq=12, vocab=99, seed=0):
+  rng = np.random.RandomState(seed)
+  ids = rng.randint(5, vocab, size=(batch, seq)).astype(np.int32)
+  lengths = np.array([seq, seq - 4, 5])[:batch]
+  mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int32)
+  segments = (np.arange(seq)[None, :] >= (lengths[:, None] // 2)).astype(np.int32) * mask
+  ids = ids * mask
+  positions = np.stack([np.sort(rng.choice(l, 3, replace=False)) for l in lengths]).astype(np.int32)
+  return ids, mask, segments, positions
+
+
+def _abstract_count(config, cls=model_lib.BertModel):
+  ids = jnp.zeros((1, 8), jnp.int32)
+  shapes = jax.eval_shape(lambda: cls(config).init(jax.random.key(0), ids, ids, ids))
+  return model_lib.count_params(nn.unbox(shapes))
+
+
+def test_bert_base_and_large_parameter_counts():
+  assert _abstract_count(model_lib.config_for_size('base', vocab_size=30522)) == 109_482_240
+  # The published BERT-large: 335M (BertModel, uncased vocab, with the pooler).
+  assert _abstract_count(model_lib.config_for_size('large', vocab_size=30522)) == 335_141_888
+
+
+def test_named_sizes():
+  assert model_lib.SIZES['mini'] == (4, 256, 4)
+  assert model_lib.SIZES['medium'] == (8, 512, 8)
+  assert model_lib.SIZES['L12_H768'] == model_lib.SIZES['base']
+  assert len([k for k in model_lib.SIZES if k.startswith('L')]) == 24
+  c = model_lib.config_for_size('L6_H512')
+  assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+          c.intermediate_size) == (6, 512, 8, 2048)
+  with pytest.raises(ValueError, match='unknown model size'):
+    model_lib.config_for_size('huge')
+
+
+def test_scan_and_remat_match_the_loop():
+  params = model_lib.init_params(TINY, jax.random.key(1))
+  ids, mask, seg, pos = _batch()
+  ref = model_lib.BertForPreTraining(TINY).apply({'params': params}, ids, mask, seg, pos)
+  for scan, remat in ((True, 'none'), (True, 'full'), (False, 'dots')):
+    cfg = TINY.replace(scan_layers=scan, remat_policy=remat)
+    out = model_lib.BertForPreTraining(cfg).apply(
+        {'params': model_lib.match_layout(cfg, params)}, ids, mask, seg, pos)
+    for a, b in zip(ref, out):
+      np.testing.assert_allclose(a, b, atol=1e-6)
+  stacked = model_lib.stack_layers(params)
+  assert stacked['bert']['encoder']['layers']['mlp']['intermediate']['kernel'].shape == (2, 32, 37)
+  back = model_lib.unstack_layers(stacked, 2)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_mlm_head_is_tied_and_only_at_masked_positions():
+  params = model_lib.init_params(TINY, jax.random.key(2))
+  ids, mask, seg, pos = _batch()
+  mlm, nsp = model_lib.BertForPreTraining(TINY).apply({'params': params}, ids, mask, seg, pos)
+  assert mlm.shape == (3, 3, 99) and nsp.shape == (3, 2)
+  assert mlm.dtype == jnp.float32
+  # No separate decoder matrix: logits come from the word embeddings plus an output bias.
+  assert set(params['mlm']) == {'transform', 'layer_norm', 'output_bias'}
+  seq, _ = model_lib.encode(TINY, params, ids, mask, seg)
+  gathered = np.take_along_axis(np.asarray(seq), pos[..., None], axis=1)
+  p = params['mlm']
+  h = gathered @ p['transform']['kernel'] + p['transform']['bias']
+  h = jax.nn.gelu(h, approximate=False)
+  h = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-12)
+  h = h * p['layer_norm']['scale'] + p['layer_norm']['bias']
+  ref = h @ params['bert']['embeddings']['word_embeddings']['embedding'].T + p['output_bias']
+  np.testing.assert_allclose(mlm, ref, atol=2e-5)
+
+
+def test_padding_does_not_change_real_positions():
+  params = model_lib.init_params(TINY, jax.random.key(3))
+  ids, mask, seg, _ = _batch(batch=1)
+  seq, pooled = model_lib.encode(TINY, params, ids, mask, seg)
+  longer = lambda x: np.pad(x, ((0, 0), (0, 6)))
+  seq2, pooled2 = model_lib.encode(TINY, params, longer(ids), longer(mask), longer(seg))
+  np.testing.assert_allclose(seq, seq2[:, :12], atol=1e-5)
+  np.testing.assert_allclose(pooled, pooled2, atol=1e-5)
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+  params = model_lib.init_params(TINY, jax.random.key(4))
+  ids, mask, seg, pos = _batch()
+  ref = model_lib.BertForPreTraining(TINY).apply({'params': params}, ids, mask, seg, pos)
+  bf = TINY.replace(dtype='bfloat16')
+  out = model_lib.BertForPreTraining(bf).apply({'params': params}, ids, mask, seg, pos)
+  seq, _ = model_lib.encode(bf, params, ids, mask, seg)
+  assert seq.dtype == jnp.bfloat16
+  assert out[0].dtype == jnp.float32  # Logits (and hence losses) are float32.
+  scale = np.abs(np.asarray(ref[0])).max()
+  assert np.abs(np.asarray(out[0]) - np.asarray(ref[0])).max() < 0.05 * scale
+  # Parameters stay float32 whatever the compute dtype.
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(model_lib.init_params(bf, jax.random.key(0))))
+
+
+def test_dropout_only_when_not_deterministic():
+  params = model_lib.init_params(TINY, jax.random.key(5))
+  ids, mask, seg, pos = _batch()
+  m = model_lib.BertForPreTraining(TINY)
+  a = m.apply({'params': params}, ids, mask, seg, pos, deterministic=True)
+  b = m.apply({'params': params}, ids, mask, seg, pos, deterministic=True)
+  np.testing.assert_array_equal(a[0], b[0])
+  c = m.apply({'params': params}, ids, mask, seg, pos, deterministic=False,
+              rngs={'dropout': jax.random.key(0)})
+  d = m.apply({'params': params}, ids, mask, seg, pos, deterministic=False,
+              rngs={'dropout': jax.random.key(1)})
+  assert np.abs(np.asarray(c[0]) - np.asarray(a[0])).max() > 1e-3
+  assert np.abs(np.asarray(c[0]) - np.asarray(d[0])).max() > 1e-3
+  no_drop = TINY.replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+  e = model_lib.BertForPreTraining(no_drop).apply({'params': params}, ids, mask, seg, pos,
+                                                  deterministic=False,
+                                                  rngs={'dropout': jax.random.key(0)})
+  np.testing.assert_allclose(e[0], a[0], atol=1e-5)
+
+
+def test_every_parameter_has_logical_axes():
+  ids = jnp.zeros((1, 8), jnp.int32)
+  for cfg in (TINY, TINY.replace(scan_layers=True)):
+    boxed = jax.eval_shape(lambda: model_lib.BertForPreTraining(cfg).init(
+        jax.random.key(0), ids, ids, ids, jnp.zeros((1, 2), jnp.int32)))['params']
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    assert all(isinstance(x, nn.LogicallyPartitioned) for x in leaves)
+    names = {tuple(x.names) for x in leaves}
+    assert ('vocab', 'embed') in names
+    assert (('layers', 'embed', 'heads', 'kv') in names) == cfg.scan_layers
+
+
+def test_finetuning_heads_shapes():
+  params_rng = jax.random.key(6)
+  ids, mask, seg, _ = _batch()
+  for cls, kwargs, shape in ((model_lib.BertForSequenceClassification, dict(num_labels=3), (3, 3)),
+                             (model_lib.BertForSequenceClassification, dict(num_labels=1), (3, 1)),
+                             (model_lib.BertForTokenClassification, dict(num_labels=5), (3, 12, 5))):
+    m = cls(TINY, **kwargs)
+    variables = m.init(params_rng, ids, mask, seg)
+    assert m.apply(variables, ids, mask, seg).shape == shape
+  qa = model_lib.BertForQuestionAnswering(TINY)
+  start, end = qa.apply(qa.init(params_rng, ids, mask, seg), ids, mask, seg)
+  assert start.shape == end.shape == (3, 12)
+
+
+def test_pretraining_loss_is_weighted_cross_entropy():
+  rng = np.random.RandomState(0)
+  mlm = rng.randn(2, 3, 7).astype(np.float32)
+  nsp = rng.randn(2, 2).astype(np.float32)
+  batch = dict(masked_lm_ids=np.array([[1, 2, 0], [3, 0, 0]]),
+               masked_lm_weights=np.array([[1, 1, 0], [1, 0, 0]], np.float32),
+               next_sentence_labels=np.array([0, 1]))
+  loss, metrics = model_lib.pretraining_loss(mlm, nsp, batch)
+  logp = jax.nn.log_softmax(mlm)
+  mlm_ref = -(logp[0, 0, 1] + logp[0, 1, 2] + logp[1, 0, 3]) / 3
+  nsp_ref = -(jax.nn.log_softmax(nsp)[0, 0] + jax.nn.log_softmax(nsp)[1, 1]) / 2
+  np.testing.assert_allclose(loss, mlm_ref * 3 / (3 + 1e-5) + nsp_ref, rtol=1e-5)
+  assert float(metrics['mlm_loss'][1]) == 3.0
+
+
+def test_config_json_round_trips(tmp_path):
+  c = model_lib.config_for_size('mini', vocab_size=1000)
+  c.write_json(tmp_path / 'bert_config.json')
+  c.write_json(tmp_path / 'config.json', hf=True)
+  original = json.loads((tmp_path / 'bert_config.json').read_text())
+  assert 'layer_norm_eps' not in original and original['hidden_act'] == 'gelu'
+  assert model_lib.BertConfig.from_json_file(tmp_path / 'bert_config.json') == c
+  hf = json.loads((tmp_path / 'config.json').read_text())
+  assert hf['model_type'] == 'bert' and hf['architectures'] == ['BertForPreTraining']
+  assert model_lib.BertConfig.from_json_file(tmp_path / 'config.json') == c
+  with pytest.raises(ValueError, match='missing BERT config fields'):
+    model_lib.BertConfig.from_dict({'vocab_size': 3}, source='x.json')
+  with pytest.raises(ValueError, match='not a multiple'):
+    model_lib.BertConfig(hidden_size=30, num_attention_heads=4)
+
+
+def test_sequence_longer_than_positions_is_a_clear_error():
+  params = model_lib.init_params(TINY, jax.random.key(0))
+  ids = np.ones((1, 41), np.int32)
+  with pytest.raises(ValueError, match='max_position_embeddings'):
+    model_lib.encode(TINY, params, ids, ids, 0 * ids)
