@@ -1,0 +1,755 @@
+"""Pre-trained weights in and out: Hugging Face, the original Google TF checkpoints, and ours.
+
+`load_pretrained(path)` tells the formats apart by their files:
+
+  Hugging Face  config.json + model.safetensors or pytorch_model.bin (or the *.index.json of a
+                sharded one): BertModel, BertForPreTraining, BertForMaskedLM and the fine-tuning
+                classes. PyTorch files are read without torch, by an unpickler that rebuilds
+                tensors and refuses everything else.
+  Google        bert_config.json + a name-based TF checkpoint (bert_model.ckpt.{index,data-*}),
+                given as its directory or its prefix. Optimizer slots are skipped.
+  bert_jax      bert_jax.json + bert_config.json + vocab.txt + params/ (Orbax, unscanned,
+                float32), written by `export_bert_jax`.
+  workdir       a training directory with checkpoints/: `checkpoint.load_pretrained_from_workdir`.
+
+Loading is strict. The config fixes every shape (`jax.eval_shape` of the model) and a missing,
+unexpected or misshapen tensor is an error naming it and its file. Heads (`mlm`, `nsp`,
+`classifier`, `qa_outputs`) are optional, each as a whole. A checkpoint without a pooler (HF's
+token-classification and QA models drop it) gets a freshly initialized one, with a warning.
+
+The three layouts' names come from one table (`_names`); kernels are [in, out] here and in TF,
+[out, in] in PyTorch and in the original's `output_weights`.
+"""
+
+import collections
+import functools
+import glob
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import struct
+import zipfile
+
+from absl import logging
+import jax
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import safetensors.numpy
+
+from bert_jax import model
+
+FORMAT_VERSION = 1
+FORMATS = ('bert_jax', 'hf', 'google')
+HEADS = ('mlm', 'nsp', 'classifier', 'qa_outputs')
+
+# ---------------------------------------------------------------------------------------------
+# Names: our parameter paths -> Hugging Face and Google names
+# ---------------------------------------------------------------------------------------------
+
+# Module of each encoder layer: ours -> (Hugging Face, Google).
+_LAYER_MODULES = {
+    'attention/query': ('attention.self.query', 'attention/self/query'),
+    'attention/key': ('attention.self.key', 'attention/self/key'),
+    'attention/value': ('attention.self.value', 'attention/self/value'),
+    'attention/output': ('attention.output.dense', 'attention/output/dense'),
+    'attention_layer_norm': ('attention.output.LayerNorm', 'attention/output/LayerNorm'),
+    'mlp/intermediate': ('intermediate.dense', 'intermediate/dense'),
+    'mlp/output': ('output.dense', 'output/dense'),
+    'output_layer_norm': ('output.LayerNorm', 'output/LayerNorm'),
+}
+_MODULES = {
+    'bert/embeddings/word_embeddings': ('bert.embeddings.word_embeddings',
+                                        'bert/embeddings/word_embeddings'),
+    'bert/embeddings/position_embeddings': ('bert.embeddings.position_embeddings',
+                                            'bert/embeddings/position_embeddings'),
+    'bert/embeddings/token_type_embeddings': ('bert.embeddings.token_type_embeddings',
+                                              'bert/embeddings/token_type_embeddings'),
+    'bert/embeddings/layer_norm': ('bert.embeddings.LayerNorm', 'bert/embeddings/LayerNorm'),
+    'bert/pooler': ('bert.pooler.dense', 'bert/pooler/dense'),
+    'mlm/transform': ('cls.predictions.transform.dense', 'cls/predictions/transform/dense'),
+    'mlm/layer_norm': ('cls.predictions.transform.LayerNorm',
+                       'cls/predictions/transform/LayerNorm'),
+    'mlm': ('cls.predictions', 'cls/predictions'),
+    'nsp': ('cls.seq_relationship', 'cls/seq_relationship'),
+    # The original's run_classifier.py and run_squad.py names.
+    'classifier': ('classifier', ''),
+    'qa_outputs': ('qa_outputs', 'cls/squad'),
+}
+# Output layers the original stores as `output_weights` [out, in] and `output_bias`.
+_TF_OUTPUT_LAYERS = ('nsp', 'classifier', 'qa_outputs')
+
+# Google checkpoint variables that are not weights: optimizer slots and bookkeeping.
+_TF_IGNORED = re.compile(r'.*/(adam_m|adam_v|Adam|Adam_1|Momentum)|global_step|beta[12]_power|'
+                         r'.*loss_scale.*|good_steps')
+
+
+def _names(path: str) -> tuple[str, str, bool]:
+  """(Hugging Face name, Google name, Google stores it [out, in]) of our parameter `path`."""
+  module, leaf = path.rsplit('/', 1)
+  layer = re.fullmatch(r'bert/encoder/layer_(\d+)/(.+)', module)
+  if layer:
+    hf, tf = _LAYER_MODULES[layer[2]]
+    hf, tf = f'bert.encoder.layer.{layer[1]}.{hf}', f'bert/encoder/layer_{layer[1]}/{tf}'
+  else:
+    hf, tf = _MODULES[module]
+  hf_name = f'{hf}.{"bias" if leaf in ("bias", "output_bias") else "weight"}'
+  if leaf == 'embedding':
+    tf_name = tf
+  elif module in _TF_OUTPUT_LAYERS or leaf == 'output_bias':
+    tf_name = f'{tf}/output_weights' if leaf == 'kernel' else f'{tf}/output_bias'
+  elif tf.endswith('LayerNorm'):
+    tf_name = f'{tf}/gamma' if leaf == 'scale' else f'{tf}/beta'
+  else:
+    tf_name = f'{tf}/{leaf}'
+  return hf_name, tf_name.lstrip('/'), module in _TF_OUTPUT_LAYERS and leaf == 'kernel'
+
+
+def _source_spec(path: str, shape: tuple[int, ...], fmt: str) -> tuple[str, tuple, bool]:
+  """(name, shape, stored [out, in]) of our `path` of `shape` in a 'hf'|'google'|'bert_jax' file."""
+  if fmt == 'bert_jax':
+    return path, tuple(shape), False
+  hf_name, tf_name, tf_transposed = _names(path)
+  is_kernel = path.endswith('/kernel')
+  name, transposed = (hf_name, is_kernel) if fmt == 'hf' else (tf_name, tf_transposed)
+  if is_kernel:
+    # Attention output kernels take two input axes [heads, kv]; all others one.
+    n_in = 2 if path.endswith('attention/output/kernel') else 1
+    fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+    return name, (fan_out, fan_in) if transposed else (fan_in, fan_out), transposed
+  # Embeddings are [rows, hidden] everywhere; biases and LayerNorm vectors are flat.
+  return name, tuple(shape) if path.endswith('/embedding') else (math.prod(shape),), False
+
+
+def _group(path: str) -> str:
+  """What a parameter belongs to: 'bert', 'bert/pooler' or a head."""
+  return 'bert/pooler' if path.startswith('bert/pooler/') else path.split('/', 1)[0]
+
+
+def _flatten(tree: dict, prefix: str = '') -> dict[str, object]:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f'{prefix}{k}/'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+def _unflatten(flat: dict[str, object]) -> dict:
+  tree = {}
+  for path, v in flat.items():
+    *parents, leaf = path.split('/')
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = v
+  return tree
+
+
+def _preview(names, n: int = 8) -> str:
+  names = sorted(names)
+  more = f' (and {len(names) - n} more)' if len(names) > n else ''
+  return ', '.join(names[:n]) + more
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching tensors against the parameter tree the config implies
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def expected_shapes(config: model.BertConfig, num_labels: int | None = None) -> dict:
+  """{path: shape} of every parameter BERT with all heads has under `config` (unscanned)."""
+  config = config.replace(scan_layers=False, remat_policy='none', dtype='float32',
+                          attention_impl=None)
+
+  def shapes(model_cls, **kwargs):
+    tree = jax.eval_shape(
+        lambda: model.init_params(config, jax.random.key(0), model_cls, **kwargs))
+    return {p: tuple(x.shape) for p, x in _flatten(tree).items()}
+
+  out = shapes(model.BertForPreTraining)
+  out.update((p, s) for p, s in shapes(model.BertForQuestionAnswering).items()
+             if _group(p) == 'qa_outputs')
+  if num_labels:
+    out.update((p, s) for p, s in shapes(model.BertForSequenceClassification,
+                                         num_labels=num_labels).items()
+               if _group(p) == 'classifier')
+  return out
+
+
+def _assemble(tensors: dict, config: model.BertConfig, fmt: str, source: str,
+              init_missing_pooler: bool = True) -> tuple[dict, list[str]]:
+  """Our (unscanned, float32) parameter tree and the heads found, from a `fmt` checkpoint."""
+  num_labels = None
+  name, _, transposed = _source_spec('classifier/kernel', (config.hidden_size, 1), fmt)
+  if name in tensors and np.ndim(tensors[name]) == 2:
+    num_labels = int(np.shape(tensors[name])[0 if transposed else 1])
+  shapes = expected_shapes(config, num_labels)
+  specs = {p: _source_spec(p, s, fmt) for p, s in shapes.items()}
+  present = {_group(p) for p, (name, _, _) in specs.items() if name in tensors}
+  if 'bert' not in present:
+    raise ValueError(f'{source}: no BERT encoder tensors (such as '
+                     f'{specs["bert/embeddings/word_embeddings/embedding"][0]!r}); it holds '
+                     f'{_preview(tensors) or "nothing"}')
+  wanted = {p: spec for p, spec in specs.items() if _group(p) in present}
+  missing = [name for name, _, _ in wanted.values() if name not in tensors]
+  if missing:
+    raise ValueError(f'{source}: missing {len(missing)} tensor(s) that the config needs: '
+                     f'{_preview(missing)}')
+  unexpected = set(tensors) - {name for name, _, _ in wanted.values()}
+  if unexpected:
+    raise ValueError(f'{source}: unexpected tensor(s) {_preview(unexpected)}; not part of BERT '
+                     f'or of its heads {HEADS}')
+  flat = {}
+  for path, (name, shape, transposed) in wanted.items():
+    x = np.asarray(tensors[name])
+    if x.shape != shape:
+      hint = ''
+      if path in ('bert/embeddings/word_embeddings/embedding', 'mlm/output_bias'):
+        hint = f' (vocab_size in the config is {config.vocab_size}, the weights have {x.shape[0]})'
+      raise ValueError(f'{source}: tensor {name!r} has shape {x.shape}, the config needs '
+                       f'{shape}{hint}')
+    if x.dtype.kind != 'f' and x.dtype != ml_dtypes.bfloat16:
+      raise ValueError(f'{source}: tensor {name!r} has dtype {x.dtype}, not floating point')
+    x = x.astype(np.float32)
+    flat[path] = np.ascontiguousarray((x.T if transposed else x).reshape(shapes[path]))
+  if 'bert/pooler' not in present:
+    if not init_missing_pooler:
+      raise ValueError(f'{source}: no pooler ({specs["bert/pooler/kernel"][0]!r})')
+    logging.warning('%s has no pooler; initializing it randomly (HF token-classification and '
+                    'QA models save none)', source)
+    shape = shapes['bert/pooler/kernel']
+    init = jax.nn.initializers.truncated_normal(config.initializer_range)
+    flat['bert/pooler/kernel'] = np.asarray(init(jax.random.key(0), shape), np.float32)
+    flat['bert/pooler/bias'] = np.zeros(shape[-1:], np.float32)
+  heads = [h for h in HEADS if h in present]
+  return _unflatten(flat), heads
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers
+# ---------------------------------------------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {
+    'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16,
+    'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8, 'U8': np.uint8,
+    'BOOL': np.bool_}
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+  try:
+    return safetensors.numpy.load_file(path)
+  except TypeError:
+    pass  # numpy has no bfloat16: read the (simple) format ourselves, with ml_dtypes.
+  except Exception as e:  # SafetensorError and friends.
+    raise ValueError(f'{path}: not a readable safetensors file: {e}') from e
+  with open(path, 'rb') as f:
+    (header_len,) = struct.unpack('<Q', f.read(8))
+    header = json.loads(f.read(header_len))
+    data = f.read()
+  out = {}
+  for name, info in header.items():
+    if name != '__metadata__':
+      if info['dtype'] not in _SAFETENSORS_DTYPES:
+        raise ValueError(f'{path}: tensor {name!r} has unsupported dtype {info["dtype"]}')
+      begin, end = info['data_offsets']
+      dtype = np.dtype(_SAFETENSORS_DTYPES[info['dtype']]).newbyteorder('<')
+      out[name] = np.frombuffer(data[begin:end], dtype).reshape(info['shape']).copy()
+  return out
+
+
+# PyTorch storage classes -> element types. A storage is a flat buffer; tensors are views of it.
+_TORCH_STORAGES = {
+    'DoubleStorage': np.float64, 'FloatStorage': np.float32, 'HalfStorage': np.float16,
+    'BFloat16Storage': ml_dtypes.bfloat16, 'LongStorage': np.int64, 'IntStorage': np.int32,
+    'ShortStorage': np.int16, 'CharStorage': np.int8, 'ByteStorage': np.uint8,
+    'BoolStorage': np.bool_, 'UntypedStorage': np.uint8}
+
+
+class _StorageType:
+
+  def __init__(self, dtype):
+    self.dtype = np.dtype(dtype)
+
+
+def _rebuild_tensor(storage: np.ndarray, offset: int, size, stride, *unused) -> np.ndarray:
+  """torch._utils._rebuild_tensor_v2: a strided view of a storage, copied out."""
+  size, stride = tuple(size), tuple(stride)
+  if len(size) != len(stride) or min(stride, default=0) < 0 or offset < 0:
+    raise pickle.UnpicklingError(f'bad tensor layout: size {size}, stride {stride}')
+  if 0 in size:
+    return np.zeros(size, storage.dtype)
+  # as_strided does not check bounds: a corrupt file must not read past the buffer.
+  if offset + sum((n - 1) * s for n, s in zip(size, stride)) >= storage.size:
+    raise pickle.UnpicklingError(f'tensor view (offset {offset}, size {size}, stride {stride}) '
+                                 f'exceeds its storage of {storage.size} elements')
+  item = storage.itemsize
+  return np.lib.stride_tricks.as_strided(
+      storage[offset:], size, [s * item for s in stride], writeable=False).copy()
+
+
+def _rebuild_parameter(data: np.ndarray, *unused) -> np.ndarray:
+  return data
+
+
+class _TorchUnpickler(pickle.Unpickler):
+  """Rebuilds the tensors of a torch.save zip archive as numpy arrays; refuses anything else."""
+
+  def __init__(self, file, archive: zipfile.ZipFile, root: str, big_endian: bool, source: str):
+    super().__init__(file)
+    self._archive, self._root, self._big_endian, self._source = (archive, root, big_endian,
+                                                                 source)
+    self._storages = {}
+
+  def find_class(self, module, name):
+    if (module, name) == ('collections', 'OrderedDict'):
+      return collections.OrderedDict
+    if module == 'torch._utils' and name in ('_rebuild_tensor_v2', '_rebuild_tensor'):
+      return _rebuild_tensor
+    if module == 'torch._utils' and name == '_rebuild_parameter':
+      return _rebuild_parameter
+    if module == 'torch' and name in _TORCH_STORAGES:
+      return _StorageType(_TORCH_STORAGES[name])
+    raise pickle.UnpicklingError(
+        f'{self._source}: refusing to load {module}.{name}: only tensors are read from PyTorch '
+        'files (save a plain state dict, or convert the checkpoint to safetensors)')
+
+  def persistent_load(self, pid):
+    if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == 'storage' and
+            isinstance(pid[1], _StorageType)):
+      raise pickle.UnpicklingError(f'{self._source}: unknown persistent id {pid!r:.80}')
+    _, storage_type, key, _, numel = pid[:5]
+    dtype = storage_type.dtype
+    if (key, dtype) not in self._storages:
+      try:
+        data = self._archive.read(f'{self._root}/data/{key}')
+      except KeyError as e:
+        raise pickle.UnpicklingError(f'{self._source}: storage {key} is missing') from e
+      array = np.frombuffer(data, dtype.newbyteorder('>') if self._big_endian else dtype)
+      if array.size < numel:
+        raise pickle.UnpicklingError(f'{self._source}: storage {key} holds {array.size} '
+                                     f'elements, {numel} expected')
+      self._storages[(key, dtype)] = array.astype(dtype, copy=False)
+    return self._storages[(key, dtype)]
+
+
+def _read_torch(path: str) -> dict[str, np.ndarray]:
+  """A PyTorch state dict file as numpy arrays, without torch when it is the zip format."""
+  if not zipfile.is_zipfile(path):
+    return _read_torch_legacy(path)
+  with zipfile.ZipFile(path) as archive:
+    pickles = [n for n in archive.namelist() if n.endswith('data.pkl')]
+    if len(pickles) != 1:
+      raise ValueError(f'{path}: not a torch.save archive (found {len(pickles)} data.pkl)')
+    root = os.path.dirname(pickles[0])
+    byteorder = f'{root}/byteorder'
+    big_endian = (byteorder in archive.namelist() and
+                  archive.read(byteorder).strip() == b'big')
+    with archive.open(pickles[0]) as f:
+      try:
+        state = _TorchUnpickler(f, archive, root, big_endian, path).load()
+      except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
+        raise ValueError(f'{path}: cannot read PyTorch file: {e}') from e
+  if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
+    raise ValueError(f'{path}: does not hold a state dict of tensors')
+  return dict(state)
+
+
+def _read_torch_legacy(path: str) -> dict[str, np.ndarray]:
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    torch = None
+  if torch is None:
+    raise ValueError(f'{path} is a legacy (pre-zip) PyTorch file, which needs torch to read; '
+                     'install torch or convert it to model.safetensors')
+  state = torch.load(path, map_location='cpu', weights_only=True)
+  return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
+
+
+def _read_sharded(index_file: str, read) -> dict[str, np.ndarray]:
+  with open(index_file) as f:
+    weight_map = json.load(f).get('weight_map')
+  if not isinstance(weight_map, dict):
+    raise ValueError(f'{index_file}: no weight_map')
+  tensors = {}
+  for shard in sorted(set(weight_map.values())):
+    part = read(os.path.join(os.path.dirname(index_file), shard))
+    twice = set(part) & set(tensors)
+    if twice:
+      raise ValueError(f'{index_file}: tensors in more than one shard: {_preview(twice)}')
+    tensors.update(part)
+  missing = set(weight_map) - set(tensors)
+  if missing:
+    raise ValueError(f'{index_file}: tensors listed but not in their shards: '
+                     f'{_preview(missing)}')
+  return tensors
+
+
+# Hugging Face weight files, by preference.
+_HF_WEIGHTS = (('model.safetensors', _read_safetensors, False),
+               ('model.safetensors.index.json', _read_safetensors, True),
+               ('pytorch_model.bin', _read_torch, False),
+               ('pytorch_model.bin.index.json', _read_torch, True))
+
+
+def _hf_weights_file(path: str) -> str | None:
+  for name, _, _ in _HF_WEIGHTS:
+    if os.path.exists(os.path.join(path, name)):
+      return os.path.join(path, name)
+  return None
+
+
+def _read_hf(path: str) -> tuple[dict[str, np.ndarray], str]:
+  """(tensors under canonical BertForPreTraining names, the file they came from)."""
+  for name, read, sharded in _HF_WEIGHTS:
+    file = os.path.join(path, name)
+    if os.path.exists(file):
+      raw = _read_sharded(file, read) if sharded else read(file)
+      break
+  else:
+    raise ValueError(f'{path}: no {" or ".join(n for n, _, _ in _HF_WEIGHTS)}')
+  tensors = {}
+  for name, x in raw.items():
+    if name.endswith('embeddings.position_ids'):  # A buffer (arange), not a weight.
+      continue
+    canonical = name
+    if canonical.startswith(('embeddings.', 'encoder.', 'pooler.')):
+      canonical = 'bert.' + canonical  # BertModel saves without the prefix.
+    canonical = re.sub(r'LayerNorm\.gamma$', 'LayerNorm.weight', canonical)
+    canonical = re.sub(r'LayerNorm\.beta$', 'LayerNorm.bias', canonical)
+    if canonical in tensors:
+      raise ValueError(f'{file}: {name!r} appears twice (with and without a prefix or as '
+                       'gamma/beta and weight/bias)')
+    tensors[canonical] = x
+  # The MLM decoder is tied to the word embeddings (and its bias to cls.predictions.bias):
+  # HF usually leaves it out; when present it must be a copy.
+  decoder = tensors.pop('cls.predictions.decoder.weight', None)
+  embeddings = tensors.get('bert.embeddings.word_embeddings.weight')
+  if decoder is not None and (embeddings is None or decoder.shape != embeddings.shape or
+                              not np.array_equal(decoder, embeddings)):
+    raise ValueError(f'{file}: cls.predictions.decoder.weight differs from '
+                     'bert.embeddings.word_embeddings.weight; this BERT ties them')
+  decoder_bias = tensors.pop('cls.predictions.decoder.bias', None)
+  if decoder_bias is not None:
+    bias = tensors.setdefault('cls.predictions.bias', decoder_bias)
+    if bias.shape != decoder_bias.shape or not np.array_equal(bias, decoder_bias):
+      raise ValueError(f'{file}: cls.predictions.decoder.bias differs from '
+                       'cls.predictions.bias; HF ties them')
+  return tensors, file
+
+
+def _import_tf():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (only the Google format needs it)
+  try:
+    # TensorFlow must not take accelerator memory from JAX.
+    tf.config.set_visible_devices([], 'GPU')
+    tf.config.set_visible_devices([], 'TPU')
+  except (RuntimeError, ValueError):
+    pass  # Devices were initialized already, by an earlier call.
+  return tf
+
+
+def _read_google(prefix: str) -> dict[str, np.ndarray]:
+  tf = _import_tf()
+  try:
+    reader = tf.train.load_checkpoint(prefix)
+  except Exception as e:  # TF raises several types for a bad or missing checkpoint.
+    raise ValueError(f'{prefix}: cannot read TF checkpoint: {e}') from e
+  names = sorted(reader.get_variable_to_shape_map())
+  if any('.ATTRIBUTES' in n for n in names):
+    raise ValueError(f'{prefix}: an object-based (TF2 / Model Garden) checkpoint; only the '
+                     "original name-based BERT checkpoints ('bert/encoder/...') are supported")
+  ignored = [n for n in names if _TF_IGNORED.fullmatch(n)]
+  logging.debug('%s: ignoring %d non-weight variables: %s', prefix, len(ignored), ignored)
+  return {n: np.asarray(reader.get_tensor(n)) for n in names if not _TF_IGNORED.fullmatch(n)}
+
+
+def _google_prefix(path: str) -> str | None:
+  """The checkpoint prefix in directory `path`, None if it holds no TF checkpoint."""
+  if os.path.exists(os.path.join(path, 'bert_model.ckpt.index')):
+    return os.path.join(path, 'bert_model.ckpt')
+  state = os.path.join(path, 'checkpoint')
+  if os.path.exists(state):
+    with open(state) as f:
+      latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', f.read(), re.M)
+    if latest:
+      return os.path.join(path, latest[1])
+  indexes = sorted(glob.glob(os.path.join(path, '*.index')))
+  if len(indexes) > 1:
+    raise ValueError(f'{path}: several TF checkpoints ({_preview(map(os.path.basename, indexes))})'
+                     '; pass the prefix of one')
+  return indexes[0][:-len('.index')] if indexes else None
+
+
+def _read_config(path: str) -> model.BertConfig:
+  if not os.path.exists(path):
+    raise ValueError(f'{path}: no such config file')
+  with open(path) as f:
+    try:
+      d = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{path}: not valid JSON: {e}') from e
+  # HF configs carry their own `dtype` (and could carry others): how to run is ours to say.
+  run_fields = ('dtype', 'scan_layers', 'remat_policy', 'attention_impl')
+  return model.BertConfig.from_dict({k: v for k, v in d.items() if k not in run_fields},
+                                    source=path)
+
+
+def _read_bert_jax(path: str) -> dict[str, np.ndarray]:
+  params_dir = os.path.abspath(os.path.join(path, 'params'))
+  if not os.path.isdir(params_dir):
+    raise ValueError(f'{path}: no params/ directory')
+  with ocp.StandardCheckpointer() as checkpointer:
+    tree = checkpointer.restore(params_dir)
+  return {p: np.asarray(x) for p, x in _flatten(tree).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _detect(path: str) -> tuple[str, str]:
+  """(format, where): 'workdir' | 'bert_jax' | 'hf' (directories) or 'google' (a prefix)."""
+  if os.path.isdir(path):
+    if os.path.isdir(os.path.join(path, 'checkpoints')):
+      return 'workdir', path
+    if os.path.exists(os.path.join(path, 'bert_jax.json')):
+      return 'bert_jax', path
+    if os.path.exists(os.path.join(path, 'config.json')) and _hf_weights_file(path):
+      return 'hf', path
+    prefix = _google_prefix(path)
+    if prefix:
+      return 'google', prefix
+    raise ValueError(
+        f'{path}: not a checkpoint directory; expected bert_jax.json + params/ (bert_jax), '
+        'config.json + model.safetensors or pytorch_model.bin (Hugging Face), bert_config.json + '
+        f'bert_model.ckpt.index (Google) or checkpoints/ (a training workdir); it holds '
+        f'{_preview(os.listdir(path)) or "nothing"}')
+  prefix = path[:-len('.index')] if path.endswith('.index') else path
+  if os.path.exists(prefix + '.index'):
+    return 'google', prefix
+  raise ValueError(f'{path}: no such directory or TF checkpoint ({prefix}.index)')
+
+
+def find_vocab(path: str) -> str | None:
+  """The vocab.txt belonging to a checkpoint directory or TF checkpoint prefix, if any."""
+  folder = path if os.path.isdir(path) else os.path.dirname(path)
+  vocab = os.path.join(folder, 'vocab.txt')
+  return vocab if os.path.isfile(vocab) else None
+
+
+def _read_vocab(vocab_file: str) -> list[str]:
+  with open(vocab_file, encoding='utf-8') as f:
+    # One token per '\n'-terminated line; str.splitlines would also split on \x85 and \u2028.
+    lines = f.read().split('\n')
+  if lines and not lines[-1]:
+    lines.pop()
+  return [line.strip() for line in lines]
+
+
+def _check_vocab(config: model.BertConfig, vocab_file: str) -> None:
+  size = len(_read_vocab(vocab_file))
+  if size > config.vocab_size:
+    raise ValueError(f'{vocab_file} has {size} tokens but vocab_size is {config.vocab_size}: '
+                     'the tokenizer would produce ids the embeddings do not have')
+  if size < config.vocab_size:
+    # Not an error: vocabularies padded to a multiple of 8 (NVIDIA's BERT) look like this.
+    logging.warning('%s has %d tokens, fewer than vocab_size %d', vocab_file, size,
+                    config.vocab_size)
+
+
+def _guess_lower_case(vocab_file: str) -> bool:
+  """Uncased vocabularies have no upper-case letters outside special tokens like [CLS]."""
+  for token in _read_vocab(vocab_file):
+    special = token[:1] + token[-1:] in ('[]', '<>')
+    if not special and any(c.isupper() for c in token):
+      return False
+  return True
+
+
+def read_metadata(path: str) -> dict:
+  """What a checkpoint says about itself: format, source, lower_case (+ heads for bert_jax).
+
+  `source` is `path`, or for bert_jax where the weights were converted from.
+
+  `lower_case` comes from bert_jax.json, else from a Hugging Face tokenizer_config.json
+  (`do_lower_case`), else it is guessed from vocab.txt (an uncased vocabulary has no upper-case
+  letters outside [special] tokens); None when there is no vocabulary at all.
+  """
+  fmt, where = _detect(path)
+  folder = path if os.path.isdir(path) else os.path.dirname(where)
+  meta = {'format': fmt, 'source': path}
+  if fmt == 'bert_jax':
+    with open(os.path.join(path, 'bert_jax.json')) as f:
+      meta.update(json.load(f))
+    return meta
+  tokenizer_config = os.path.join(folder, 'tokenizer_config.json')
+  if os.path.exists(tokenizer_config):
+    with open(tokenizer_config) as f:
+      lower_case = json.load(f).get('do_lower_case')
+    if lower_case is not None:
+      meta['lower_case'] = bool(lower_case)
+      return meta
+  vocab = find_vocab(path)
+  meta['lower_case'] = _guess_lower_case(vocab) if vocab else None
+  return meta
+
+
+def load_pretrained(path: str, *, dtype: str = 'float32',
+                    scan_layers: bool = False) -> tuple[model.BertConfig, dict]:
+  """(config, params) of any checkpoint format above; params are numpy float32.
+
+  `params` holds 'bert' and whichever of 'mlm', 'nsp', 'classifier', 'qa_outputs' the
+  checkpoint has, in the layout `scan_layers` asks for; `dtype` is the compute dtype set in the
+  returned config (parameters stay float32).
+  """
+  fmt, where = _detect(path)
+  if fmt == 'workdir':
+    # Lazy: the checkpoint module brings in the training stack.
+    from bert_jax import checkpoint  # pylint: disable=g-import-not-at-top
+    config, params = checkpoint.load_pretrained_from_workdir(path)
+  else:
+    folder = os.path.dirname(where) if fmt == 'google' else where
+    config = _read_config(
+        os.path.join(folder, 'config.json' if fmt == 'hf' else 'bert_config.json'))
+    if fmt == 'hf':
+      tensors, source = _read_hf(folder)
+    elif fmt == 'google':
+      tensors, source = _read_google(where), where
+    else:
+      tensors, source = _read_bert_jax(folder), os.path.join(folder, 'params')
+    params, heads = _assemble(tensors, config, fmt, source)
+    vocab = find_vocab(path)
+    if vocab:
+      _check_vocab(config, vocab)
+    logging.info('Loaded %s (%s format): heads %s', path, fmt, ', '.join(heads) or 'none')
+  config = config.replace(dtype=dtype, scan_layers=scan_layers)
+  return config, model.match_layout(config, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+
+def _export_tree(config: model.BertConfig, params: dict) -> tuple[dict, list[str]]:
+  """Flat unscanned float32 numpy parameters, checked against the config, and their heads."""
+  params = model.unstack_layers(params, config.num_hidden_layers)
+  flat = {p: np.asarray(jax.device_get(x), np.float32) for p, x in _flatten(params).items()}
+  tree, heads = _assemble(flat, config, 'bert_jax', 'params', init_missing_pooler=False)
+  return _flatten(tree), heads
+
+
+def _empty_dir(out_dir: str) -> str:
+  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+    raise ValueError(f'{out_dir}: output directory exists and is not empty')
+  os.makedirs(out_dir, exist_ok=True)
+  return out_dir
+
+
+def _copy_vocab(config: model.BertConfig, vocab_file: str | None, out_dir: str) -> None:
+  if vocab_file:
+    _check_vocab(config, vocab_file)
+    shutil.copyfile(vocab_file, os.path.join(out_dir, 'vocab.txt'))
+
+
+def _to_source(flat: dict, fmt: str) -> dict[str, np.ndarray]:
+  tensors = {}
+  for path, x in flat.items():
+    name, shape, transposed = _source_spec(path, x.shape, fmt)
+    x = x.reshape(shape[::-1]).T if transposed else x.reshape(shape)
+    tensors[name] = np.ascontiguousarray(x, np.float32)
+  return tensors
+
+
+def export_hf(config: model.BertConfig, params: dict, out_dir: str,
+              vocab_file: str | None = None, lower_case: bool | None = None) -> None:
+  """A Hugging Face directory: model.safetensors + config.json (+ vocab.txt).
+
+  Names are BertForPreTraining's (`bert.` and `cls.` prefixes, plus `classifier.` and
+  `qa_outputs.` heads); the tied MLM decoder is left out, as `save_pretrained` does. A known
+  `lower_case` also writes tokenizer_config.json.
+  """
+  flat, heads = _export_tree(config, params)
+  _empty_dir(out_dir)
+  safetensors.numpy.save_file(_to_source(flat, 'hf'), os.path.join(out_dir, 'model.safetensors'),
+                              metadata={'format': 'pt'})
+  hf_config = config.to_hf_dict()
+  if 'classifier' in heads:  # HF sizes its classifier from the labels.
+    labels = flat['classifier/kernel'].shape[1]
+    hf_config['id2label'] = {str(i): f'LABEL_{i}' for i in range(labels)}
+    hf_config['label2id'] = {f'LABEL_{i}': i for i in range(labels)}
+  if 'mlm' in heads:
+    architecture = 'BertForPreTraining' if 'nsp' in heads else 'BertForMaskedLM'
+  elif 'classifier' in heads:
+    architecture = 'BertForSequenceClassification'
+  elif 'qa_outputs' in heads:
+    architecture = 'BertForQuestionAnswering'
+  else:
+    architecture = 'BertModel'
+  hf_config['architectures'] = [architecture]
+  with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+    json.dump(hf_config, f, indent=2)
+    f.write('\n')
+  _copy_vocab(config, vocab_file, out_dir)
+  if lower_case is not None:
+    with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
+      json.dump({'do_lower_case': lower_case, 'tokenizer_class': 'BertTokenizer',
+                 'model_max_length': config.max_position_embeddings}, f, indent=2)
+      f.write('\n')
+
+
+def export_google(config: model.BertConfig, params: dict, out_dir: str,
+                  vocab_file: str | None = None) -> None:
+  """The original release's layout: bert_model.ckpt.{index,data-*} + bert_config.json."""
+  flat, _ = _export_tree(config, params)
+  _empty_dir(out_dir)
+  tensors = _to_source(flat, 'google')
+  tf = _import_tf()
+  names = sorted(tensors)
+  with tf.device('/cpu:0'):
+    tf.raw_ops.SaveV2(prefix=os.path.join(out_dir, 'bert_model.ckpt'), tensor_names=names,
+                      shape_and_slices=[''] * len(names),
+                      tensors=[tf.constant(tensors[n]) for n in names])
+  config.write_json(os.path.join(out_dir, 'bert_config.json'))
+  _copy_vocab(config, vocab_file, out_dir)
+
+
+def export_bert_jax(config: model.BertConfig, params: dict, out_dir: str,
+                    vocab_file: str | None = None, lower_case: bool | None = True,
+                    source: str = '') -> None:
+  """Our layout: bert_jax.json + bert_config.json + vocab.txt + params/ (Orbax, unscanned)."""
+  flat, heads = _export_tree(config, params)
+  _empty_dir(out_dir)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(os.path.abspath(os.path.join(out_dir, 'params')), _unflatten(flat))
+  config.write_json(os.path.join(out_dir, 'bert_config.json'))
+  _copy_vocab(config, vocab_file, out_dir)
+  meta = {'format': 'bert_jax', 'format_version': FORMAT_VERSION, 'lower_case': lower_case,
+          'heads': heads, 'source': source}
+  with open(os.path.join(out_dir, 'bert_jax.json'), 'w') as f:
+    json.dump(meta, f, indent=2)
+    f.write('\n')
+
+
+def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
+  """`bert-jax convert`: any readable checkpoint -> `fmt` ('bert_jax', 'hf' or 'google')."""
+  if fmt not in FORMATS:
+    raise ValueError(f'--format={fmt!r} is not one of {FORMATS}')
+  config, params = load_pretrained(input_path)
+  vocab = find_vocab(input_path)
+  lower_case = read_metadata(input_path).get('lower_case')
+  if fmt == 'bert_jax':
+    export_bert_jax(config, params, output_dir, vocab, lower_case=lower_case, source=input_path)
+  elif fmt == 'hf':
+    export_hf(config, params, output_dir, vocab, lower_case=lower_case)
+  else:
+    export_google(config, params, output_dir, vocab)
+  logging.info('Wrote %s (%s format)', output_dir, fmt)

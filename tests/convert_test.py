@@ -1,0 +1,430 @@
+"""Weights in and out: round trips through every format, the strictness of loading, readers."""
+
+import collections
+import json
+import os
+import pickle
+import re
+import shutil
+import sys
+import zipfile
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+import tensorflow as tf
+import torch
+import transformers
+
+from bert_jax import convert
+from bert_jax import model
+
+HF_CONFIG = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=37, max_position_embeddings=40, type_vocab_size=2)
+VOCAB = (['[PAD]'] + [f'[unused{i}]' for i in range(10)] + ['[UNK]', '[CLS]', '[SEP]', '[MASK]'] +
+         [f'tok{i}' for i in range(79)] + ['##s', '##ed', '.', ',', 'the'])
+
+
+def _hf_model(cls, seed: int, **kwargs):
+  torch.manual_seed(seed)
+  hf = cls(transformers.BertConfig(**HF_CONFIG, **kwargs)).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      noise = 0.2 * torch.randn(p.shape)
+      p.copy_(1.0 + noise if name.endswith('LayerNorm.weight') else noise)
+  return hf
+
+
+def _write_vocab(folder, tokens=VOCAB) -> str:
+  path = os.path.join(folder, 'vocab.txt')
+  with open(path, 'w') as f:
+    f.write(''.join(t + '\n' for t in tokens))
+  return path
+
+
+def _assert_same(a: dict, b: dict) -> None:
+  """Same tree, bitwise-equal float32 arrays."""
+  flat_a, flat_b = convert._flatten(a), convert._flatten(b)
+  assert sorted(flat_a) == sorted(flat_b)
+  for path, x in flat_a.items():
+    assert x.dtype == np.float32 and flat_b[path].dtype == np.float32, path
+    np.testing.assert_array_equal(x, flat_b[path], err_msg=path)
+
+
+def _torch_outputs(hf, seed=0):
+  rng = np.random.RandomState(seed)
+  ids = torch.tensor(rng.randint(0, HF_CONFIG['vocab_size'], (2, 9)))
+  mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+  segments = torch.tensor([[0] * 4 + [1] * 5, [0] * 3 + [1] * 3 + [0] * 3])
+  with torch.no_grad():
+    out = hf(input_ids=ids, attention_mask=mask, token_type_ids=segments)
+  return [v.numpy() for v in out.values()]
+
+
+@pytest.fixture(scope='module')
+def hf_dir(tmp_path_factory):
+  """A random BertForPreTraining saved by transformers, with a vocab.txt."""
+  folder = str(tmp_path_factory.mktemp('hf'))
+  hf = _hf_model(transformers.BertForPreTraining, seed=0)
+  hf.save_pretrained(folder)
+  _write_vocab(folder)
+  return folder, hf
+
+
+@pytest.fixture(scope='module')
+def reference(hf_dir):
+  config, params = convert.load_pretrained(hf_dir[0])
+  return config, params
+
+
+def _copy_hf(src: str, dst, tensors=None, vocab=VOCAB) -> str:
+  """An HF directory with src's config and `tensors` (default: src's) as model.safetensors."""
+  dst = str(dst)
+  os.makedirs(dst, exist_ok=True)
+  shutil.copy(os.path.join(src, 'config.json'), dst)
+  if tensors is None:
+    tensors = safetensors.numpy.load_file(os.path.join(src, 'model.safetensors'))
+  safetensors.numpy.save_file(tensors, os.path.join(dst, 'model.safetensors'))
+  if vocab is not None:
+    _write_vocab(dst, vocab)
+  return dst
+
+
+# ---- Hugging Face ----
+
+
+def test_hf_import_finds_heads_and_layout(reference):
+  config, params = reference
+  assert config.vocab_size == 99 and config.intermediate_size == 37
+  assert set(params) == {'bert', 'mlm', 'nsp'}
+  expected = convert.expected_shapes(config)
+  flat = convert._flatten(params)
+  assert {p: x.shape for p, x in flat.items()} == {
+      p: s for p, s in expected.items() if convert._group(p) in ('bert', 'bert/pooler', 'mlm',
+                                                                 'nsp')}
+  assert flat['bert/encoder/layer_1/attention/output/kernel'].shape == (4, 8, 32)
+
+
+def test_hf_roundtrip_is_bitwise_and_loads_in_transformers(hf_dir, reference, tmp_path):
+  src, hf = hf_dir
+  config, params = reference
+  out = str(tmp_path / 'export')
+  convert.export_hf(config, model.stack_layers(params), out,
+                    vocab_file=convert.find_vocab(src), lower_case=True)
+  config2, params2 = convert.load_pretrained(out)
+  assert config2 == config
+  _assert_same(params, params2)
+  names = set(safetensors.numpy.load_file(os.path.join(out, 'model.safetensors')))
+  # As save_pretrained: the tied decoder (weight and bias) is not stored.
+  assert names == set(safetensors.numpy.load_file(os.path.join(src, 'model.safetensors')))
+  reloaded, info = transformers.BertForPreTraining.from_pretrained(out, output_loading_info=True)
+  assert not any(info.values()), info
+  for ours, theirs in zip(_torch_outputs(reloaded.eval()), _torch_outputs(hf)):
+    np.testing.assert_array_equal(ours, theirs)
+  assert open(os.path.join(out, 'vocab.txt')).read() == open(os.path.join(src, 'vocab.txt')).read()
+  assert convert.read_metadata(out)['lower_case'] is True
+
+
+def test_hf_bert_model_without_prefix_or_heads(reference, tmp_path):
+  _, params = reference
+  hf = _hf_model(transformers.BertModel, seed=1)
+  hf.save_pretrained(str(tmp_path))
+  names = safetensors.numpy.load_file(str(tmp_path / 'model.safetensors'))
+  assert 'embeddings.word_embeddings.weight' in names  # No 'bert.' prefix.
+  config, loaded = convert.load_pretrained(str(tmp_path))
+  assert set(loaded) == {'bert'}
+  np.testing.assert_array_equal(loaded['bert']['embeddings']['word_embeddings']['embedding'],
+                                hf.embeddings.word_embeddings.weight.detach().numpy())
+  np.testing.assert_array_equal(loaded['bert']['pooler']['kernel'],
+                                hf.pooler.dense.weight.detach().numpy().T)
+
+
+def test_hf_old_names_tied_decoder_and_buffers(hf_dir, reference, tmp_path):
+  src, _ = hf_dir
+  tensors = safetensors.numpy.load_file(os.path.join(src, 'model.safetensors'))
+  old = {re.sub(r'LayerNorm\.weight$', 'LayerNorm.gamma',
+                re.sub(r'LayerNorm\.bias$', 'LayerNorm.beta', k)): v for k, v in tensors.items()}
+  old['bert.embeddings.position_ids'] = np.arange(40, dtype=np.int64)[None]
+  old['cls.predictions.decoder.weight'] = tensors['bert.embeddings.word_embeddings.weight']
+  old['cls.predictions.decoder.bias'] = tensors['cls.predictions.bias']
+  _, params = convert.load_pretrained(_copy_hf(src, tmp_path / 'old', old))
+  _assert_same(reference[1], params)
+  old['cls.predictions.decoder.weight'] = old['cls.predictions.decoder.weight'] + 1.0
+  with pytest.raises(ValueError, match=r'cls\.predictions\.decoder\.weight differs'):
+    convert.load_pretrained(_copy_hf(src, tmp_path / 'untied', old))
+
+
+def test_hf_sharded_safetensors(hf_dir, reference, tmp_path):
+  src, _ = hf_dir
+  tensors = safetensors.numpy.load_file(os.path.join(src, 'model.safetensors'))
+  shutil.copy(os.path.join(src, 'config.json'), tmp_path)
+  weight_map = {}
+  for i, shard in enumerate(('model-00001-of-00002.safetensors',
+                             'model-00002-of-00002.safetensors')):
+    part = {k: v for k, v in tensors.items() if k.startswith('cls.') == bool(i)}
+    safetensors.numpy.save_file(part, str(tmp_path / shard))
+    weight_map.update(dict.fromkeys(part, shard))
+  with open(tmp_path / 'model.safetensors.index.json', 'w') as f:
+    json.dump({'metadata': {}, 'weight_map': weight_map}, f)
+  _, params = convert.load_pretrained(str(tmp_path))
+  _assert_same(reference[1], params)
+
+
+def test_hf_finetuned_heads_export_and_reload(tmp_path):
+  hf = _hf_model(transformers.BertForSequenceClassification, seed=2, num_labels=3)
+  hf.save_pretrained(str(tmp_path / 'src'))
+  config, params = convert.load_pretrained(str(tmp_path / 'src'))
+  assert set(params) == {'bert', 'classifier'}
+  assert params['classifier']['kernel'].shape == (32, 3)
+  convert.export_hf(config, params, str(tmp_path / 'hf'))
+  reloaded, info = transformers.BertForSequenceClassification.from_pretrained(
+      str(tmp_path / 'hf'), output_loading_info=True)
+  assert not any(info.values()), info
+  np.testing.assert_array_equal(_torch_outputs(reloaded.eval())[0], _torch_outputs(hf)[0])
+  convert.export_google(config, params, str(tmp_path / 'google'))
+  names = dict(tf.train.list_variables(str(tmp_path / 'google' / 'bert_model.ckpt')))
+  assert names['output_weights'] == [3, 32]  # The original run_classifier.py's [labels, hidden].
+  _assert_same(params, convert.load_pretrained(str(tmp_path / 'google'))[1])
+
+
+def test_hf_qa_model_without_pooler(tmp_path):
+  hf = _hf_model(transformers.BertForQuestionAnswering, seed=3)
+  hf.save_pretrained(str(tmp_path))
+  _, params = convert.load_pretrained(str(tmp_path))
+  assert set(params) == {'bert', 'qa_outputs'}
+  # HF's QA model has no pooler; ours gets a fresh (random, non-zero) one.
+  assert params['bert']['pooler']['kernel'].shape == (32, 32)
+  assert np.std(params['bert']['pooler']['kernel']) > 0
+
+
+# ---- PyTorch files without torch ----
+
+
+def test_pytorch_bin_reads_without_torch(hf_dir, reference, tmp_path, monkeypatch):
+  src, hf = hf_dir
+  shutil.copy(os.path.join(src, 'config.json'), tmp_path)
+  torch.save(hf.state_dict(), str(tmp_path / 'pytorch_model.bin'))  # Tied decoder included.
+  monkeypatch.setitem(sys.modules, 'torch', None)
+  with pytest.raises(ImportError):
+    import torch as _  # pylint: disable=g-import-not-at-top,reimported
+  _, params = convert.load_pretrained(str(tmp_path))
+  _assert_same(reference[1], params)
+
+
+def test_torch_reader_dtypes_and_views(tmp_path, monkeypatch):
+  base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+  state = collections.OrderedDict(
+      transposed=base.t(), sliced=base[1:3, 2:5], scalar=torch.tensor(2.5),
+      half=torch.linspace(-2, 2, 7, dtype=torch.float16),
+      bf16=torch.linspace(-1, 3, 9).bfloat16()[3:], ints=torch.arange(5), empty=torch.zeros(0, 3))
+  expected = {k: (v.float() if v.is_floating_point() else v).numpy().copy()
+              for k, v in state.items()}
+  path = str(tmp_path / 'state.bin')
+  torch.save(state, path)
+  monkeypatch.setitem(sys.modules, 'torch', None)
+  loaded = convert._read_torch(path)
+  assert sorted(loaded) == sorted(expected)
+  for k, x in loaded.items():
+    assert x.shape == expected[k].shape, k
+    np.testing.assert_array_equal(x.astype(expected[k].dtype), expected[k], err_msg=k)
+  assert loaded['half'].dtype == np.float16 and loaded['ints'].dtype == np.int64
+
+
+def test_torch_reader_refuses_other_objects(tmp_path):
+  path = str(tmp_path / 'evil.bin')
+  with zipfile.ZipFile(path, 'w') as z:
+    z.writestr('archive/data.pkl', pickle.dumps({'a': collections.Counter('ab')}, protocol=2))
+  with pytest.raises(ValueError, match=r'refusing to load collections\.Counter'):
+    convert._read_torch(path)
+
+
+def test_legacy_pytorch_file_needs_torch(hf_dir, reference, tmp_path, monkeypatch):
+  src, hf = hf_dir
+  shutil.copy(os.path.join(src, 'config.json'), tmp_path)
+  torch.save(hf.state_dict(), str(tmp_path / 'pytorch_model.bin'),
+             _use_new_zipfile_serialization=False)
+  _assert_same(reference[1], convert.load_pretrained(str(tmp_path))[1])
+  monkeypatch.setitem(sys.modules, 'torch', None)
+  with pytest.raises(ValueError, match=r'pytorch_model\.bin is a legacy.*safetensors'):
+    convert.load_pretrained(str(tmp_path))
+
+
+def test_bfloat16_safetensors(tmp_path):
+  x = torch.linspace(-3, 3, 12).reshape(3, 4).bfloat16()
+  path = str(tmp_path / 'bf16.safetensors')
+  import safetensors.torch  # pylint: disable=g-import-not-at-top
+  safetensors.torch.save_file({'x': x, 'y': torch.ones(2)}, path)
+  loaded = convert._read_safetensors(path)
+  np.testing.assert_array_equal(loaded['x'].astype(np.float32), x.float().numpy())
+  np.testing.assert_array_equal(loaded['y'], np.ones(2, np.float32))
+
+
+# ---- Google TF checkpoints ----
+
+
+def _google_name(hf_name: str) -> tuple[str, bool]:
+  """The original release's name of an HF BertForPreTraining tensor; True: transpose it."""
+  name = re.sub(r'layer/(\d+)', r'layer_\1', hf_name.replace('.', '/'))
+  name = name.replace('LayerNorm/weight', 'LayerNorm/gamma').replace('LayerNorm/bias',
+                                                                     'LayerNorm/beta')
+  if name.startswith('cls/seq_relationship/'):
+    return name.replace('/weight', '/output_weights').replace('/bias', '/output_bias'), False
+  if name == 'cls/predictions/bias':
+    return 'cls/predictions/output_bias', False
+  if name.endswith('_embeddings/weight'):
+    return name[:-len('/weight')], False
+  if name.endswith('/weight'):
+    return name[:-len('weight')] + 'kernel', True
+  return name, False
+
+
+def test_google_checkpoint_imports(hf_dir, reference, tmp_path):
+  src, _ = hf_dir
+  tensors = {}
+  for hf_name, x in safetensors.numpy.load_file(os.path.join(src, 'model.safetensors')).items():
+    name, transpose = _google_name(hf_name)
+    tensors[name] = x.T if transpose else x
+    tensors[f'{name}/adam_m'] = np.zeros_like(tensors[name])  # Optimizer slots: skipped.
+    tensors[f'{name}/adam_v'] = np.ones_like(tensors[name])
+  assert 'bert/encoder/layer_1/attention/output/dense/kernel' in tensors
+  tensors['global_step'] = np.array(1000, np.int64)
+  names = sorted(tensors)
+  tf.raw_ops.SaveV2(prefix=str(tmp_path / 'bert_model.ckpt'), tensor_names=names,
+                    shape_and_slices=[''] * len(names),
+                    tensors=[tf.constant(tensors[n]) for n in names])
+  config = {k: v for k, v in HF_CONFIG.items()}
+  config.update(hidden_act='gelu', hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                initializer_range=0.02)
+  with open(tmp_path / 'bert_config.json', 'w') as f:
+    json.dump(config, f)
+  _write_vocab(str(tmp_path))
+  for path in (str(tmp_path), str(tmp_path / 'bert_model.ckpt')):
+    loaded_config, params = convert.load_pretrained(path)
+    assert loaded_config == reference[0]
+    _assert_same(reference[1], params)
+  assert convert.find_vocab(str(tmp_path / 'bert_model.ckpt')) == str(tmp_path / 'vocab.txt')
+
+
+def test_google_export_roundtrip(hf_dir, reference, tmp_path):
+  config, params = reference
+  out = str(tmp_path / 'google')
+  convert.export_google(config, params, out, vocab_file=convert.find_vocab(hf_dir[0]))
+  names = dict(tf.train.list_variables(os.path.join(out, 'bert_model.ckpt')))
+  assert names['cls/seq_relationship/output_weights'] == [2, 32]
+  assert names['bert/encoder/layer_0/attention/self/query/kernel'] == [32, 32]
+  assert names['bert/encoder/layer_1/intermediate/dense/kernel'] == [32, 37]
+  assert names['cls/predictions/transform/LayerNorm/gamma'] == [32]
+  assert not any('decoder' in n or 'seq_relationship/kernel' in n for n in names)
+  with open(os.path.join(out, 'bert_config.json')) as f:
+    assert json.load(f)['intermediate_size'] == 37
+  loaded_config, loaded = convert.load_pretrained(out)
+  assert loaded_config == config
+  _assert_same(params, loaded)
+
+
+# ---- Ours, and convert() ----
+
+
+def test_bert_jax_roundtrip_and_metadata(hf_dir, reference, tmp_path):
+  config, params = reference
+  out = str(tmp_path / 'ours')
+  cased = VOCAB[:-1] + ['The']
+  vocab = _write_vocab(str(tmp_path), cased)
+  convert.export_bert_jax(config, params, out, vocab_file=vocab, lower_case=False, source='test')
+  meta = convert.read_metadata(out)
+  assert meta['lower_case'] is False and meta['heads'] == ['mlm', 'nsp']
+  assert meta['format'] == 'bert_jax' and meta['format_version'] == convert.FORMAT_VERSION
+  scanned_config, scanned = convert.load_pretrained(out, scan_layers=True, dtype='bfloat16')
+  assert scanned_config.scan_layers and scanned_config.dtype == 'bfloat16'
+  assert scanned['bert']['encoder']['layers']['mlp']['intermediate']['kernel'].shape == (2, 32, 37)
+  _assert_same(params, model.unstack_layers(scanned, config.num_hidden_layers))
+  with pytest.raises(ValueError, match='not empty'):
+    convert.export_bert_jax(config, params, out)
+
+
+@pytest.mark.parametrize('fmt', convert.FORMATS)
+def test_convert(hf_dir, reference, tmp_path, fmt):
+  out = str(tmp_path / fmt)
+  convert.convert(hf_dir[0], out, fmt)
+  config, params = convert.load_pretrained(out)
+  assert config == reference[0]
+  _assert_same(reference[1], params)
+  assert convert.find_vocab(out) and convert.read_metadata(out)['lower_case'] is True
+
+
+def test_convert_rejects_unknown_format(hf_dir, tmp_path):
+  with pytest.raises(ValueError, match='--format'):
+    convert.convert(hf_dir[0], str(tmp_path / 'x'), 'onnx')
+
+
+def test_lower_case_from_vocab_and_tokenizer_config(hf_dir, tmp_path):
+  src = hf_dir[0]
+  assert convert.read_metadata(src)['lower_case'] is True  # [CLS] etc. do not count.
+  cased = _copy_hf(src, tmp_path / 'cased', vocab=VOCAB[:-1] + ['The'])
+  assert convert.read_metadata(cased)['lower_case'] is False
+  with open(os.path.join(cased, 'tokenizer_config.json'), 'w') as f:
+    json.dump({'do_lower_case': True}, f)
+  assert convert.read_metadata(cased)['lower_case'] is True
+  assert convert.read_metadata(_copy_hf(src, tmp_path / 'novocab', vocab=None))[
+      'lower_case'] is None
+
+
+def test_export_scanned_and_jax_arrays(reference, tmp_path):
+  config, params = reference
+  jax_params = jax.tree.map(jax.numpy.asarray, model.stack_layers(params))
+  convert.export_bert_jax(config.replace(scan_layers=True), jax_params, str(tmp_path))
+  _assert_same(params, convert.load_pretrained(str(tmp_path))[1])
+
+
+# ---- Errors name what to fix ----
+
+
+def _broken(src: str, dst, change) -> str:
+  tensors = safetensors.numpy.load_file(os.path.join(src, 'model.safetensors'))
+  change(tensors)
+  return _copy_hf(src, dst, tensors)
+
+
+@pytest.mark.parametrize('change,message', [
+    (lambda t: t.pop('bert.encoder.layer.1.output.dense.bias'),
+     r"model\.safetensors: missing 1 tensor.*bert\.encoder\.layer\.1\.output\.dense\.bias"),
+    (lambda t: t.update({'bert.encoder.layer.2.output.dense.bias': np.zeros(32, np.float32)}),
+     r"model\.safetensors: unexpected tensor.*bert\.encoder\.layer\.2\.output\.dense\.bias"),
+    (lambda t: t.update({'bert.embeddings.position_embeddings.weight': np.zeros((30, 32),
+                                                                               np.float32)}),
+     r"model\.safetensors: tensor 'bert\.embeddings\.position_embeddings\.weight' has shape "
+     r"\(30, 32\), the config needs \(40, 32\)"),
+    (lambda t: t.update({'bert.embeddings.word_embeddings.weight': np.zeros((98, 32),
+                                                                           np.float32)}),
+     r"'bert\.embeddings\.word_embeddings\.weight' has shape \(98, 32\).*vocab_size in the "
+     r"config is 99"),
+    (lambda t: t.pop('cls.predictions.transform.dense.weight'),
+     r"missing 1 tensor.*cls\.predictions\.transform\.dense\.weight"),
+    (lambda t: t.update({'bert.pooler.dense.bias': np.zeros(32, np.int32)}),
+     r"'bert\.pooler\.dense\.bias' has dtype int32"),
+], ids=['missing', 'unexpected', 'shape', 'vocab_weights', 'partial_head', 'dtype'])
+def test_load_errors_name_the_tensor(hf_dir, tmp_path, change, message):
+  with pytest.raises(ValueError, match=message):
+    convert.load_pretrained(_broken(hf_dir[0], tmp_path, change))
+
+
+def test_vocab_file_larger_than_vocab_size(hf_dir, tmp_path):
+  folder = _copy_hf(hf_dir[0], tmp_path, vocab=VOCAB + ['extra'])
+  with pytest.raises(ValueError, match=r'vocab\.txt has 100 tokens but vocab_size is 99'):
+    convert.load_pretrained(folder)
+
+
+def test_unknown_path_and_directory(tmp_path):
+  with pytest.raises(ValueError, match='no such directory or TF checkpoint'):
+    convert.load_pretrained(str(tmp_path / 'nope'))
+  (tmp_path / 'notes.txt').write_text('hi')
+  with pytest.raises(ValueError, match=r'not a checkpoint directory.*notes\.txt'):
+    convert.load_pretrained(str(tmp_path))
+
+
+def test_export_rejects_unknown_parameters(reference, tmp_path):
+  config, params = reference
+  bad = dict(params, extra={'kernel': np.zeros((2, 2), np.float32)})
+  with pytest.raises(ValueError, match=r'unexpected tensor.*extra/kernel'):
+    convert.export_hf(config, bad, str(tmp_path))
