@@ -1,0 +1,572 @@
+"""Tests for launch/: TPU commands in --dry_run, the relaunch loop against a fake gcloud, and
+the GPU scripts with fake SLURM variables and fake scontrol/srun on PATH."""
+
+import importlib.util
+import os
+import shlex
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LAUNCH = os.path.join(_ROOT, 'launch')
+
+
+def _load_tpu():
+  spec = importlib.util.spec_from_file_location('launch_tpu', os.path.join(_LAUNCH, 'tpu.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+tpu = _load_tpu()
+
+
+def _write_exe(path, text):
+  with open(path, 'w') as f:
+    f.write(textwrap.dedent(text).lstrip())
+  os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+  return str(path)
+
+
+@pytest.fixture
+def configs(tmp_path):
+  """A config dir with a variant and its base, as the real configs/ has."""
+  cfg_dir = tmp_path / 'configs'
+  cfg_dir.mkdir()
+  (cfg_dir / 'default.py').write_text('def get_config(): pass\n')
+  (cfg_dir / 'bert_large.py').write_text('import default\n')
+  (cfg_dir / 'notes.txt').write_text('not a config\n')
+  return cfg_dir
+
+
+@pytest.fixture(autouse=True, scope='module')
+def no_real_gcloud(tmp_path_factory):
+  """Puts a gcloud that always fails first on PATH: no test may reach the real one."""
+  bin_dir = tmp_path_factory.mktemp('guard')
+  _write_exe(bin_dir / 'gcloud', """
+      #!/bin/bash
+      echo "the real gcloud must not run in tests: $*" >&2; exit 97
+      """)
+  old_path = os.environ['PATH']
+  os.environ['PATH'] = f'{bin_dir}:{old_path}'
+  yield
+  os.environ['PATH'] = old_path
+
+
+def _dry_run(argv):
+  """Runs launch/tpu.py as a program; returns its stdout split into argv lists and lines."""
+  # --dry_run goes before any `--`, after which arguments belong to bert-jax.
+  result = subprocess.run(
+      [sys.executable, os.path.join(_LAUNCH, 'tpu.py'), argv[0], '--dry_run', *argv[1:]],
+      capture_output=True, text=True, timeout=30, check=False)
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  return [shlex.split(l) for l in lines if not l.startswith('#')], lines
+
+
+def _find(commands, *words):
+  """The commands that contain all `words` as arguments."""
+  return [c for c in commands if all(w in c for w in words)]
+
+
+V4 = ['--name=bert-large', '--zone=us-central2-b', '--accelerator_type=v4-32', '--capacity=spot']
+
+
+# ---- Accelerator types ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name,gcloud_name,hosts,runtime', [
+    ('v4-8', 'v4-8', 1, 'tpu-ubuntu2204-base'),
+    ('v4-32', 'v4-32', 4, 'tpu-ubuntu2204-base'),
+    ('v4-4096', 'v4-4096', 512, 'tpu-ubuntu2204-base'),
+    ('v5e-8', 'v5litepod-8', 1, 'v2-alpha-tpuv5-lite'),
+    ('v5e-256', 'v5litepod-256', 64, 'v2-alpha-tpuv5-lite'),
+    ('v5litepod-16', 'v5litepod-16', 4, 'v2-alpha-tpuv5-lite'),
+    ('v5p-128', 'v5p-128', 16, 'v2-alpha-tpuv5'),
+    ('v6e-64', 'v6e-64', 16, 'v2-alpha-tpuv6e'),
+])
+def test_accelerator_types(name, gcloud_name, hosts, runtime):
+  normalized = tpu.normalize_accelerator_type(name)
+  assert normalized == gcloud_name
+  assert tpu.num_hosts(normalized) == hosts
+  assert tpu.RUNTIME_VERSIONS[tpu.tpu_generation(normalized)] == runtime
+
+
+@pytest.mark.parametrize('bad', ['v4-31', 'v4-8192', 'v5e-12', 'v6e-512', 'v3-8', 'tpu', ''])
+def test_bad_accelerator_type_is_an_error_naming_the_flag(bad):
+  with pytest.raises(tpu.LaunchError, match='--accelerator_type'):
+    tpu.parse_args(['create', '--name=a', '--zone=us-central2-b', f'--accelerator_type={bad}'])
+
+
+def test_bad_accelerator_type_cli_exit_status():
+  result = subprocess.run(
+      [sys.executable, os.path.join(_LAUNCH, 'tpu.py'), 'create', '--name=a',
+       '--zone=us-central2-b', '--accelerator_type=v4-31', '--dry_run'],
+      capture_output=True, text=True, timeout=30, check=False)
+  assert result.returncode == 2
+  assert '--accelerator_type' in result.stderr and "'v4-31'" in result.stderr
+  assert result.stdout == ''  # Nothing printed as if it would run.
+
+
+# ---- Validation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('argv,flag', [
+    (['create', '--zone=us-central2-b', '--accelerator_type=v4-8'], '--name'),
+    (['create', '--name=Bad_Name', '--zone=us-central2-b', '--accelerator_type=v4-8'],
+     '--name'),
+    (['create', '--name=a', '--accelerator_type=v4-8'], '--zone'),
+    (['create', '--name=a', '--zone=uscentral', '--accelerator_type=v4-8'], '--zone'),
+    (['create', '--name=a', '--zone=us-central2-b'], '--accelerator_type'),
+    (['create', *V4[:3], '--capacity=preemptible'], '--capacity=preemptible'),
+    (['create', *V4[:3], '--api=tpu-vm', '--capacity=best-effort'], '--capacity=best-effort'),
+    (['run', *V4, '--workdir=gs://b/w'], '--config'),
+    (['run', *V4, '--config=configs/x.py'], '--workdir'),
+    (['run', *V4, '--config=configs/x.yaml', '--workdir=gs://b/w'], '--config'),
+    (['run', *V4, '--config=c.py', '--workdir=gs://b/w', '--env=1BAD=x'], '--env'),
+    (['run', *V4, '--config=c.py', '--workdir=gs://b/w', '--conf=x'], '--conf=x'),
+    (['run', *V4, '--config=c.py', '--workdir=gs://b/w', '--config.x', '1'], '--config.x'),
+    (['setup', *V4, '--config=/no/such/config.py'], '--config'),
+    (['run', *V4, '--config=c.py', '--workdir=gs://b/w', '--max_restarts=-1'],
+     '--max_restarts'),
+])
+def test_flag_errors_name_the_flag(argv, flag):
+  with pytest.raises(tpu.LaunchError) as error:
+    tpu.parse_args(argv)
+  assert flag in str(error.value)
+
+
+def test_local_workdir_on_multi_host_slice_is_an_error():
+  with pytest.raises(tpu.LaunchError, match=r'--workdir must be a gs:// path.*4 hosts'):
+    tpu.parse_args(['run', *V4, '--config=configs/x.py', '--workdir=/tmp/run'])
+  with pytest.raises(tpu.LaunchError, match='gs://'):
+    tpu.parse_args(['run', '--name=a', '--zone=us-west4-a', '--accelerator_type=v5e-16',
+                    '--config=configs/x.py', '--workdir=/tmp/run'])
+  # One host: a local workdir is fine.
+  args = tpu.parse_args(['run', '--name=a', '--zone=us-central2-b', '--accelerator_type=v4-8',
+                         '--config=configs/x.py', '--workdir=/tmp/run'])
+  assert args.workdir == '/tmp/run'
+
+
+def test_missing_wheel_is_an_error(configs):
+  with pytest.raises(tpu.LaunchError, match='--install'):
+    tpu.parse_args(['setup', *V4, f'--config={configs}/bert_large.py',
+                    '--install=/no/such/bert_jax-0.1.0-py3-none-any.whl'])
+  with pytest.raises(tpu.LaunchError, match='--install: directory'):
+    tpu.parse_args(['setup', *V4, f'--config={configs}/bert_large.py', '--install=./no/such'])
+
+
+# ---- v4-32 pod slice, spot queued resource --------------------------------------------------
+
+
+def test_v4_32_queued_spot_create_and_delete():
+  commands, lines = _dry_run(['create', *V4, '--project=my-proj'])
+  create = commands[0]
+  assert create[:6] == ['gcloud', 'compute', 'tpus', 'queued-resources', 'create', 'bert-large']
+  for flag in ('--node-id=bert-large', '--accelerator-type=v4-32',
+               '--runtime-version=tpu-ubuntu2204-base', '--zone=us-central2-b', '--spot',
+               '--project=my-proj'):
+    assert flag in create
+  # Waits for the queued resource to become ACTIVE.
+  assert _find(commands, 'describe', '--format=value(state.state)')
+  assert any('ACTIVE' in l for l in lines if l.startswith('#'))
+
+  commands, _ = _dry_run(['delete', *V4])
+  assert commands == [['gcloud', 'compute', 'tpus', 'queued-resources', 'delete', 'bert-large',
+                       '--zone=us-central2-b', '--force', '--quiet']]
+
+
+def test_v4_32_setup_copies_configs_and_installs_on_all_workers(configs, tmp_path):
+  wheel = tmp_path / 'bert_jax-0.1.0-py3-none-any.whl'
+  wheel.write_bytes(b'PK')
+  commands, _ = _dry_run(['setup', *V4, f'--config={configs}/bert_large.py', f'--install={wheel}'])
+  assert commands and all('--worker=all' in c for c in commands)
+  scps = _find(commands, 'scp')
+  assert _find(scps, str(wheel), 'bert-large:bert_jax_run/dist/')
+  config_scp = _find(scps, 'bert-large:bert_jax_run/configs/')[0]
+  # The variant and the base it imports go; other files do not.
+  assert str(configs / 'bert_large.py') in config_scp
+  assert str(configs / 'default.py') in config_scp
+  assert str(configs / 'notes.txt') not in config_scp
+  install = _find(commands, 'ssh')[-1]
+  remote = install[install.index('--command') + 1]
+  assert "'dist/bert_jax-0.1.0-py3-none-any.whl[tpu]'" in remote
+  assert '--force-reinstall --no-deps dist/bert_jax-0.1.0-py3-none-any.whl' in remote
+  # The remote directories exist before anything is copied into them.
+  assert 'mkdir -p' in commands[0][commands[0].index('--command') + 1]
+
+
+def test_setup_from_checkout_builds_a_wheel_first(configs):
+  commands, _ = _dry_run(['setup', *V4, f'--config={configs}/bert_large.py'])
+  build = commands[0]
+  assert build[1:4] == ['-m', 'pip', 'wheel'] and build[-1] == _ROOT
+  expected = tpu.expected_wheel(_ROOT)
+  assert os.path.dirname(expected) == tpu.wheel_dir()
+  assert _find(commands, 'scp', expected)
+
+
+def test_setup_with_pip_requirement(configs):
+  spec = 'bert_jax[tpu] @ git+https://github.com/example/bert_jax@v0.1.0'
+  commands, _ = _dry_run(['setup', *V4, f'--config={configs}/bert_large.py', f'--install={spec}'])
+  assert len(_find(commands, 'scp')) == 1  # Only the configs are copied.
+  remote = commands[-1][commands[-1].index('--command') + 1]
+  assert shlex.split(remote.split('&&')[1]) == ['python3', '-m', 'pip', 'install', spec]
+
+
+def test_v4_32_run_on_all_workers_with_overrides_and_log():
+  commands, _ = _dry_run(['run', *V4, '--config=configs/bert_large.py:arg',
+                          '--workdir=gs://bucket/bert_large', '--config.train.batch_size=1024',
+                          '--env=LIBTPU_INIT_ARGS=--xla_tpu_x=1 --y', '--', '--alsologtostderr'])
+  (ssh,) = commands
+  assert ssh[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'bert-large']
+  assert '--worker=all' in ssh
+  remote = ssh[ssh.index('--command') + 1]
+  script, log = remote.rsplit(' | ', 1)
+  assert log == 'tee -a logs/pretrain.log'
+  steps = [s.strip() for s in script.split(' && ')]
+  assert steps[0] == 'cd bert_jax_run'
+  assert shlex.split(steps[-1]) == [
+      'bert-jax', 'pretrain', '--config=configs/bert_large.py:arg',
+      '--workdir=gs://bucket/bert_large', '--config.train.batch_size=1024',
+      '--alsologtostderr', '2>&1']
+  assert 'set -o pipefail' in steps
+  assert "export LIBTPU_INIT_ARGS='--xla_tpu_x=1 --y'" in steps
+  # Cloud TPU finds the other workers itself: no coordinator flags.
+  assert '--coordinator_address' not in remote
+
+
+def test_remote_run_script_is_valid_shell():
+  args = tpu.parse_args(['run', *V4, '--config=configs/x.py', '--workdir=gs://b/w',
+                         "--config.model.name=it's"])
+  remote = tpu.run_commands(args)[0][-1]
+  result = subprocess.run(['bash', '-n', '-c', remote], capture_output=True, text=True,
+                          check=False)
+  assert result.returncode == 0, result.stderr
+  assert "--config.model.name=it's" in shlex.split(remote.split(' && ')[-1])
+
+
+def test_v4_32_watch_dry_run_lists_relaunch_commands(configs):
+  commands, lines = _dry_run(['watch', *V4, f'--config={configs}/bert_large.py',
+                              '--workdir=gs://bucket/bert_large', '--max_restarts=7',
+                              '--install=bert_jax[tpu]'])
+  verbs = [c[4] if c[0] == 'gcloud' else c[0] for c in commands]
+  # State check, run; then the relaunch: delete, create, wait, setup, run.
+  assert verbs[:2] == ['describe', 'ssh']
+  relaunch = verbs[2:]
+  assert relaunch[:3] == ['delete', 'create', 'describe']
+  assert relaunch[-1] == 'ssh' and 'scp' in relaunch
+  assert commands[1] == commands[-1]  # The relaunch reruns the same training command.
+  assert any('--max_restarts=7' in l for l in lines if l.startswith('#'))
+  # `run --relaunch` is the same thing.
+  same, _ = _dry_run(['run', '--relaunch', *V4, f'--config={configs}/bert_large.py',
+                      '--workdir=gs://bucket/bert_large', '--max_restarts=7',
+                      '--install=bert_jax[tpu]'])
+  assert same == commands
+
+
+# ---- v5e-256 --------------------------------------------------------------------------------
+
+
+def test_v5e_256_uses_v5litepod_name_and_runtime():
+  commands, _ = _dry_run(['create', '--name=bert-v5e', '--zone=us-west4-a',
+                          '--accelerator_type=v5e-256', '--capacity=best-effort'])
+  create = commands[0]
+  assert create[:3] == ['gcloud', 'alpha', 'compute']  # --best-effort is alpha-only.
+  assert '--accelerator-type=v5litepod-256' in create
+  assert '--runtime-version=v2-alpha-tpuv5-lite' in create
+  assert '--best-effort' in create
+
+  commands, _ = _dry_run(['create', '--name=bert-v5e', '--zone=us-west4-a',
+                          '--accelerator_type=v5e-256', '--api=tpu-vm',
+                          '--capacity=preemptible', '--runtime_version=v2-custom',
+                          '--create_flag=--network=my-net'])
+  assert commands[0] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create', 'bert-v5e',
+                         '--accelerator-type=v5litepod-256', '--version=v2-custom',
+                         '--zone=us-west4-a', '--preemptible', '--network=my-net']
+  assert _find(commands, 'tpu-vm', 'describe', '--format=value(state)')
+
+
+# ---- Relaunch loop against a fake gcloud ----------------------------------------------------
+
+
+@pytest.fixture
+def fake_gcloud(tmp_path):
+  """A gcloud that keeps the TPU state in a file and is preempted during the first N runs."""
+  state = tmp_path / 'state'
+  calls = tmp_path / 'calls'
+  runs = tmp_path / 'runs'
+  script = f"""
+      #!/bin/bash
+      echo "$*" >> {calls}
+      case "$*" in
+        *" describe "*)
+          if [[ ! -f {state} ]]; then echo "ERROR: NOT_FOUND" >&2; exit 1; fi
+          cat {state}
+          # A repair ends on the next look.
+          if grep -q REPAIRING {state}; then echo ACTIVE > {state}; fi ;;
+        *" create "*) echo ACTIVE > {state} ;;
+        *" delete "*) rm -f {state} ;;
+        *bert-jax*)
+          n=$(( $(cat {runs} 2>/dev/null || echo 0) + 1 )); echo $n > {runs}
+          if (( n <= ${{PREEMPTIONS:-0}} )); then echo SUSPENDED > {state}; exit 255; fi
+          if (( n <= ${{REPAIRS:-0}} )); then echo REPAIRING > {state}; exit 255; fi
+          exit ${{RUN_STATUS:-0}} ;;
+      esac
+      """
+  return _write_exe(tmp_path / 'gcloud', script), state, calls
+
+
+def _watch(gcloud, configs, *extra):
+  argv = ['watch', *V4, f'--config={configs}/bert_large.py', '--workdir=gs://b/w',
+          '--install=bert_jax[tpu]', '--poll_seconds=0', f'--gcloud={gcloud}', *extra]
+  return tpu.main(argv, tpu.Shell(dry_run=False, sleep=lambda s: None))
+
+
+def _verbs(calls):
+  out = []
+  for line in calls.read_text().splitlines():
+    words = line.split()
+    out.append('run' if 'bert-jax' in line else words[3])
+  return out
+
+
+def test_watch_recreates_after_preemption_and_resumes(fake_gcloud, configs, monkeypatch):
+  gcloud, state, calls = fake_gcloud
+  state.write_text('ACTIVE\n')
+  monkeypatch.setenv('PREEMPTIONS', '2')
+  assert _watch(gcloud, configs, '--max_restarts=3') == 0
+  verbs = _verbs(calls)
+  assert verbs.count('run') == 3
+  assert verbs.count('delete') == 2 and verbs.count('create') == 2
+  # Each relaunch: delete, create, then setup (ssh + scp + ssh) before the next run.
+  second = verbs.index('run', verbs.index('run') + 1)
+  between = verbs[verbs.index('run') + 1:second]
+  assert between.index('delete') < between.index('create') < between.index('scp')
+  assert between[-1] == 'ssh'  # pip install
+  assert all('--workdir=gs://b/w' in l for l in calls.read_text().splitlines()
+             if 'bert-jax' in l)
+
+
+def test_watch_reruns_without_recreating_after_a_repair(fake_gcloud, configs, monkeypatch):
+  gcloud, state, calls = fake_gcloud
+  state.write_text('ACTIVE\n')
+  monkeypatch.setenv('REPAIRS', '1')
+  assert _watch(gcloud, configs) == 0
+  verbs = _verbs(calls)
+  assert verbs.count('run') == 2
+  assert 'delete' not in verbs and 'create' not in verbs
+
+
+def test_watch_gives_up_after_max_restarts(fake_gcloud, configs, monkeypatch, capsys):
+  gcloud, state, calls = fake_gcloud
+  state.write_text('ACTIVE\n')
+  monkeypatch.setenv('PREEMPTIONS', '100')
+  assert _watch(gcloud, configs, '--max_restarts=2') == 2
+  assert _verbs(calls).count('run') == 3
+  assert '--max_restarts=2' in capsys.readouterr().err
+
+
+def test_watch_does_not_relaunch_a_failing_program(fake_gcloud, configs, monkeypatch, capsys):
+  gcloud, state, calls = fake_gcloud
+  state.write_text('ACTIVE\n')
+  monkeypatch.setenv('RUN_STATUS', '1')
+  assert _watch(gcloud, configs) == 2
+  verbs = _verbs(calls)
+  assert verbs.count('run') == 1 and 'delete' not in verbs
+  assert 'healthy TPU' in capsys.readouterr().err
+
+
+def test_watch_from_nothing_creates_and_sets_up_first(fake_gcloud, configs):
+  gcloud, state, calls = fake_gcloud
+  assert not state.exists()
+  assert _watch(gcloud, configs) == 0
+  verbs = _verbs(calls)
+  assert 'delete' not in verbs
+  assert verbs.index('create') < verbs.index('scp') < verbs.index('run')
+
+
+# ---- GPU: SLURM -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def slurm_env(tmp_path):
+  """Fake SLURM: variables of a 2-node job and an scontrol that expands its node list."""
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  _write_exe(bin_dir / 'scontrol', """
+      #!/bin/bash
+      [[ "$1 $2 $3" == "show hostnames gpu-[07-08]" ]] || { echo "bad args: $*" >&2; exit 1; }
+      printf 'gpu-07\\ngpu-08\\n'
+      """)
+  env = dict(os.environ, PATH=f'{bin_dir}:{os.environ["PATH"]}', CONFIG='configs/bert_large.py',
+             WORKDIR='/shared/runs/large', SLURM_JOB_NODELIST='gpu-[07-08]', SLURM_NNODES='2',
+             SLURM_NTASKS='2', SLURM_JOB_ID='4242', SLURM_PROCID='0')
+  env.pop('XLA_FLAGS', None)
+  return env, bin_dir
+
+
+def _sbatch(env, *args):
+  return subprocess.run(['bash', os.path.join(_LAUNCH, 'gpu_slurm.sbatch'), *args], env=env,
+                        capture_output=True, text=True, timeout=30, check=False)
+
+
+def _task_commands(stdout):
+  return [shlex.split(l.split(': ', 1)[1]) for l in stdout.splitlines()
+          if l.startswith('# task ')]
+
+
+def test_slurm_dry_run_two_nodes(slurm_env):
+  env, _ = slurm_env
+  result = _sbatch(dict(env, DRY_RUN='1'), '--config.train.batch_size=256')
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  srun = shlex.split(next(l for l in lines if l.startswith('srun ')))
+  assert '--ntasks-per-node=1' in srun and '--nodes=2' in srun
+  tasks = _task_commands(result.stdout)
+  assert len(tasks) == 2
+  for rank, task in enumerate(tasks):
+    assert task[:4] == ['bert-jax', 'pretrain', '--config=configs/bert_large.py',
+                        '--workdir=/shared/runs/large']
+    # The coordinator is the first node; the port follows the job id.
+    assert '--coordinator_address=gpu-07:24242' in task
+    assert '--num_processes=2' in task
+    assert f'--process_id={rank}' in task
+    assert '--config.train.batch_size=256' in task
+  assert 'task 1 on gpu-08' in result.stdout
+  xla = next(l for l in lines if l.startswith('export XLA_FLAGS='))
+  assert '--xla_gpu_enable_latency_hiding_scheduler=true' in shlex.split(xla)[1]
+
+
+def test_slurm_header_one_task_per_node_eight_gpus():
+  with open(os.path.join(_LAUNCH, 'gpu_slurm.sbatch')) as f:
+    header = [l.split()[1] for l in f if l.startswith('#SBATCH')]
+  assert '--ntasks-per-node=1' in header and '--gpus-per-node=8' in header
+  assert any(h.startswith('--nodes=') for h in header)
+
+
+def test_slurm_srun_gives_each_task_its_process_id(slurm_env, tmp_path):
+  """Runs the real srun line with a fake srun that starts one local task per node."""
+  env, bin_dir = slurm_env
+  _write_exe(bin_dir / 'srun', """
+      #!/bin/bash
+      while [[ "$1" == --* ]]; do shift; done
+      for i in 0 1; do SLURM_PROCID=$i "$@" || exit; done
+      """)
+  out = tmp_path / 'trainer_out'
+  trainer = _write_exe(tmp_path / 'trainer', f"""
+      #!/bin/bash
+      echo "$XLA_FLAGS | $*" >> {out}
+      """)
+  result = _sbatch(dict(env, BERT_JAX=trainer, MODE='finetune', XLA_FLAGS='--xla_dump_to=/x'),
+                   '--config.x=1')
+  assert result.returncode == 0, result.stderr
+  runs = out.read_text().splitlines()
+  assert len(runs) == 2
+  for rank, line in enumerate(runs):
+    xla, argv = line.split(' | ')
+    assert argv.split()[0] == 'finetune'
+    assert argv.split()[-1] == f'--process_id={rank}'
+    assert '--coordinator_address=gpu-07:24242' in argv.split()
+    # Defaults first, the user's XLA_FLAGS last (so they win).
+    assert xla.split()[0].startswith('--xla_gpu_') and xla.split()[-1] == '--xla_dump_to=/x'
+
+
+@pytest.mark.parametrize('change,message', [
+    ({'CONFIG': ''}, 'CONFIG'),
+    ({'WORKDIR': ''}, 'WORKDIR'),
+    ({'SLURM_NTASKS': '16'}, '--ntasks-per-node=1'),
+    ({'SLURM_NNODES': '3', 'SLURM_NTASKS': '3'}, 'expected 3'),
+    ({'MODE': 'train'}, 'MODE'),
+    ({'SLURM_JOB_NODELIST': ''}, 'sbatch'),
+])
+def test_slurm_errors(slurm_env, change, message):
+  env, _ = slurm_env
+  result = _sbatch(dict(env, DRY_RUN='1', **change))
+  assert result.returncode == 2
+  assert message in result.stderr and result.stdout == ''
+
+
+# ---- GPU: one node --------------------------------------------------------------------------
+
+
+def _node(*args, env=None):
+  return subprocess.run(['bash', os.path.join(_LAUNCH, 'gpu_node.sh'), *args],
+                        env=env or dict(os.environ), capture_output=True, text=True,
+                        timeout=30, check=False)
+
+
+def test_node_script_two_nodes_dry_run():
+  for rank in (0, 1):
+    result = _node('--coordinator', 'gpu-07:12345', '--num_nodes=2', f'--node_rank={rank}',
+                   '--config=configs/bert_large.py', '--workdir', '/shared/runs/large',
+                   '--config.train.batch_size=256', '--dry_run', '--', '--flag', 'a b')
+    assert result.returncode == 0, result.stderr
+    command = shlex.split(result.stdout.splitlines()[-1])
+    assert command == [
+        'bert-jax', 'pretrain', '--config=configs/bert_large.py',
+        '--workdir=/shared/runs/large', '--coordinator_address=gpu-07:12345',
+        '--num_processes=2', f'--process_id={rank}', '--config.train.batch_size=256',
+        '--flag', 'a b']
+
+
+def test_node_script_runs_the_trainer(tmp_path):
+  out = tmp_path / 'argv'
+  trainer = _write_exe(tmp_path / 'trainer', f"""
+      #!/bin/bash
+      printf '%s\\n' "$@" > {out}
+      """)
+  result = _node('--config=c.py', '--workdir=/w', '--mode=finetune',
+                 env=dict(os.environ, BERT_JAX=trainer))
+  assert result.returncode == 0, result.stderr
+  # One node: no distributed flags.
+  assert out.read_text().splitlines() == ['finetune', '--config=c.py', '--workdir=/w']
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--workdir=/w'], '--config'),
+    (['--config=c.py'], '--workdir'),
+    (['--config=c.py', '--workdir=/w', '--num_nodes=2', '--node_rank=0'], '--coordinator'),
+    (['--config=c.py', '--workdir=/w', '--num_nodes=2', '--node_rank=2',
+      '--coordinator=h:1'], '--node_rank'),
+    (['--config=c.py', '--workdir=/w', '--num_nodes=0'], '--num_nodes'),
+    (['--config=c.py', '--workdir=/w', '--confg=x'], "'--confg=x'"),
+    (['--config=c.py', '--workdir'], '--workdir needs a value'),
+])
+def test_node_script_errors(args, message):
+  result = _node(*args, '--dry_run')
+  assert result.returncode == 2
+  assert message in result.stderr and result.stdout == ''
+
+
+def _exported(stdout, name):
+  line = next(l for l in stdout.splitlines() if l.startswith(f'export {name}='))
+  return shlex.split(line)[1].split('=', 1)[1]
+
+
+def test_default_gpu_xla_flags_are_known_to_xla(slurm_env):
+  """XLA aborts on an unknown flag, so the defaults must parse in the installed jaxlib."""
+  env, _ = slurm_env
+  xla_flags = _exported(_sbatch(dict(env, DRY_RUN='1')).stdout, 'XLA_FLAGS')
+  node_env = dict(os.environ)
+  node_env.pop('XLA_FLAGS', None)
+  assert _exported(_node('--config=c.py', '--workdir=/w', '--dry_run', env=node_env).stdout,
+                   'XLA_FLAGS') == xla_flags
+  assert len(xla_flags.split()) >= 2
+
+  def xla_accepts(flags):
+    return subprocess.run(
+        [sys.executable, '-c', 'import jax; jax.numpy.ones(2).block_until_ready()'],
+        env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS='cpu'), capture_output=True,
+        timeout=60, check=False).returncode == 0
+
+  assert xla_accepts(xla_flags)
+  assert not xla_accepts(xla_flags + ' --xla_gpu_no_such_flag=true')  # The check can fail.
+
+
+def test_empty_gpu_xla_flags_disables_the_defaults(slurm_env):
+  env, _ = slurm_env
+  assert _exported(_sbatch(dict(env, DRY_RUN='1', GPU_XLA_FLAGS='')).stdout, 'XLA_FLAGS') == ''
