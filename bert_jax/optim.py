@@ -1,0 +1,56 @@
+"""Learning-rate schedules and optimizers: AdamW (the paper) and LAMB (large batches)."""
+
+import jax
+import ml_collections
+import optax
+
+# Parameters that are never weight-decayed: LayerNorm scale/bias and every bias, as in BERT.
+_NO_DECAY = ('bias', 'scale', 'output_bias')
+
+
+def make_schedule(train: ml_collections.ConfigDict, total_steps: int | None = None) -> optax.Schedule:
+  """Linear warmup from 0 to the peak over `warmup_steps`, then linear decay to 0 at the end.
+
+  As the paper states it: the peak is reached exactly at `warmup_steps` (1e-4 at step 10,000 of
+  BERT-base) and the rate is 0 at `total_steps` (1,000,000).
+  """
+  total = int(total_steps or train.steps)
+  warmup = int(train.warmup_steps)
+  peak = float(train.learning_rate)
+  if warmup < 0 or warmup > total:
+    raise ValueError(f'train.warmup_steps={warmup} must lie in [0, train.steps={total}]')
+  if train.decay == 'linear':
+    after = optax.linear_schedule(peak, 0.0, max(total - warmup, 1))
+  elif train.decay == 'constant':
+    after = optax.constant_schedule(peak)
+  else:
+    raise ValueError(f"train.decay={train.decay!r}: expected 'linear' or 'constant'")
+  if warmup == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def decay_mask(params):
+  """True for parameters that get weight decay (not LayerNorm, not biases)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], 'key', None) not in _NO_DECAY, params)
+
+
+def make_optimizer(train: ml_collections.ConfigDict,
+                   total_steps: int | None = None) -> tuple[optax.GradientTransformation,
+                                                           optax.Schedule]:
+  """Global-norm clipping, then AdamW or LAMB with decoupled weight decay and the schedule."""
+  schedule = make_schedule(train, total_steps)
+  if train.optimizer == 'adamw':
+    opt = optax.adamw(schedule, b1=train.beta1, b2=train.beta2, eps=train.eps,
+                      weight_decay=train.weight_decay, mask=decay_mask)
+  elif train.optimizer == 'lamb':
+    opt = optax.lamb(schedule, b1=train.beta1, b2=train.beta2, eps=train.eps,
+                     weight_decay=train.weight_decay, mask=decay_mask)
+  else:
+    raise ValueError(f"train.optimizer={train.optimizer!r}: expected 'adamw' or 'lamb'")
+  parts = []
+  if train.max_grad_norm and train.max_grad_norm > 0:
+    parts.append(optax.clip_by_global_norm(train.max_grad_norm))
+  parts.append(opt)
+  return optax.chain(*parts), schedule

@@ -1,0 +1,37 @@
+"""LAMB large-batch recipe after You et al., "Large Batch Optimization for Deep Learning:
+Training BERT in 76 minutes": BERT-large, phase 1 at 64k sequences of 128 tokens, phase 2 at
+32k sequences of 512 tokens, started from phase 1's weights.
+
+  bert-jax pretrain --config=configs/lamb_large_batch.py:phase1 --workdir=gs://BUCKET/lamb1 \
+      --config.data.input='gs://BUCKET/corpus/*.txt' --config.data.vocab_file=gs://BUCKET/vocab.txt
+  bert-jax pretrain --config=configs/lamb_large_batch.py:phase2 --workdir=gs://BUCKET/lamb2 \
+      --config.train.init_checkpoint=gs://BUCKET/lamb1 \
+      --config.data.input='gs://BUCKET/corpus/*.txt' --config.data.vocab_file=gs://BUCKET/vocab.txt
+
+Raise train.grad_accum_steps when a slice cannot hold the whole batch at once.
+"""
+
+from configs import bert_large
+
+# phase: (batch, steps, peak lr, warmup steps, seq_len, max predictions)
+_PHASES = {
+    'phase1': (65536, 7038, 6e-3, 2000, 128, 20),
+    'phase2': (32768, 1563, 4e-3, 200, 512, 80),
+}
+
+
+def get_config(phase: str = 'phase1'):
+  if phase not in _PHASES:
+    raise ValueError(f'lamb_large_batch.py:{phase}: expected one of {sorted(_PHASES)}')
+  batch, steps, lr, warmup, seq_len, preds = _PHASES[phase]
+  config = bert_large.get_config()
+  config.train.optimizer = 'lamb'
+  config.train.batch_size = batch
+  config.train.steps = steps
+  config.train.learning_rate = lr
+  config.train.warmup_steps = warmup
+  config.train.phases = ''
+  config.data.max_seq_length = seq_len
+  config.data.max_predictions_per_seq = preds
+  config.model.remat_policy = 'dots'
+  return config

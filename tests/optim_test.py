@@ -1,0 +1,70 @@
+"""Schedules and optimizers: the paper's numbers, weight-decay mask, clipping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from bert_jax import model as model_lib
+from bert_jax import optim
+from configs import bert_base
+
+
+def test_paper_schedule_values():
+  train = bert_base.get_config().train
+  schedule = optim.make_schedule(train)
+  assert float(schedule(0)) == 0.0
+  np.testing.assert_allclose(float(schedule(5_000)), 0.5e-4, rtol=1e-6)
+  np.testing.assert_allclose(float(schedule(10_000)), 1e-4, rtol=1e-6)
+  np.testing.assert_allclose(float(schedule(505_000)), 0.5e-4, rtol=1e-5)
+  assert float(schedule(1_000_000)) == 0.0
+  assert float(schedule(999_999)) > 0.0
+
+
+def test_paper_optimizer_hyperparameters():
+  train = bert_base.get_config().train
+  assert (train.optimizer, train.beta1, train.beta2, train.eps, train.weight_decay,
+          train.max_grad_norm, train.batch_size) == ('adamw', 0.9, 0.999, 1e-6, 0.01, 1.0, 256)
+
+
+def test_no_weight_decay_on_layer_norm_and_bias():
+  config = model_lib.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                num_attention_heads=2, intermediate_size=32)
+  params = model_lib.init_params(config, jax.random.key(0))
+  train = bert_base.get_config().train
+  train.unlock()
+  train.update(warmup_steps=0, decay='constant', learning_rate=1.0, max_grad_norm=0.0)
+  tx, _ = optim.make_optimizer(train, total_steps=10)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+  decayed = {jax.tree_util.keystr(p) for p, u in flat if np.abs(np.asarray(u)).max() > 0}
+  not_decayed = {jax.tree_util.keystr(p) for p, u in flat} - decayed
+  assert all(("'bias'" in k or "'scale'" in k or 'output_bias' in k) for k in not_decayed)
+  assert any('layer_norm' in k for k in not_decayed)
+  assert any("'kernel'" in k for k in decayed) and any('embedding' in k for k in decayed)
+  assert not any("'bias'" in k or "'scale'" in k for k in decayed)
+  # With zero gradients the decoupled decay is exactly lr * wd * param.
+  k = params['bert']['pooler']['kernel']
+  np.testing.assert_allclose(updates['bert']['pooler']['kernel'], -0.01 * k, rtol=1e-6)
+
+
+def test_clipping_and_lamb():
+  train = bert_base.get_config().train
+  train.unlock()
+  train.update(warmup_steps=0, decay='constant', learning_rate=0.1)
+  tx, _ = optim.make_optimizer(train, total_steps=10)
+  params = {'w': jnp.ones((3,))}
+  huge = {'w': jnp.full((3,), 1e6)}
+  state = tx.init(params)
+  u1, _ = tx.update(huge, state, params)
+  u2, _ = tx.update({'w': huge['w'] * 10}, state, params)
+  np.testing.assert_allclose(u1['w'], u2['w'], rtol=1e-5)  # Clipped to norm 1 both times.
+  train.optimizer = 'lamb'
+  tx, _ = optim.make_optimizer(train, total_steps=10)
+  u, _ = tx.update(huge, tx.init(params), params)
+  assert np.all(np.isfinite(u['w']))
+  train.optimizer = 'sgd'
+  with pytest.raises(ValueError, match='train.optimizer'):
+    optim.make_optimizer(train)
