@@ -1,0 +1,216 @@
+"""Streams of documents for pre-training: text files, TFDS articles, the sample corpus.
+
+A document is one tf.string, its sentences joined by '\\n', with an int64 id: a 62-bit hash of
+its text (`document_ids`). The id decides the held-out evaluation share (id % 100 == 0) and,
+when a process has no whole files of its own, which process reads the document, so both
+splits are stable across epochs, file orders and process layouts.
+
+Text files hold one sentence a line and a blank line between documents (the original format);
+.gz files are decompressed. Lines are read in blocks and grouped by a `scan` that carries the
+unfinished document, so no document spans two files and nothing leaves the tf.data graph.
+Invalid UTF-8 becomes U+FFFD instead of failing.
+"""
+
+import re
+
+import ml_collections
+import tensorflow as tf
+
+from bert_jax import sample_corpus
+
+# One document in HOLDOUT_MODULUS (by id) is held out for evaluation.
+HOLDOUT_MODULUS = 100
+# Lines grouped into documents per step of a file's reader: per-element tf.data overhead is
+# paid per block, not per line.
+LINES_PER_READ = 1024
+_ID_BUCKETS = 2**62
+# A sentence ends at . ! ? (and closing quotes or brackets) followed by whitespace.
+_SENTENCE_BREAK = r'([.!?][\"\'\)\]\x{201D}\x{2019}\x{00BB}]*)[ \t\r\f\v]+'
+
+
+def input_kind(spec: str) -> str:
+  """'sample', 'tfds', 'tfrecord' (every path names *.tfrecord*) or 'text'."""
+  if spec == 'sample':
+    return 'sample'
+  if spec.startswith('tfds:'):
+    return 'tfds'
+  if all(re.search(r'\.tfrecords?(\b|$)', p) for p in _split_spec(spec)):
+    return 'tfrecord'
+  return 'text'
+
+
+def _split_spec(spec: str) -> list[str]:
+  return [p.strip() for p in spec.split(',') if p.strip()]
+
+
+def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
+  """Files of comma-separated paths or globs, each pattern sorted; errors name the pattern."""
+  patterns = _split_spec(spec)
+  if not patterns:
+    raise ValueError(f'{flag} is empty')
+  files = []
+  for pattern in patterns:
+    matched = sorted(tf.io.gfile.glob(pattern))
+    if not matched:
+      raise FileNotFoundError(f'{flag}: {pattern!r} matches no file')
+    files += matched
+  return files
+
+
+def resolve_files(spec: str, flag: str = 'data.input') -> list[str]:
+  """expand_files, with 'sample' standing for the built-in corpus."""
+  if spec == 'sample':
+    return [sample_corpus.sample_corpus_path()]
+  return expand_files(spec, flag)
+
+
+def fix_utf8(text: tf.Tensor) -> tf.Tensor:
+  """Invalid UTF-8 becomes U+FFFD (which the tokenizer's clean-up drops), never an error."""
+  # Checking is ~10x cheaper than transcoding, and nearly all text is valid.
+  valid = tf.reduce_all(tf.strings.regex_full_match(text, '(?s).*'))
+  return tf.cond(valid, lambda: text, lambda: tf.strings.unicode_transcode(
+      text, 'UTF-8', 'UTF-8', errors='replace', replace_control_characters=False))
+
+
+def document_ids(texts: tf.Tensor) -> tf.Tensor:
+  """The int64 id of each text: a hash, so equal texts are the same document."""
+  return tf.strings.to_hash_bucket_fast(texts, _ID_BUCKETS)
+
+
+def held_out(ids: tf.Tensor) -> tf.Tensor:
+  return tf.equal(ids % HOLDOUT_MODULUS, 0)
+
+
+def selector(holdout: bool | None, shard: tuple[int, int] | None = None):
+  """keep(ids) -> bool: the held-out share (True), the rest (False) or all (None); and, with
+  shard=(index, count), only process `index`'s share."""
+  def keep(ids):
+    selected = tf.ones_like(ids, tf.bool)
+    if holdout is not None:
+      selected &= tf.equal(held_out(ids), holdout)
+    if shard is not None:
+      index, count = shard
+      # Bits above those of the held-out test, so both splits stay independent.
+      selected &= tf.equal((ids // 1024) % count, index)
+    return selected
+  return keep
+
+
+def _select(texts: tf.Tensor, keep) -> dict[str, tf.Tensor]:
+  """Documents [N] -> {'text', 'id'} of those `keep` accepts (vectorized: no per-doc call)."""
+  ids = document_ids(texts)
+  selected = keep(ids) & tf.not_equal(texts, '')
+  return {'text': tf.boolean_mask(texts, selected), 'id': tf.boolean_mask(ids, selected)}
+
+
+def _group_lines(keep):
+  def step(partial: tf.Tensor, lines: tf.Tensor):
+    """(unfinished document, next lines) -> (unfinished document, finished and kept ones)."""
+    lines = tf.strings.strip(fix_utf8(lines))  # A line of spaces is blank, as originally.
+    blank = tf.equal(lines, '')
+    document_of_line = tf.cumsum(tf.cast(blank, tf.int32))
+    num_segments = document_of_line[-1] + 1
+    parts = tf.concat([[partial], tf.boolean_mask(lines, ~blank)], 0)
+    segments = tf.concat([[0], tf.boolean_mask(document_of_line, ~blank)], 0)
+    non_empty = tf.not_equal(parts, '')
+    documents = tf.strings.unsorted_segment_join(
+        tf.boolean_mask(parts, non_empty), tf.boolean_mask(segments, non_empty), num_segments,
+        separator='\n')
+    return documents[-1], _select(documents[:-1], keep)
+  return step
+
+
+def _text_file_reader(keep):
+  def read(path: tf.Tensor) -> tf.data.Dataset:
+    """Documents of one text file, in file order."""
+    compression = tf.where(tf.strings.regex_full_match(path, r'.*\.gz'), 'GZIP', '')
+    lines = tf.data.TextLineDataset(path, compression_type=compression)
+    lines = lines.concatenate(tf.data.Dataset.from_tensors(tf.constant('')))  # Ends the last.
+    return lines.batch(LINES_PER_READ).scan(tf.constant(''), _group_lines(keep)).unbatch()
+  return read
+
+
+def text_documents(files: list[str], *, holdout: bool | None = None, shuffle_files: bool = False,
+                   seed: int = 0, process_index: int = 0,
+                   process_count: int = 1) -> tf.data.Dataset:
+  """One pass over the documents of this process's share of `files`: {'text', 'id'}.
+
+  Process i of n reads files i::n; with fewer files than processes, every process reads all
+  files and keeps the documents whose id falls to it.
+  """
+  by_document = len(files) < process_count
+  if not by_document:
+    files = files[process_index::process_count]
+  keep = selector(holdout, (process_index, process_count) if by_document else None)
+  ds = tf.data.Dataset.from_tensor_slices(files)
+  if shuffle_files and len(files) > 1:
+    ds = ds.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
+  return ds.interleave(_text_file_reader(keep), cycle_length=min(len(files), 16),
+                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def split_into_sentences(text: tf.Tensor) -> tf.Tensor:
+  """An article -> its sentences joined by '\\n': breaks after . ! ? + space, and at newlines."""
+  text = tf.strings.regex_replace(fix_utf8(text), _SENTENCE_BREAK, '\\1\n')
+  text = tf.strings.regex_replace(text, r'\s*\n\s*', '\n')
+  return tf.strings.strip(text)
+
+
+def parse_tfds(spec: str) -> tuple[str, str]:
+  """'tfds:NAME[/CONFIG][:SPLIT]' -> (NAME[/CONFIG], SPLIT or 'train')."""
+  name, _, split = spec[len('tfds:'):].partition(':')
+  if not name:
+    raise ValueError(f'{spec!r}: expected tfds:NAME[/CONFIG][:SPLIT]')
+  return name, split or 'train'
+
+
+def tfds_documents(spec: str, data: ml_collections.ConfigDict, *, holdout: bool | None = None,
+                   shuffle_files: bool = False, seed: int = 0, process_index: int = 0,
+                   process_count: int = 1) -> tf.data.Dataset:
+  """One pass over the articles of a TFDS split (feature data.tfds_text_key), as documents.
+
+  Processes read disjoint even sub-splits; data.tfds_data_dir (optional) is the TFDS data_dir.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  name, split = parse_tfds(spec)
+  builder = tfds.builder(name, data_dir=data.get('tfds_data_dir', None) or None)
+  key = data.tfds_text_key
+  features = builder.info.features
+  if key not in features:
+    raise ValueError(f'data.tfds_text_key={key!r} is not a feature of {name}: '
+                     f'{sorted(features.keys())}')
+  if process_count > 1:
+    split = tfds.even_splits(split, n=process_count, drop_remainder=False)[process_index]
+  read_config = tfds.ReadConfig(shuffle_seed=seed, shuffle_reshuffle_each_iteration=True,
+                                try_autocache=False)
+  ds = builder.as_dataset(split=split, shuffle_files=shuffle_files, read_config=read_config)
+  keep = selector(holdout)
+  return ds.batch(256).map(lambda ex: _select(split_into_sentences(ex[key]), keep),
+                           num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+
+
+def documents(spec: str, flag: str, data: ml_collections.ConfigDict,
+              **kwargs) -> tuple[tf.data.Dataset, str]:
+  """(one pass over the documents of a text, sample or tfds input, its description)."""
+  if input_kind(spec) == 'tfds':
+    return tfds_documents(spec, data, **kwargs), f'{flag}={spec!r}'
+  files = resolve_files(spec, flag)
+  shown = files if len(files) <= 5 else files[:5] + ['...']
+  return text_documents(files, **kwargs), f'{flag}={spec!r} ({len(files)} files: {shown})'
+
+
+def require_element(ds: tf.data.Dataset, message: str) -> None:
+  """Reads one element eagerly: an empty input fails here, not as a silent empty stream."""
+  for _ in ds.take(1):
+    return
+  raise ValueError(message)
+
+
+def text_lines(spec: str, data: ml_collections.ConfigDict):
+  """Python iterator over the sentences of an input (to train a vocabulary on)."""
+  if input_kind(spec) == 'tfds':
+    ds = tfds_documents(spec, data)
+  else:
+    ds = text_documents(resolve_files(spec))
+  for doc in ds.as_numpy_iterator():
+    yield from doc['text'].decode('utf-8', 'replace').split('\n')

@@ -1,0 +1,561 @@
+"""BERT pre-training input: text, TFDS or TFRecords -> batches of masked sequences, in tf.data.
+
+The whole pipeline is tf.data graph ops (no py_function, no generators), so an iterator's
+position, shuffle buffers included, can be saved and restored exactly (`make_iterator`).
+
+Text path, per process:
+  documents (`documents.py`: files i::n of n processes, blank-line separated, held-out share
+  by document hash) -> [train: repeat, shuffle (data.shuffle_buffer documents)]
+  -> batches of DOCS_PER_BATCH documents -> tokenize (`tokenization.load_tokenizer`)
+  -> sentence pairs or packed sequences (`pairing.py`) -> [train: shuffle (data.shuffle_buffer
+  examples)] -> batches -> dynamic masking (`masking.py`) -> the original feature dict.
+
+Randomness is stateless: each document batch and each final batch gets a seed from
+(seed, process_index, its running index), and the running index counts on across epochs, so
+every epoch has new pairs and new masks while a given seed always gives the same stream.
+
+TFRecords of the original create_pretraining_data.py (`*.tfrecord*`) are read as they are
+(static masks); `tfds:NAME[/CONFIG][:SPLIT]` reads articles of a TFDS text feature and splits
+them into sentences; `sample` is the built-in corpus of `sample_corpus.py`. When
+data.eval_input is empty, one document (or record) in 100, chosen by hash, is held out:
+evaluation reads only those, training never does.
+
+Evaluation (train=False) is one deterministic pass; the last batch is filled up with padding
+examples (input_mask all 0, masked_lm_weights all 0, next_sentence_labels 0): weight
+per-example metrics such as NSP accuracy by input_mask[:, 0].
+"""
+
+import functools
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+from absl import logging
+import ml_collections
+import numpy as np
+import tensorflow as tf
+
+from bert_jax import documents
+from bert_jax import masking
+from bert_jax import pairing
+from bert_jax import sample_corpus
+from bert_jax import tokenization
+
+FEATURES = ('input_ids', 'input_mask', 'segment_ids', 'masked_lm_positions', 'masked_lm_ids',
+            'masked_lm_weights', 'next_sentence_labels')
+OBJECTIVES = ('nsp', 'sop', 'none')
+# Documents tokenized and paired together (data.docs_per_batch overrides): more amortize
+# per-op overhead better and give NotNext more documents to draw from.
+DOCS_PER_BATCH = 64
+# How many characters of text a vocabulary is trained on at most (data.vocab_file empty).
+_VOCAB_TRAINING_CHARS = 200_000_000
+
+
+def hide_accelerators_from_tf() -> None:
+  """Keeps tf.data off GPUs and TPUs so it never takes device memory from JAX."""
+  for kind in ('GPU', 'TPU'):
+    try:
+      tf.config.set_visible_devices([], kind)
+    except (RuntimeError, ValueError):
+      pass  # Devices already initialized, or no such kind: nothing to hide.
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples from documents
+# ---------------------------------------------------------------------------------------------
+
+
+def _tokenize_documents(tokenizer, texts: tf.Tensor) -> tf.RaggedTensor:
+  """Documents [N] -> int32 RaggedTensor [N, sentences, tokens], empty sentences removed."""
+  sentences = tf.strings.split(texts, '\n')
+  tokens = tokenizer.tokenize(sentences.flat_values)
+  tokens = tf.RaggedTensor.from_row_splits(
+      tf.cast(tokens.flat_values, tf.int32), tf.cast(tokens.row_splits, tf.int64),
+      validate=False)
+  non_empty = tokens.row_lengths() > 0
+  sentence_counts = tf.math.unsorted_segment_sum(
+      tf.cast(non_empty, tf.int64), sentences.value_rowids(), sentences.nrows())
+  kept = tf.ragged.boolean_mask(tokens, non_empty)
+  return tf.RaggedTensor.from_row_lengths(kept, sentence_counts, validate=False)
+
+
+def _load_tokenizer(vocab_file: str, lower_case: bool):
+  return _cached_tokenizer(vocab_file, _version(vocab_file), lower_case)
+
+
+def _version(path: str) -> tuple[int, int]:
+  """Changes when the file does, so caches keyed by it never serve a stale vocabulary."""
+  try:
+    stat = tf.io.gfile.stat(path)
+  except tf.errors.NotFoundError:
+    return (0, 0)  # The tokenizer reports the missing file.
+  return (stat.mtime_nsec, stat.length)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tokenizer(vocab_file: str, version: tuple[int, int], lower_case: bool):
+  del version  # Part of the cache key only.
+  return tokenization.load_tokenizer(vocab_file, lower_case=lower_case)
+
+
+# The per-batch functions are cached tf.functions with fixed signatures, so building another
+# dataset with the same settings (train and eval, tests) reuses their traced graphs.
+@functools.lru_cache(maxsize=32)
+def _pair_function(vocab_file: str, version: tuple[int, int], lower_case: bool, objective: str,
+                   seq_len: int, short_seq_prob: float):
+  """(seed, batch index, texts [N], ids [N]) -> examples of a batch of documents."""
+  tokenizer = _cached_tokenizer(vocab_file, version, lower_case)
+  specials = dict(cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id)
+
+  @tf.function(autograph=False, input_signature=[
+      tf.TensorSpec([2], tf.int64), tf.TensorSpec([], tf.int64), tf.TensorSpec([None], tf.string),
+      tf.TensorSpec([None], tf.int64)])
+  def fn(seed, index, texts, ids):
+    doc_tokens = _tokenize_documents(tokenizer, texts)
+    if objective == 'none':
+      return pairing.pack_sequences(doc_tokens, seq_len=seq_len, **specials), tf.constant(False)
+    # The single-document check is returned, not asserted: a stateful op would make the
+    # function call stateful, and tf.data cannot checkpoint iterators through those.
+    pairs = pairing.make_pairs(
+        doc_tokens, ids, tf.random.experimental.stateless_fold_in(seed, index),
+        seq_len=seq_len, short_seq_prob=short_seq_prob, objective=objective,
+        check_documents=False, **specials)
+    if objective == 'sop':
+      return pairs, tf.constant(False)
+    return pairs, pairing.single_document(doc_tokens, ids)
+
+  def pair(seed, index, texts, ids):
+    examples, single_document = fn(seed, index, texts, ids)
+    check = tf.debugging.Assert(~single_document, [pairing.NOT_ENOUGH_DOCUMENTS])
+    with tf.control_dependencies([check]):
+      return tf.nest.map_structure(tf.identity, examples)
+  return pair
+
+
+@functools.lru_cache(maxsize=32)
+def _mask_function(vocab_file: str, version: tuple[int, int], lower_case: bool, seq_len: int,
+                   max_predictions: int, masked_lm_prob: float, whole_word: bool):
+  """(seed, batch index, examples) -> the features of a batch, freshly masked."""
+  tokenizer = _cached_tokenizer(vocab_file, version, lower_case)
+  specials = (tokenizer.pad_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id)
+  replacements = masking.replacement_table(tokenizer.vocab_size, tokenizer.special_ids)
+  continuation = tokenizer.is_continuation if whole_word else None
+  vector = tf.TensorSpec([None], tf.int32)
+
+  @tf.function(autograph=False, input_signature=[
+      tf.TensorSpec([2], tf.int64), tf.TensorSpec([], tf.int64),
+      tf.TensorSpec([None, seq_len], tf.int32), vector, vector, vector])
+  def fn(seed, index, input_ids, num_a, length, labels):
+    masked = masking.mask_tokens(
+        input_ids, tf.random.experimental.stateless_fold_in(seed, index),
+        max_predictions=max_predictions, masked_lm_prob=masked_lm_prob,
+        mask_id=tokenizer.mask_id, ineligible_ids=specials, replacement_ids=replacements,
+        is_continuation=continuation)
+    position = tf.range(seq_len)[None, :]
+    input_mask = position < length[:, None]
+    segment_ids = (position >= num_a[:, None]) & input_mask
+    return {
+        'input_ids': masked['input_ids'],
+        'input_mask': tf.cast(input_mask, tf.int32),
+        'segment_ids': tf.cast(segment_ids, tf.int32),
+        'masked_lm_positions': masked['masked_lm_positions'],
+        'masked_lm_ids': masked['masked_lm_ids'],
+        'masked_lm_weights': masked['masked_lm_weights'],
+        'next_sentence_labels': labels,
+    }
+  return fn
+
+
+def _pad_to_batches(ds: tf.data.Dataset, batch_size: int, padding: dict) -> tf.data.Dataset:
+  """Fixed-size batches of a finite stream; the last one is filled with `padding` examples."""
+  if batch_size > 1:
+    ds = ds.concatenate(tf.data.Dataset.from_tensors(padding).repeat(batch_size - 1))
+  return ds.batch(batch_size, drop_remainder=True)
+
+
+def _seed_tensor(seed: int, process_index: int, purpose: int) -> tf.Tensor:
+  """The stateless seed of one kind of draw (pairs, masks) on one process."""
+  return tf.constant([seed, process_index * 1000 + purpose], tf.int64)
+
+
+def _shuffle_seed(seed: int, process_index: int, purpose: int) -> int:
+  """Seed of one shuffle (files, documents, examples) on one process: each draws its own."""
+  key = f'{seed}/{process_index}/{purpose}'.encode()
+  return int.from_bytes(hashlib.sha256(key).digest()[:7], 'little')
+
+
+def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_index,
+                  process_count, seed, vocab_file, docs_per_batch):
+  objective = data.objective
+  spec, flag = (data.input, 'data.input')
+  holdout = None
+  if train:
+    holdout = False if not data.eval_input else None
+  elif data.eval_input:
+    spec, flag = data.eval_input, 'data.eval_input'
+  else:
+    holdout = True
+  docs, described = documents.documents(
+      spec, flag, data, holdout=holdout, shuffle_files=train,
+      seed=_shuffle_seed(seed, process_index, 0),
+      process_index=process_index, process_count=process_count)
+  share = f' (process {process_index} of {process_count})' if process_count > 1 else ''
+  what = (f'held-out documents (1 in {documents.HOLDOUT_MODULUS} by hash)' if holdout
+          else 'documents')
+  documents.require_element(docs, f'no {what} in {described}{share}' +
+                            ('; set data.eval_input' if holdout else ''))
+
+  tokenizer = _load_tokenizer(vocab_file, data.lower_case)
+  if train:
+    docs = docs.repeat().shuffle(data.shuffle_buffer,
+                                 seed=_shuffle_seed(seed, process_index, 1))
+  version = _version(vocab_file)
+  pair = _pair_function(vocab_file, version, data.lower_case, objective, seq_len,
+                        float(data.short_seq_prob))
+  pair_seed = _seed_tensor(seed, process_index, 1)
+  examples = docs.batch(docs_per_batch).enumerate().map(
+      lambda i, docs: pair(pair_seed, i, docs['text'], docs['id']),
+      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+  if train:
+    examples = examples.shuffle(data.shuffle_buffer,
+                                seed=_shuffle_seed(seed, process_index, 2))
+    batches = examples.batch(batch_size, drop_remainder=True)
+  else:
+    padding = {'input_ids': tf.fill([seq_len], tokenizer.pad_id), 'num_a': 0, 'length': 0,
+               'next_sentence_labels': 0}
+    batches = _pad_to_batches(examples, batch_size, padding)
+  mask = _mask_function(vocab_file, version, data.lower_case, seq_len, max_predictions,
+                        float(data.masked_lm_prob), bool(data.whole_word_masking))
+  mask_seed = _seed_tensor(seed, process_index, 2)
+  return batches.enumerate().map(
+      lambda i, b: mask(mask_seed, i, b['input_ids'], b['num_a'], b['length'],
+                        b['next_sentence_labels']),
+      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# TFRecords of create_pretraining_data.py
+# ---------------------------------------------------------------------------------------------
+
+
+def _record_spec(seq_len: int, max_predictions: int) -> dict[str, tuple[int, tf.DType]]:
+  return {
+      'input_ids': (seq_len, tf.int64), 'input_mask': (seq_len, tf.int64),
+      'segment_ids': (seq_len, tf.int64), 'masked_lm_positions': (max_predictions, tf.int64),
+      'masked_lm_ids': (max_predictions, tf.int64),
+      'masked_lm_weights': (max_predictions, tf.float32), 'next_sentence_labels': (1, tf.int64),
+  }
+
+
+def _compression(path: str) -> str:
+  return 'GZIP' if path.endswith('.gz') else ''
+
+
+def check_tfrecord(path: str, seq_len: int, max_predictions: int) -> None:
+  """Raises ValueError naming the file and feature if its first record does not fit."""
+  for record in tf.data.TFRecordDataset(path, _compression(path)).take(1):
+    example = tf.train.Example.FromString(record.numpy())
+    for name, (size, dtype) in _record_spec(seq_len, max_predictions).items():
+      if name not in example.features.feature:
+        raise ValueError(f'{path}: the records have no feature {name!r}; expected the '
+                         f'features of create_pretraining_data.py: {list(FEATURES)}')
+      feature = example.features.feature[name]
+      values = (feature.float_list.value if dtype == tf.float32 else feature.int64_list.value)
+      if len(values) != size:
+        setting = 'seq_len' if size == seq_len and 'masked' not in name else 'max_predictions'
+        if name == 'next_sentence_labels':
+          setting = 'one label per example'
+        raise ValueError(f'{path}: feature {name!r} has {len(values)} values, but '
+                         f'{setting} asks for {size}')
+
+
+def _zero_record(seq_len: int, max_predictions: int) -> bytes:
+  """A serialized example of zeros: the padding of the last evaluation batch."""
+  feature = {}
+  for name, (size, dtype) in _record_spec(seq_len, max_predictions).items():
+    if dtype == tf.float32:
+      feature[name] = tf.train.Feature(float_list=tf.train.FloatList(value=[0.0] * size))
+    else:
+      feature[name] = tf.train.Feature(int64_list=tf.train.Int64List(value=[0] * size))
+  return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+
+
+def _tfrecord_dataset(data, *, batch_size, seq_len, max_predictions, train, process_index,
+                      process_count, seed):
+  spec, flag, holdout = data.input, 'data.input', None
+  if not train and data.eval_input:
+    spec, flag = data.eval_input, 'data.eval_input'
+  elif not data.eval_input:
+    holdout = not train
+  files = documents.expand_files(spec, flag)
+  by_record = len(files) < process_count
+  if not by_record:
+    files = files[process_index::process_count]
+  for path in files:
+    check_tfrecord(path, seq_len, max_predictions)
+  ds = tf.data.Dataset.from_tensor_slices(files)
+  if train and len(files) > 1:
+    ds = ds.shuffle(len(files), seed=_shuffle_seed(seed, process_index, 0),
+                    reshuffle_each_iteration=True)
+  ds = ds.interleave(
+      lambda f: tf.data.TFRecordDataset(
+          f, tf.where(tf.strings.regex_full_match(f, r'.*\.gz'), 'GZIP', '')),
+      cycle_length=min(len(files), 16), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  if holdout is not None or by_record and process_count > 1:
+    # Records are selected like documents, by a hash of their bytes; in blocks, since a
+    # per-record filter call costs more than the hash.
+    keep = documents.selector(holdout, (process_index, process_count) if by_record else None)
+    ds = ds.batch(1024).map(lambda r: tf.boolean_mask(r, keep(documents.document_ids(r))))
+    ds = ds.unbatch()
+  what = 'held-out records (1 in 100 by hash)' if holdout else 'records'
+  documents.require_element(ds, f'no {what} in {flag}={spec!r} ({files})' +
+                            ('; set data.eval_input' if holdout else ''))
+  features = {name: tf.io.FixedLenFeature([size], dtype)
+              for name, (size, dtype) in _record_spec(seq_len, max_predictions).items()}
+
+  def parse(records):
+    parsed = tf.io.parse_example(records, features)
+    out = {k: tf.cast(v, tf.float32 if k == 'masked_lm_weights' else tf.int32)
+           for k, v in parsed.items()}
+    out['next_sentence_labels'] = out['next_sentence_labels'][:, 0]
+    return out
+
+  if train:
+    ds = ds.repeat().shuffle(data.shuffle_buffer, seed=_shuffle_seed(seed, process_index, 1))
+    ds = ds.batch(batch_size, drop_remainder=True)
+  else:
+    ds = _pad_to_batches(ds, batch_size, tf.constant(_zero_record(seq_len, max_predictions)))
+  return ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int, seq_len: int,
+                             max_predictions: int, train: bool, process_index: int = 0,
+                             process_count: int = 1, seed: int | None = None,
+                             vocab_file: str | None = None) -> tf.data.Dataset:
+  """Batches of pre-training examples for this process.
+
+  Args:
+    data: the `config.data` ConfigDict (see configs/default.py).
+    batch_size: examples per batch on this process.
+    seq_len: sequence length (padded).
+    max_predictions: width of the masked_lm_* features.
+    train: True: endless, shuffled, new pairs and masks every epoch. False: one deterministic
+      pass over the evaluation data, the last batch filled with padding examples.
+    process_index, process_count: this process's share of the data.
+    seed: overrides data.seed.
+    vocab_file: overrides `resolve_vocab(data, None)`.
+
+  Returns:
+    A dataset of dicts: input_ids, input_mask, segment_ids [B, seq_len] int32,
+    masked_lm_positions, masked_lm_ids [B, max_predictions] int32, masked_lm_weights
+    [B, max_predictions] float32, next_sentence_labels [B] int32.
+  """
+  hide_accelerators_from_tf()
+  if seq_len < 8:
+    raise ValueError(f'seq_len={seq_len} is too short for [CLS] A [SEP] B [SEP]: use >= 8')
+  if not 1 <= max_predictions <= seq_len:
+    raise ValueError(f'max_predictions={max_predictions} must lie in [1, seq_len={seq_len}]')
+  if batch_size < 1:
+    raise ValueError(f'batch_size={batch_size} must be positive')
+  if not 0 <= process_index < process_count:
+    raise ValueError(f'process_index={process_index} is not in [0, {process_count})')
+  if data.objective not in OBJECTIVES:
+    raise ValueError(f'data.objective={data.objective!r} is not one of {OBJECTIVES}')
+  seed = int(data.seed if seed is None else seed)
+  common = dict(batch_size=batch_size, seq_len=seq_len, max_predictions=max_predictions,
+                train=train, process_index=process_index, process_count=process_count,
+                seed=seed)
+  inputs = [data.input] + ([data.eval_input] if data.eval_input else [])
+  kinds = {documents.input_kind(s) for s in inputs}
+  if 'tfrecord' in kinds:
+    if kinds != {'tfrecord'}:
+      raise ValueError(f'data.input={data.input!r} and data.eval_input={data.eval_input!r} '
+                       'mix TFRecords and text')
+    ds = _tfrecord_dataset(data, **common)
+  else:
+    if not 0.0 < data.masked_lm_prob < 1.0:
+      raise ValueError(f'data.masked_lm_prob={data.masked_lm_prob} must lie in (0, 1)')
+    ds = _text_dataset(data, vocab_file=vocab_file or resolve_vocab(data, None),
+                       docs_per_batch=int(data.get('docs_per_batch', DOCS_PER_BATCH)),
+                       **common)
+  options = tf.data.Options()
+  options.deterministic = True
+  # Iterator checkpoints refuse function calls holding stateful ops, and the tokenizer's ragged
+  # validation Asserts make ours look stateful. Nothing in the pipeline has state outside
+  # tf.data (randomness is stateless), which the save/restore test checks.
+  options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
+  return ds.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
+def make_iterator(ds: tf.data.Dataset):
+  """An iterator of numpy dicts with `save(path)` / `restore(path)` of its exact position."""
+  from clu import data as clu_data  # pylint: disable=g-import-not-at-top
+  return clu_data.TfDatasetIterator(ds, checkpoint=True)
+
+
+def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
+  """data.vocab_file, or a WordPiece vocab trained on data.input (cached) when it is empty.
+
+  The trained vocab goes to workdir/vocab.txt, or without a workdir to the cache directory
+  (sample_corpus.default_cache_dir()) under a name derived from the input and settings. It is
+  written atomically, so processes training it side by side never see a partial file.
+  """
+  if data.vocab_file:
+    return data.vocab_file
+  kind = documents.input_kind(data.input)
+  if kind == 'tfrecord':
+    raise ValueError('data.vocab_file is required with TFRecord input (the ids in the records '
+                     'belong to the vocabulary that made them)')
+  if workdir:
+    path = os.path.join(workdir, 'vocab.txt')
+  else:
+    key = json.dumps([data.input, int(data.vocab_size), bool(data.lower_case)])
+    path = os.path.join(sample_corpus.default_cache_dir(),
+                        f'vocab_{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt')
+  if tf.io.gfile.exists(path):
+    return path
+  from bert_jax import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  texts = documents.text_lines(data.input, data)
+  logging.info('Training a %d-token WordPiece vocabulary on %s into %s', data.vocab_size,
+               data.input, path)
+  tmp = f'{path}.tmp-{os.getpid()}'
+  vocab_lib.train_wordpiece(_capped(texts, _VOCAB_TRAINING_CHARS), tmp, int(data.vocab_size),
+                            lower_case=data.lower_case)
+  tf.io.gfile.rename(tmp, path, overwrite=True)
+  return path
+
+
+def _capped(texts, max_chars: int):
+  total = 0
+  for text in texts:
+    yield text
+    total += len(text)
+    if total >= max_chars:
+      logging.info('Vocabulary trained on the first %d characters of the input', total)
+      return
+
+
+def _settings(data, seq_len, max_predictions):
+  return (int(seq_len or data.max_seq_length),
+          int(max_predictions or data.max_predictions_per_seq))
+
+
+def show_examples(data: ml_collections.ConfigDict, num: int = 3, *,
+                  vocab_file: str | None = None, seq_len: int | None = None,
+                  max_predictions: int | None = None, train: bool = True,
+                  seed: int | None = None) -> str:
+  """Decoded examples: [MASK→orig] for a masked token, [rand→orig] for a replaced one and
+  {orig} for one kept as is, the two segments and the next-sentence label."""
+  seq_len, max_predictions = _settings(data, seq_len, max_predictions)
+  vocab_file = vocab_file or resolve_vocab(data, None)
+  tokenizer = _load_tokenizer(vocab_file, data.lower_case)
+  ds = make_pretraining_dataset(data, batch_size=num, seq_len=seq_len,
+                                max_predictions=max_predictions, train=train, seed=seed,
+                                vocab_file=vocab_file)
+  batch = next(ds.as_numpy_iterator())
+  vocab = tokenizer.vocab
+  label_names = {0: 'IsNext', 1: 'NotNext'} if data.objective == 'nsp' else {
+      0: 'in order', 1: 'swapped'}
+  lines = []
+  for i in range(num):
+    ids = batch['input_ids'][i]
+    marked = {int(p): int(t) for p, t, w in zip(batch['masked_lm_positions'][i],
+                                                 batch['masked_lm_ids'][i],
+                                                 batch['masked_lm_weights'][i]) if w > 0}
+    words = {0: [], 1: []}
+    for pos in range(int(batch['input_mask'][i].sum())):
+      token = vocab[ids[pos]]
+      if pos in marked:
+        original = vocab[marked[pos]]
+        if ids[pos] == tokenizer.mask_id:
+          token = f'[MASK→{original}]'
+        elif ids[pos] == marked[pos]:
+          token = f'{{{original}}}'
+        else:
+          token = f'[{token}→{original}]'
+      words[int(batch['segment_ids'][i][pos])].append(token)
+    header = f'example {i}: {len(marked)} masked'
+    if data.objective != 'none':
+      header += f', {label_names[int(batch["next_sentence_labels"][i])]}'
+    lines.append(header)
+    lines.append('  A: ' + ' '.join(words[0]))
+    if words[1]:
+      lines.append('  B: ' + ' '.join(words[1]))
+  return '\n'.join(lines)
+
+
+def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size: int, *,
+                  vocab_file: str | None = None, seq_len: int | None = None,
+                  max_predictions: int | None = None, train: bool = True,
+                  seed: int | None = None) -> dict[str, Any]:
+  """Statistics over `num_batches` batches (see the keys) and the pipeline's speed.
+
+  masked_fraction is masked / eligible tokens (not [CLS], [SEP], [PAD], [MASK] before
+  masking); mask_token_fraction, random_token_fraction and kept_fraction split the masked
+  positions; tokens_per_second counts non-padding tokens after the first batch (which pays
+  for building the pipeline).
+  """
+  seq_len, max_predictions = _settings(data, seq_len, max_predictions)
+  if documents.input_kind(data.input) != 'tfrecord':
+    vocab_file = vocab_file or resolve_vocab(data, None)
+  vocab_file = vocab_file or data.vocab_file
+  if vocab_file:
+    tokenizer = _load_tokenizer(vocab_file, data.lower_case)
+    mask_id = tokenizer.mask_id
+    specials = [tokenizer.pad_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id]
+  else:  # TFRecords without a vocabulary: assume the original BERT vocabularies' ids.
+    mask_id = 103
+    specials = [0, 101, 102, 103]
+  ds = make_pretraining_dataset(data, batch_size=batch_size, seq_len=seq_len,
+                                max_predictions=max_predictions, train=train, seed=seed,
+                                vocab_file=vocab_file)
+  totals = dict(examples=0, not_next=0, tokens=0, slots=0, masked=0, eligible=0, as_mask=0,
+                kept=0, segment_b=0)
+  start = None
+  timed_tokens = 0
+  for i, batch in enumerate(ds.take(num_batches).as_numpy_iterator()):
+    if i == 0:
+      start = time.perf_counter()
+    weights = batch['masked_lm_weights'] > 0
+    rows = np.nonzero(weights)[0]
+    positions = batch['masked_lm_positions'][weights]
+    originals = batch['masked_lm_ids'][weights]
+    now = batch['input_ids'][rows, positions]
+    restored = batch['input_ids'].copy()
+    restored[rows, positions] = originals
+    real = batch['input_mask'] > 0
+    eligible = real & ~np.isin(restored, specials)
+    tokens = int(real.sum())
+    totals['examples'] += int(real[:, 0].sum())
+    totals['not_next'] += int(batch['next_sentence_labels'][real[:, 0]].sum())
+    totals['tokens'] += tokens
+    totals['slots'] += real.size
+    totals['masked'] += int(weights.sum())
+    totals['eligible'] += int(eligible.sum())
+    totals['as_mask'] += int((now == mask_id).sum())
+    totals['kept'] += int((now == originals).sum())
+    totals['segment_b'] += int((batch['segment_ids'] > 0).sum())
+    if i > 0:
+      timed_tokens += tokens
+  elapsed = time.perf_counter() - start if start is not None else 0.0
+  masked = max(totals['masked'], 1)
+  return {
+      'examples': totals['examples'],
+      'next_sentence_fraction': totals['not_next'] / max(totals['examples'], 1),
+      'masked_fraction': totals['masked'] / max(totals['eligible'], 1),
+      'mask_token_fraction': totals['as_mask'] / masked,
+      'random_token_fraction': (totals['masked'] - totals['as_mask'] - totals['kept']) / masked,
+      'kept_fraction': totals['kept'] / masked,
+      'padding_fraction': 1.0 - totals['tokens'] / max(totals['slots'], 1),
+      'mean_length': totals['tokens'] / max(totals['examples'], 1),
+      'segment_b_fraction': totals['segment_b'] / max(totals['tokens'], 1),
+      'masked_per_example': totals['masked'] / max(totals['examples'], 1),
+      'tokens_per_second': timed_tokens / elapsed if elapsed > 0 else float('nan'),
+  }

@@ -1,0 +1,134 @@
+"""Tests of bert_jax.documents: reading text files into documents, ids, splits, sentences."""
+
+import gzip
+
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bert_jax import documents
+
+
+def _texts(ds):
+  return [d['text'].decode() for d in ds.as_numpy_iterator()]
+
+
+def _write_docs(path, docs, trailing_blank=True):
+  text = '\n\n'.join('\n'.join(doc) for doc in docs) + ('\n\n' if trailing_blank else '')
+  data = text.encode()
+  if str(path).endswith('.gz'):
+    data = gzip.compress(data)
+  with open(path, 'wb') as f:
+    f.write(data)
+
+
+def test_documents_across_blocks_and_files(tmp_path):
+  # Documents longer than a read block, blank lines of spaces, several blank lines in a row,
+  # and a file without a final blank line: each document comes out whole, once, in order.
+  rng = np.random.RandomState(0)
+  first = [[f'doc{d} line{i}' for i in range(rng.choice([1, 3, 700, 1500]))] for d in range(9)]
+  second = [[f'second{d} line{i}' for i in range(rng.randint(1, 4))] for d in range(5)]
+  _write_docs(tmp_path / 'a.txt', first)
+  _write_docs(tmp_path / 'b.txt.gz', second, trailing_blank=False)
+  with open(tmp_path / 'c.txt', 'w') as f:
+    f.write('\n  \n\nonly one\r\n  \t\n\n\nsecond doc\n')
+  files = [str(tmp_path / n) for n in ('a.txt', 'b.txt.gz', 'c.txt')]
+  got = []
+  for path in files:
+    got.append(_texts(documents.text_documents([path])))
+  assert got[0] == ['\n'.join(d) for d in first]
+  assert got[1] == ['\n'.join(d) for d in second]
+  assert got[2] == ['only one', 'second doc']
+  together = _texts(documents.text_documents(files))
+  assert sorted(together) == sorted(sum(got, []))
+
+
+def test_invalid_utf8_is_replaced(tmp_path):
+  path = tmp_path / 'bad.txt'
+  path.write_bytes(b'good line\nbad \xff\xfe line \xc3\x28\n\nnext\n')
+  texts = _texts(documents.text_documents([str(path)]))
+  assert texts == ['good line\nbad \ufffd\ufffd line \ufffd(', 'next']
+
+
+def test_ids_hold_out_and_shard(tmp_path):
+  docs = [[f'document {d}', f'sentence {d}'] for d in range(3000)]
+  _write_docs(tmp_path / 'docs.txt', docs)
+  files = [str(tmp_path / 'docs.txt')]
+  every = list(documents.text_documents(files).as_numpy_iterator())
+  ids = np.array([d['id'] for d in every])
+  expected = documents.document_ids(tf.constant([d['text'] for d in every])).numpy()
+  np.testing.assert_array_equal(ids, expected)
+  assert len(set(ids.tolist())) == 3000 and ids.min() >= 0
+  held = set(_texts(documents.text_documents(files, holdout=True)))
+  rest = set(_texts(documents.text_documents(files, holdout=False)))
+  assert not held & rest and len(held | rest) == 3000 and 10 < len(held) < 60
+  # One file, three processes: documents are dealt out by id, disjoint and complete.
+  shares = [set(_texts(documents.text_documents(files, holdout=False, process_index=i,
+                                                process_count=3))) for i in range(3)]
+  assert sum(map(len, shares)) == len(rest) == len(set.union(*shares))
+  assert min(map(len, shares)) > 900
+
+
+def test_files_are_dealt_to_processes(tmp_path):
+  files = []
+  for i in range(5):
+    files.append(str(tmp_path / f'{i}.txt'))
+    _write_docs(files[-1], [[f'file {i} doc {d}'] for d in range(3)])
+  shares = [_texts(documents.text_documents(files, process_index=p, process_count=2))
+            for p in range(2)]
+  assert {t.split()[1] for t in shares[0]} == {'0', '2', '4'}
+  assert {t.split()[1] for t in shares[1]} == {'1', '3'}
+
+
+def test_file_order_is_shuffled_per_epoch_deterministically(tmp_path):
+  files = []
+  for i in range(8):
+    files.append(str(tmp_path / f'{i}.txt'))
+    _write_docs(files[-1], [[f'file {i}']])
+  make = lambda: documents.text_documents(files, shuffle_files=True, seed=3).repeat(3)
+  first, second = _texts(make()), _texts(make())
+  assert first == second
+  epochs = [first[i * 8:(i + 1) * 8] for i in range(3)]
+  assert all(sorted(e) == sorted(epochs[0]) for e in epochs)
+  assert len({tuple(e) for e in epochs}) > 1
+
+
+def test_expand_files_errors(tmp_path):
+  (tmp_path / 'x.txt').write_text('a\n')
+  assert documents.expand_files(f'{tmp_path}/x.txt, {tmp_path}/*.txt') == [
+      str(tmp_path / 'x.txt')] * 2
+  with pytest.raises(FileNotFoundError, match=r"data.eval_input: '.*/y\*' matches no file"):
+    documents.expand_files(f'{tmp_path}/x.txt,{tmp_path}/y*', 'data.eval_input')
+  with pytest.raises(ValueError, match='data.input is empty'):
+    documents.expand_files(' , ')
+
+
+def test_input_kind():
+  assert documents.input_kind('sample') == 'sample'
+  assert documents.input_kind('tfds:wikipedia/20230601.en:train[:1%]') == 'tfds'
+  assert documents.input_kind('a/*.tfrecord,b.tfrecord-00001-of-00002') == 'tfrecord'
+  assert documents.input_kind('a.tfrecords.gz') == 'tfrecord'
+  assert documents.input_kind('a/*.txt,b.tfrecord') == 'text'
+  assert documents.parse_tfds('tfds:wikipedia/20230601.en') == ('wikipedia/20230601.en', 'train')
+  assert documents.parse_tfds('tfds:c4:validation') == ('c4', 'validation')
+  with pytest.raises(ValueError, match='tfds:NAME'):
+    documents.parse_tfds('tfds::train')
+
+
+def test_split_into_sentences():
+  text = tf.constant('One two. Three "four?" Five! x.y 3.5 six\nseven\n\n  eight')
+  got = documents.split_into_sentences(text).numpy().decode().split('\n')
+  assert got == ['One two.', 'Three "four?"', 'Five!', 'x.y 3.5 six', 'seven', 'eight']
+
+
+def test_require_element():
+  documents.require_element(tf.data.Dataset.range(1), 'unused')
+  with pytest.raises(ValueError, match='nothing here'):
+    documents.require_element(tf.data.Dataset.range(0), 'nothing here')
+
+
+def test_text_lines(tmp_path):
+  _write_docs(tmp_path / 'a.txt', [['a b', 'c'], ['d']])
+  data = ml_collections.ConfigDict({'tfds_text_key': 'text'})
+  assert list(documents.text_lines(str(tmp_path / 'a.txt'), data)) == ['a b', 'c', 'd']
