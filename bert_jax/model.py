@@ -28,6 +28,7 @@ import re
 from typing import Any, Callable
 
 import flax.linen as nn
+from flax.linen.dtypes import promote_dtype
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,11 +220,37 @@ class LayerNorm(nn.Module):
     return y.astype(self.config.compute_dtype)
 
 
+class DenseGeneral(nn.Module):
+  """`nn.DenseGeneral` over the trailing `num_in` input axes: same parameters, init and math.
+
+  Flax's own creates the kernel flattened to 2-D and, whenever a mesh is set (`jax.set_mesh`,
+  which activation constraints need), constrains that flat value with the kernel's logical
+  names: for [embed, heads, kv] and [heads, kv, embed] kernels it fails on a rank mismatch,
+  even in `apply` (Flax re-runs the initializer abstractly to check shapes). Here the kernel
+  is created at its full shape.
+  """
+  config: BertConfig
+  features: tuple[int, ...]
+  axes: tuple[str | None, ...]   # The kernel's logical axes: input axes, then features.
+  num_in: int = 1
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    c, n = self.config, self.num_in
+    kernel = self.param('kernel', _init(c, self.axes), x.shape[-n:] + self.features,
+                        jnp.float32)
+    bias = self.param('bias', _zeros(self.axes[n:]), self.features, jnp.float32)
+    x, kernel, bias = promote_dtype(x, kernel, bias, dtype=c.compute_dtype)
+    dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
+    return jax.lax.dot_general(x, kernel, dims) + bias
+
+
 def _dense(config: BertConfig, features, axes, name: str, in_axes=-1) -> nn.Module:
   features = features if isinstance(features, tuple) else (features,)
-  return nn.DenseGeneral(features=features, axis=in_axes, dtype=config.compute_dtype,
-                         param_dtype=jnp.float32, kernel_init=_init(config, axes),
-                         bias_init=_zeros(axes[-len(features):]), name=name)
+  in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
+  if in_axes != tuple(range(-len(in_axes), 0)):
+    raise ValueError(f'in_axes {in_axes} are not the trailing axes')
+  return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes), name=name)
 
 
 def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
@@ -368,7 +395,9 @@ class BertModel(nn.Module):
   def setup(self):
     self.embeddings = Embeddings(self.config)
     self.encoder = Encoder(self.config)
-    self.pooler = _dense(self.config, self.config.hidden_size, ('embed', 'mlp'), 'pooler')
+    # Hidden -> hidden, read by heads that contract over 'embed': laid out like the MLM
+    # transform (see MlmHead), so its input gradient is never the dot XLA miscompiles.
+    self.pooler = _dense(self.config, self.config.hidden_size, ('mlp', 'embed'), 'pooler')
 
   def __call__(self, input_ids: Array, input_mask: Array, segment_ids: Array,
                deterministic: bool = True, return_hidden_states: bool = False):
@@ -397,10 +426,16 @@ class MlmHead(nn.Module):
   @nn.compact
   def __call__(self, x: Array, attend: Callable[[Array], Array]) -> Array:
     c = self.config
-    # Explicit layouts around the tied decoder: left to itself, XLA's SPMD partitioner computed
-    # wrong embedding gradients on a mesh with data, fsdp and tensor axes all > 1.
     x = _constrain(x, ('batch', None, 'act_embed'))
-    x = _dense(c, c.hidden_size, ('embed', 'mlp'), 'transform')(x)
+    # The transform maps back into the hidden ('embed') dimension that the LayerNorm and the
+    # tied decoder read, like the attention and MLP output projections. Laid out as
+    # ('embed', 'mlp'), its output (and so the decoder's input gradient, dlogits @ E) was
+    # hidden-split over 'tensor', and XLA's SPMD partitioner (jax 0.10) miscompiles exactly
+    # that dot: [batch/(data, fsdp), k/tensor] x [k/tensor, n/fsdp] -> [batch/(data, fsdp),
+    # n/tensor] comes out with the rows of two batch shards swapped (a collective-permute it
+    # never undoes) when data, fsdp and tensor are all > 1: the loss was right, the gradients
+    # of the MLM head and everything below it were not.
+    x = _dense(c, c.hidden_size, ('mlp', 'embed'), 'transform')(x)
     x = _layer_norm(c, 'layer_norm')(_ACTIVATIONS[c.hidden_act](x))
     x = _constrain(x, ('batch', None, 'act_embed'))
     bias = self.param('output_bias', _zeros(('vocab',)), (c.vocab_size,), jnp.float32)
