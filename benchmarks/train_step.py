@@ -1,0 +1,172 @@
+"""Train-step throughput: the training loop stripped to what is timed. Prints one JSON line.
+
+  python benchmarks/train_step.py --size=base --batch_size=32 --seq_len=128 --steps=20
+  python benchmarks/train_step.py --size=mini --batch_size=32 --seq_len=128 --compare_torch
+  python benchmarks/train_step.py --size=tiny --batch_size=32 --seq_len=128 --real_data
+
+Synthetic batches by default; --real_data feeds the real input pipeline (sample corpus) and
+reports the share of wall time spent waiting for input. --compare_torch also times Hugging Face
+transformers' PyTorch BertForPreTraining (same config, batch, sequence length, AdamW) in the
+same process, on the CPU.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+
+from bert_jax import cli  # pylint: disable=g-import-not-at-top
+from bert_jax import flops as flops_lib
+from bert_jax import model as model_lib
+from bert_jax import optim
+from bert_jax import sharding as sharding_lib
+from bert_jax import train as train_lib
+
+
+def synthetic_batch(batch_size, seq_len, preds, vocab_size, seed=0):
+  rng = np.random.RandomState(seed)
+  ids = rng.randint(5, vocab_size, size=(batch_size, seq_len)).astype(np.int32)
+  pos = np.sort(np.stack([rng.choice(np.arange(1, seq_len), preds, replace=False)
+                          for _ in range(batch_size)]), axis=1).astype(np.int32)
+  return dict(input_ids=ids, input_mask=np.ones_like(ids),
+              segment_ids=(np.arange(seq_len)[None] >= seq_len // 2).astype(np.int32)
+              * np.ones_like(ids),
+              masked_lm_positions=pos, masked_lm_ids=np.take_along_axis(ids, pos, 1),
+              masked_lm_weights=np.ones(pos.shape, np.float32),
+              next_sentence_labels=rng.randint(0, 2, size=batch_size).astype(np.int32))
+
+
+def bench_jax(args, config):
+  bert_config = train_lib.model_config(config, args.vocab_size)
+  mesh = sharding_lib.make_mesh(config.mesh)
+  rules = sharding_lib.rules_from_config(config.mesh)
+  model = model_lib.BertForPreTraining(bert_config)
+  tx, _ = optim.make_optimizer(config.train)
+  _, shardings, init = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
+  with sharding_lib.activate(mesh, rules):
+    state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+  step = train_lib.build_train_step(model, tx, mesh, rules, shardings, jax.random.key(1),
+                                    config.train.grad_accum_steps, True)
+  bsh = sharding_lib.batch_sharding(mesh)
+  if args.real_data:
+    from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+    train_lib.hide_accelerators_from_tf()
+    vocab = input_pipeline.resolve_vocab(config.data, '/tmp/bert_jax/bench')
+    ds = input_pipeline.make_pretraining_dataset(
+        config.data, batch_size=args.batch_size, seq_len=args.seq_len,
+        max_predictions=args.max_predictions, train=True, vocab_file=vocab)
+    it = ds.as_numpy_iterator()
+    next_batch = lambda: next(it)
+  else:
+    fixed = synthetic_batch(args.batch_size, args.seq_len, args.max_predictions,
+                            bert_config.vocab_size)
+    next_batch = lambda: fixed
+  for _ in range(args.warmup):
+    state, metrics = step(state, sharding_lib.make_global_batch(next_batch(), bsh))
+  jax.block_until_ready(metrics)
+  wait = 0.0
+  t0 = time.perf_counter()
+  for _ in range(args.steps):
+    t = time.perf_counter()
+    local = next_batch()
+    wait += time.perf_counter() - t
+    state, metrics = step(state, sharding_lib.make_global_batch(local, bsh))
+  jax.block_until_ready(metrics)
+  elapsed = time.perf_counter() - t0
+  sps = args.steps * args.batch_size / elapsed
+  flops = flops_lib.train_flops_per_sequence(bert_config, args.seq_len, args.max_predictions)
+  peak = flops_lib.peak_flops_per_device()
+  out = dict(framework='bert_jax', size=args.size, batch_size=args.batch_size,
+             seq_len=args.seq_len, devices=jax.device_count(),
+             device_kind=jax.devices()[0].device_kind, dtype=bert_config.dtype,
+             attention_impl=bert_config.attention_impl, remat=bert_config.remat_policy,
+             sequences_per_second=sps, step_seconds=elapsed / args.steps,
+             model_tflops_per_second=sps * flops / 1e12,
+             mfu=(sps * flops / (peak * jax.device_count())) if peak else None,
+             loss=float(metrics['loss']))
+  if args.real_data:
+    out['input_wait_fraction'] = wait / elapsed
+  return out, bert_config
+
+
+def bench_torch(args, bert_config):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  hf_config = transformers.BertConfig(**bert_config.to_original_dict(),
+                                      attn_implementation='sdpa')
+  model = transformers.BertForPreTraining(hf_config).train()
+  opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, eps=1e-6)
+  b = synthetic_batch(args.batch_size, args.seq_len, args.max_predictions,
+                      bert_config.vocab_size)
+  labels = np.full(b['input_ids'].shape, -100, np.int64)
+  np.put_along_axis(labels, b['masked_lm_positions'], b['masked_lm_ids'], 1)
+  inputs = dict(input_ids=torch.tensor(b['input_ids'], dtype=torch.long),
+                attention_mask=torch.tensor(b['input_mask'], dtype=torch.long),
+                token_type_ids=torch.tensor(b['segment_ids'], dtype=torch.long),
+                labels=torch.tensor(labels),
+                next_sentence_label=torch.tensor(b['next_sentence_labels'], dtype=torch.long))
+
+  def step():
+    opt.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+  for _ in range(args.warmup):
+    step()
+  t0 = time.perf_counter()
+  for _ in range(args.steps):
+    loss = step()
+  elapsed = time.perf_counter() - t0
+  return dict(framework='transformers+torch', torch=torch.__version__,
+              threads=torch.get_num_threads(), size=args.size, batch_size=args.batch_size,
+              seq_len=args.seq_len, sequences_per_second=args.steps * args.batch_size / elapsed,
+              step_seconds=elapsed / args.steps, loss=float(loss))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--size', default='base')
+  parser.add_argument('--batch_size', type=int, default=32)
+  parser.add_argument('--seq_len', type=int, default=128)
+  parser.add_argument('--max_predictions', type=int, default=0,
+                      help='0 = 20 at 128 tokens, scaled with the length (80 at 512)')
+  parser.add_argument('--steps', type=int, default=20)
+  parser.add_argument('--warmup', type=int, default=3)
+  parser.add_argument('--vocab_size', type=int, default=30522)
+  parser.add_argument('--dtype', default='auto')
+  parser.add_argument('--attention_impl', default=None, choices=[None, 'xla', 'cudnn'])
+  parser.add_argument('--remat', default='none', choices=['none', 'full', 'dots'])
+  parser.add_argument('--scan_layers', action='store_true')
+  parser.add_argument('--dropout', type=float, default=0.1)
+  parser.add_argument('--real_data', action='store_true')
+  parser.add_argument('--compare_torch', action='store_true')
+  args = parser.parse_args()
+  args.max_predictions = args.max_predictions or max(1, round(args.seq_len * 20 / 128))
+  config = cli.load_config('configs/smoke.py', {
+      'model.size': args.size, 'model.dtype': args.dtype, 'model.attention_impl':
+      args.attention_impl, 'model.remat_policy': args.remat, 'model.scan_layers':
+      args.scan_layers, 'model.hidden_dropout_prob': args.dropout,
+      'model.attention_probs_dropout_prob': args.dropout, 'train.batch_size': args.batch_size,
+      'data.max_seq_length': args.seq_len, 'data.max_predictions_per_seq': args.max_predictions,
+      'train.steps': 1000, 'train.warmup_steps': 10})
+  result, bert_config = bench_jax(args, config)
+  print(json.dumps(result), flush=True)
+  if args.compare_torch:
+    ref = bench_torch(args, bert_config)
+    print(json.dumps(ref), flush=True)
+    print(json.dumps(dict(speedup_vs_torch=result['sequences_per_second'] /
+                          ref['sequences_per_second'])), flush=True)
+
+
+if __name__ == '__main__':
+  main()

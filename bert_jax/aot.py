@@ -1,0 +1,150 @@
+"""Ahead-of-time compilation of the train step for a Cloud TPU slice, on any machine.
+
+`bert-jax compile --config=configs/bert_large.py --topology=v5e:16x16` lowers and compiles the
+exact sharded train step of `train.py` against libtpu's description of the slice, then reports
+per-chip memory against HBM and a roofline bound on the step time from XLA's cost analysis.
+
+Two caveats of XLA's numbers are handled here: `optimal_seconds` is not usable (it comes back
+negative), so the bound is computed from FLOPs and bytes; and the cost analysis counts the body
+of a `lax.scan` once, so when the config scans its layers the costs come from a second compile
+with the layers unrolled (same math, exact counts).
+"""
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.experimental import topologies
+
+from bert_jax import flops as flops_lib
+from bert_jax import model as model_lib
+from bert_jax import optim
+from bert_jax import sharding as sharding_lib
+from bert_jax import train as train_lib
+
+# Accepted spellings of TPU generations -> libtpu's topology prefix and our chip table key.
+_GENERATIONS = {'v4': ('v4', 'v4'), 'v5e': ('v5e', 'v5e'), 'v5litepod': ('v5e', 'v5e'),
+                'v5p': ('v5p', 'v5p'), 'v6e': ('v6e', 'v6e')}
+
+
+def parse_topology(name: str) -> tuple[str, str]:
+  """'v5e:16x16' -> ('v5e:16x16', 'v5e'); errors name the flag."""
+  gen, sep, shape = name.partition(':')
+  if not sep or gen not in _GENERATIONS or not all(p.isdigit() for p in shape.split('x')):
+    raise ValueError(f'--topology={name!r}: expected GENERATION:SHAPE such as v5e:16x16, '
+                     f'v4:2x2x4, v5p:4x4x4 or v6e:8x8 (generations: {sorted(_GENERATIONS)})')
+  prefix, chip = _GENERATIONS[gen]
+  return f'{prefix}:{shape}', chip
+
+
+def _abstract_batch(batch_size: int, seq_len: int, preds: int, sharding) -> dict:
+  spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  return dict(input_ids=spec((batch_size, seq_len)), input_mask=spec((batch_size, seq_len)),
+              segment_ids=spec((batch_size, seq_len)),
+              masked_lm_positions=spec((batch_size, preds)),
+              masked_lm_ids=spec((batch_size, preds)),
+              masked_lm_weights=spec((batch_size, preds), jnp.float32),
+              next_sentence_labels=spec((batch_size,)))
+
+
+def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfig, devices,
+             seq_len: int, preds: int):
+  mesh = sharding_lib.make_mesh(config.mesh, devices)
+  rules = sharding_lib.rules_from_config(config.mesh)
+  sharding_lib.check_batch_size(config.train.batch_size, mesh)
+  model = model_lib.BertForPreTraining(bert_config)
+  tx, _ = optim.make_optimizer(config.train)
+  abstract, shardings, _ = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
+  step = train_lib.build_train_step(model, tx, mesh, rules, shardings, jax.random.key(0),
+                                    config.train.grad_accum_steps,
+                                    config.data.objective != 'none')
+  batch = _abstract_batch(config.train.batch_size, seq_len, preds,
+                          sharding_lib.batch_sharding(mesh))
+  with sharding_lib.activate(mesh, rules):
+    lowered = step.jitted.lower(abstract, batch)
+  return lowered.compile(), model_lib.count_params(abstract.params)
+
+
+def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
+                         vocab_size: int = 30522) -> list[dict[str, Any]]:
+  """Compiles the train step of every phase of `config` for `topology`; one report each."""
+  topo_name, chip = parse_topology(topology)
+  # Only compiling, never running: other processes with libtpu loaded (tests, a second
+  # compile) are no contention, so skip libtpu's one-process lock.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  devices = topologies.get_topology_desc(platform='tpu', topology_name=topo_name).devices
+  # Some descriptions (v4) list each TensorCore of a chip as a device: split the chip's HBM,
+  # bandwidth and peak between them.
+  chips = len({tuple(getattr(d, 'coords', (i,))) for i, d in enumerate(devices)})
+  per_chip = len(devices) // max(chips, 1)
+  hw = {k: v / per_chip for k, v in flops_lib.TPU_CHIPS[chip].items()}
+  dtype = 'bfloat16' if config.model.dtype == 'auto' else config.model.dtype
+  bert_config = train_lib.model_config(config, config.model.vocab_size or vocab_size)
+  bert_config = bert_config.replace(dtype=dtype)
+  reports = []
+  for phase in train_lib.parse_phases(config):
+    compiled, n_params = _compile(config, bert_config, devices, phase.seq_len,
+                                  phase.max_predictions)
+    mem = compiled.memory_analysis()
+    if bert_config.scan_layers:
+      costed, _ = _compile(config, bert_config.replace(scan_layers=False), devices,
+                           phase.seq_len, phase.max_predictions)
+    else:
+      costed = compiled
+    cost = costed.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    n = len(devices)
+    xla_flops = float(cost['flops'])  # The partitioned program of one device.
+    xla_bytes = float(cost.get('bytes accessed', 0.0))
+    analytic = flops_lib.train_flops_per_sequence(bert_config, phase.seq_len,
+                                                  phase.max_predictions) * config.train.batch_size
+    per_chip_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes +
+                      mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    t_compute = xla_flops / hw['peak_flops']
+    t_memory = xla_bytes / hw['hbm_bandwidth']
+    t_bound = max(t_compute, t_memory)
+    reports.append(dict(
+        topology=topology, chips=chips, devices=n, chip=chip, model=config.model.size, params=n_params,
+        dtype=dtype, batch_size=config.train.batch_size, seq_len=phase.seq_len,
+        max_predictions=phase.max_predictions, mesh=dict(zip(
+            sharding_lib.MESH_AXES, sharding_lib.mesh_shape(config.mesh, n))),
+        memory=dict(arguments_gib=mem.argument_size_in_bytes / 2**30,
+                    outputs_gib=mem.output_size_in_bytes / 2**30,
+                    temporaries_gib=mem.temp_size_in_bytes / 2**30,
+                    aliased_gib=mem.alias_size_in_bytes / 2**30,
+                    total_gib=per_chip_bytes / 2**30, hbm_gib=hw['hbm_bytes'] / 2**30,
+                    fits=per_chip_bytes <= hw['hbm_bytes']),
+        flops=dict(xla_per_chip=xla_flops, xla_total=xla_flops * n, analytic_total=analytic,
+                   xla_over_analytic=xla_flops * n / analytic,
+                   counted_unrolled=bert_config.scan_layers),
+        bytes_accessed_per_chip=xla_bytes,
+        roofline_bound=dict(
+            note='a lower bound on step time: max(FLOPs / peak, bytes / HBM bandwidth)',
+            compute_seconds=t_compute, memory_seconds=t_memory, step_seconds=t_bound,
+            sequences_per_second=config.train.batch_size / t_bound,
+            mfu=analytic / (t_bound * hw['peak_flops'] * n)),
+    ))
+  return reports
+
+
+def format_report(report: dict[str, Any]) -> str:
+  m, f, r = report['memory'], report['flops'], report['roofline_bound']
+  return '\n'.join([
+      f"{report['model']} on {report['topology']} ({report['chips']} chips, "
+      f"{report['devices']} devices), batch "
+      f"{report['batch_size']} x {report['seq_len']} tokens, {report['dtype']}, mesh "
+      f"{report['mesh']}",
+      f"  memory per device: {m['total_gib']:.2f} GiB of {m['hbm_gib']:.0f} GiB HBM "
+      f"({'fits' if m['fits'] else 'DOES NOT FIT'}): arguments {m['arguments_gib']:.2f}, "
+      f"outputs {m['outputs_gib']:.2f}, temporaries {m['temporaries_gib']:.2f}, "
+      f"donated {m['aliased_gib']:.2f}",
+      f"  FLOPs per step: XLA {f['xla_total']:.4g}, analytic {f['analytic_total']:.4g} "
+      f"(ratio {f['xla_over_analytic']:.3f})",
+      f"  roofline bound (not a measurement): step >= {r['step_seconds'] * 1e3:.1f} ms "
+      f"(compute {r['compute_seconds'] * 1e3:.1f} ms, memory {r['memory_seconds'] * 1e3:.1f} "
+      f"ms), <= {r['sequences_per_second']:.0f} sequences/s, MFU <= {r['mfu']:.1%}",
+      '  ' + json.dumps(report),
+  ])

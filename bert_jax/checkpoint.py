@@ -1,0 +1,156 @@
+"""Orbax checkpoints of a training run, and where a run starts from.
+
+Layout of a workdir:
+  config.json                  the run's full ConfigDict
+  bert_config.json, vocab.txt  the model (so the workdir loads like a converted checkpoint)
+  checkpoints/<step>/          Orbax items: params, opt_state, meta (step, phase, seed)
+  data_state/<step>/process_<i>.*   each process's tf.data iterator position at that step
+
+Resume order (written down once, here): the latest *complete* checkpoint in the workdir (Orbax
+only lists steps whose save was committed, so an interrupted save is never picked up) -> the
+converted checkpoint named by `train.init_checkpoint` -> a fresh initialization.
+
+The data state of step S is written synchronously *before* the (asynchronous) Orbax save of S
+starts, so every committed checkpoint has its data state; leftovers of uncommitted steps are
+removed when the manager cleans up.
+"""
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from bert_jax import model as model_lib
+
+CHECKPOINT_DIR = 'checkpoints'
+DATA_STATE_DIR = 'data_state'
+
+
+def make_manager(workdir: str, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                         enable_async_checkpointing=async_save)
+  return ocp.CheckpointManager(os.path.join(workdir, CHECKPOINT_DIR), options=options,
+                               item_names=('params', 'opt_state', 'meta'))
+
+
+def _data_state_path(workdir: str, step: int) -> str:
+  return os.path.join(workdir, DATA_STATE_DIR, str(step), f'process_{jax.process_index()}')
+
+
+def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, meta: dict,
+         data_iterator: Any | None = None) -> None:
+  """Saves the train state (async) and this process's input position (sync, first)."""
+  if data_iterator is not None:
+    path = _data_state_path(workdir, step)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    data_iterator.save(path)
+  manager.save(step, force=True, args=ocp.args.Composite(
+      params=ocp.args.StandardSave(state.params),
+      opt_state=ocp.args.StandardSave(state.opt_state),
+      meta=ocp.args.JsonSave(dict(meta, step=int(step)))))
+  _clean_data_states(manager, workdir, keep_step=step)
+
+
+def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: int) -> None:
+  root = os.path.join(workdir, DATA_STATE_DIR)
+  if jax.process_index() != 0 or not os.path.isdir(root):
+    return
+  live = set(manager.all_steps()) | {keep_step}
+  for name in os.listdir(root):
+    if name.isdigit() and int(name) not in live and int(name) < keep_step:
+      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def latest_step(manager: ocp.CheckpointManager) -> int | None:
+  return manager.latest_step()
+
+
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[Any, dict]:
+  """Restores params and optimizer state into the shardings of `abstract_state`."""
+  restored = manager.restore(step, args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(abstract_state.params),
+      opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
+      meta=ocp.args.JsonRestore()))
+  state = abstract_state.replace(params=restored['params'], opt_state=restored['opt_state'],
+                                 step=restored['meta']['step'])
+  return state, restored['meta']
+
+
+def restore_data_state(workdir: str, step: int, data_iterator: Any) -> bool:
+  """Restores this process's input position of `step`; False if none was saved."""
+  path = _data_state_path(workdir, step)
+  directory = os.path.dirname(path)
+  if not os.path.isdir(directory) or not any(
+      n.startswith(os.path.basename(path)) for n in os.listdir(directory)):
+    return False
+  data_iterator.restore(path)
+  return True
+
+
+def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertConfig,
+                    vocab_file: str | None) -> None:
+  """config.json, bert_config.json and vocab.txt in the workdir (process 0 only)."""
+  if jax.process_index() != 0:
+    return
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config_json)
+  bert_config.write_json(os.path.join(workdir, 'bert_config.json'))
+  if vocab_file and os.path.exists(vocab_file):
+    dst = os.path.join(workdir, os.path.basename(vocab_file))
+    if os.path.abspath(vocab_file) != os.path.abspath(dst):
+      shutil.copyfile(vocab_file, dst)
+
+
+def load_pretrained_from_workdir(path: str, step: int | None = None
+                                 ) -> tuple[model_lib.BertConfig, dict]:
+  """(config, params) from the latest (or given) checkpoint of a training workdir, on the host.
+
+  Parameters come back as float32 numpy arrays in the unscanned layout.
+  """
+  config_path = os.path.join(path, 'bert_config.json')
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(f'{path} has no bert_config.json: not a bert_jax training workdir')
+  config = model_lib.BertConfig.from_json_file(config_path)
+  ckpt_dir = os.path.join(path, CHECKPOINT_DIR)
+  manager = ocp.CheckpointManager(ckpt_dir, item_names=('params', 'opt_state', 'meta'),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  step = manager.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f'{ckpt_dir} holds no complete checkpoint')
+  metadata = manager.item_metadata(step)['params']
+  sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
+  abstract = jax.tree.map(
+      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata,
+      is_leaf=lambda m: hasattr(m, 'shape'))
+  restored = manager.restore(step, args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(abstract)))
+  params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored['params'])
+  manager.close()
+  params = dict(params)
+  if 'bert' in params:
+    params = model_lib.unstack_layers(params, config.num_hidden_layers)
+  logging.info('Loaded step %d of %s', step, ckpt_dir)
+  return config, params
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """Committed checkpoint steps of a workdir (ascending)."""
+  d = os.path.join(workdir, CHECKPOINT_DIR)
+  if not os.path.isdir(d):
+    return []
+  return sorted(int(n) for n in os.listdir(d) if re.fullmatch(r'\d+', n))
+
+
+def read_run_config(workdir: str) -> dict | None:
+  p = os.path.join(workdir, 'config.json')
+  if not os.path.exists(p):
+    return None
+  with open(p) as f:
+    return json.load(f)

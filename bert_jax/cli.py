@@ -1,0 +1,323 @@
+"""The `bert-jax` command: `bert-jax <subcommand> [--flags]`.
+
+Subcommands parse flags (absl + ml_collections: `--config=configs/x.py --config.a.b=value`)
+and call one function of the package; no logic lives here.
+"""
+
+import os
+import sys
+from typing import Callable
+
+from absl import app
+from absl import flags
+from absl import logging
+
+FLAGS = flags.FLAGS
+_COMMANDS: dict[str, tuple[str, Callable[[], Callable[[list[str]], None]]]] = {}
+
+
+def _command(name: str, help_text: str):
+  def register(define_flags):
+    _COMMANDS[name] = (help_text, define_flags)
+    return define_flags
+  return register
+
+
+# ---- Config files ----------------------------------------------------------------------------
+
+
+def configs_dir() -> str:
+  """The configs/ folder of a checkout (or editable install), else the installed copy."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  for candidate in (os.path.join(os.path.dirname(here), 'configs'),
+                    os.path.join(sys.prefix, 'share', 'bert_jax', 'configs')):
+    if os.path.isdir(candidate):
+      return candidate
+  raise FileNotFoundError('cannot find the bert_jax configs/ folder; pass --config=PATH')
+
+
+def resolve_config_path(path: str) -> str:
+  """A config path as given, or a name of the shipped configs ('smoke', 'bert_base.py')."""
+  if os.path.exists(path.split(':')[0]):
+    return path
+  name, _, arg = path.partition(':')
+  name = os.path.basename(name)
+  shipped = os.path.join(configs_dir(), name if name.endswith('.py') else name + '.py')
+  if not os.path.exists(shipped):
+    raise FileNotFoundError(f'--config={path}: no such file (nor {shipped})')
+  return shipped + (':' + arg if arg else '')
+
+
+def _prepare_config_import(argv: list[str]) -> list[str]:
+  """Resolves --config and makes `from configs import default` work inside config files."""
+  out = []
+  for a in argv:
+    if a.startswith('--config='):
+      path = resolve_config_path(a[len('--config='):])
+      a = '--config=' + path
+      root = os.path.dirname(os.path.dirname(os.path.abspath(path.split(':')[0])))
+      if root not in sys.path:
+        sys.path.insert(0, root)
+    out.append(a)
+  return out
+
+
+def load_config(path: str, overrides: dict | None = None):
+  """Loads a config file (as the CLI does) and applies {'train.steps': 10, ...} overrides."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  path = resolve_config_path(path)
+  _prepare_config_import(['--config=' + path])
+  file_path, _, arg = path.partition(':')
+  spec = importlib.util.spec_from_file_location('bert_jax_config', file_path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg) if arg else module.get_config()
+  config.lock()
+  for key, value in (overrides or {}).items():
+    node = config
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node[p]
+    if leaf not in node:
+      raise KeyError(f'config has no key {key!r}')
+    node[leaf] = value
+  return config
+
+
+def _define_config_flag(default: str) -> None:
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config_flags.DEFINE_config_file('config', default, 'Config file (a Python file with '
+                                  'get_config()); override keys with --config.a.b=value.',
+                                  lock_config=True)
+
+
+def _define_distributed_flags() -> None:
+  flags.DEFINE_string('coordinator_address', '', 'host:port of process 0 (multi-host).')
+  flags.DEFINE_integer('num_processes', 0, 'Number of processes (multi-host).')
+  flags.DEFINE_integer('process_id', -1, 'This process\'s index (multi-host).')
+  flags.DEFINE_enum('distributed', 'auto', ['auto', 'on', 'off'],
+                    'jax.distributed: auto = on Cloud TPU VMs, SLURM jobs of several tasks, or '
+                    'when --coordinator_address is given.')
+
+
+def initialize_distributed(coordinator_address: str = '', num_processes: int = 0,
+                           process_id: int = -1, mode: str = 'auto') -> None:
+  """Starts jax.distributed when this is (or may be) one process of several."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if mode == 'off':
+    return
+  explicit = bool(coordinator_address)
+  slurm = int(os.environ.get('SLURM_NTASKS', '1')) > 1
+  tpu_vm = os.path.exists('/dev/accel0') or bool(os.environ.get('TPU_WORKER_HOSTNAMES'))
+  if not (mode == 'on' or explicit or slurm or tpu_vm):
+    return
+  kwargs = {}
+  if explicit:
+    if num_processes <= 0 or process_id < 0:
+      raise ValueError('--coordinator_address needs --num_processes and --process_id')
+    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                  process_id=process_id)
+    if os.environ.get('JAX_PLATFORMS', '').startswith('cpu'):
+      # CPU collectives across processes go over gloo (tests, laptops).
+      jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(**kwargs)
+  logging.info('jax.distributed: process %d of %d', jax.process_index(), jax.process_count())
+
+
+# ---- Subcommands -------------------------------------------------------------------------------
+
+
+@_command('pretrain', 'Pre-train BERT (MLM + NSP) from a config file.')
+def _pretrain_flags():
+  _define_config_flag(os.path.join(configs_dir(), 'smoke.py'))
+  flags.DEFINE_string('workdir', '', 'Where checkpoints, metrics and logs go '
+                      '(default: /tmp/bert_jax/<config name>).')
+  _define_distributed_flags()
+
+  def run(argv):
+    del argv
+    from bert_jax import train  # pylint: disable=g-import-not-at-top
+    initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                           FLAGS.distributed)
+    workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', _config_name())
+    train.train_and_evaluate(FLAGS.config, workdir)
+  return run
+
+
+def _config_name() -> str:
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  path = config_flags.get_config_filename(FLAGS['config'])
+  return os.path.splitext(os.path.basename(path.split(':')[0]))[0]
+
+
+@_command('convert', 'Convert BERT weights between Hugging Face, Google TF and bert_jax.')
+def _convert_flags():
+  flags.DEFINE_string('input', None, 'A Hugging Face directory, a Google checkpoint '
+                      '(directory or bert_model.ckpt prefix), a bert_jax checkpoint or workdir.')
+  flags.DEFINE_string('output', None, 'Output directory.')
+  flags.DEFINE_enum('format', 'bert_jax', ['bert_jax', 'hf', 'google'], 'Output format.')
+  flags.mark_flags_as_required(['input', 'output'])
+
+  def run(argv):
+    del argv
+    from bert_jax import convert  # pylint: disable=g-import-not-at-top
+    convert.convert(FLAGS.input, FLAGS.output, FLAGS.format)
+    print(f'Wrote {FLAGS.format} checkpoint to {FLAGS.output}')
+  return run
+
+
+@_command('data', 'Show decoded pre-training examples, or statistics with --stats=N.')
+def _data_flags():
+  _define_config_flag(os.path.join(configs_dir(), 'smoke.py'))
+  flags.DEFINE_integer('stats', 0, 'Print one JSON object of statistics over N batches.')
+  flags.DEFINE_integer('num_examples', 3, 'Examples to show.')
+  flags.DEFINE_string('workdir', '', 'Where a trained vocab is cached (empty data.vocab_file).')
+
+  def run(argv):
+    del argv
+    import json  # pylint: disable=g-import-not-at-top
+    from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+    config = FLAGS.config
+    workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', _config_name())
+    vocab = input_pipeline.resolve_vocab(config.data, workdir)
+    if FLAGS.stats:
+      stats = input_pipeline.compute_stats(config.data, num_batches=FLAGS.stats,
+                                           batch_size=config.train.batch_size,
+                                           vocab_file=vocab)
+      print(json.dumps(stats))
+    else:
+      print(input_pipeline.show_examples(config.data, num=FLAGS.num_examples, vocab_file=vocab))
+  return run
+
+
+@_command('vocab', 'Train a WordPiece vocab.txt or a SentencePiece model from text.')
+def _vocab_flags():
+  flags.DEFINE_list('input', None, 'Text files / globs (or tfds:NAME), comma separated.')
+  flags.DEFINE_string('output', None, 'vocab.txt path, or the model prefix for SentencePiece.')
+  flags.DEFINE_integer('vocab_size', 30522, 'Vocabulary size.')
+  flags.DEFINE_enum('kind', 'wordpiece', ['wordpiece', 'sentencepiece'], 'Vocabulary type.')
+  flags.DEFINE_bool('lower_case', True, 'Lower-case and strip accents (uncased).')
+  flags.DEFINE_integer('num_unused', 0, 'Number of [unusedN] slots.')
+  flags.mark_flags_as_required(['input', 'output'])
+
+  def run(argv):
+    del argv
+    from bert_jax import vocab  # pylint: disable=g-import-not-at-top
+    path = vocab.run(FLAGS.input, FLAGS.output, FLAGS.vocab_size, kind=FLAGS.kind,
+                     lower_case=FLAGS.lower_case, num_unused=FLAGS.num_unused)
+    print(f'Wrote {path}')
+  return run
+
+
+@_command('compile', 'Compile the train step ahead of time for a Cloud TPU slice; report '
+          'memory and a roofline bound.')
+def _compile_flags():
+  _define_config_flag(os.path.join(configs_dir(), 'bert_large.py'))
+  flags.DEFINE_string('topology', 'v5e:16x16', 'TPU slice, e.g. v5e:16x16, v4:4x4x4, v5p:4x4x4.')
+  flags.DEFINE_integer('vocab_size', 30522, 'Vocabulary size when model.vocab_size is 0.')
+
+  def run(argv):
+    del argv
+    from bert_jax import aot  # pylint: disable=g-import-not-at-top
+    for report in aot.compile_for_topology(FLAGS.config, FLAGS.topology, FLAGS.vocab_size):
+      print(aot.format_report(report), flush=True)
+  return run
+
+
+@_command('finetune', 'Fine-tune on a GLUE task, SQuAD or NER; --sweep runs the paper\'s '
+          'learning-rate search.')
+def _finetune_flags():
+  _define_config_flag(os.path.join(configs_dir(), 'finetune_glue.py'))
+  flags.DEFINE_string('workdir', '', 'Where the best checkpoint, metrics.json, predictions and '
+                      'TensorBoard logs go (default: /tmp/bert_jax/finetune_<task>).')
+  flags.DEFINE_bool('sweep', False, 'One run per --learning_rates in <workdir>/lr_<lr>; prints '
+                    'the best dev score and its rate (also <workdir>/sweep.json).')
+  flags.DEFINE_list('learning_rates', ['5e-5', '4e-5', '3e-5', '2e-5'],
+                    'Peak learning rates of --sweep (the paper\'s search).')
+  _define_distributed_flags()
+
+  def run(argv):
+    del argv
+    import json  # pylint: disable=g-import-not-at-top
+    from bert_jax import finetune  # pylint: disable=g-import-not-at-top
+    initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                           FLAGS.distributed)
+    workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', f'finetune_{FLAGS.config.task}')
+    if not FLAGS.sweep:
+      finetune.finetune(FLAGS.config, workdir)
+      return
+    try:
+      rates = [float(r) for r in FLAGS.learning_rates]
+    except ValueError:
+      raise app.UsageError(
+          f'--learning_rates={",".join(FLAGS.learning_rates)}: not numbers') from None
+    result = finetune.sweep(FLAGS.config, workdir, rates)
+    print(f'\nbert_jax finetune --sweep {result["task"]}: best {result["main_metric"]} '
+          f'{result["best_score"]:.4f} at learning rate {result["best_learning_rate"]:g} '
+          f'({result["best_workdir"]})\n{json.dumps(result)}', flush=True)
+  return run
+
+
+@_command('features', 'Contextual token embeddings of chosen layers and sentence vectors '
+          '(.jsonl, .npz or .npy).')
+def _features_flags():
+  flags.DEFINE_string('init_checkpoint', None, 'Any checkpoint: bert_jax, Hugging Face, Google '
+                      'TF, or a (pre-)training workdir; its vocab.txt and casing are used.')
+  flags.DEFINE_string('input', None, 'Text file: one text per line, or "text_a ||| text_b".')
+  flags.DEFINE_string('output', None, 'A .jsonl, .npz or .npy path.')
+  flags.DEFINE_list('layers', ['-1', '-2', '-3', '-4'], 'Hidden states to output, in this '
+                    'order: -1 = last encoder layer, 0 = embedding output.')
+  flags.DEFINE_bool('concat', False, 'Concatenate the layers per token (and in the mean '
+                    'vector), in --layers order.')
+  flags.DEFINE_list('pooling', ['cls', 'mean'], 'Sentence vectors: cls (pooler output), mean '
+                    '(of the chosen layers over the real tokens).')
+  flags.DEFINE_integer('max_seq_length', 128, 'Longer texts are truncated (and counted).')
+  flags.DEFINE_integer('batch_size', 32, 'Texts per batch.')
+  flags.DEFINE_string('vocab_file', '', 'vocab.txt; default: the checkpoint\'s.')
+  flags.DEFINE_bool('lower_case', None, 'Lower-case the text; default: what the checkpoint '
+                    'says.')
+  flags.DEFINE_string('dtype', 'float32', 'Compute dtype (auto = bfloat16 on GPU/TPU).')
+  flags.DEFINE_integer('decimals', 6, 'Rounding of the .jsonl floats.')
+  flags.mark_flags_as_required(['init_checkpoint', 'input', 'output'])
+
+  def run(argv):
+    del argv
+    from bert_jax import features  # pylint: disable=g-import-not-at-top
+    try:
+      layers = [int(l) for l in FLAGS.layers]
+    except ValueError:
+      raise app.UsageError(f'--layers={",".join(FLAGS.layers)}: not integers') from None
+    result = features.extract_features(
+        FLAGS.init_checkpoint, FLAGS.input, FLAGS.output, layers=layers,
+        max_seq_length=FLAGS.max_seq_length, batch_size=FLAGS.batch_size, pooling=FLAGS.pooling,
+        concat=FLAGS.concat, vocab_file=FLAGS.vocab_file, lower_case=FLAGS.lower_case,
+        dtype=FLAGS.dtype, decimals=FLAGS.decimals)
+    print(f'Wrote features of {result["lines"]} texts (layers {layers}) to {result["output"]}'
+          + (f'; {result["truncated"]} truncated' if result['truncated'] else ''))
+  return run
+
+
+# ---- Entry point -------------------------------------------------------------------------------
+
+
+def _usage() -> str:
+  lines = ['usage: bert-jax <command> [--flags]   (bert-jax <command> --help for flags)', '']
+  lines += [f'  {name:10s} {text}' for name, (text, _) in _COMMANDS.items()]
+  return '\n'.join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  argv = list(sys.argv if argv is None else argv)
+  if len(argv) < 2 or argv[1] in ('-h', '--help', 'help'):
+    print(_usage())
+    sys.exit(0 if len(argv) >= 2 else 2)
+  name = argv[1]
+  if name not in _COMMANDS:
+    print(f'bert-jax: unknown command {name!r}\n\n{_usage()}', file=sys.stderr)
+    sys.exit(2)
+  run = _COMMANDS[name][1]()
+  app.run(run, argv=[f'bert-jax {name}'] + _prepare_config_import(argv[2:]))
+
+
+if __name__ == '__main__':
+  main()

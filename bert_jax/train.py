@@ -1,0 +1,544 @@
+"""BERT pre-training: one straight function from a config to a trained, checkpointed model.
+
+Sections of `train_and_evaluate`, in order: setup -> mesh -> data -> model & optimizer ->
+abstract init & shardings -> init or restore -> steps -> loop (log, eval, checkpoint,
+preemption). The step functions are pure and module-level.
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from bert_jax import checkpoint as ckpt_lib
+from bert_jax import flops as flops_lib
+from bert_jax import model as model_lib
+from bert_jax import optim
+from bert_jax import sharding as sharding_lib
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """Steps [start, end) run at one sequence length and number of predictions."""
+  index: int
+  start: int
+  end: int
+  seq_len: int
+  max_predictions: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Config decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_dtype(name: str) -> str:
+  if name == 'auto':
+    return 'bfloat16' if jax.default_backend() in ('gpu', 'tpu') else 'float32'
+  return name
+
+
+def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_lib.BertConfig:
+  """The BertConfig of `config.model`, with the vocabulary size of the tokenizer."""
+  m = config.model
+  if m.vocab_size and m.vocab_size < vocab_size:
+    raise ValueError(f'model.vocab_size={m.vocab_size} is smaller than the vocabulary '
+                     f'({vocab_size} tokens in data.vocab_file)')
+  return model_lib.config_for_size(
+      m.size, vocab_size=m.vocab_size or vocab_size,
+      max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size,
+      hidden_dropout_prob=m.hidden_dropout_prob,
+      attention_probs_dropout_prob=m.attention_probs_dropout_prob,
+      dtype=compute_dtype(m.dtype), scan_layers=m.scan_layers, remat_policy=m.remat_policy,
+      attention_impl=m.attention_impl)
+
+
+def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
+  """`train.phases` ('0.9:128:20,0.1:512:80') -> Phases covering [0, train.steps)."""
+  steps = int(config.train.steps)
+  spec = config.train.phases.strip()
+  if not spec:
+    return [Phase(0, 0, steps, config.data.max_seq_length, config.data.max_predictions_per_seq)]
+  parts = []
+  for item in spec.split(','):
+    try:
+      frac, seq_len, preds = item.split(':')
+      parts.append((float(frac), int(seq_len), int(preds)))
+    except ValueError:
+      raise ValueError(f'train.phases: {item!r} is not fraction:seq_len:max_predictions') from None
+  if abs(sum(p[0] for p in parts) - 1.0) > 1e-6:
+    raise ValueError(f'train.phases fractions sum to {sum(p[0] for p in parts)}, not 1: {spec}')
+  phases, start = [], 0
+  for i, (frac, seq_len, preds) in enumerate(parts):
+    end = steps if i == len(parts) - 1 else start + int(round(frac * steps))
+    if seq_len > config.model.max_position_embeddings:
+      raise ValueError(f'train.phases: seq_len {seq_len} exceeds '
+                       f'model.max_position_embeddings={config.model.max_position_embeddings}')
+    phases.append(Phase(i, start, end, seq_len, preds))
+    start = end
+  return [p for p in phases if p.end > p.start]
+
+
+def phase_at(phases: list[Phase], step: int) -> Phase:
+  for p in phases:
+    if p.start <= step < p.end:
+      return p
+  return phases[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure steps
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_micro(x: jax.Array, k: int) -> jax.Array:
+  # [B, ...] -> [k, B/k, ...] taking every k-th example, so each micro-batch stays spread over
+  # all data-parallel shards instead of living on B/k of them.
+  y = x.reshape((x.shape[0] // k, k) + x.shape[1:])
+  y = jnp.swapaxes(y, 0, 1)
+  return nn.with_logical_constraint(y, (None, 'batch') + (None,) * (x.ndim - 1))
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
+               tx: optax.GradientTransformation, base_rng: jax.Array, accum_steps: int,
+               use_nsp: bool) -> tuple[TrainState, dict[str, Any]]:
+  """One optimizer step over the global batch (optionally as `accum_steps` micro-batches).
+
+  The loss is normalized by the whole batch's masked-token and sequence counts, so k
+  accumulated micro-batches give exactly the gradient of one big batch.
+  """
+  rng = jax.random.fold_in(base_rng, state.step)
+  mlm_norm = jnp.sum(batch['masked_lm_weights'].astype(jnp.float32)) + 1e-5
+  nsp_norm = jnp.asarray(batch['input_ids'].shape[0], jnp.float32)
+
+  def loss_fn(params, micro, rng):
+    mlm_logits, nsp_logits = model.apply(
+        {'params': params}, micro['input_ids'], micro['input_mask'], micro['segment_ids'],
+        micro['masked_lm_positions'], deterministic=False, rngs={'dropout': rng})
+    _, metrics = model_lib.pretraining_loss(mlm_logits, nsp_logits, micro)
+    loss = metrics['mlm_loss'][0] / mlm_norm
+    if use_nsp:
+      loss = loss + metrics['nsp_loss'][0] / nsp_norm
+    return loss, metrics
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if accum_steps == 1:
+    (loss, metrics), grads = grad_fn(state.params, batch, rng)
+  else:
+    micro = jax.tree.map(lambda x: _split_micro(x, accum_steps), batch)
+
+    def body(carry, xs):
+      i, mb = xs
+      (l, m), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+      return jax.tree.map(jnp.add, carry, (g, l, m)), None
+
+    shapes = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro), rng)
+    (_, m_shape), g_shape = shapes
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g_shape, shapes[0][0], m_shape))
+    (grads, loss, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return new_state, dict(metrics, loss=loss, grad_norm=grad_norm)
+
+
+def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module) -> dict[str, Any]:
+  mlm_logits, nsp_logits = model.apply(
+      {'params': params}, batch['input_ids'], batch['input_mask'], batch['segment_ids'],
+      batch['masked_lm_positions'], deterministic=True)
+  _, metrics = model_lib.pretraining_loss(mlm_logits, nsp_logits, batch)
+  return metrics
+
+
+def summarize(metrics: list[dict[str, Any]], use_nsp: bool) -> dict[str, float]:
+  """Sums (sum, count) pairs over steps/batches into averages; averages plain scalars."""
+  out = {}
+  for key in metrics[0]:
+    vals = [m[key] for m in metrics]
+    if isinstance(vals[0], (tuple, list)):
+      total = sum(float(v[0]) for v in vals)
+      count = sum(float(v[1]) for v in vals)
+      out[key] = total / max(count, 1e-9)
+    else:
+      out[key] = float(np.mean([float(v) for v in vals]))
+  if not use_nsp:
+    for k in ('nsp_loss', 'nsp_accuracy'):
+      out.pop(k, None)
+  return out
+
+
+def _dummy_batch(batch_size: int, seq_len: int, max_predictions: int) -> dict[str, jax.Array]:
+  ids = jnp.zeros((batch_size, seq_len), jnp.int32)
+  return dict(input_ids=ids, input_mask=ids, segment_ids=ids,
+              masked_lm_positions=jnp.zeros((batch_size, max_predictions), jnp.int32),
+              masked_lm_ids=jnp.zeros((batch_size, max_predictions), jnp.int32),
+              masked_lm_weights=jnp.zeros((batch_size, max_predictions), jnp.float32),
+              next_sentence_labels=jnp.zeros((batch_size,), jnp.int32))
+
+
+def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformation,
+                                 mesh: jax.sharding.Mesh, rules, seq_len: int = 8):
+  """(abstract TrainState, its NamedShardings, init function) without allocating anything."""
+  ids = jnp.zeros((1, seq_len), jnp.int32)
+
+  def boxed_params(rng):
+    # Traced without rules, so without any constraint, whatever the caller's context: the
+    # `out_shardings` of the jitted init place the parameters.
+    with nn.logical_axis_rules(()):
+      return model.init({'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32),
+                        deterministic=True)['params']
+
+  def init(rng):
+    params = nn.unbox(boxed_params(rng))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  rng = jax.random.key(0)
+  abstract_boxed = jax.eval_shape(boxed_params, rng)
+  # A clear error here instead of XLA's about an output sharding that does not divide.
+  sharding_lib.check_divisible(abstract_boxed, mesh, rules)
+  param_specs = sharding_lib.logical_specs(abstract_boxed)
+  abstract = jax.eval_shape(init, rng)
+  opt_specs = sharding_lib.opt_state_specs(tx, abstract.opt_state, param_specs)
+  specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs)
+  shardings = sharding_lib.to_mesh_shardings(specs, mesh, rules)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+  return abstract, shardings, init
+
+
+def build_train_step(model, tx, mesh, rules, state_shardings, base_rng, accum_steps, use_nsp):
+  """The jitted, sharded, state-donating train step."""
+  step_fn = functools.partial(train_step, model=model, tx=tx, base_rng=base_rng,
+                              accum_steps=accum_steps, use_nsp=use_nsp)
+  batch_sharding = sharding_lib.batch_sharding(mesh)
+  replicated = NamedSharding(mesh, P())
+  jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+  def run(state, batch):
+    # Activation constraints resolve their logical names while tracing, under the rules; with
+    # `with mesh:` instead they would all be dropped (see `sharding_lib.activate`).
+    with sharding_lib.activate(mesh, rules):
+      return jitted(state, batch)
+  run.jitted = jitted
+  return run
+
+
+def _init_from_checkpoint(path: str, bert_config: model_lib.BertConfig, fresh: dict) -> dict:
+  """Host-side params from a converted checkpoint, with fresh heads where it has none."""
+  from bert_jax import convert  # Pulls in TF checkpoint reading only when needed.
+  cfg, loaded = convert.load_pretrained(path, scan_layers=bert_config.scan_layers)
+  for field in ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'intermediate_size',
+                'max_position_embeddings', 'type_vocab_size'):
+    if getattr(cfg, field) != getattr(bert_config, field):
+      raise ValueError(f'train.init_checkpoint={path}: {field}={getattr(cfg, field)} but the '
+                       f'model config has {getattr(bert_config, field)}')
+  if cfg.vocab_size != bert_config.vocab_size:
+    raise ValueError(f'train.init_checkpoint={path}: vocab_size={cfg.vocab_size} but '
+                     f'data.vocab_file gives {bert_config.vocab_size}; use the checkpoint\'s vocab')
+  merged = {}
+  for head, value in fresh.items():
+    if head in loaded:
+      merged[head] = loaded[head]
+    else:
+      logging.info('init_checkpoint %s has no %r: freshly initialized', path, head)
+      merged[head] = value
+  return merged
+
+
+def _put_sharded(tree, shardings):
+  # Every process holds the whole host array; each device takes its own slice of it.
+  return jax.tree.map(
+      lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx]),
+      tree, shardings)
+
+
+def hide_accelerators_from_tf() -> None:
+  """tf.data must never take GPU/TPU memory from JAX."""
+  import tensorflow as tf
+  for kind in ('GPU', 'TPU'):
+    try:
+      tf.config.set_visible_devices([], kind)
+    except (RuntimeError, ValueError):
+      pass  # Already initialized, or no such device type: nothing to hide.
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging
+# ---------------------------------------------------------------------------------------------
+
+
+class _MetricsLog:
+  """metrics.jsonl + TensorBoard (clu) on process 0; nothing elsewhere."""
+
+  def __init__(self, workdir: str):
+    from clu import metric_writers  # Imports TensorFlow: only when a run starts.
+    self.active = jax.process_index() == 0
+    self.writer = metric_writers.create_default_writer(
+        workdir, just_logging=not self.active, asynchronous=False)
+    self.path = os.path.join(workdir, 'metrics.jsonl')
+
+  def write(self, step: int, scalars: dict[str, Any], prefix: str = '', **extra) -> None:
+    if not self.active:
+      return
+    self.writer.write_scalars(
+        step, {prefix + k: v for k, v in scalars.items() if v is not None})
+    with open(self.path, 'a') as f:
+      f.write(json.dumps(dict(step=step, **extra, **scalars)) + '\n')
+
+  def close(self):
+    self.writer.flush()
+    self.writer.close()
+
+
+class _Preemption:
+  """Turns SIGTERM into a flag the loop polls, so it can save before exiting."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+    if jax.process_count() > 1:
+      # jax.distributed's preemption service catches SIGTERM and makes every process stop at
+      # the same step (`manager.reached_preemption`). A local flag would send the signalled
+      # process alone into the collective save while the others enter the next train step.
+      return
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    logging.warning('SIGTERM received: saving a checkpoint and stopping.')
+    self.requested = True
+
+  def restore(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _progress(total: int, initial: int, enabled: bool):
+  import tqdm  # Only the driver needs it.
+  return tqdm.tqdm(total=total, initial=initial, disable=not enabled, unit='step',
+                   dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics."""
+  from bert_jax import input_pipeline  # TensorFlow is imported only when data is needed.
+  from bert_jax import tokenization
+
+  # ---- Setup ---------------------------------------------------------------------------------
+  hide_accelerators_from_tf()
+  workdir = os.path.abspath(os.path.expanduser(workdir)) if '://' not in workdir else workdir
+  os.makedirs(workdir, exist_ok=True)
+  is_main = jax.process_index() == 0
+  use_nsp = config.data.objective != 'none'
+  stop_at = int(config.train.stop_at_step) or int(config.train.steps)
+
+  # ---- Mesh ----------------------------------------------------------------------------------
+  mesh = sharding_lib.make_mesh(config.mesh)
+  rules = sharding_lib.rules_from_config(config.mesh)
+  sharding_lib.check_batch_size(config.train.batch_size, mesh)
+  if config.train.batch_size % config.train.grad_accum_steps:
+    raise ValueError(f'train.batch_size={config.train.batch_size} does not divide by '
+                     f'train.grad_accum_steps={config.train.grad_accum_steps}')
+  micro = config.train.batch_size // config.train.grad_accum_steps
+  if micro % sharding_lib.data_parallel_size(mesh):
+    raise ValueError(f'micro-batch {micro} (train.batch_size / train.grad_accum_steps) does not '
+                     f'divide over {sharding_lib.data_parallel_size(mesh)} data-parallel shards')
+  logging.info('Mesh %s on %d devices, %d processes', dict(mesh.shape), jax.device_count(),
+               jax.process_count())
+
+  # ---- Data ----------------------------------------------------------------------------------
+  vocab_file = input_pipeline.resolve_vocab(config.data, workdir)
+  tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
+  phases = parse_phases(config)
+  local_batch = config.train.batch_size // jax.process_count()
+
+  def dataset_for(phase: Phase, train: bool, batch_size: int):
+    return input_pipeline.make_pretraining_dataset(
+        config.data, batch_size=batch_size, seq_len=phase.seq_len,
+        max_predictions=phase.max_predictions, train=train,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        vocab_file=vocab_file)
+
+  # ---- Model and optimizer -------------------------------------------------------------------
+  bert_config = model_config(config, tokenizer.vocab_size)
+  model = model_lib.BertForPreTraining(bert_config)
+  tx, schedule = optim.make_optimizer(config.train)
+  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), bert_config,
+                           vocab_file)
+
+  # ---- Abstract init and shardings (nothing is allocated whole on one device) ----------------
+  abstract, state_shardings, init = abstract_state_and_shardings(model, tx, mesh, rules)
+  n_params = model_lib.count_params(abstract.params)
+  logging.info('Model %s: %s parameters, dtype %s', config.model.size, f'{n_params:,}',
+               bert_config.dtype)
+
+  # ---- Init or restore -----------------------------------------------------------------------
+  manager = ckpt_lib.make_manager(workdir, config.checkpoint.keep)
+  start = ckpt_lib.latest_step(manager)
+  meta = {}
+  if start is not None:
+    state, meta = ckpt_lib.restore(manager, start, abstract)
+    if meta.get('seed') != config.train.seed:
+      logging.warning('Resuming with train.seed=%s, the checkpoint used %s',
+                      config.train.seed, meta.get('seed'))
+    logging.info('Resumed from step %d in %s', start, workdir)
+  else:
+    state = jax.jit(init, out_shardings=state_shardings)(jax.random.key(config.train.seed))
+    if config.train.init_checkpoint:
+      fresh = jax.tree.map(np.asarray, state.params)
+      params = _init_from_checkpoint(config.train.init_checkpoint, bert_config, fresh)
+      params = _put_sharded(params, state_shardings.params)
+      state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
+                      out_shardings=state_shardings)(params)
+      logging.info('Initialized from %s', config.train.init_checkpoint)
+  step = int(state.step)
+
+  # ---- Steps ---------------------------------------------------------------------------------
+  base_rng = jax.random.fold_in(jax.random.key(config.train.seed), 1)
+  p_train_step = build_train_step(model, tx, mesh, rules, state_shardings, base_rng,
+                                  config.train.grad_accum_steps, use_nsp)
+  p_eval_step = jax.jit(functools.partial(eval_step, model=model),
+                        in_shardings=(state_shardings.params,
+                                      sharding_lib.batch_sharding(mesh)))
+  batch_sharding = sharding_lib.batch_sharding(mesh)
+  log = _MetricsLog(workdir)
+  preemption = _Preemption()
+
+  def evaluate(phase: Phase) -> dict[str, float]:
+    eval_local = config.eval.batch_size // jax.process_count()
+    sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
+    it = iter(dataset_for(phase, train=False, batch_size=eval_local).as_numpy_iterator())
+    results = []
+    with sharding_lib.activate(mesh, rules):
+      for _ in range(config.eval.steps):
+        try:
+          local = next(it)
+        except StopIteration:
+          break
+        results.append(p_eval_step(state.params,
+                                   sharding_lib.make_global_batch(local, batch_sharding)))
+    if not results:
+      raise ValueError('the evaluation data gave no batch: data.eval_input (or the held-out '
+                       'share of data.input) is smaller than eval.batch_size')
+    return summarize(jax.device_get(results), use_nsp)
+
+  def save(phase: Phase, data_it) -> None:
+    ckpt_lib.save(manager, workdir, step, state,
+                  dict(seed=config.train.seed, data_phase=phase.index), data_it)
+
+  # ---- Loop ----------------------------------------------------------------------------------
+  eval_metrics: dict[str, float] = {}
+  bar = _progress(stop_at, step, is_main and config.log.progress)
+  history, last_log_time, last_log_step, wait_time = [], time.time(), step, 0.0
+  last_saved = start
+  stopped_early = False
+
+  def last_good() -> str:
+    if last_saved is None:
+      return f'no checkpoint was saved yet in {workdir}'
+    return f'the last good checkpoint (step {last_saved}) is kept in {workdir}'
+  try:
+    while step < stop_at:
+      phase = phase_at(phases, step)
+      data_it = input_pipeline.make_iterator(dataset_for(phase, True, local_batch))
+      if step > 0 and meta.get('data_phase') == phase.index and start == step:
+        if not ckpt_lib.restore_data_state(workdir, step, data_it):
+          logging.warning('No input position saved for step %d: the data restarts', step)
+      flops_per_step = (flops_lib.train_flops_per_sequence(bert_config, phase.seq_len,
+                                                           phase.max_predictions)
+                        * config.train.batch_size)
+      peak = flops_lib.peak_flops_per_device()
+      while step < min(phase.end, stop_at):
+        t0 = time.time()
+        local = next(data_it)
+        wait_time += time.time() - t0
+        batch = sharding_lib.make_global_batch(local, batch_sharding)
+        state, metrics = p_train_step(state, batch)
+        step += 1
+        history.append(metrics)
+        bar.update(1)
+
+        if step % config.log.every_steps == 0 or step == stop_at:
+          summary = summarize(jax.device_get(history), use_nsp)
+          if not math.isfinite(summary['loss']):
+            raise FloatingPointError(
+                f'loss is {summary["loss"]} at step {step}: stopping; {last_good()}. Lower '
+                'train.learning_rate or raise train.warmup_steps.')
+          elapsed = time.time() - last_log_time
+          steps_done = step - last_log_step
+          sps = steps_done / max(elapsed, 1e-9)
+          summary.update(
+              learning_rate=float(schedule(step - 1)), steps_per_second=sps,
+              sequences_per_second=sps * config.train.batch_size,
+              tokens_per_second=sps * config.train.batch_size * phase.seq_len,
+              input_wait_fraction=wait_time / max(elapsed, 1e-9),
+              mfu=(flops_per_step * sps / (peak * jax.device_count())) if peak else None)
+          log.write(step, summary)
+          bar.set_postfix(loss=f'{summary["loss"]:.3f}',
+                          mlm_acc=f'{summary["mlm_accuracy"]:.3f}')
+          history, last_log_time, last_log_step, wait_time = [], time.time(), step, 0.0
+
+        if step % config.eval.every_steps == 0 or step == stop_at:
+          eval_metrics = evaluate(phase)
+          log.write(step, eval_metrics, prefix='eval/', eval=True)
+          logging.info('Step %d eval: %s', step, eval_metrics)
+
+        preempted = preemption.requested or manager.reached_preemption(step)
+        if step % config.checkpoint.every_steps == 0 or step == stop_at or preempted:
+          loss = float(jax.device_get(metrics['loss']))
+          if not math.isfinite(loss):
+            raise FloatingPointError(
+                f'loss is {loss} at step {step}: stopping without saving; {last_good()}.')
+          save(phase, data_it)
+          last_saved = step
+        if preempted:
+          logging.warning('Stopped for preemption at step %d; rerun to resume.', step)
+          stopped_early = True
+          break
+      if stopped_early:
+        break
+  finally:
+    bar.close()
+    manager.wait_until_finished()
+    manager.close()
+    log.close()
+    preemption.restore()
+
+  if is_main:
+    print(f'\nbert_jax: step {step}/{config.train.steps} in {workdir}\n'
+          f'  checkpoints:  {os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)}\n'
+          f'  metrics:      {os.path.join(workdir, "metrics.jsonl")}\n'
+          f'  TensorBoard:  tensorboard --logdir {workdir}\n'
+          f'  last eval:    {json.dumps({k: round(v, 4) for k, v in eval_metrics.items()})}',
+          flush=True)
+  return eval_metrics

@@ -1,0 +1,453 @@
+"""Tests of bert_jax.train on the CPU: exact resume, preemption, uncommitted checkpoints,
+non-finite losses, two processes over gloo, the `bert-jax pretrain` command and phases.
+
+Every run is a tiny BERT (2 layers, width 128) on 8 fake CPU devices, batch 8, sequences of 32,
+on the built-in sample corpus with a 1,000-token vocabulary that the `bert-jax pretrain` run of
+the `cli_run` fixture trains once for the whole module. Runs share one schedule (train.steps
+= TOTAL_STEPS) and end early with train.stop_at_step, so they compile the same programs; a
+persistent compilation cache (in a temporary directory, for this module and its
+subprocesses) lets later runs reuse those compiles.
+"""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from bert_jax import checkpoint as ckpt_lib
+from bert_jax import cli
+from bert_jax import input_pipeline
+from bert_jax import train
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Schedule length of the shared runs; they stop early with train.stop_at_step.
+TOTAL_STEPS = 200
+# The uninterrupted reference run: steps, checkpoint interval.
+REFERENCE_STEPS = 12
+TINY = {
+    'model.size': 'tiny',
+    'data.max_seq_length': 32,
+    'data.max_predictions_per_seq': 5,
+    'data.shuffle_buffer': 50,
+    'train.steps': TOTAL_STEPS,
+    'train.batch_size': 8,
+    'train.warmup_steps': 2,
+    'train.learning_rate': 1e-3,
+    'checkpoint.every_steps': 4,
+    'eval.every_steps': 1000,  # Only at the end of a run.
+    'eval.steps': 1,
+    'eval.batch_size': 8,
+    'log.every_steps': 1,
+    'log.progress': False,
+}
+TRAIN_KEYS = ('step', 'loss', 'mlm_loss', 'mlm_accuracy', 'nsp_loss', 'nsp_accuracy',
+              'learning_rate', 'grad_norm', 'steps_per_second', 'sequences_per_second',
+              'tokens_per_second', 'mfu')
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module', autouse=True)
+def compilation_cache(tmp_path_factory):
+  """A persistent compilation cache for this module's runs (restored afterwards)."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  path = str(tmp_path_factory.mktemp('jax_cache'))
+  settings = {'jax_compilation_cache_dir': path,
+              'jax_persistent_cache_min_compile_time_secs': 0.0,
+              'jax_persistent_cache_min_entry_size_bytes': 0}
+  previous = {name: getattr(jax.config, name) for name in settings}
+  for name, value in settings.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+  yield path
+  for name, value in previous.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+
+
+def _env(cache_dir, devices=None):
+  """Environment of a subprocess: this checkout importable, the same JAX settings."""
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join([_ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
+  env['JAX_COMPILATION_CACHE_DIR'] = cache_dir
+  env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+  if devices is not None:
+    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  return env
+
+
+def _flags(overrides):
+  return [f'--config.{k}={v}' for k, v in overrides.items()]
+
+
+def _config(vocab_file, **overrides):
+  settings = dict(TINY, **{'data.vocab_file': vocab_file})
+  settings.update({k.replace('__', '.'): v for k, v in overrides.items()})
+  return cli.load_config('smoke', settings)
+
+
+def _rows(workdir, skip=0):
+  """Rows of metrics.jsonl after the first `skip` lines: (train rows, eval rows)."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return [], []
+  with open(path) as f:
+    rows = [json.loads(line) for line in f.read().splitlines()[skip:] if line.strip()]
+  return [r for r in rows if not r.get('eval')], [r for r in rows if r.get('eval')]
+
+
+def _num_lines(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return len(f.read().splitlines())
+
+
+def _losses(workdir, skip=0):
+  """{step: loss} of the train rows (each step must appear once)."""
+  train_rows, _ = _rows(workdir, skip)
+  steps = [r['step'] for r in train_rows]
+  assert len(steps) == len(set(steps)), f'a step was logged twice: {steps}'
+  return {r['step']: r['loss'] for r in train_rows}
+
+
+def _params(workdir):
+  return ckpt_lib.load_pretrained_from_workdir(workdir)[1]
+
+
+def _assert_same_params(a, b):
+  flat_a = jax.tree_util.tree_leaves_with_path(a)
+  flat_b = jax.tree_util.tree_leaves_with_path(b)
+  assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+  for (path, x), (_, y) in zip(flat_a, flat_b):
+    assert np.array_equal(x, y), f'{jax.tree_util.keystr(path)} differs'
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _communicate(proc, timeout):
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, err = proc.communicate()
+    pytest.fail(f'subprocess timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err[-5000:]}')
+  return out, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared runs
+# ---------------------------------------------------------------------------------------------
+
+CLI_STEPS = 4
+
+
+@pytest.fixture(scope='module')
+def cli_run(tmp_path_factory, compilation_cache):
+  """`bert-jax pretrain` with the default (smoke) config, shortened; it trains the vocab."""
+  workdir = str(tmp_path_factory.mktemp('cli') / 'run')
+  # The shapes of TINY, so the other runs find this run's init and eval steps compiled.
+  overrides = {k: TINY[k] for k in ('data.max_seq_length', 'data.max_predictions_per_seq',
+                                    'data.shuffle_buffer', 'train.batch_size', 'eval.steps',
+                                    'eval.batch_size', 'log.every_steps')}
+  overrides.update({'train.steps': CLI_STEPS, 'train.warmup_steps': 1, 'data.vocab_size': 1000,
+                    'eval.every_steps': 2, 'checkpoint.every_steps': 2})
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+      _flags(overrides), cwd=_ROOT, env=_env(compilation_cache), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  out, err = _communicate(proc, timeout=400)
+  return workdir, proc.returncode, out, err
+
+
+@pytest.fixture(scope='module')
+def vocab_file(cli_run):
+  workdir, returncode, _, err = cli_run
+  path = os.path.join(workdir, 'vocab.txt')
+  assert returncode == 0 and os.path.exists(path), err[-5000:]
+  return path
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory, vocab_file):
+  """An uninterrupted run to REFERENCE_STEPS, checkpointing every 4 steps."""
+  workdir = str(tmp_path_factory.mktemp('reference') / 'run')
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
+  return workdir
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pretrain_command_runs_end_to_end(cli_run):
+  """The default command (smoke config, a few steps) writes everything a run promises."""
+  workdir, returncode, out, err = cli_run
+  assert returncode == 0, err[-5000:]
+  train_rows, eval_rows = _rows(workdir)
+  assert [r['step'] for r in train_rows] == list(range(1, CLI_STEPS + 1))
+  for row in train_rows:
+    missing = [k for k in TRAIN_KEYS if k not in row]
+    assert not missing, f'metrics.jsonl row lacks {missing}: {row}'
+    assert np.isfinite(row['loss'])
+  assert [r['step'] for r in eval_rows] == [2, 4]
+  for row in eval_rows:
+    assert row['eval'] is True
+    assert {'mlm_loss', 'mlm_accuracy', 'nsp_loss', 'nsp_accuracy'} <= set(row)
+  assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
+  assert ckpt_lib.checkpoint_steps(workdir) == [2, 4]
+  config, params = ckpt_lib.load_pretrained_from_workdir(workdir)
+  assert config.num_hidden_layers == 2 and config.hidden_size == 128
+  with open(os.path.join(workdir, 'vocab.txt')) as f:
+    vocab_size = len(f.read().splitlines())
+  assert 900 <= vocab_size <= 1000
+  assert params['bert']['embeddings']['word_embeddings']['embedding'].shape == (vocab_size, 128)
+  for name in ('config.json', 'bert_config.json', 'vocab.txt'):
+    assert os.path.exists(os.path.join(workdir, name)), name
+  assert f'bert_jax: step {CLI_STEPS}/{CLI_STEPS} in {workdir}' in out
+  for what in ('checkpoints:', 'metrics:', 'TensorBoard:', 'last eval:'):
+    assert what in out, out
+
+
+def test_exact_resume(tmp_path, reference, vocab_file):
+  """Stopping at step N and resuming to 2N gives bit-identical losses and parameters: params,
+  optimizer state, step, dropout RNG and the input position all come back exactly."""
+  n = REFERENCE_STEPS // 2
+  workdir = str(tmp_path / 'run')
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=n), workdir)
+  assert ckpt_lib.checkpoint_steps(workdir) == [4, n]
+  first = _losses(workdir)
+  assert sorted(first) == list(range(1, n + 1))
+  lines = _num_lines(workdir)
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=2 * n), workdir)
+  resumed = _losses(workdir, skip=lines)
+  expected = _losses(reference)
+  assert sorted(resumed) == list(range(n + 1, 2 * n + 1))
+  assert {s: expected[s] for s in first} == first
+  assert {s: expected[s] for s in resumed} == resumed
+  _assert_same_params(_params(workdir), _params(reference))
+
+
+def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, vocab_file,
+                                                          compilation_cache):
+  """SIGTERM mid-run: the run saves the step it reached, exits 0, and resumes exactly."""
+  workdir = str(tmp_path / 'run')
+  # No periodic checkpoint: the only one is the one the signal asks for.
+  overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'checkpoint.every_steps': 1000})
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+      _flags(overrides), cwd=_ROOT, env=_env(compilation_cache), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 300
+    while len(_rows(workdir)[0]) < 2:
+      if proc.poll() is not None or time.time() > deadline:
+        break
+      time.sleep(0.1)
+    assert proc.poll() is None, 'the run ended before it could be interrupted'
+    proc.send_signal(signal.SIGTERM)
+  except BaseException:
+    proc.kill()
+    raise
+  out, err = _communicate(proc, timeout=120)
+  assert proc.returncode == 0, err[-5000:]
+  stopped = max(_losses(workdir))
+  assert stopped < TOTAL_STEPS
+  assert f'step {stopped}/{TOTAL_STEPS}' in out
+  assert ckpt_lib.checkpoint_steps(workdir) == [stopped]
+
+  end = stopped + 3
+  lines = _num_lines(workdir)
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=end), workdir)
+  resumed = _losses(workdir, skip=lines)
+  assert sorted(resumed) == list(range(stopped + 1, end + 1))
+  expected = _losses(reference)
+  if end > REFERENCE_STEPS:  # The signal landed late: extend the reference.
+    longer = str(tmp_path / 'longer')
+    train.train_and_evaluate(_config(vocab_file, train__stop_at_step=end), longer)
+    expected = _losses(longer)
+  before = _losses(workdir)
+  assert {s: expected[s] for s in range(1, stopped + 1)} == {
+      s: before[s] for s in range(1, stopped + 1)}
+  assert {s: expected[s] for s in resumed} == resumed
+
+
+def test_uncommitted_checkpoint_is_never_resumed_from(tmp_path, reference, vocab_file):
+  """A save cut off before Orbax's commit (on a local disk: the rename of
+  `<step>.orbax-checkpoint-tmp` to `<step>`) is ignored; the run resumes from the last
+  committed step and redoes the rest exactly."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(reference, workdir)
+  ckpt_dir = os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)
+  assert ckpt_lib.checkpoint_steps(workdir) == [4, 8, 12]
+  # Step 12 as an interrupted save leaves it: complete files, no commit marker, not renamed.
+  partial = os.path.join(ckpt_dir, '12.orbax-checkpoint-tmp')
+  os.rename(os.path.join(ckpt_dir, '12'), partial)
+  os.remove(os.path.join(partial, 'commit_success.txt'))
+  # And a bare step directory that never got past its first file.
+  os.makedirs(os.path.join(ckpt_dir, '16.orbax-checkpoint-tmp', 'params'))
+  assert ckpt_lib.checkpoint_steps(workdir) == [4, 8]
+  manager = ckpt_lib.make_manager(workdir, keep=3)
+  assert ckpt_lib.latest_step(manager) == 8
+  manager.close()
+
+  lines = _num_lines(workdir)
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
+  resumed = _losses(workdir, skip=lines)
+  expected = _losses(reference)
+  assert resumed == {s: expected[s] for s in range(9, REFERENCE_STEPS + 1)}
+  assert ckpt_lib.checkpoint_steps(workdir) == [4, 8, 12]
+  assert not os.path.exists(partial)
+  _assert_same_params(_params(workdir), _params(reference))
+
+
+def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, vocab_file):
+  """An absurd learning rate blows the loss up; the run stops with a FloatingPointError that
+  names the last good checkpoint, and that checkpoint is kept and loads. Without any
+  checkpoint yet, the error says so."""
+  workdir = str(tmp_path / 'run')
+  config = _config(vocab_file, train__learning_rate=1e10, train__warmup_steps=0,
+                   checkpoint__every_steps=1, train__stop_at_step=20)
+  with pytest.raises(FloatingPointError) as error:
+    train.train_and_evaluate(config, workdir)
+  losses = _losses(workdir)  # Steps up to the last finite loss: the bad one is not logged.
+  assert sorted(losses) == list(range(1, len(losses) + 1)) and losses, losses
+  assert all(np.isfinite(list(losses.values())))
+  last_good = max(losses)
+  message = str(error.value)
+  assert f'at step {last_good + 1}' in message, message
+  assert f'last good checkpoint (step {last_good})' in message and workdir in message, message
+  assert ckpt_lib.checkpoint_steps(workdir)[-1] == last_good
+  ckpt_lib.load_pretrained_from_workdir(workdir, step=last_good)
+
+  # The same divergence before the first checkpoint.
+  workdir = str(tmp_path / 'early')
+  config.checkpoint.every_steps = 1000
+  with pytest.raises(FloatingPointError, match='no checkpoint') as error:
+    train.train_and_evaluate(config, workdir)
+  assert 'step None' not in str(error.value)
+  assert ckpt_lib.checkpoint_steps(workdir) == []
+
+
+def _as_two_processes(make):
+  """make_pretraining_dataset of one process that reads what processes 0 and 1 of two read."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  def as_two(data, *, batch_size, process_index, process_count, **kwargs):
+    assert (process_index, process_count) == (0, 1)
+    halves = [make(data, batch_size=batch_size // 2, process_index=p, process_count=2, **kwargs)
+              for p in range(2)]
+    return tf.data.Dataset.zip(tuple(halves)).map(
+        lambda a, b: {k: tf.concat([a[k], b[k]], 0) for k in a})
+  return as_two
+
+
+def _wait_for_steps(workdir, steps, procs, timeout):
+  """Polls metrics.jsonl until `steps` train rows are there; False if a process ended first."""
+  deadline = time.time() + timeout
+  while len(_rows(workdir)[0]) < steps:
+    if any(p.poll() is not None for p in procs) or time.time() > deadline:
+      return False
+    time.sleep(0.1)
+  return True
+
+
+def test_two_processes_match_one_and_stop_together(tmp_path, vocab_file, compilation_cache,
+                                                   monkeypatch):
+  """Two processes (2 CPU devices each, gloo collectives on loopback, started by
+  `bert-jax pretrain --coordinator_address=...`) train like one process on the same global
+  batch, and a SIGTERM to one of them stops both at the same step with one checkpoint.
+
+  Each process reads its own share of the data (documents by hash, seeds by process index), so
+  a one-process run of the plain pipeline would read different data. The one-process reference
+  (this test process: 8 devices, so it reuses the compiled steps of the other tests) therefore
+  swaps in a dataset that yields, for each batch, what process 0 and process 1 read,
+  concatenated (process 0's rows first, as they lie in the global batch). Dropout is on, so
+  this also checks the row order of the global batch. Losses must agree to float32
+  reduction-order noise.
+
+  The preemption notice goes to process 1 only, as a scheduler may deliver it to one host:
+  the processes must agree on the step to stop at, or one would enter the (collective) save
+  while the other enters the next (collective) train step.
+  """
+  steps = 4
+  overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'checkpoint.every_steps': 1000})
+  port = _free_port()
+  pair_dir, single_dir = str(tmp_path / 'two'), str(tmp_path / 'one')
+  pair = [subprocess.Popen(
+      [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={pair_dir}',
+       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'] +
+      _flags(overrides), cwd=_ROOT, env=_env(compilation_cache, devices=2),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  interrupted = []
+
+  def interrupt():
+    interrupted.append(_wait_for_steps(pair_dir, steps, pair, timeout=400))
+    if pair[1].poll() is None:
+      pair[1].send_signal(signal.SIGTERM)
+
+  watcher = threading.Thread(target=interrupt, daemon=True)
+  watcher.start()
+  try:
+    monkeypatch.setattr(input_pipeline, 'make_pretraining_dataset',
+                        _as_two_processes(input_pipeline.make_pretraining_dataset))
+    train.train_and_evaluate(_config(vocab_file, train__stop_at_step=steps), single_dir)
+    watcher.join(timeout=450)
+  finally:
+    results = [_communicate(p, timeout=120) for p in pair]
+  for i, (p, (_, err)) in enumerate(zip(pair, results)):
+    assert p.returncode == 0, f'process {i}:\n{err[-5000:]}'
+  assert interrupted == [True], 'the run ended before it could be interrupted'
+  two, one = _losses(pair_dir), _losses(single_dir)
+  assert sorted(one) == list(range(1, steps + 1))
+  np.testing.assert_allclose([two[s] for s in sorted(one)], [one[s] for s in sorted(one)],
+                             rtol=1e-5)
+  stopped = max(two)
+  assert steps <= stopped < TOTAL_STEPS
+  for i, (out, _) in enumerate(results):
+    if i == 0:
+      assert f'step {stopped}/{TOTAL_STEPS}' in out, out
+  assert ckpt_lib.checkpoint_steps(pair_dir) == [stopped]
+  for i in range(2):
+    assert glob.glob(
+        os.path.join(pair_dir, ckpt_lib.DATA_STATE_DIR, str(stopped), f'process_{i}*'))
+
+
+def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vocab_file):
+  """Phases '0.03:32:5,0.97:64:10' of the 200-step schedule: steps 1-6 at 32 tokens, then 64;
+  resuming from the step-8 checkpoint (inside the second phase) reproduces steps 9-12 exactly.
+  (Phase one's step is the other tests' compiled step.)"""
+  phases = dict(train__phases='0.03:32:5,0.97:64:10', train__stop_at_step=12)
+  full = str(tmp_path / 'full')
+  train.train_and_evaluate(_config(vocab_file, **phases), full)
+  train_rows, _ = _rows(full)
+  # tokens_per_second / sequences_per_second is the sequence length of the step's phase.
+  lengths = [round(r['tokens_per_second'] / r['sequences_per_second']) for r in train_rows]
+  assert lengths == [32] * 6 + [64] * 6
+  assert ckpt_lib.checkpoint_steps(full) == [4, 8, 12]
+
+  # The run as it would be had it died after saving step 8.
+  resumed = str(tmp_path / 'resumed')
+  shutil.copytree(full, resumed)
+  shutil.rmtree(os.path.join(resumed, ckpt_lib.CHECKPOINT_DIR, '12'))
+  lines = _num_lines(resumed)
+  train.train_and_evaluate(_config(vocab_file, **phases), resumed)
+  expected = _losses(full)
+  assert _losses(resumed, skip=lines) == {s: expected[s] for s in range(9, 13)}
+  _assert_same_params(_params(resumed), _params(full))
