@@ -1,0 +1,462 @@
+"""GLUE: read the official TSV files (or TFDS `glue/*`), encode pairs, bucket batches, write
+leaderboard submissions.
+
+The data layout is that of GLUE's `download_glue_data.py` (`<data_dir>/CoLA/train.tsv`, ...,
+`<data_dir>/diagnostic/diagnostic.tsv`). Label lists are the ones of the original
+run_classifier.py (and GLUE's for the tasks it does not cover); STS-B is a regression.
+
+Features are fixed-length int32 numpy arrays `input_ids`, `input_mask`, `segment_ids` [N, L],
+`label` [N] and `example_index` [N]; `bucket_batches` cuts each batch to the smallest length
+bucket that holds it, since most GLUE sentences are far shorter than 128 tokens.
+"""
+
+import dataclasses
+import os
+from typing import Any, Iterator, Sequence
+
+from absl import logging
+import numpy as np
+
+from bert_jax import metrics
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One GLUE example; `label` is a label string, a float (STS-B) or None (test sets)."""
+  guid: str
+  text_a: str
+  text_b: str | None
+  label: str | float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+  directory: str
+  labels: tuple[str, ...] | None  # None: regression.
+  files: dict[str, str]  # split -> file name inside `directory`.
+  # Column names (header files) or positions (headerless CoLA train/dev).
+  text_a: str | int
+  text_b: str | int | None
+  label: str | int
+  test_text_a: str | None = None  # When the test file names its columns differently.
+  test_text_b: str | None = None
+  headerless_splits: tuple[str, ...] = ()
+  headerless_columns: int = 0
+  skip_malformed: bool = False  # QQP's released files have broken rows.
+  submission: dict[str, str] = dataclasses.field(default_factory=dict)  # split -> file.
+
+
+_BINARY = ('0', '1')
+_NLI3 = ('contradiction', 'entailment', 'neutral')
+_NLI2 = ('entailment', 'not_entailment')
+_STANDARD = {'train': 'train.tsv', 'dev': 'dev.tsv', 'test': 'test.tsv'}
+
+TASKS = {
+    'cola': _Task('CoLA', _BINARY, _STANDARD, 3, None, 1, test_text_a='sentence',
+                  headerless_splits=('train', 'dev'), headerless_columns=4,
+                  submission={'test': 'CoLA.tsv'}),
+    'sst2': _Task('SST-2', _BINARY, _STANDARD, 'sentence', None, 'label',
+                  submission={'test': 'SST-2.tsv'}),
+    'mrpc': _Task('MRPC', _BINARY, _STANDARD, '#1 String', '#2 String', 'Quality',
+                  submission={'test': 'MRPC.tsv'}),
+    'stsb': _Task('STS-B', None, _STANDARD, 'sentence1', 'sentence2', 'score',
+                  submission={'test': 'STS-B.tsv'}),
+    'qqp': _Task('QQP', _BINARY, _STANDARD, 'question1', 'question2', 'is_duplicate',
+                 skip_malformed=True, submission={'test': 'QQP.tsv'}),
+    'mnli': _Task('MNLI', _NLI3,
+                  {'train': 'train.tsv', 'dev_matched': 'dev_matched.tsv',
+                   'dev_mismatched': 'dev_mismatched.tsv', 'test_matched': 'test_matched.tsv',
+                   'test_mismatched': 'test_mismatched.tsv'},
+                  'sentence1', 'sentence2', 'gold_label',
+                  submission={'test_matched': 'MNLI-m.tsv', 'test_mismatched': 'MNLI-mm.tsv'}),
+    'qnli': _Task('QNLI', _NLI2, _STANDARD, 'question', 'sentence', 'label',
+                  submission={'test': 'QNLI.tsv'}),
+    'rte': _Task('RTE', _NLI2, _STANDARD, 'sentence1', 'sentence2', 'label',
+                 submission={'test': 'RTE.tsv'}),
+    'wnli': _Task('WNLI', _BINARY, _STANDARD, 'sentence1', 'sentence2', 'label',
+                  submission={'test': 'WNLI.tsv'}),
+    # The diagnostic set: test only, scored with an MNLI model.
+    'ax': _Task('diagnostic', _NLI3, {'test': 'diagnostic.tsv'}, 'sentence1', 'sentence2',
+                'label', submission={'test': 'AX.tsv'}),
+}
+
+_SPLIT_ALIASES = {'validation': 'dev', 'eval': 'dev',
+                  'validation_matched': 'dev_matched', 'validation_mismatched': 'dev_mismatched'}
+
+
+def _task(task: str) -> tuple[str, _Task]:
+  name = metrics.canonical_task(task)
+  if name in ('mnli_matched', 'mnli_mismatched'):
+    name = 'mnli'
+  return name, TASKS[name]
+
+
+def _split(name: str, spec: _Task, split: str) -> str:
+  split = _SPLIT_ALIASES.get(split, split)
+  if name == 'mnli' and split in ('dev', 'test'):
+    split += '_matched'  # The leaderboard's headline MNLI number is the matched one.
+  if split not in spec.files:
+    raise ValueError(f'GLUE task {name!r} has no split {split!r}; known: {sorted(spec.files)}')
+  return split
+
+
+def task_info(task: str) -> tuple[list[str] | None, tuple[str, ...]]:
+  """(label list, None for the STS-B regression; names of the task's GLUE metrics)."""
+  _, spec = _task(task)
+  return (list(spec.labels) if spec.labels else None), metrics.glue_metric_names(task)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the TSV files
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_rows(path: str) -> Iterator[tuple[int, list[str]]]:
+  """(1-based line number, tab-separated fields); quotes are literal, as GLUE's files need."""
+  # utf-8-sig: MRPC's header starts with a byte-order mark. newline='\n': a stray '\r' inside a
+  # sentence must not end the row.
+  with open(path, encoding='utf-8-sig', newline='\n') as f:
+    for number, line in enumerate(f, 1):
+      line = line.rstrip('\r\n')
+      if line:
+        yield number, line.split('\t')
+
+
+def _column(header: list[str], name: str, path: str) -> int:
+  if name not in header:
+    raise ValueError(f'{path}: header (line 1) has no column {name!r}; it has {header}')
+  return header.index(name)
+
+
+def read_task(task: str, data_dir: str, split: str,
+              skip_malformed: bool | None = None) -> list[Example]:
+  """Examples of one split from the official files.
+
+  Args:
+    task: 'cola', 'sst2' ('SST-2'), 'mrpc', 'stsb', 'qqp', 'mnli', 'qnli', 'rte', 'wnli', 'ax'.
+    data_dir: the GLUE root (holding CoLA/, SST-2/, ..., diagnostic/).
+    split: 'train', 'dev', 'test'; MNLI: 'dev_matched', 'dev_mismatched', 'test_matched',
+      'test_mismatched' ('dev'/'test' mean matched).
+    skip_malformed: skip rows with the wrong number of columns (counted and logged) instead of
+      raising; by default only for QQP, whose released files have such rows.
+  """
+  name, spec = _task(task)
+  split = _split(name, spec, split)
+  path = os.path.join(data_dir, spec.directory, spec.files[split])
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'GLUE {name} {split}: no file {path} (expected the layout of '
+                            f'download_glue_data.py: <data_dir>/{spec.directory}/'
+                            f'{spec.files[split]})')
+  skip = spec.skip_malformed if skip_malformed is None else skip_malformed
+  is_test = split.startswith('test')
+  rows = _read_rows(path)
+  if split in spec.headerless_splits:
+    n_columns = spec.headerless_columns
+    a, b, label = spec.text_a, spec.text_b, spec.label
+    row_id = None
+  else:
+    try:
+      _, header = next(rows)
+    except StopIteration:
+      raise ValueError(f'{path}: empty file (expected a header line)') from None
+    n_columns = len(header)
+    a = _column(header, (spec.test_text_a if is_test and spec.test_text_a else spec.text_a), path)
+    b = None if spec.text_b is None else _column(header, spec.text_b, path)
+    label = None if is_test else _column(header, spec.label, path)
+    row_id = next((header.index(c) for c in ('index', 'id') if c in header), None)
+
+  examples, skipped = [], []
+  for number, row in rows:
+    if len(row) != n_columns:
+      if skip:
+        skipped.append(number)
+        continue
+      raise ValueError(f'{path}:{number}: expected {n_columns} tab-separated columns, got '
+                       f'{len(row)} (pass skip_malformed=True to skip such rows)')
+    value = None
+    if label is not None:
+      value = row[label]
+      if spec.labels is None:
+        try:
+          value = float(value)
+        except ValueError:
+          raise ValueError(f'{path}:{number}: score {value!r} is not a number') from None
+      elif value not in spec.labels:
+        raise ValueError(f'{path}:{number}: unknown label {value!r} for {name}; expected one of '
+                         f'{list(spec.labels)}')
+    guid = f'{split}-{row[row_id] if row_id is not None else len(examples)}'
+    examples.append(Example(guid, row[a], None if b is None else row[b], value))
+  if skipped:
+    logging.warning('%s: skipped %d malformed rows (wrong number of columns), lines %s%s',
+                    path, len(skipped), skipped[:10], ' ...' if len(skipped) > 10 else '')
+  if not examples:
+    raise ValueError(f'{path}: no examples (file has no data rows'
+                     f'{f", {len(skipped)} malformed rows skipped" if skipped else ""})')
+  logging.info('%s: %d examples', path, len(examples))
+  return examples
+
+
+# TFDS feature names of the two texts, and split names.
+_TFDS_TEXTS = {
+    'cola': ('sentence', None), 'sst2': ('sentence', None), 'mrpc': ('sentence1', 'sentence2'),
+    'qqp': ('question1', 'question2'), 'stsb': ('sentence1', 'sentence2'),
+    'mnli': ('premise', 'hypothesis'), 'qnli': ('question', 'sentence'),
+    'rte': ('sentence1', 'sentence2'), 'wnli': ('sentence1', 'sentence2'),
+    'ax': ('premise', 'hypothesis'),
+}
+_TFDS_SPLITS = {'dev': 'validation', 'dev_matched': 'validation_matched',
+                'dev_mismatched': 'validation_mismatched'}
+
+
+def read_tfds(task: str, split: str, data_dir: str | None = None) -> list[Example]:
+  """Examples from the prepared TFDS dataset `glue/<task>` (never downloads).
+
+  TFDS numbers labels in its own order (MNLI: entailment, neutral, contradiction); they are
+  mapped to label strings by name, so `convert_examples` with `task_info`'s list is correct.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  name, spec = _task(task)
+  split = _split(name, spec, split)
+  builder = tfds.builder(f'glue/{name}', data_dir=data_dir)
+  label_names = None if spec.labels is None else builder.info.features['label'].names
+  ds = tfds.load(f'glue/{name}', split=_TFDS_SPLITS.get(split, split), data_dir=data_dir,
+                 download=False, shuffle_files=False)
+  key_a, key_b = _TFDS_TEXTS[name]
+  examples = []
+  for row in tfds.as_numpy(ds):
+    label = None
+    if not split.startswith('test'):
+      if spec.labels is None:
+        label = float(row['label'])
+      else:
+        label = label_names[int(row['label'])]
+        if label not in spec.labels:
+          raise ValueError(f'TFDS glue/{name}: label {label!r} not in {list(spec.labels)}')
+    examples.append(Example(
+        f'{split}-{int(row["idx"])}', row[key_a].decode('utf-8'),
+        None if key_b is None else row[key_b].decode('utf-8'), label))
+  if not examples:
+    raise ValueError(f'TFDS glue/{name} split {split!r} is empty')
+  return examples
+
+
+# ---------------------------------------------------------------------------------------------
+# Features
+# ---------------------------------------------------------------------------------------------
+
+
+def encode_in_chunks(tok, texts: Sequence[str], chunk_size: int = 50_000) -> list[list[int]]:
+  """`tok.encode` over many texts: few calls (each has a fixed cost of milliseconds) of bounded
+  size (peak memory)."""
+  ids = []
+  for start in range(0, len(texts), chunk_size):
+    ids.extend(tok.encode(list(texts[start:start + chunk_size])))
+  return ids
+
+
+def truncate_seq_pair(tokens_a: list, tokens_b: list, max_length: int) -> bool:
+  """Pops from the end of the longer list until both fit; True if anything was cut.
+
+  Cutting the longer one a token at a time keeps more of the shorter text, which usually
+  carries as much information per token (the original BERT rule).
+  """
+  truncated = False
+  while len(tokens_a) + len(tokens_b) > max_length:
+    longer = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+    longer.pop()
+    truncated = True
+  return truncated
+
+
+def pack_pair(ids_a: list[int], ids_b: list[int] | None, tok, max_seq_length: int
+              ) -> tuple[list[int], list[int], bool]:
+  """'[CLS] A [SEP] B [SEP]' token ids and segment ids, truncated to fit; (ids, segs, cut)."""
+  ids_a = list(ids_a)
+  if ids_b is None:
+    cut = len(ids_a) > max_seq_length - 2
+    ids_a = ids_a[:max_seq_length - 2]
+    return [tok.cls_id] + ids_a + [tok.sep_id], [0] * (len(ids_a) + 2), cut
+  ids_b = list(ids_b)
+  cut = truncate_seq_pair(ids_a, ids_b, max_seq_length - 3)
+  ids = [tok.cls_id] + ids_a + [tok.sep_id] + ids_b + [tok.sep_id]
+  return ids, [0] * (len(ids_a) + 2) + [1] * (len(ids_b) + 1), cut
+
+
+def convert_examples(examples: Sequence[Example], tok, max_seq_length: int,
+                     label_list: Sequence[str] | None) -> dict[str, np.ndarray]:
+  """Tokenizes, packs and pads; labels become ids (float32 scores when label_list is None).
+
+  Test examples (label None) get label -1 (NaN for regression). Returns input_ids, input_mask,
+  segment_ids [N, max_seq_length] int32, label [N], example_index [N] int32.
+  """
+  if not examples:
+    raise ValueError('convert_examples: no examples')
+  has_pairs = any(e.text_b is not None for e in examples)
+  if max_seq_length < (3 if has_pairs else 2) + 1:
+    raise ValueError(f'max_seq_length={max_seq_length} leaves no room for text')
+  label_map = None if label_list is None else {l: i for i, l in enumerate(label_list)}
+  n = len(examples)
+  encoded_a = encode_in_chunks(tok, [e.text_a for e in examples])
+  pair_indices = [i for i, e in enumerate(examples) if e.text_b is not None]
+  encoded_b = dict(zip(pair_indices,
+                       encode_in_chunks(tok, [examples[i].text_b for i in pair_indices])))
+
+  input_ids = np.full((n, max_seq_length), tok.pad_id, np.int32)
+  segment_ids = np.zeros((n, max_seq_length), np.int32)
+  input_mask = np.zeros((n, max_seq_length), np.int32)
+  labels = np.zeros(n, np.float32 if label_map is None else np.int32)
+  num_truncated = 0
+  for i, example in enumerate(examples):
+    ids, segs, cut = pack_pair(encoded_a[i], encoded_b.get(i), tok, max_seq_length)
+    num_truncated += cut
+    input_ids[i, :len(ids)] = ids
+    segment_ids[i, :len(ids)] = segs
+    input_mask[i, :len(ids)] = 1
+    if example.label is None:
+      labels[i] = -1 if label_map is not None else np.nan
+    elif label_map is None:
+      labels[i] = float(example.label)
+    else:
+      if example.label not in label_map:
+        raise ValueError(f'example {example.guid}: label {example.label!r} not in {label_list}')
+      labels[i] = label_map[example.label]
+  if num_truncated:
+    logging.warning('GLUE features: truncated %d of %d examples to max_seq_length=%d',
+                    num_truncated, n, max_seq_length)
+  return {'input_ids': input_ids, 'input_mask': input_mask, 'segment_ids': segment_ids,
+          'label': labels, 'example_index': np.arange(n, dtype=np.int32)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Length bucketing
+# ---------------------------------------------------------------------------------------------
+
+
+def _batchable(features: dict[str, Any]) -> tuple[dict[str, np.ndarray], int, int]:
+  """The numeric arrays among `features` (bookkeeping such as lists is left out); N and L."""
+  arrays = {k: v for k, v in features.items()
+            if isinstance(v, np.ndarray) and v.dtype != object}
+  if 'input_mask' not in arrays:
+    raise ValueError('features need an input_mask array to be bucketed')
+  n, length = arrays['input_mask'].shape
+  for k, v in arrays.items():
+    if v.shape[0] != n:
+      raise ValueError(f'feature {k!r} has {v.shape[0]} rows, input_mask has {n}')
+  return arrays, n, length
+
+
+def _bucket_plan(features, batch_size, buckets, shuffle, seed, window_batches, drop_remainder
+                 ) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int]]]:
+  arrays, n, length = _batchable(features)
+  if batch_size < 1:
+    raise ValueError(f'batch_size must be positive, got {batch_size}')
+  sizes = sorted({min(int(b), length) for b in buckets} | {length})
+  lengths = arrays['input_mask'].sum(1)
+  rng = np.random.default_rng(seed)
+  order = rng.permutation(n) if shuffle else np.arange(n)
+  window = batch_size * window_batches
+  batches = []
+  for start in range(0, n, window):
+    chunk = order[start:start + window]
+    # Sorting only inside a window keeps batches random across the epoch (when shuffled) while
+    # grouping similar lengths together.
+    chunk = chunk[np.argsort(lengths[chunk], kind='stable')]
+    for b in range(0, len(chunk), batch_size):
+      idx = chunk[b:b + batch_size]
+      if len(idx) < batch_size and drop_remainder:
+        continue
+      longest = int(lengths[idx].max())
+      batches.append((idx, next(s for s in sizes if s >= longest)))
+  if shuffle:
+    batches = [batches[i] for i in rng.permutation(len(batches))]
+  return arrays, batches
+
+
+def bucket_batches(features: dict[str, Any], batch_size: int,
+                   buckets: Sequence[int] = (32, 64, 128), shuffle: bool = False,
+                   seed: int = 0, window_batches: int = 50,
+                   drop_remainder: bool = False) -> Iterator[dict[str, np.ndarray]]:
+  """Batches whose sequence axis is cut to the smallest bucket that holds their longest example.
+
+  Examples are (optionally) shuffled, sorted by length within windows of `window_batches`
+  batches, cut into batches, and the batch order is shuffled. Every example appears exactly
+  once per epoch (the last batch may be smaller unless `drop_remainder`). Arrays of shape
+  [N, L, ...] are cut to the bucket; [N] arrays (labels, indices) are gathered; non-array
+  entries are left out. Use `example_index`/`feature_index` to map results back.
+  """
+  arrays, batches = _bucket_plan(features, batch_size, buckets, shuffle, seed, window_batches,
+                                 drop_remainder)
+  length = arrays['input_mask'].shape[1]
+  for idx, size in batches:
+    yield {k: (v[idx, :size] if v.ndim >= 2 and v.shape[1] == length else v[idx])
+           for k, v in arrays.items()}
+
+
+def padding_savings(features: dict[str, Any], batch_size: int,
+                    buckets: Sequence[int] = (32, 64, 128), seed: int = 0) -> dict[str, float]:
+  """Share of padded tokens with fixed-length batches vs bucketed ones (one shuffled epoch)."""
+  arrays, batches = _bucket_plan(features, batch_size, buckets, True, seed, 50, False)
+  n, length = arrays['input_mask'].shape
+  real = int(arrays['input_mask'].sum())
+  bucketed = sum(len(idx) * size for idx, size in batches)
+  return {'real_tokens': real, 'fixed_tokens': n * length, 'bucketed_tokens': bucketed,
+          'fixed_pad_share': 1 - real / (n * length),
+          'bucketed_pad_share': 1 - real / bucketed,
+          'tokens_saved_share': 1 - bucketed / (n * length)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Submission files
+# ---------------------------------------------------------------------------------------------
+
+
+def write_predictions(task: str, predictions, output_dir: str, split: str = 'test',
+                      indices: Sequence[int] | None = None) -> str:
+  """Writes a GLUE leaderboard file (`CoLA.tsv`, ..., `MNLI-m.tsv`, `AX.tsv`); returns its path.
+
+  Args:
+    task: the task; 'mnli-m'/'mnli-mm' (or task 'mnli' with split 'test_matched'/
+      'test_mismatched') pick the MNLI file.
+    predictions: label ids [N], logits [N, C], label strings, or scores (STS-B), in test-file
+      order.
+    output_dir: created if missing.
+    split: the test split (MNLI: 'test_matched' or 'test_mismatched').
+    indices: the test file's index of each prediction; default 0..N-1 (GLUE's test indices).
+  """
+  canonical = metrics.canonical_task(task)
+  name, spec = _task(task)
+  if canonical == 'mnli_mismatched':
+    split = 'test_mismatched'
+  split = _split(name, spec, split)
+  if split not in spec.submission:
+    raise ValueError(f'no GLUE submission file for {name} split {split!r}')
+  if spec.labels is None:
+    values = np.asarray(predictions, np.float64).reshape(-1)
+    lines = [f'{v:.3f}' for v in values]
+  elif len(predictions) and isinstance(predictions[0], str):
+    lines = list(predictions)
+    bad = [p for p in lines if p not in spec.labels]
+    if bad:
+      raise ValueError(f'{name}: predicted labels {sorted(set(bad))} not in {list(spec.labels)}')
+  else:
+    ids = np.asarray(predictions)
+    ids = ids.argmax(-1) if ids.ndim == 2 else ids.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= len(spec.labels)):
+      raise ValueError(f'{name}: label ids must be in [0, {len(spec.labels)})')
+    lines = [spec.labels[i] for i in ids]
+  if not lines:
+    raise ValueError(f'{name}: no predictions to write')
+  indices = range(len(lines)) if indices is None else list(indices)
+  if len(indices) != len(lines):
+    raise ValueError(f'{len(indices)} indices for {len(lines)} predictions')
+  os.makedirs(output_dir, exist_ok=True)
+  path = os.path.join(output_dir, spec.submission[split])
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write('index\tprediction\n')
+    f.writelines(f'{i}\t{p}\n' for i, p in zip(indices, lines))
+  return path

@@ -1,0 +1,203 @@
+"""Named-entity recognition on CoNLL-2003-style files: read, tag schemes, windows, reassembly.
+
+Each word's label sits on its first WordPiece; later pieces, [CLS]/[SEP] and padding get -1
+(ignored by the loss and by evaluation). A sentence longer than one window is split at word
+boundaries into several windows, and `reassemble` puts the per-window predictions back
+together so every word of every sentence gets exactly one predicted tag.
+"""
+
+import dataclasses
+from typing import Any, Sequence
+
+from absl import logging
+import numpy as np
+
+from bert_jax import glue
+
+# The CoNLL-2003 tag set (IOB1 and IOB2 use the same tags, only their placement differs).
+CONLL_LABELS = ('O', 'B-PER', 'I-PER', 'B-ORG', 'I-ORG', 'B-LOC', 'I-LOC', 'B-MISC', 'I-MISC')
+_PREFIXES = ('B-', 'I-', 'E-', 'S-')
+
+
+@dataclasses.dataclass(frozen=True)
+class Sentence:
+  words: list[str]
+  tags: list[str] | None  # None for unlabelled text.
+  line: int  # 1-based line of the first word in its file (for error messages).
+
+
+def _check_tag(tag: str, where: str) -> None:
+  if tag != 'O' and (tag[:2] not in _PREFIXES or len(tag) < 3):
+    raise ValueError(f'{where}: tag {tag!r} is neither O nor B-/I-/E-/S-<TYPE>')
+
+
+def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[Sentence]:
+  """Sentences of a CoNLL file: one word per line (word first, NER tag last), blank lines
+  between sentences, `-DOCSTART-` lines between documents.
+
+  Args:
+    path: the file (e.g. CoNLL-2003 eng.train: columns word POS chunk NER, IOB1 tags).
+    has_tags: False for text with only a word column.
+    to_iob2: convert IOB1 tags to IOB2 (every chunk starts with B-).
+  """
+  sentences, words, tags = [], [], []
+  first_line = columns = None
+
+  def flush():
+    nonlocal words, tags, first_line
+    if words:
+      sentences.append(Sentence(words, tags if has_tags else None, first_line))
+    words, tags, first_line = [], [], None
+
+  with open(path, encoding='utf-8') as f:
+    for number, line in enumerate(f, 1):
+      fields = line.split()
+      if not fields or fields[0] == '-DOCSTART-':
+        flush()
+        continue
+      if columns is None:
+        columns = len(fields)
+        if has_tags and columns < 2:
+          raise ValueError(f'{path}:{number}: expected a word and a tag column, got {fields}')
+      elif len(fields) != columns:
+        raise ValueError(f'{path}:{number}: {len(fields)} columns where earlier lines have '
+                         f'{columns}')
+      if first_line is None:
+        first_line = number
+      words.append(fields[0])
+      if has_tags:
+        _check_tag(fields[-1], f'{path}:{number}')
+        tags.append(fields[-1])
+  flush()
+  if not sentences:
+    raise ValueError(f'{path}: no sentences')
+  if to_iob2 and has_tags:
+    sentences = [dataclasses.replace(s, tags=iob1_to_iob2(s.tags)) for s in sentences]
+  logging.info('%s: %d sentences, %d words', path, len(sentences),
+               sum(len(s.words) for s in sentences))
+  return sentences
+
+
+def iob1_to_iob2(tags: Sequence[str]) -> list[str]:
+  """I-X that opens a chunk (first tag, after O or after another type) becomes B-X."""
+  out = []
+  for i, tag in enumerate(tags):
+    if tag.startswith('I-'):
+      prev = tags[i - 1] if i else 'O'
+      if prev == 'O' or prev[2:] != tag[2:]:
+        tag = 'B-' + tag[2:]
+    out.append(tag)
+  return out
+
+
+def is_iob1(sentences: Sequence[Sentence]) -> bool:
+  """Whether some chunk opens with I- (IOB1; in IOB2 every chunk opens with B-)."""
+  return any(s.tags and iob1_to_iob2(s.tags) != list(s.tags) for s in sentences)
+
+
+def label_list_from_data(sentences: Sequence[Sentence]) -> list[str]:
+  """'O' then the data's tags sorted by type, B- before I- (a stable id order)."""
+  tags = {t for s in sentences for t in (s.tags or ())} - {'O'}
+  order = {p: i for i, p in enumerate(_PREFIXES)}
+  return ['O'] + sorted(tags, key=lambda t: (t[2:], order[t[:2]]))
+
+
+def convert_sentences(sentences: Sequence[Sentence], tok, max_seq_length: int,
+                      label_list: Sequence[str]) -> dict[str, np.ndarray]:
+  """Windows '[CLS] words [SEP]' with labels on first pieces.
+
+  Returns int32 arrays input_ids, input_mask, segment_ids, labels (-1 = ignore) and
+  word_index (word position in its sentence on first pieces, -1 elsewhere) [N, L], and
+  sentence_index, feature_index [N].
+  """
+  if not sentences:
+    raise ValueError('convert_sentences: no sentences')
+  room = max_seq_length - 2
+  if room < 1:
+    raise ValueError(f'max_seq_length={max_seq_length} leaves no room for words')
+  label_map = {l: i for i, l in enumerate(label_list)}
+  flat = glue.encode_in_chunks(tok, [w for s in sentences for w in s.words])
+  num_empty = num_long = 0
+  windows = []  # (sentence index, first word, pieces of each word in the window)
+  position = 0
+  for si, sentence in enumerate(sentences):
+    pieces = flat[position:position + len(sentence.words)]
+    position += len(sentence.words)
+    if sentence.tags is not None:
+      if len(sentence.tags) != len(sentence.words):
+        raise ValueError(f'sentence at line {sentence.line}: {len(sentence.words)} words but '
+                         f'{len(sentence.tags)} tags')
+      unknown = sorted(set(sentence.tags) - set(label_map))
+      if unknown:
+        raise ValueError(f'sentence at line {sentence.line}: tags {unknown} not in the label '
+                         f'list {list(label_list)}')
+    start, current, used = 0, [], 0
+    for wi, word_pieces in enumerate(pieces):
+      if not word_pieces:  # E.g. a word of control characters: it still needs a prediction.
+        word_pieces, num_empty = [tok.unk_id], num_empty + 1
+      if len(word_pieces) > room:
+        word_pieces, num_long = word_pieces[:room], num_long + 1
+      if used + len(word_pieces) > room:
+        windows.append((si, start, current))
+        start, current, used = wi, [], 0
+      current.append(word_pieces)
+      used += len(word_pieces)
+    windows.append((si, start, current))
+  if num_empty:
+    logging.warning('NER features: %d words had no WordPiece; they are fed as [UNK]', num_empty)
+  if num_long:
+    logging.warning('NER features: %d words longer than %d pieces were cut (their label stays '
+                    'on the first piece)', num_long, room)
+  split = {w[0] for w in windows if w[1] > 0}  # Sentences that needed a second window.
+  if split:
+    logging.info('NER features: %d sentences longer than %d tokens were split; %d windows for '
+                 '%d sentences', len(split), max_seq_length, len(windows), len(sentences))
+
+  n = len(windows)
+  input_ids = np.full((n, max_seq_length), tok.pad_id, np.int32)
+  input_mask = np.zeros((n, max_seq_length), np.int32)
+  labels = np.full((n, max_seq_length), -1, np.int32)
+  word_index = np.full((n, max_seq_length), -1, np.int32)
+  for row, (si, start, window) in enumerate(windows):
+    tags = sentences[si].tags
+    ids = [tok.cls_id]
+    for offset, word_pieces in enumerate(window):
+      word_index[row, len(ids)] = start + offset
+      if tags is not None:
+        labels[row, len(ids)] = label_map[tags[start + offset]]
+      ids.extend(word_pieces)
+    ids.append(tok.sep_id)
+    input_ids[row, :len(ids)] = ids
+    input_mask[row, :len(ids)] = 1
+  return {'input_ids': input_ids, 'input_mask': input_mask,
+          'segment_ids': np.zeros_like(input_ids), 'labels': labels, 'word_index': word_index,
+          'sentence_index': np.array([w[0] for w in windows], np.int32),
+          'feature_index': np.arange(n, dtype=np.int32)}
+
+
+def reassemble(sentences: Sequence[Sentence], features: dict[str, Any], predictions,
+               label_list: Sequence[str]) -> list[list[str]]:
+  """Per-word tag strings for every sentence from per-window predictions.
+
+  `predictions`: label ids [N, L'] or logits [N, L', C] (or N such rows) in feature order;
+  rows may be shorter than L (bucketed batches) but must cover every labelled position.
+  """
+  word_index, sentence_index = features['word_index'], features['sentence_index']
+  if len(predictions) != len(word_index):
+    raise ValueError(f'{len(word_index)} features but {len(predictions)} prediction rows')
+  out = [[None] * len(s.words) for s in sentences]
+  for row, pred in enumerate(predictions):
+    pred = np.asarray(pred)
+    ids = pred.argmax(-1) if pred.ndim == 2 else pred
+    positions = np.flatnonzero(word_index[row] >= 0)
+    if len(positions) and positions[-1] >= len(ids):
+      raise ValueError(f'prediction row {row} has {len(ids)} positions; word pieces go up to '
+                       f'{positions[-1]}')
+    tags = out[sentence_index[row]]
+    for p in positions:
+      tags[word_index[row, p]] = label_list[int(ids[p])]
+  for s, tags in zip(sentences, out):
+    if None in tags:
+      raise ValueError(f'sentence at line {s.line}: {tags.count(None)} words got no prediction '
+                       '(features and sentences do not match)')
+  return out

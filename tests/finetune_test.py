@@ -1,0 +1,275 @@
+"""End-to-end fine-tuning of a tiny randomly initialised BERT: GLUE (learns a task to >= 90%),
+SQuAD, NER and the learning-rate sweep through the CLI, and the errors users meet first."""
+
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from bert_jax import cli
+from bert_jax import convert
+from bert_jax import finetune
+from bert_jax import glue
+from bert_jax import model as model_lib
+from bert_jax import tokenization
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+POSITIVE = ['good', 'great', 'fine', 'nice', 'happy', 'superb', 'lovely', 'brilliant']
+NEGATIVE = ['bad', 'awful', 'poor', 'sad', 'terrible', 'dull', 'boring', 'ugly']
+FILLER = ['the', 'an', 'movie', 'film', 'plot', 'was', 'very', 'quite', 'and', 'it', 'actors',
+          'story', 'made', 'by', 'who', '?', '.']
+NAMES = ['alice', 'bob', 'carol', 'dave', 'erin']
+VOCAB = (['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + POSITIVE + NEGATIVE + FILLER + NAMES +
+         [f'w{i}' for i in range(20)])
+TINY = model_lib.BertConfig(vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=128,
+                            max_position_embeddings=64)
+
+
+def _write_lines(path, lines):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(''.join(line + '\n' for line in lines))
+  return str(path)
+
+
+@pytest.fixture(scope='module')
+def checkpoints(tmp_path_factory):
+  """The same random tiny model as a Hugging Face directory and as a bert_jax checkpoint."""
+  root = tmp_path_factory.mktemp('pretrained')
+  vocab = _write_lines(str(root / 'vocab.txt'), VOCAB)
+  params = model_lib.init_params(TINY, jax.random.key(0))
+  hf, ours = str(root / 'hf'), str(root / 'bert_jax')
+  convert.export_hf(TINY, params, hf, vocab_file=vocab, lower_case=True)
+  convert.export_bert_jax(TINY, params, ours, vocab_file=vocab, lower_case=True)
+  return {'hf': hf, 'bert_jax': ours}
+
+
+def _sentence(rng, label):
+  """Filler words plus one or two words of the label's set: the label is which set is used."""
+  words = [rng.choice(FILLER[:12]) for _ in range(rng.choice([rng.randint(3, 8),
+                                                              rng.randint(12, 22)]))]
+  for _ in range(rng.randint(1, 2)):
+    words.insert(rng.randrange(len(words) + 1), rng.choice(POSITIVE if label else NEGATIVE))
+  return ' '.join(words)
+
+
+@pytest.fixture(scope='module')
+def glue_dir(tmp_path_factory):
+  """SST-2 in the official layout: train.tsv/dev.tsv (sentence, label), test.tsv (index,
+  sentence); `gold` holds the test labels the rule gives."""
+  root = str(tmp_path_factory.mktemp('glue'))
+  rng = random.Random(0)
+  for split, n in (('train', 256), ('dev', 64)):
+    rows = []
+    for _ in range(n):
+      label = rng.randint(0, 1)
+      rows.append(f'{_sentence(rng, label)}\t{label}')
+    _write_lines(os.path.join(root, 'SST-2', f'{split}.tsv'), ['sentence\tlabel'] + rows)
+  gold = [rng.randint(0, 1) for _ in range(24)]
+  _write_lines(os.path.join(root, 'SST-2', 'test.tsv'),
+               ['index\tsentence'] + [f'{i}\t{_sentence(rng, g)}' for i, g in enumerate(gold)])
+  return root, gold
+
+
+def _glue_config(init_checkpoint, data_dir, **overrides):
+  values = {'init_checkpoint': init_checkpoint, 'data_dir': data_dir, 'max_seq_length': 32,
+            'buckets': (16, 32), 'train.batch_size': 16, 'eval.batch_size': 32,
+            'log.progress': False}
+  values.update(overrides)
+  return cli.load_config('finetune_glue.py:sst2', values)
+
+
+def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints, glue_dir,
+                                                                     tmp_path):
+  data_dir, gold = glue_dir
+  workdir = str(tmp_path / 'sst2')
+  config = _glue_config(checkpoints['hf'], data_dir, predict_test=True,
+                        **{'train.learning_rate': 3e-3, 'train.epochs': 4})
+  result = finetune.finetune(config, workdir)
+
+  assert result['task'] == 'sst2' and result['main_metric'] == 'accuracy'
+  assert result['score'] >= 0.9, result
+  with open(os.path.join(workdir, 'metrics.json')) as f:
+    assert json.load(f) == result
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    log = [json.loads(line) for line in f]
+  dev = [r for r in log if r.get('split') == 'dev']
+  assert [r['epoch'] for r in dev] == [1, 2, 3, 4]
+  assert result['score'] == max(r['accuracy'] for r in dev)
+  assert result['epoch'] == next(r['epoch'] for r in dev if r['accuracy'] == result['score'])
+  assert any(r.get('loss') for r in log)
+  assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))  # TensorBoard.
+
+  # Only the best epoch's checkpoint is kept, and it scores what metrics.json says.
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == [str(result['step'])]
+  config_ft, params = convert.load_pretrained(workdir)
+  assert set(params) == {'bert', 'classifier'}
+  tok = tokenization.load_tokenizer(os.path.join(workdir, 'vocab.txt'), lower_case=True)
+  feats = glue.convert_examples(glue.read_task('sst2', data_dir, 'dev'), tok, 32, ['0', '1'])
+  classifier = model_lib.BertForSequenceClassification(config_ft, num_labels=2)
+  logits = jax.jit(classifier.apply)({'params': params}, feats['input_ids'],
+                                     feats['input_mask'], feats['segment_ids'])
+  assert np.mean(np.argmax(logits, -1) == feats['label']) == result['score']
+
+  # The test set in GLUE's submission format, scored by the rule that made it.
+  with open(os.path.join(workdir, 'predictions', 'SST-2.tsv')) as f:
+    lines = f.read().splitlines()
+  assert lines[0] == 'index\tprediction'
+  rows = [line.split('\t') for line in lines[1:]]
+  assert [int(i) for i, _ in rows] == list(range(len(gold)))
+  assert np.mean([int(p) == g for (_, p), g in zip(rows, gold)]) >= 0.9
+
+  with pytest.raises(ValueError, match='already holds a fine-tuned checkpoint'):
+    finetune.finetune(config, workdir)
+
+
+def test_squad_runs_end_to_end(checkpoints, tmp_path):
+  rng = random.Random(1)
+  paragraphs, qids = [], []
+  for i in range(20):
+    who = rng.choice(NAMES)
+    # Some contexts are longer than one window (64 tokens, 32 apart).
+    filler = ' '.join(rng.choice(FILLER[:12]) for _ in range(rng.choice([4, 60])))
+    context = f'{filler} the movie was made by {who} and the plot was dull .'
+    qids.append(f'q{i}')
+    paragraphs.append({'context': context, 'qas': [{
+        'id': f'q{i}', 'question': 'who made the movie ?',
+        'answers': [{'text': who, 'answer_start': context.index(f'by {who}') + 3}]}]})
+  data_dir = str(tmp_path / 'squad')
+  os.makedirs(data_dir)
+  for name, part in (('train-v1.1.json', paragraphs[:16]), ('dev-v1.1.json', paragraphs[16:])):
+    with open(os.path.join(data_dir, name), 'w') as f:
+      json.dump({'version': '1.1', 'data': [{'title': 't', 'paragraphs': part}]}, f)
+  config = cli.load_config('finetune_squad.py:v1', {
+      'init_checkpoint': checkpoints['bert_jax'], 'data_dir': data_dir, 'max_seq_length': 64,
+      'buckets': (), 'doc_stride': 32, 'max_query_length': 16, 'train.epochs': 1,
+      'train.batch_size': 8, 'eval.batch_size': 8, 'log.progress': False,
+      # No dropout: its random bits double the step's compile time, and this run only has to
+      # run (the GLUE test trains with dropout).
+      'model.hidden_dropout_prob': 0.0, 'model.attention_probs_dropout_prob': 0.0})
+  workdir = str(tmp_path / 'run')
+  result = finetune.finetune(config, workdir)
+
+  assert result['main_metric'] == 'f1' and set(result['dev']) >= {'exact', 'f1'}
+  assert 0 <= result['score'] <= 100 and result['dev']['total'] == 4
+  with open(os.path.join(workdir, 'metrics.json')) as f:
+    assert json.load(f)['score'] == result['score']
+  with open(os.path.join(workdir, 'predictions', 'predictions.json')) as f:
+    predictions = json.load(f)
+  assert sorted(predictions) == qids[16:]
+  assert all(isinstance(p, str) for p in predictions.values())
+  assert os.path.exists(os.path.join(workdir, 'predictions', 'nbest_predictions.json'))
+
+
+def _conll(rng, n):
+  lines = ['-DOCSTART- -X- -X- O', '']
+  for _ in range(n):
+    for word in rng.sample(FILLER[:12], 3) + [rng.choice(NAMES), 'w1', 'w2', 'was', 'dull']:
+      tag = ('B-PER' if word in NAMES else 'B-ORG' if word == 'w1' else
+             'I-ORG' if word == 'w2' else 'O')
+      lines.append(f'{word} X X {tag}')
+    lines.append('')
+  return lines
+
+
+def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
+  """`bert-jax finetune --sweep`: one run per rate, each with dev/test CoNLL files, and the best
+  rate reported."""
+  rng = random.Random(2)
+  data_dir = str(tmp_path / 'conll')
+  for name, n in (('train.txt', 24), ('valid.txt', 6), ('test.txt', 5)):
+    _write_lines(os.path.join(data_dir, name), _conll(rng, n))
+  workdir = str(tmp_path / 'ner')
+  cmd = [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=configs/finetune_ner.py',
+         f'--config.init_checkpoint={checkpoints["bert_jax"]}', f'--config.data_dir={data_dir}',
+         '--config.train.epochs=1', '--config.train.batch_size=8', '--config.max_seq_length=16',
+         '--config.buckets=()', '--config.predict_test=True', '--config.log.progress=False',
+         '--config.model.hidden_dropout_prob=0', '--config.model.attention_probs_dropout_prob=0',
+         f'--workdir={workdir}', '--sweep', '--learning_rates=1e-3,5e-4']
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads(proc.stdout.strip().splitlines()[-1])
+
+  with open(os.path.join(workdir, 'sweep.json')) as f:
+    assert json.load(f) == summary
+  assert set(summary['runs']) == {'0.001', '0.0005'}
+  best = max(summary['runs'], key=lambda lr: summary['runs'][lr]['score'])
+  assert summary['best_learning_rate'] == float(best)
+  assert summary['best_score'] == summary['runs'][best]['score']
+  assert f'best f1 {summary["best_score"]:.4f} at learning rate' in proc.stdout
+  for lr in ('0.001', '0.0005'):
+    run = os.path.join(workdir, f'lr_{lr}')
+    with open(os.path.join(run, 'metrics.json')) as f:
+      metrics = json.load(f)
+    assert metrics['learning_rate'] == float(lr) and metrics['main_metric'] == 'f1'
+    assert set(metrics) >= {'dev', 'test'} and 'precision' in metrics['test']
+    for split, sentences in (('dev', 6), ('test', 5)):
+      with open(os.path.join(run, 'predictions', f'{split}.conll')) as f:
+        blocks = f.read().strip().split('\n\n')
+      assert len(blocks) == sentences
+      assert all(len(line.split()) == 3 for line in blocks[0].splitlines())  # word gold pred
+
+
+def test_vocab_that_does_not_match_the_checkpoint(checkpoints, glue_dir, tmp_path):
+  data_dir, _ = glue_dir
+  bigger = _write_lines(str(tmp_path / 'vocab.txt'), VOCAB + [f'extra{i}' for i in range(9)])
+  config = _glue_config(checkpoints['bert_jax'], data_dir, vocab_file=bigger)
+  with pytest.raises(ValueError, match=rf'has {len(VOCAB) + 9} tokens but '
+                     rf'config.init_checkpoint=.* has vocab_size {len(VOCAB)} .*use the '
+                     'vocabulary the checkpoint was trained with'):
+    finetune.finetune(config, str(tmp_path / 'a'))
+  # A checkpoint folder whose own vocab.txt is not the model's.
+  folder = str(tmp_path / 'ckpt')
+  config_ = convert.load_pretrained(checkpoints['hf'])
+  convert.export_hf(*config_, folder)
+  _write_lines(os.path.join(folder, 'vocab.txt'), VOCAB + ['extra'])
+  with pytest.raises(ValueError, match=rf'vocab.txt has {len(VOCAB) + 1} tokens but '
+                     rf'vocab_size is {len(VOCAB)}'):
+    finetune.finetune(_glue_config(folder, data_dir), str(tmp_path / 'b'))
+  with pytest.raises(ValueError, match='init_checkpoint is empty'):
+    finetune.finetune(_glue_config('', data_dir), str(tmp_path / 'c'))
+
+
+def test_bad_task_files_name_the_file_and_line(checkpoints, tmp_path):
+  """Readers' errors reach the user before any training, naming what to fix."""
+  glue_root = str(tmp_path / 'glue')
+  _write_lines(os.path.join(glue_root, 'SST-2', 'train.tsv'), ['sentence\tlabel', 'good\t1'])
+  _write_lines(os.path.join(glue_root, 'SST-2', 'dev.tsv'), ['sentence\tscore', 'good\t1'])
+  with pytest.raises(ValueError, match=r"SST-2/dev.tsv: header \(line 1\) has no column "
+                     r"'label'"):
+    finetune.finetune(_glue_config(checkpoints['bert_jax'], glue_root), str(tmp_path / 'a'))
+  _write_lines(os.path.join(glue_root, 'SST-2', 'dev.tsv'), ['sentence\tlabel', 'good\t1'])
+  _write_lines(os.path.join(glue_root, 'SST-2', 'train.tsv'),
+               ['sentence\tlabel', 'good\t1', 'bad movie'])
+  with pytest.raises(ValueError, match=r'SST-2/train.tsv:3: expected 2 tab-separated columns'):
+    finetune.finetune(_glue_config(checkpoints['bert_jax'], glue_root), str(tmp_path / 'b'))
+
+  squad_dir = str(tmp_path / 'squad')
+  _write_lines(os.path.join(squad_dir, 'train-v1.1.json'),
+               ['{"data": [', '  {"title": "t" "paragraphs": []}', ']}'])
+  squad_config = cli.load_config('finetune_squad.py:v1', {
+      'init_checkpoint': checkpoints['bert_jax'], 'data_dir': squad_dir, 'max_seq_length': 64})
+  with pytest.raises(ValueError, match=r'train-v1.1.json:2:17: not valid JSON'):
+    finetune.finetune(squad_config, str(tmp_path / 'c'))
+  _write_lines(os.path.join(squad_dir, 'train-v1.1.json'), [json.dumps({'data': [
+      {'paragraphs': [{'context': 'a b', 'qas': [{'id': 'q1', 'answers': []}]}]}]})])
+  with pytest.raises(ValueError, match=r"train-v1.1.json: data\[0\].paragraphs\[0\].qas\[0\]: "
+                     r"missing key 'question'"):
+    finetune.finetune(squad_config, str(tmp_path / 'd'))
+
+  conll_dir = str(tmp_path / 'conll')
+  _write_lines(os.path.join(conll_dir, 'train.txt'), ['alice B-PER', 'was O', 'dull'])
+  ner_config = cli.load_config('finetune_ner.py', {
+      'init_checkpoint': checkpoints['bert_jax'], 'data_dir': conll_dir, 'max_seq_length': 32})
+  with pytest.raises(ValueError, match=r'train.txt:3: 1 columns where earlier lines have 2'):
+    finetune.finetune(ner_config, str(tmp_path / 'e'))
+  with pytest.raises(ValueError, match="config.task='squad': expected a GLUE task"):
+    finetune.finetune(cli.load_config('finetune_glue.py:squad', {
+        'init_checkpoint': checkpoints['bert_jax'], 'max_seq_length': 32}), str(tmp_path / 'f'))
