@@ -52,7 +52,8 @@ def bench_jax(args, config):
   _, shardings, init = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
   with sharding_lib.activate(mesh, rules):
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
-  step = train_lib.build_train_step(model, tx, mesh, rules, shardings, jax.random.key(1),
+  step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
+                                    train_lib.dropout_rng(config.train),
                                     config.train.grad_accum_steps, True)
   bsh = sharding_lib.batch_sharding(mesh)
   if args.real_data:
@@ -87,6 +88,7 @@ def bench_jax(args, config):
              seq_len=args.seq_len, devices=jax.device_count(),
              device_kind=jax.devices()[0].device_kind, dtype=bert_config.dtype,
              attention_impl=bert_config.attention_impl, remat=bert_config.remat_policy,
+             rng_impl=args.rng_impl,
              sequences_per_second=sps, step_seconds=elapsed / args.steps,
              model_tflops_per_second=sps * flops / 1e12,
              mfu=(sps * flops / (peak * jax.device_count())) if peak else None,
@@ -148,6 +150,8 @@ def main():
   parser.add_argument('--remat', default='none', choices=['none', 'full', 'dots'])
   parser.add_argument('--scan_layers', action='store_true')
   parser.add_argument('--dropout', type=float, default=0.1)
+  parser.add_argument('--rng_impl', default='rbg', choices=['threefry2x32', 'rbg', 'unsafe_rbg'],
+                      help='train.rng_impl: the PRNG of dropout')
   parser.add_argument('--real_data', action='store_true')
   parser.add_argument('--compare_torch', action='store_true')
   args = parser.parse_args()
@@ -158,7 +162,7 @@ def main():
       args.scan_layers, 'model.hidden_dropout_prob': args.dropout,
       'model.attention_probs_dropout_prob': args.dropout, 'train.batch_size': args.batch_size,
       'data.max_seq_length': args.seq_len, 'data.max_predictions_per_seq': args.max_predictions,
-      'train.steps': 1000, 'train.warmup_steps': 10})
+      'train.steps': 1000, 'train.warmup_steps': 10, 'train.rng_impl': args.rng_impl})
   result, bert_config = bench_jax(args, config)
   print(json.dumps(result), flush=True)
   if args.compare_torch:

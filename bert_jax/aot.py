@@ -85,9 +85,23 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
   bert_config = train_lib.model_config(config, config.model.vocab_size or vocab_size)
   bert_config = bert_config.replace(dtype=dtype)
   reports = []
+  mesh_sizes = dict(zip(sharding_lib.MESH_AXES,
+                        sharding_lib.mesh_shape(config.mesh, len(devices))))
   for phase in train_lib.parse_phases(config):
-    compiled, n_params = _compile(config, bert_config, devices, phase.seq_len,
-                                  phase.max_predictions)
+    header = dict(topology=topology, chips=chips, devices=len(devices), chip=chip,
+                  model=config.model.size, dtype=dtype, batch_size=config.train.batch_size,
+                  seq_len=phase.seq_len, max_predictions=phase.max_predictions,
+                  mesh=mesh_sizes)
+    try:
+      compiled, n_params = _compile(config, bert_config, devices, phase.seq_len,
+                                    phase.max_predictions)
+    except jax.errors.JaxRuntimeError as e:
+      if 'RESOURCE_EXHAUSTED' not in str(e):
+        raise
+      # XLA refuses to compile a program that cannot fit: that is the answer asked for.
+      reports.append(dict(header, memory=dict(fits=False, hbm_gib=hw['hbm_bytes'] / 2**30,
+                                              error=str(e).splitlines()[0])))
+      continue
     mem = compiled.memory_analysis()
     if bert_config.scan_layers:
       costed, _ = _compile(config, bert_config.replace(scan_layers=False), devices,
@@ -107,10 +121,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     t_memory = xla_bytes / hw['hbm_bandwidth']
     t_bound = max(t_compute, t_memory)
     reports.append(dict(
-        topology=topology, chips=chips, devices=n, chip=chip, model=config.model.size, params=n_params,
-        dtype=dtype, batch_size=config.train.batch_size, seq_len=phase.seq_len,
-        max_predictions=phase.max_predictions, mesh=dict(zip(
-            sharding_lib.MESH_AXES, sharding_lib.mesh_shape(config.mesh, n))),
+        header, params=n_params,
         memory=dict(arguments_gib=mem.argument_size_in_bytes / 2**30,
                     outputs_gib=mem.output_size_in_bytes / 2**30,
                     temporaries_gib=mem.temp_size_in_bytes / 2**30,
@@ -131,12 +142,18 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
 
 
 def format_report(report: dict[str, Any]) -> str:
-  m, f, r = report['memory'], report['flops'], report['roofline_bound']
+  m = report['memory']
+  title = (f"{report['model']} on {report['topology']} ({report['chips']} chips, "
+           f"{report['devices']} devices), batch {report['batch_size']} x "
+           f"{report['seq_len']} tokens, {report['dtype']}, mesh {report['mesh']}")
+  if 'error' in m:
+    return '\n'.join([
+        title, f"  DOES NOT FIT in {m['hbm_gib']:.0f} GiB HBM per device: {m['error']}",
+        '  Try model.remat_policy=dots or full, mesh.fsdp > 1, train.grad_accum_steps > 1, '
+        'or a larger slice.', '  ' + json.dumps(report)])
+  f, r = report['flops'], report['roofline_bound']
   return '\n'.join([
-      f"{report['model']} on {report['topology']} ({report['chips']} chips, "
-      f"{report['devices']} devices), batch "
-      f"{report['batch_size']} x {report['seq_len']} tokens, {report['dtype']}, mesh "
-      f"{report['mesh']}",
+      title,
       f"  memory per device: {m['total_gib']:.2f} GiB of {m['hbm_gib']:.0f} GiB HBM "
       f"({'fits' if m['fits'] else 'DOES NOT FIT'}): arguments {m['arguments_gib']:.2f}, "
       f"outputs {m['outputs_gib']:.2f}, temporaries {m['temporaries_gib']:.2f}, "

@@ -653,7 +653,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # ---- Steps ---------------------------------------------------------------------------------
   batch_sharding = sharding_lib.batch_sharding(mesh)
   replicated = NamedSharding(mesh, P())
-  base_rng = jax.random.fold_in(jax.random.key(config.train.seed), 1)
+  base_rng = train_lib.dropout_rng(config.train)
   jit_train = jax.jit(
       functools.partial(train_step, model=task.model, tx=tx, loss_fn=task.loss_fn,
                         base_rng=base_rng),

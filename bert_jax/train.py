@@ -229,6 +229,17 @@ def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformat
   return abstract, shardings, init
 
 
+RNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
+
+
+def dropout_rng(train_config: ml_collections.ConfigDict) -> jax.Array:
+  """The key that every step folds its step number into, for dropout."""
+  impl = train_config.get('rng_impl', 'threefry2x32')
+  if impl not in RNG_IMPLS:
+    raise ValueError(f'config.train.rng_impl={impl!r}: expected one of {RNG_IMPLS}')
+  return jax.random.fold_in(jax.random.key(train_config.seed, impl=impl), 1)
+
+
 def build_train_step(model, tx, mesh, rules, state_shardings, base_rng, accum_steps, use_nsp):
   """The jitted, sharded, state-donating train step."""
   step_fn = functools.partial(train_step, model=model, tx=tx, base_rng=base_rng,
@@ -424,7 +435,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   step = int(state.step)
 
   # ---- Steps ---------------------------------------------------------------------------------
-  base_rng = jax.random.fold_in(jax.random.key(config.train.seed), 1)
+  base_rng = dropout_rng(config.train)
   p_train_step = build_train_step(model, tx, mesh, rules, state_shardings, base_rng,
                                   config.train.grad_accum_steps, use_nsp)
   p_eval_step = jax.jit(functools.partial(eval_step, model=model),

@@ -84,6 +84,10 @@ def get_config() -> ml_collections.ConfigDict:
   # data.max_seq_length. The paper: 90% of steps at 128, then 10% at 512.
   config.train.phases = '0.9:128:20,0.1:512:80'
   config.train.seed = 0
+  # PRNG of dropout: 'rbg' (XLA's RngBitGenerator; keys still derived with threefry) is
+  # cheaper than 'threefry2x32' on every backend (about 7% of a CPU step of BERT-mini) and
+  # gives the same bits on any mesh; 'threefry2x32' is jax's default.
+  config.train.rng_impl = 'rbg'
   # A converted checkpoint to start from when the workdir has none (resume order: latest
   # checkpoint in workdir, then this, then a fresh init).
   config.train.init_checkpoint = ''

@@ -68,6 +68,8 @@ def common(task: str) -> ml_collections.ConfigDict:
   config.train.max_grad_norm = 1.0
   # Head initialization, dropout and the order of the examples.
   config.train.seed = 0
+  # Dropout's PRNG (see configs/default.py).
+  config.train.rng_impl = 'rbg'
 
   config.eval = ml_collections.ConfigDict()
   # Evaluation happens after every epoch, on every dev set.

@@ -54,3 +54,13 @@ def test_bad_topology_and_batch_are_clear_errors():
     aot.parse_topology('v5e-256')
   with pytest.raises(ValueError, match='train.batch_size=30'):
     aot.compile_for_topology(_config(**{'train.batch_size': 30}), 'v5e:2x2')
+
+
+def test_a_step_that_does_not_fit_is_reported_not_raised():
+  config = _config(**{'train.batch_size': 32768, 'data.max_seq_length': 512,
+                      'data.max_predictions_per_seq': 76})
+  (report,) = aot.compile_for_topology(config, 'v5e:2x2')
+  assert report['memory']['fits'] is False and report['seq_len'] == 512
+  assert 'RESOURCE_EXHAUSTED' in report['memory']['error']
+  text = aot.format_report(report)
+  assert 'DOES NOT FIT in 16 GiB HBM per device' in text and 'model.remat_policy' in text

@@ -451,3 +451,12 @@ def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vo
   expected = _losses(full)
   assert _losses(resumed, skip=lines) == {s: expected[s] for s in range(9, 13)}
   _assert_same_params(_params(resumed), _params(full))
+
+
+def test_dropout_rng_impl_is_checked():
+  config = cli.load_config('smoke')
+  assert jax.random.key_impl(train.dropout_rng(config.train)) == jax.random.key_impl(
+      jax.random.key(0, impl='rbg'))
+  config.train.rng_impl = 'philox'
+  with pytest.raises(ValueError, match=r"config.train.rng_impl='philox': expected one of"):
+    train.dropout_rng(config.train)
