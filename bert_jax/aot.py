@@ -58,7 +58,8 @@ def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfi
   model = model_lib.BertForPreTraining(bert_config)
   tx, _ = optim.make_optimizer(config.train)
   abstract, shardings, _ = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
-  step = train_lib.build_train_step(model, tx, mesh, rules, shardings, jax.random.key(0),
+  step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
+                                    train_lib.dropout_rng(config.train),
                                     config.train.grad_accum_steps,
                                     config.data.objective != 'none')
   batch = _abstract_batch(config.train.batch_size, seq_len, preds,
