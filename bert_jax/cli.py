@@ -28,7 +28,7 @@ def _command(name: str, help_text: str):
 
 def configs_dir() -> str:
   """The configs/ folder of a checkout (or editable install), else the installed copy."""
-  here = os.path.dirname(os.path.abspath(__file__))
+  here = os.path.dirname(os.path.realpath(__file__))
   for candidate in (os.path.join(os.path.dirname(here), 'configs'),
                     os.path.join(sys.prefix, 'share', 'bert_jax', 'configs')):
     if os.path.isdir(candidate):
@@ -48,16 +48,33 @@ def resolve_config_path(path: str) -> str:
   return shipped + (':' + arg if arg else '')
 
 
+def _add_to_path(root: str) -> None:
+  if root not in sys.path:
+    sys.path.insert(0, root)
+
+
 def _prepare_config_import(argv: list[str]) -> list[str]:
-  """Resolves --config and makes `from configs import default` work inside config files."""
+  """Resolves --config and makes `from configs import default` work inside config files.
+
+  Neither the current directory nor the checkout is on sys.path of the `bert-jax` console
+  script, so the folder holding the shipped configs/ is always added (the default --config
+  is one of them), and that of any --config file given.
+  """
+  try:
+    _add_to_path(os.path.dirname(configs_dir()))
+  except FileNotFoundError:
+    pass  # Only explicit --config files then.
   out = []
-  for a in argv:
+  argv = list(argv)
+  for i, a in enumerate(argv):
+    if a == '--config' and i + 1 < len(argv):  # `--config PATH`: absl takes both spellings.
+      a, argv[i + 1] = '--config=' + argv[i + 1], None
+    if a is None:
+      continue
     if a.startswith('--config='):
       path = resolve_config_path(a[len('--config='):])
       a = '--config=' + path
-      root = os.path.dirname(os.path.dirname(os.path.abspath(path.split(':')[0])))
-      if root not in sys.path:
-        sys.path.insert(0, root)
+      _add_to_path(os.path.dirname(os.path.dirname(os.path.abspath(path.split(':')[0]))))
     out.append(a)
   return out
 
@@ -315,8 +332,10 @@ def main(argv: list[str] | None = None) -> None:
   if name not in _COMMANDS:
     print(f'bert-jax: unknown command {name!r}\n\n{_usage()}', file=sys.stderr)
     sys.exit(2)
+  # Before the flags are defined: defining --config loads its default file.
+  args = _prepare_config_import(argv[2:])
   run = _COMMANDS[name][1]()
-  app.run(run, argv=[f'bert-jax {name}'] + _prepare_config_import(argv[2:]))
+  app.run(run, argv=[f'bert-jax {name}'] + args)
 
 
 if __name__ == '__main__':
