@@ -464,22 +464,9 @@ def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformat
   As `train.abstract_state_and_shardings`, for models called with (ids, mask, segments).
   """
   ids = jnp.zeros((1, 8), jnp.int32)
-
-  def boxed_params(rng):
-    return model.init({'params': rng}, ids, ids, ids, deterministic=True)['params']
-
-  def init(rng):
-    params = nn.unbox(boxed_params(rng))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-  rng = jax.random.key(0)
-  param_specs = sharding_lib.logical_specs(jax.eval_shape(boxed_params, rng))
-  abstract = jax.eval_shape(init, rng)
-  opt_specs = sharding_lib.opt_state_specs(tx, abstract.opt_state, param_specs)
-  specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs)
-  shardings = sharding_lib.to_mesh_shardings(specs, mesh, rules)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract, shardings)
+  abstract, shardings, _ = train_lib.state_shardings(
+      lambda rng: model.init({'params': rng}, ids, ids, ids, deterministic=True)['params'],
+      tx, mesh, rules)
   return abstract, shardings
 
 

@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import flax
 import flax.linen as nn
@@ -203,13 +203,21 @@ def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformat
                                  mesh: jax.sharding.Mesh, rules, seq_len: int = 8):
   """(abstract TrainState, its NamedShardings, init function) without allocating anything."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
+  return state_shardings(
+      lambda rng: model.init({'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32),
+                             deterministic=True)['params'], tx, mesh, rules)
+
+
+def state_shardings(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
+                    mesh: jax.sharding.Mesh, rules):
+  """(abstract TrainState, its NamedShardings, init function) of the model whose (boxed)
+  parameters `init_params(rng)` makes; shared by pre-training and fine-tuning."""
 
   def boxed_params(rng):
     # Traced without rules, so without any constraint, whatever the caller's context: the
     # `out_shardings` of the jitted init place the parameters.
     with nn.logical_axis_rules(()):
-      return model.init({'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32),
-                        deterministic=True)['params']
+      return init_params(rng)
 
   def init(rng):
     params = nn.unbox(boxed_params(rng))
