@@ -215,13 +215,17 @@ def _vocab_flags():
   flags.DEFINE_enum('kind', 'wordpiece', ['wordpiece', 'sentencepiece'], 'Vocabulary type.')
   flags.DEFINE_bool('lower_case', True, 'Lower-case and strip accents (uncased).')
   flags.DEFINE_integer('num_unused', 0, 'Number of [unusedN] slots.')
+  flags.DEFINE_string('tfds_text_key', 'text', 'The text feature of a tfds:NAME input.')
+  flags.DEFINE_string('tfds_data_dir', '', 'TFDS data_dir of a tfds:NAME input (default: '
+                      "TFDS's).")
   flags.mark_flags_as_required(['input', 'output'])
 
   def run(argv):
     del argv
     from bert_jax import vocab  # pylint: disable=g-import-not-at-top
     path = vocab.run(FLAGS.input, FLAGS.output, FLAGS.vocab_size, kind=FLAGS.kind,
-                     lower_case=FLAGS.lower_case, num_unused=FLAGS.num_unused)
+                     lower_case=FLAGS.lower_case, num_unused=FLAGS.num_unused,
+                     tfds_text_key=FLAGS.tfds_text_key, tfds_data_dir=FLAGS.tfds_data_dir)
     print(f'Wrote {path}')
   return run
 

@@ -21,12 +21,15 @@ import collections
 import gzip
 import heapq
 import io
+import itertools
 from typing import Iterable, Iterator, Sequence
 
 from absl import logging
+import ml_collections
 import tensorflow as tf
 import tqdm
 
+from bert_jax import documents
 from bert_jax import tokenization
 
 _CHUNK_BYTES = 1 << 23
@@ -44,23 +47,21 @@ def reserved_tokens(num_unused: int = 0) -> list[str]:
 
 
 def expand_patterns(patterns: Sequence[str]) -> list[str]:
-  """Files matching each glob pattern, sorted; a pattern with none raises."""
+  """Files matching each glob pattern, sorted; a pattern with none raises (naming --input)."""
   if isinstance(patterns, str):
     patterns = [patterns]
   if not patterns:
-    raise ValueError('No input files given.')
-  paths = []
-  for pattern in patterns:
-    matched = sorted(tf.io.gfile.glob(pattern))
-    if not matched:
-      raise FileNotFoundError(f'No input files match {pattern!r}.')
-    paths += matched
-  return paths
+    raise ValueError('--input is empty')
+  return [f for p in patterns for f in documents.expand_files(p, flag='--input')]
 
 
 def read_lines(patterns: Sequence[str]) -> Iterator[str]:
   """Lines (without line ends) of the text files matching `patterns`."""
-  for path in expand_patterns(patterns):
+  return _read_files(expand_patterns(patterns))
+
+
+def _read_files(paths: Sequence[str]) -> Iterator[str]:
+  for path in paths:
     with tf.io.gfile.GFile(path, 'rb') as raw:
       f = gzip.GzipFile(fileobj=raw) if path.endswith('.gz') else raw
       rest = b''
@@ -306,11 +307,13 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str,
 
 def run(input_patterns: Sequence[str], output: str, vocab_size: int,
         kind: str = 'wordpiece', lower_case: bool = True,
-        num_unused: int = 0) -> str:
-  """Entry point of `bert-jax vocab`: trains a vocabulary from text files.
+        num_unused: int = 0, tfds_text_key: str = 'text',
+        tfds_data_dir: str = '') -> str:
+  """Entry point of `bert-jax vocab`: trains a vocabulary from text files or TFDS.
 
-  `output` is the vocab.txt path for WordPiece, or the model path (with or
-  without '.model') for SentencePiece. Returns the file written.
+  `input_patterns` are file paths / globs, or 'tfds:NAME[/CONFIG][:SPLIT]' whose feature
+  `tfds_text_key` holds the text. `output` is the vocab.txt path for WordPiece, or the model
+  path (with or without '.model') for SentencePiece. Returns the file written.
   """
   if kind not in ('wordpiece', 'sentencepiece'):
     raise ValueError(f"kind must be 'wordpiece' or 'sentencepiece', got "
@@ -319,7 +322,14 @@ def run(input_patterns: Sequence[str], output: str, vocab_size: int,
     raise ValueError('num_unused is for WordPiece vocabularies only.')
   if isinstance(input_patterns, str):
     input_patterns = [input_patterns]
-  texts = read_lines(expand_patterns(input_patterns))
+  tfds_specs = [p for p in input_patterns if documents.input_kind(p) == 'tfds']
+  file_patterns = [p for p in input_patterns if p not in tfds_specs]
+  # Expanded here, before any work, so that a pattern matching nothing fails at once.
+  paths = expand_patterns(file_patterns) if file_patterns else []
+  data = ml_collections.ConfigDict({'tfds_text_key': tfds_text_key,
+                                    'tfds_data_dir': tfds_data_dir})
+  texts = itertools.chain(_read_files(paths),
+                          *(documents.text_lines(spec, data) for spec in tfds_specs))
   try:
     if kind == 'wordpiece':
       return train_wordpiece(texts, output, vocab_size, lower_case, num_unused)

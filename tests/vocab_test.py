@@ -5,6 +5,7 @@ import random
 
 import pytest
 import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from bert_jax import tokenization
 from bert_jax import vocab
@@ -135,6 +136,38 @@ def test_run_from_files(tmp_path):
   tokens = _read(out)
   assert len(tokens) == 150 and tokens[1] == '[unused0]'
   assert out == str(tmp_path / 'out/vocab.txt')
+
+
+class BertJaxVocabArticles(tfds.core.GeneratorBasedBuilder):
+  """A TFDS text dataset of the test corpus, ten lines per article."""
+  VERSION = tfds.core.Version('1.0.0')
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+        {'body': tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {'train': self._generate_examples()}
+
+  def _generate_examples(self):
+    lines = [line for line in _corpus(400) if line]
+    for i in range(0, len(lines), 10):
+      yield i, {'body': ' '.join(lines[i:i + 10])}
+
+
+def test_run_from_tfds_and_files_together(tmp_path):
+  BertJaxVocabArticles(data_dir=str(tmp_path / 'tfds')).download_and_prepare()
+  _write(tmp_path / 'extra.txt', ['zyzzyva zyzzyva zyzzyva'] * 50)
+  out = vocab.run(['tfds:bert_jax_vocab_articles', str(tmp_path / 'extra.txt')],
+                  str(tmp_path / 'vocab.txt'), vocab_size=150, tfds_text_key='body',
+                  tfds_data_dir=str(tmp_path / 'tfds'))
+  tokens = _read(out)
+  assert len(tokens) == 150
+  assert 'token' in tokens and 'zyzzyva' in tokens  # From the articles and from the file.
+  with pytest.raises(ValueError, match="tfds_text_key='text' is not a feature"):
+    vocab.run(['tfds:bert_jax_vocab_articles'], str(tmp_path / 'v.txt'), 150,
+              tfds_data_dir=str(tmp_path / 'tfds'))
 
 
 def test_errors(tmp_path):
