@@ -7,7 +7,8 @@
 Synthetic batches by default; --real_data feeds the real input pipeline (sample corpus) and
 reports the share of wall time spent waiting for input. --compare_torch also times Hugging Face
 transformers' PyTorch BertForPreTraining (same config, batch, sequence length, AdamW) in the
-same process, on the CPU.
+same process, on the CPU, in rounds alternating with bert_jax's; the speedup printed is the
+median of the per-round ratios.
 """
 
 import argparse
@@ -43,7 +44,8 @@ def synthetic_batch(batch_size, seq_len, preds, vocab_size, seed=0):
               next_sentence_labels=rng.randint(0, 2, size=batch_size).astype(np.int32))
 
 
-def bench_jax(args, config):
+def setup_jax(args, config):
+  """(run(n) -> seconds waiting for input over n steps, finish() -> result dict)."""
   bert_config = train_lib.model_config(config, args.vocab_size)
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
@@ -69,36 +71,40 @@ def bench_jax(args, config):
     fixed = synthetic_batch(args.batch_size, args.seq_len, args.max_predictions,
                             bert_config.vocab_size)
     next_batch = lambda: fixed
-  for _ in range(args.warmup):
-    state, metrics = step(state, sharding_lib.make_global_batch(next_batch(), bsh))
-  jax.block_until_ready(metrics)
-  wait = 0.0
-  t0 = time.perf_counter()
-  for _ in range(args.steps):
-    t = time.perf_counter()
-    local = next_batch()
-    wait += time.perf_counter() - t
-    state, metrics = step(state, sharding_lib.make_global_batch(local, bsh))
-  jax.block_until_ready(metrics)
-  elapsed = time.perf_counter() - t0
-  sps = args.steps * args.batch_size / elapsed
-  flops = flops_lib.train_flops_per_sequence(bert_config, args.seq_len, args.max_predictions)
-  peak = flops_lib.peak_flops_per_device()
-  out = dict(framework='bert_jax', size=args.size, batch_size=args.batch_size,
-             seq_len=args.seq_len, devices=jax.device_count(),
-             device_kind=jax.devices()[0].device_kind, dtype=bert_config.dtype,
-             attention_impl=bert_config.attention_impl, remat=bert_config.remat_policy,
-             rng_impl=args.rng_impl,
-             sequences_per_second=sps, step_seconds=elapsed / args.steps,
-             model_tflops_per_second=sps * flops / 1e12,
-             mfu=(sps * flops / (peak * jax.device_count())) if peak else None,
-             loss=float(metrics['loss']))
-  if args.real_data:
-    out['input_wait_fraction'] = wait / elapsed
-  return out, bert_config
+  box = dict(state=state, metrics=None)
+
+  def run(n):
+    wait = 0.0
+    for _ in range(n):
+      t = time.perf_counter()
+      local = next_batch()
+      wait += time.perf_counter() - t
+      box['state'], box['metrics'] = step(box['state'], sharding_lib.make_global_batch(local, bsh))
+    jax.block_until_ready(box['metrics'])
+    return wait
+
+  def result(steps, elapsed, wait):
+    sps = steps * args.batch_size / elapsed
+    flops = flops_lib.train_flops_per_sequence(bert_config, args.seq_len, args.max_predictions)
+    peak = flops_lib.peak_flops_per_device()
+    out = dict(framework='bert_jax', size=args.size, batch_size=args.batch_size,
+               seq_len=args.seq_len, devices=jax.device_count(),
+               device_kind=jax.devices()[0].device_kind, dtype=bert_config.dtype,
+               attention_impl=bert_config.attention_impl, remat=bert_config.remat_policy,
+               rng_impl=args.rng_impl,
+               sequences_per_second=sps, step_seconds=elapsed / steps,
+               model_tflops_per_second=sps * flops / 1e12,
+               mfu=(sps * flops / (peak * jax.device_count())) if peak else None,
+               loss=float(box['metrics']['loss']))
+    if args.real_data:
+      out['input_wait_fraction'] = wait / elapsed
+    return out
+
+  return run, result, bert_config
 
 
-def bench_torch(args, bert_config):
+def setup_torch(args, bert_config):
+  """Hugging Face's PyTorch BertForPreTraining on the same config and batch, with AdamW."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   hf_config = transformers.BertConfig(**bert_config.to_original_dict(),
@@ -114,25 +120,32 @@ def bench_torch(args, bert_config):
                 token_type_ids=torch.tensor(b['segment_ids'], dtype=torch.long),
                 labels=torch.tensor(labels),
                 next_sentence_label=torch.tensor(b['next_sentence_labels'], dtype=torch.long))
+  box = dict(loss=None)
 
-  def step():
-    opt.zero_grad(set_to_none=True)
-    loss = model(**inputs).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss
+  def run(n):
+    for _ in range(n):
+      opt.zero_grad(set_to_none=True)
+      loss = model(**inputs).loss
+      loss.backward()
+      torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+      opt.step()
+      box['loss'] = loss
+    return 0.0
 
-  for _ in range(args.warmup):
-    step()
-  t0 = time.perf_counter()
-  for _ in range(args.steps):
-    loss = step()
-  elapsed = time.perf_counter() - t0
-  return dict(framework='transformers+torch', torch=torch.__version__,
-              threads=torch.get_num_threads(), size=args.size, batch_size=args.batch_size,
-              seq_len=args.seq_len, sequences_per_second=args.steps * args.batch_size / elapsed,
-              step_seconds=elapsed / args.steps, loss=float(loss))
+  def result(steps, elapsed, wait):
+    del wait
+    return dict(framework='transformers+torch', torch=torch.__version__,
+                threads=torch.get_num_threads(), size=args.size, batch_size=args.batch_size,
+                seq_len=args.seq_len, sequences_per_second=steps * args.batch_size / elapsed,
+                step_seconds=elapsed / steps, loss=float(box['loss']))
+
+  return run, result
+
+
+def timed(run, steps):
+  t = time.perf_counter()
+  wait = run(steps)
+  return time.perf_counter() - t, wait
 
 
 def main():
@@ -143,6 +156,8 @@ def main():
   parser.add_argument('--max_predictions', type=int, default=0,
                       help='0 = 20 at 128 tokens, scaled with the length (80 at 512)')
   parser.add_argument('--steps', type=int, default=20)
+  parser.add_argument('--rounds', type=int, default=5,
+                      help='with --compare_torch: alternating timed rounds of steps/rounds each')
   parser.add_argument('--warmup', type=int, default=3)
   parser.add_argument('--vocab_size', type=int, default=30522)
   parser.add_argument('--dtype', default='auto')
@@ -163,14 +178,36 @@ def main():
       'model.attention_probs_dropout_prob': args.dropout, 'train.batch_size': args.batch_size,
       'data.max_seq_length': args.seq_len, 'data.max_predictions_per_seq': args.max_predictions,
       'train.steps': 1000, 'train.warmup_steps': 10, 'train.rng_impl': args.rng_impl})
-  result, bert_config = bench_jax(args, config)
-  print(json.dumps(result), flush=True)
-  if args.compare_torch:
-    ref = bench_torch(args, bert_config)
-    print(json.dumps(ref), flush=True)
-    print(json.dumps(dict(speedup_vs_torch=result['sequences_per_second'] /
-                          ref['sequences_per_second'])), flush=True)
-
+  run_jax, result_jax, bert_config = setup_jax(args, config)
+  run_jax(args.warmup)
+  if not args.compare_torch:
+    elapsed, wait = timed(run_jax, args.steps)
+    print(json.dumps(result_jax(args.steps, elapsed, wait)), flush=True)
+    return
+  # Both frameworks in one process, timed in alternating rounds (the order flipping each
+  # round), so that a shared machine's drifting load hits both alike; the speedup is the
+  # median over rounds of the per-round ratio.
+  run_torch, result_torch = setup_torch(args, bert_config)
+  run_torch(args.warmup)
+  per_round = max(1, args.steps // args.rounds)
+  totals = dict(jax=[0.0, 0.0], torch=[0.0, 0.0])
+  ratios = []
+  for r in range(args.rounds):
+    order = [('jax', run_jax), ('torch', run_torch)]
+    times = {}
+    for name, run in (order if r % 2 == 0 else order[::-1]):
+      elapsed, wait = timed(run, per_round)
+      times[name] = elapsed
+      totals[name][0] += elapsed
+      totals[name][1] += wait
+    ratios.append(times['torch'] / times['jax'])
+  steps = per_round * args.rounds
+  print(json.dumps(result_jax(steps, *totals['jax'])), flush=True)
+  print(json.dumps(result_torch(steps, *totals['torch'])), flush=True)
+  print(json.dumps(dict(speedup_vs_torch=float(np.median(ratios)),
+                        speedup_per_round=[round(x, 3) for x in ratios],
+                        speedup_overall=totals['torch'][0] / totals['jax'][0],
+                        rounds=args.rounds, steps_per_round=per_round)), flush=True)
 
 if __name__ == '__main__':
   main()
