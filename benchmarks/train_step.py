@@ -103,14 +103,21 @@ def setup_jax(args, config):
   return run, result, bert_config
 
 
-def setup_torch(args, bert_config):
-  """Hugging Face's PyTorch BertForPreTraining on the same config and batch, with AdamW."""
+def setup_torch(args, bert_config, train_config):
+  """Hugging Face's PyTorch BertForPreTraining on the same config and batch, with the same
+  AdamW (learning rate, betas, eps, weight decay except on biases and LayerNorm, clipping)."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   hf_config = transformers.BertConfig(**bert_config.to_original_dict(),
                                       attn_implementation='sdpa')
   model = transformers.BertForPreTraining(hf_config).train()
-  opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, eps=1e-6)
+  no_decay = lambda n: n.endswith('bias') or 'LayerNorm' in n
+  groups = [
+      {'params': [p for n, p in model.named_parameters() if not no_decay(n)],
+       'weight_decay': train_config.weight_decay},
+      {'params': [p for n, p in model.named_parameters() if no_decay(n)], 'weight_decay': 0.0}]
+  opt = torch.optim.AdamW(groups, lr=train_config.learning_rate, eps=train_config.eps,
+                          betas=(train_config.beta1, train_config.beta2))
   b = synthetic_batch(args.batch_size, args.seq_len, args.max_predictions,
                       bert_config.vocab_size)
   labels = np.full(b['input_ids'].shape, -100, np.int64)
@@ -127,9 +134,9 @@ def setup_torch(args, bert_config):
       opt.zero_grad(set_to_none=True)
       loss = model(**inputs).loss
       loss.backward()
-      torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+      torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.max_grad_norm)
       opt.step()
-      box['loss'] = loss
+      box['loss'] = loss.item()
     return 0.0
 
   def result(steps, elapsed, wait):
@@ -137,7 +144,7 @@ def setup_torch(args, bert_config):
     return dict(framework='transformers+torch', torch=torch.__version__,
                 threads=torch.get_num_threads(), size=args.size, batch_size=args.batch_size,
                 seq_len=args.seq_len, sequences_per_second=steps * args.batch_size / elapsed,
-                step_seconds=elapsed / steps, loss=float(box['loss']))
+                step_seconds=elapsed / steps, loss=box['loss'])
 
   return run, result
 
@@ -177,7 +184,8 @@ def main():
       args.scan_layers, 'model.hidden_dropout_prob': args.dropout,
       'model.attention_probs_dropout_prob': args.dropout, 'train.batch_size': args.batch_size,
       'data.max_seq_length': args.seq_len, 'data.max_predictions_per_seq': args.max_predictions,
-      'train.steps': 1000, 'train.warmup_steps': 10, 'train.rng_impl': args.rng_impl})
+      'train.steps': 1000, 'train.warmup_steps': 0, 'train.decay': 'constant',
+      'train.rng_impl': args.rng_impl})
   run_jax, result_jax, bert_config = setup_jax(args, config)
   run_jax(args.warmup)
   if not args.compare_torch:
@@ -187,7 +195,7 @@ def main():
   # Both frameworks in one process, timed in alternating rounds (the order flipping each
   # round), so that a shared machine's drifting load hits both alike; the speedup is the
   # median over rounds of the per-round ratio.
-  run_torch, result_torch = setup_torch(args, bert_config)
+  run_torch, result_torch = setup_torch(args, bert_config, config.train)
   run_torch(args.warmup)
   per_round = max(1, args.steps // args.rounds)
   totals = dict(jax=[0.0, 0.0], torch=[0.0, 0.0])
