@@ -13,12 +13,14 @@ converted checkpoint named by `train.init_checkpoint` -> a fresh initialization.
 The data state of step S is written synchronously *before* the (asynchronous) Orbax save of S
 starts, so every committed checkpoint has its data state; leftovers of uncommitted steps are
 removed when the manager cleans up.
+
+Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) works like a
+local one (Orbax handles its own paths).
 """
 
 import json
 import os
 import re
-import shutil
 from typing import Any
 
 import jax
@@ -30,6 +32,12 @@ from bert_jax import model as model_lib
 
 CHECKPOINT_DIR = 'checkpoints'
 DATA_STATE_DIR = 'data_state'
+
+
+def gfile():
+  """`tf.io.gfile`: local paths and gs:// alike. TensorFlow is imported on first use."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf.io.gfile
 
 
 def make_manager(workdir: str, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
@@ -48,7 +56,7 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   """Saves the train state (async) and this process's input position (sync, first)."""
   if data_iterator is not None:
     path = _data_state_path(workdir, step)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    gfile().makedirs(os.path.dirname(path))
     data_iterator.save(path)
   manager.save(step, force=True, args=ocp.args.Composite(
       params=ocp.args.StandardSave(state.params),
@@ -59,12 +67,16 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
 
 def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: int) -> None:
   root = os.path.join(workdir, DATA_STATE_DIR)
-  if jax.process_index() != 0 or not os.path.isdir(root):
+  if jax.process_index() != 0 or not gfile().isdir(root):
     return
   live = set(manager.all_steps()) | {keep_step}
-  for name in os.listdir(root):
+  for name in gfile().listdir(root):
+    name = name.rstrip('/')  # gfile lists Cloud Storage folders with a trailing slash.
     if name.isdigit() and int(name) not in live and int(name) < keep_step:
-      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+      try:
+        gfile().rmtree(os.path.join(root, name))
+      except Exception as e:  # pylint: disable=broad-except  (a leftover is harmless)
+        logging.warning('Could not remove %s: %s', os.path.join(root, name), e)
 
 
 def latest_step(manager: ocp.CheckpointManager) -> int | None:
@@ -85,9 +97,9 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> t
 def restore_data_state(workdir: str, step: int, data_iterator: Any) -> bool:
   """Restores this process's input position of `step`; False if none was saved."""
   path = _data_state_path(workdir, step)
-  directory = os.path.dirname(path)
-  if not os.path.isdir(directory) or not any(
-      n.startswith(os.path.basename(path)) for n in os.listdir(directory)):
+  # tf.train.Checkpoint writes <path>.index and <path>.data-*; process_1 must not match
+  # process_10's files.
+  if not gfile().exists(path + '.index'):
     return False
   data_iterator.restore(path)
   return True
@@ -98,14 +110,17 @@ def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertC
   """config.json, bert_config.json and vocab.txt in the workdir (process 0 only)."""
   if jax.process_index() != 0:
     return
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+  fs = gfile()
+  fs.makedirs(workdir)
+  with fs.GFile(os.path.join(workdir, 'config.json'), 'w') as f:
     f.write(config_json)
-  bert_config.write_json(os.path.join(workdir, 'bert_config.json'))
-  if vocab_file and os.path.exists(vocab_file):
+  with fs.GFile(os.path.join(workdir, 'bert_config.json'), 'w') as f:
+    f.write(bert_config.to_json_string())
+  if vocab_file and fs.exists(vocab_file):
     dst = os.path.join(workdir, os.path.basename(vocab_file))
-    if os.path.abspath(vocab_file) != os.path.abspath(dst):
-      shutil.copyfile(vocab_file, dst)
+    if vocab_file.rstrip('/') != dst and (
+        '://' in vocab_file + dst or os.path.abspath(vocab_file) != os.path.abspath(dst)):
+      fs.copy(vocab_file, dst, overwrite=True)
 
 
 def load_pretrained_from_workdir(path: str, step: int | None = None
@@ -115,9 +130,13 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   Parameters come back as float32 numpy arrays in the unscanned layout.
   """
   config_path = os.path.join(path, 'bert_config.json')
-  if not os.path.exists(config_path):
+  if not gfile().exists(config_path):
     raise FileNotFoundError(f'{path} has no bert_config.json: not a bert_jax training workdir')
-  config = model_lib.BertConfig.from_json_file(config_path)
+  with gfile().GFile(config_path) as f:
+    try:
+      config = model_lib.BertConfig.from_dict(json.load(f), source=config_path)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{config_path}: not valid JSON: {e}') from e
   ckpt_dir = os.path.join(path, CHECKPOINT_DIR)
   manager = ocp.CheckpointManager(ckpt_dir, item_names=('params', 'opt_state', 'meta'),
                                   options=ocp.CheckpointManagerOptions(read_only=True))
@@ -143,14 +162,14 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
 def checkpoint_steps(workdir: str) -> list[int]:
   """Committed checkpoint steps of a workdir (ascending)."""
   d = os.path.join(workdir, CHECKPOINT_DIR)
-  if not os.path.isdir(d):
+  if not gfile().isdir(d):
     return []
-  return sorted(int(n) for n in os.listdir(d) if re.fullmatch(r'\d+', n))
+  return sorted(int(n.rstrip('/')) for n in gfile().listdir(d) if re.fullmatch(r'\d+/?', n))
 
 
 def read_run_config(workdir: str) -> dict | None:
   p = os.path.join(workdir, 'config.json')
-  if not os.path.exists(p):
+  if not gfile().exists(p):
     return None
-  with open(p) as f:
+  with gfile().GFile(p) as f:
     return json.load(f)

@@ -455,6 +455,37 @@ def _import_tf():
   return tf
 
 
+# Local paths go through os (no TensorFlow import); remote ones (gs://...) through tf.io.gfile.
+def _remote(path: str) -> bool:
+  return '://' in path
+
+
+def _exists(path: str) -> bool:
+  return _import_tf().io.gfile.exists(path) if _remote(path) else os.path.exists(path)
+
+
+def _isdir(path: str) -> bool:
+  return _import_tf().io.gfile.isdir(path) if _remote(path) else os.path.isdir(path)
+
+
+def _listdir(path: str) -> list[str]:
+  if _remote(path):
+    return [n.rstrip('/') for n in _import_tf().io.gfile.listdir(path)]
+  return os.listdir(path)
+
+
+def _glob(pattern: str) -> list[str]:
+  return sorted(_import_tf().io.gfile.glob(pattern) if _remote(pattern) else glob.glob(pattern))
+
+
+def _read_text(path: str) -> str:
+  if _remote(path):
+    with _import_tf().io.gfile.GFile(path, 'rb') as f:
+      return f.read().decode('utf-8')
+  with open(path, encoding='utf-8') as f:
+    return f.read()
+
+
 def _read_google(prefix: str) -> dict[str, np.ndarray]:
   tf = _import_tf()
   try:
@@ -472,15 +503,14 @@ def _read_google(prefix: str) -> dict[str, np.ndarray]:
 
 def _google_prefix(path: str) -> str | None:
   """The checkpoint prefix in directory `path`, None if it holds no TF checkpoint."""
-  if os.path.exists(os.path.join(path, 'bert_model.ckpt.index')):
+  if _exists(os.path.join(path, 'bert_model.ckpt.index')):
     return os.path.join(path, 'bert_model.ckpt')
   state = os.path.join(path, 'checkpoint')
-  if os.path.exists(state):
-    with open(state) as f:
-      latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', f.read(), re.M)
+  if _exists(state):
+    latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', _read_text(state), re.M)
     if latest:
       return os.path.join(path, latest[1])
-  indexes = sorted(glob.glob(os.path.join(path, '*.index')))
+  indexes = _glob(os.path.join(path, '*.index'))
   if len(indexes) > 1:
     raise ValueError(f'{path}: several TF checkpoints ({_preview(map(os.path.basename, indexes))})'
                      '; pass the prefix of one')
@@ -488,13 +518,12 @@ def _google_prefix(path: str) -> str | None:
 
 
 def _read_config(path: str) -> model.BertConfig:
-  if not os.path.exists(path):
+  if not _exists(path):
     raise ValueError(f'{path}: no such config file')
-  with open(path) as f:
-    try:
-      d = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f'{path}: not valid JSON: {e}') from e
+  try:
+    d = json.loads(_read_text(path))
+  except json.JSONDecodeError as e:
+    raise ValueError(f'{path}: not valid JSON: {e}') from e
   # HF configs carry their own `dtype` (and could carry others): how to run is ours to say.
   run_fields = ('dtype', 'scan_layers', 'remat_policy', 'attention_impl')
   return model.BertConfig.from_dict({k: v for k, v in d.items() if k not in run_fields},
@@ -516,10 +545,21 @@ def _read_bert_jax(path: str) -> dict[str, np.ndarray]:
 
 
 def _detect(path: str) -> tuple[str, str]:
-  """(format, where): 'workdir' | 'bert_jax' | 'hf' (directories) or 'google' (a prefix)."""
-  if os.path.isdir(path):
-    if os.path.isdir(os.path.join(path, 'checkpoints')):
+  """(format, where): 'workdir' | 'bert_jax' | 'hf' (directories) or 'google' (a prefix).
+
+  Training workdirs and Google checkpoints may be remote (gs://...); the others must be local.
+  """
+  path = path.rstrip('/') if _remote(path) else path
+  if _isdir(path):
+    if _isdir(os.path.join(path, 'checkpoints')):
       return 'workdir', path
+    if _remote(path):
+      prefix = _google_prefix(path)
+      if prefix:
+        return 'google', prefix
+      raise ValueError(f'{path}: neither a training workdir (checkpoints/) nor a Google TF '
+                       'checkpoint; copy other checkpoints to a local directory first '
+                       '(gsutil -m cp -r)')
     if os.path.exists(os.path.join(path, 'bert_jax.json')):
       return 'bert_jax', path
     if os.path.exists(os.path.join(path, 'config.json')) and _hf_weights_file(path):
@@ -533,22 +573,21 @@ def _detect(path: str) -> tuple[str, str]:
         f'bert_model.ckpt.index (Google) or checkpoints/ (a training workdir); it holds '
         f'{_preview(os.listdir(path)) or "nothing"}')
   prefix = path[:-len('.index')] if path.endswith('.index') else path
-  if os.path.exists(prefix + '.index'):
+  if _exists(prefix + '.index'):
     return 'google', prefix
   raise ValueError(f'{path}: no such directory or TF checkpoint ({prefix}.index)')
 
 
 def find_vocab(path: str) -> str | None:
   """The vocab.txt belonging to a checkpoint directory or TF checkpoint prefix, if any."""
-  folder = path if os.path.isdir(path) else os.path.dirname(path)
+  folder = path if _isdir(path) else os.path.dirname(path)
   vocab = os.path.join(folder, 'vocab.txt')
-  return vocab if os.path.isfile(vocab) else None
+  return vocab if _exists(vocab) and not _isdir(vocab) else None
 
 
 def _read_vocab(vocab_file: str) -> list[str]:
-  with open(vocab_file, encoding='utf-8') as f:
-    # One token per '\n'-terminated line; str.splitlines would also split on \x85 and \u2028.
-    lines = f.read().split('\n')
+  # One token per '\n'-terminated line; str.splitlines would also split on \x85 and \u2028.
+  lines = _read_text(vocab_file).split('\n')
   if lines and not lines[-1]:
     lines.pop()
   return [line.strip() for line in lines]

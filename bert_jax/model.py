@@ -134,11 +134,13 @@ class BertConfig:
              position_embedding_type='absolute', torch_dtype='float32')
     return d
 
-  def write_json(self, path: str, hf: bool = False) -> None:
+  def to_json_string(self, hf: bool = False) -> str:
     d = self.to_hf_dict() if hf else self.to_original_dict()
+    return json.dumps(d, indent=2, sort_keys=not hf) + '\n'
+
+  def write_json(self, path: str, hf: bool = False) -> None:
     with open(path, 'w') as f:
-      json.dump(d, f, indent=2, sort_keys=not hf)
-      f.write('\n')
+      f.write(self.to_json_string(hf))
 
 
 # Named sizes: (layers, hidden, heads). Intermediate size is always 4 x hidden.
@@ -526,16 +528,22 @@ def pretraining_loss(mlm_logits: Array, nsp_logits: Array, batch: dict[str, Arra
   nsp_labels = batch['next_sentence_labels'].reshape(-1)
   nsp_logp = jax.nn.log_softmax(nsp_logits.astype(jnp.float32), axis=-1)
   nsp_nll = -jnp.take_along_axis(nsp_logp, nsp_labels[:, None], axis=-1)[:, 0]
-  n = jnp.asarray(nsp_labels.shape[0], jnp.float32)
-  nsp_sum = jnp.sum(nsp_nll)
-  nsp_correct = jnp.sum(jnp.argmax(nsp_logits, -1) == nsp_labels)
+  # Rows that fill up the last evaluation batch have no tokens ([CLS] is always unmasked in a
+  # real example): they count for neither loss nor accuracy.
+  if 'input_mask' in batch:
+    real = batch['input_mask'][:, 0].astype(jnp.float32)
+  else:
+    real = jnp.ones(nsp_labels.shape, jnp.float32)
+  n = jnp.sum(real)
+  nsp_sum = jnp.sum(nsp_nll * real)
+  nsp_correct = jnp.sum((jnp.argmax(nsp_logits, -1) == nsp_labels) * real)
   # The original divides by sum(weights) + 1e-5 so that an all-padding batch gives 0, not NaN.
   loss = mlm_sum / (mlm_count + 1e-5)
   if use_nsp:
-    loss = loss + nsp_sum / n
+    loss = loss + nsp_sum / jnp.maximum(n, 1.0)
   metrics = {
       'mlm_loss': (mlm_sum, mlm_count), 'mlm_accuracy': (mlm_correct, mlm_count),
-      'nsp_loss': (nsp_sum, n), 'nsp_accuracy': (nsp_correct.astype(jnp.float32), n),
+      'nsp_loss': (nsp_sum, n), 'nsp_accuracy': (nsp_correct, n),
   }
   return loss, metrics
 

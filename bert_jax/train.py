@@ -101,6 +101,33 @@ def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
   return [p for p in phases if p.end > p.start]
 
 
+def _per_phase(config: ml_collections.ConfigDict, key: str) -> list[str]:
+  """data.<key> ('a;b', one entry per train.phases entry; '' entries = the default input)."""
+  spec = config.data.get(key, '').strip()
+  count = max(1, len([p for p in config.train.phases.split(',') if p.strip()]))
+  if not spec:
+    return [''] * count
+  entries = [e.strip() for e in spec.split(';')]
+  if len(entries) != count:
+    raise ValueError(f'data.{key} has {len(entries)} entries separated by ";", train.phases has '
+                     f'{count} phases: give one input per phase (an empty entry keeps the '
+                     'default)')
+  return entries
+
+
+def phase_data(config: ml_collections.ConfigDict, phase: Phase) -> ml_collections.ConfigDict:
+  """config.data with the phase's own inputs, when data.phase_inputs / phase_eval_inputs name
+  them (TFRecords of create_pretraining_data.py hold one sequence length each)."""
+  train_input = _per_phase(config, 'phase_inputs')[phase.index]
+  eval_input = _per_phase(config, 'phase_eval_inputs')[phase.index]
+  data = config.data.copy_and_resolve_references()
+  if train_input:
+    data.input = train_input
+  if eval_input:
+    data.eval_input = eval_input
+  return data
+
+
 def phase_at(phases: list[Phase], step: int) -> Phase:
   for p in phases:
     if p.start <= step < p.end:
@@ -325,7 +352,8 @@ class _MetricsLog:
       return
     self.writer.write_scalars(
         step, {prefix + k: v for k, v in scalars.items() if v is not None})
-    with open(self.path, 'a') as f:
+    # gfile appends on Cloud Storage too (it rewrites the object).
+    with ckpt_lib.gfile().GFile(self.path, 'a') as f:
       f.write(json.dumps(dict(step=step, **extra, **scalars)) + '\n')
 
   def close(self):
@@ -370,13 +398,15 @@ def _progress(total: int, initial: int, enabled: bool):
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics."""
-  from bert_jax import input_pipeline  # TensorFlow is imported only when data is needed.
-  from bert_jax import tokenization
+  # TensorFlow is imported only when data is needed.
+  from bert_jax import documents  # pylint: disable=g-import-not-at-top
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
 
   # ---- Setup ---------------------------------------------------------------------------------
   hide_accelerators_from_tf()
   workdir = os.path.abspath(os.path.expanduser(workdir)) if '://' not in workdir else workdir
-  os.makedirs(workdir, exist_ok=True)
+  ckpt_lib.gfile().makedirs(workdir)
   is_main = jax.process_index() == 0
   use_nsp = config.data.objective != 'none'
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)
@@ -403,10 +433,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   def dataset_for(phase: Phase, train: bool, batch_size: int):
     return input_pipeline.make_pretraining_dataset(
-        config.data, batch_size=batch_size, seq_len=phase.seq_len,
+        phase_data(config, phase), batch_size=batch_size, seq_len=phase.seq_len,
         max_predictions=phase.max_predictions, train=train,
         process_index=jax.process_index(), process_count=jax.process_count(),
         vocab_file=vocab_file)
+
+  # TFRecords fix the sequence length: check every phase's records now, not when phase 2
+  # starts 900,000 steps in.
+  for phase in phases:
+    data = phase_data(config, phase)
+    if documents.input_kind(data.input) == 'tfrecord':
+      for train in (True, False):
+        try:
+          dataset_for(phase, train, 1)
+        except ValueError as e:
+          raise ValueError(
+              f'train.phases phase {phase.index + 1} ({phase.seq_len} tokens, '
+              f'{phase.max_predictions} predictions) cannot read its {"" if train else "eval "}'
+              f'data: {e}. Give each phase records of its length with data.phase_inputs (and '
+              'data.phase_eval_inputs), separated by ";".') from e
 
   # ---- Model and optimizer -------------------------------------------------------------------
   bert_config = model_config(config, tokenizer.vocab_size)
@@ -479,6 +524,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   eval_metrics: dict[str, float] = {}
   bar = _progress(stop_at, step, is_main and config.log.progress)
   history, last_log_time, last_log_step, wait_time = [], time.time(), step, 0.0
+  # Time and steps that are not training throughput: evaluations, saves, and each segment's
+  # first step (it compiles). Rates in metrics.jsonl leave them out.
+  excluded_time, excluded_steps = 0.0, 0
   last_saved = start
   stopped_early = False
 
@@ -497,12 +545,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                                            phase.max_predictions)
                         * config.train.batch_size)
       peak = flops_lib.peak_flops_per_device()
+      first_in_segment = True
       while step < min(phase.end, stop_at):
         t0 = time.time()
         local = next(data_it)
         wait_time += time.time() - t0
         batch = sharding_lib.make_global_batch(local, batch_sharding)
+        t_step = time.time()
         state, metrics = p_train_step(state, batch)
+        if first_in_segment:
+          jax.block_until_ready(metrics['loss'])
+          excluded_time += time.time() - t_step
+          excluded_steps += 1
+          first_in_segment = False
         step += 1
         history.append(metrics)
         bar.update(1)
@@ -515,6 +570,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 'train.learning_rate or raise train.warmup_steps.')
           elapsed = time.time() - last_log_time
           steps_done = step - last_log_step
+          if steps_done > excluded_steps:
+            elapsed, steps_done = elapsed - excluded_time, steps_done - excluded_steps
           sps = steps_done / max(elapsed, 1e-9)
           summary.update(
               learning_rate=float(schedule(step - 1)), steps_per_second=sps,
@@ -526,9 +583,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           bar.set_postfix(loss=f'{summary["loss"]:.3f}',
                           mlm_acc=f'{summary["mlm_accuracy"]:.3f}')
           history, last_log_time, last_log_step, wait_time = [], time.time(), step, 0.0
+          excluded_time, excluded_steps = 0.0, 0
 
         if step % config.eval.every_steps == 0 or step == stop_at:
+          t_eval = time.time()
           eval_metrics = evaluate(phase)
+          excluded_time += time.time() - t_eval
           log.write(step, eval_metrics, prefix='eval/', eval=True)
           logging.info('Step %d eval: %s', step, eval_metrics)
 
@@ -538,7 +598,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           if not math.isfinite(loss):
             raise FloatingPointError(
                 f'loss is {loss} at step {step}: stopping without saving; {last_good()}.')
+          t_save = time.time()
           save(phase, data_it)
+          excluded_time += time.time() - t_save
           last_saved = step
         if preempted:
           logging.warning('Stopped for preemption at step %d; rerun to resume.', step)

@@ -43,6 +43,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.input = 'sample'
   # Held-out data for evaluation, same forms as data.input; '' = hold out part of data.input.
   config.data.eval_input = ''
+  # Per-phase inputs (see train.phases), one entry per phase separated by ';' ('' entries and
+  # '' = data.input / data.eval_input): TFRecords hold one sequence length, so the paper's
+  # 128 -> 512 switch needs e.g. 'gs://b/seq128/*.tfrecord;gs://b/seq512/*.tfrecord'.
+  config.data.phase_inputs = ''
+  config.data.phase_eval_inputs = ''
   # Text feature of a TFDS dataset (for example 'text' for wikipedia).
   config.data.tfds_text_key = 'text'
   # WordPiece vocab.txt or SentencePiece .model; '' = train one from the input (smoke runs).

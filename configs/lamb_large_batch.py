@@ -34,4 +34,7 @@ def get_config(phase: str = 'phase1'):
   config.data.max_seq_length = seq_len
   config.data.max_predictions_per_seq = preds
   config.model.remat_policy = 'dots'
+  # Phases are 7,038 and 1,563 (long) steps: the base's every 10,000 would never checkpoint.
+  config.checkpoint.every_steps = 500
+  config.eval.every_steps = 1000
   return config

@@ -192,3 +192,19 @@ def test_sequence_longer_than_positions_is_a_clear_error():
   ids = np.ones((1, 41), np.int32)
   with pytest.raises(ValueError, match='max_position_embeddings'):
     model_lib.encode(TINY, params, ids, ids, 0 * ids)
+
+
+def test_padding_rows_do_not_count_for_nsp():
+  rng = np.random.RandomState(1)
+  mlm = rng.randn(3, 2, 7).astype(np.float32)
+  nsp = rng.randn(3, 2).astype(np.float32)
+  batch = dict(masked_lm_ids=np.array([[1, 2], [3, 0], [0, 0]]),
+               masked_lm_weights=np.array([[1, 1], [1, 0], [0, 0]], np.float32),
+               next_sentence_labels=np.array([0, 1, 0]),
+               input_mask=np.array([[1, 1, 0], [1, 1, 1], [0, 0, 0]]))  # Row 3: padding.
+  _, metrics = model_lib.pretraining_loss(mlm, nsp, batch)
+  logp = jax.nn.log_softmax(nsp)
+  assert float(metrics['nsp_loss'][1]) == 2.0 and float(metrics['nsp_accuracy'][1]) == 2.0
+  np.testing.assert_allclose(metrics['nsp_loss'][0], -(logp[0, 0] + logp[1, 1]), rtol=1e-6)
+  correct = (np.argmax(nsp[:2], -1) == [0, 1]).sum()
+  assert float(metrics['nsp_accuracy'][0]) == correct

@@ -11,6 +11,7 @@ subprocesses) lets later runs reuse those compiles.
 
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -451,6 +452,57 @@ def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vo
   expected = _losses(full)
   assert _losses(resumed, skip=lines) == {s: expected[s] for s in range(9, 13)}
   _assert_same_params(_params(resumed), _params(full))
+
+
+def _write_records(path, n, seq_len, preds, seed):
+  """n examples in create_pretraining_data.py's format (ids inside the 1,000-token vocab)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(seed)
+  with tf.io.TFRecordWriter(path) as writer:
+    for _ in range(n):
+      ints = dict(input_ids=rng.randint(5, 1000, seq_len), input_mask=np.ones(seq_len, int),
+                  segment_ids=(np.arange(seq_len) >= seq_len // 2).astype(int),
+                  masked_lm_positions=np.sort(rng.choice(np.arange(1, seq_len), preds, False)),
+                  masked_lm_ids=rng.randint(5, 1000, preds),
+                  next_sentence_labels=rng.randint(0, 2, 1))
+      feature = {k: tf.train.Feature(int64_list=tf.train.Int64List(value=v))
+                 for k, v in ints.items()}
+      feature['masked_lm_weights'] = tf.train.Feature(
+          float_list=tf.train.FloatList(value=np.ones(preds)))
+      writer.write(tf.train.Example(features=tf.train.Features(feature=feature))
+                   .SerializeToString())
+
+
+def test_tfrecord_phases_take_their_own_records(tmp_path, vocab_file):
+  """TFRecords fix the length: phase two's records are checked before the first step, and
+  data.phase_inputs gives each phase its own."""
+  for seq_len, preds in ((32, 5), (64, 10)):
+    _write_records(str(tmp_path / f'train{seq_len}.tfrecord'), 40, seq_len, preds, seq_len)
+    _write_records(str(tmp_path / f'eval{seq_len}.tfrecord'), 8, seq_len, preds, seq_len + 1)
+  phases = dict(train__phases='0.03:32:5,0.97:64:10', train__stop_at_step=8,
+                data__input=str(tmp_path / 'train32.tfrecord'),
+                data__eval_input=str(tmp_path / 'eval32.tfrecord'))
+  workdir = str(tmp_path / 'one_input')
+  with pytest.raises(ValueError, match=r'train.phases phase 2 \(64 tokens, 10 predictions\) '
+                     r'cannot read its data: .*train32.tfrecord.*data.phase_inputs'):
+    train.train_and_evaluate(_config(vocab_file, **phases), workdir)
+  assert not ckpt_lib.checkpoint_steps(workdir)
+
+  with pytest.raises(ValueError, match=r'data.phase_inputs has 1 entries separated by ";", '
+                     r'train.phases has 2'):
+    train.train_and_evaluate(_config(vocab_file, **phases, data__phase_inputs='x.tfrecord'),
+                             workdir)
+
+  per_phase = dict(
+      phases,
+      data__phase_inputs=f';{tmp_path / "train64.tfrecord"}',
+      data__phase_eval_inputs=f';{tmp_path / "eval64.tfrecord"}')
+  workdir = str(tmp_path / 'per_phase')
+  metrics = train.train_and_evaluate(_config(vocab_file, **per_phase), workdir)
+  train_rows, eval_rows = _rows(workdir)
+  lengths = [round(r['tokens_per_second'] / r['sequences_per_second']) for r in train_rows]
+  assert lengths == [32] * 6 + [64] * 2
+  assert len(eval_rows) == 1 and math.isfinite(metrics['mlm_loss'])
 
 
 def test_dropout_rng_impl_is_checked():

@@ -1,0 +1,69 @@
+"""Workdir files through tf.io.gfile: a non-local filesystem (TensorFlow's ram://) stands in for
+Cloud Storage, which the machines that run these tests cannot reach."""
+
+import json
+import os
+
+import tensorflow as tf
+from clu import data as clu_data
+
+from bert_jax import checkpoint
+from bert_jax import model as model_lib
+
+
+class _Manager:
+  """The one CheckpointManager method the data-state cleanup reads."""
+
+  def __init__(self, steps):
+    self.steps = steps
+
+  def all_steps(self):
+    return self.steps
+
+
+def _iterator():
+  ds = tf.data.Dataset.range(100).map(lambda x: {'x': x})
+  return clu_data.TfDatasetIterator(ds, checkpoint=True)
+
+
+def test_data_state_on_a_non_local_filesystem():
+  workdir = 'ram://bert_jax_test/run'
+  it = _iterator()
+  for _ in range(7):
+    next(it)
+  for step in (10, 20):
+    path = checkpoint._data_state_path(workdir, step)
+    checkpoint.gfile().makedirs(os.path.dirname(path))
+    it.save(path)
+  resumed = _iterator()
+  assert checkpoint.restore_data_state(workdir, 20, resumed)
+  assert int(next(resumed)['x']) == 7
+  assert not checkpoint.restore_data_state(workdir, 30, _iterator())
+  # Step 10 is no longer a committed checkpoint: its data state goes.
+  checkpoint._clean_data_states(_Manager([20]), workdir, keep_step=20)
+  assert sorted(checkpoint.gfile().listdir(os.path.join(workdir, 'data_state'))) == ['20']
+
+
+def test_process_1_does_not_take_process_10s_state(monkeypatch):
+  workdir = 'ram://bert_jax_test/many'
+  it = _iterator()
+  monkeypatch.setattr(checkpoint.jax, 'process_index', lambda: 10)
+  path = checkpoint._data_state_path(workdir, 5)
+  checkpoint.gfile().makedirs(os.path.dirname(path))
+  it.save(path)
+  monkeypatch.setattr(checkpoint.jax, 'process_index', lambda: 1)
+  assert not checkpoint.restore_data_state(workdir, 5, _iterator())
+
+
+def test_run_files_on_a_non_local_filesystem(tmp_path):
+  vocab = tmp_path / 'vocab.txt'
+  vocab.write_text('[PAD]\n[UNK]\n')
+  workdir = 'ram://bert_jax_test/files'
+  config = model_lib.BertConfig(vocab_size=2, hidden_size=8, num_hidden_layers=1,
+                                num_attention_heads=2, intermediate_size=16)
+  checkpoint.write_run_files(workdir, '{"a": 1}', config, str(vocab))
+  fs = checkpoint.gfile()
+  assert json.loads(fs.GFile(os.path.join(workdir, 'config.json')).read()) == {'a': 1}
+  written = json.loads(fs.GFile(os.path.join(workdir, 'bert_config.json')).read())
+  assert written == config.to_original_dict()
+  assert fs.GFile(os.path.join(workdir, 'vocab.txt')).read() == '[PAD]\n[UNK]\n'
