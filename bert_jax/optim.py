@@ -45,8 +45,13 @@ def make_optimizer(train: ml_collections.ConfigDict,
     opt = optax.adamw(schedule, b1=train.beta1, b2=train.beta2, eps=train.eps,
                       weight_decay=train.weight_decay, mask=decay_mask)
   elif train.optimizer == 'lamb':
-    opt = optax.lamb(schedule, b1=train.beta1, b2=train.beta2, eps=train.eps,
-                     weight_decay=train.weight_decay, mask=decay_mask)
+    # optax.lamb, except that biases and LayerNorm parameters get no trust ratio either: as in
+    # the LAMB BERT recipes (layer adaptation excluded where weight decay is).
+    opt = optax.chain(
+        optax.scale_by_adam(b1=train.beta1, b2=train.beta2, eps=train.eps),
+        optax.add_decayed_weights(train.weight_decay, mask=decay_mask),
+        optax.masked(optax.scale_by_trust_ratio(), decay_mask),
+        optax.scale_by_learning_rate(schedule))
   else:
     raise ValueError(f"train.optimizer={train.optimizer!r}: expected 'adamw' or 'lamb'")
   parts = []

@@ -68,3 +68,25 @@ def test_clipping_and_lamb():
   train.optimizer = 'sgd'
   with pytest.raises(ValueError, match='train.optimizer'):
     optim.make_optimizer(train)
+
+
+def test_lamb_layer_adaptation_skips_bias_and_layer_norm():
+  train = bert_base.get_config().train
+  train.unlock()
+  train.update(optimizer='lamb', warmup_steps=0, decay='constant', learning_rate=0.1,
+               max_grad_norm=0.0)
+  tx, _ = optim.make_optimizer(train, total_steps=10)
+  params = {'dense': {'kernel': jnp.full((4,), 2.0), 'bias': jnp.full((2,), 3.0)},
+            'layer_norm': {'scale': jnp.full((2,), 1.5)}}
+  grads = {'dense': {'kernel': jnp.array([0.5, -0.5, 0.5, -0.5]), 'bias': jnp.array([0.5, -0.5])},
+           'layer_norm': {'scale': jnp.array([0.25, -0.25])}}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  adam = lambda g: np.asarray(g) / (np.abs(np.asarray(g)) + train.eps)  # First step of Adam.
+  u = adam(grads['dense']['kernel']) + train.weight_decay * 2.0
+  trust = np.linalg.norm(np.full(4, 2.0)) / np.linalg.norm(u)
+  np.testing.assert_allclose(updates['dense']['kernel'], -0.1 * trust * u, rtol=1e-5)
+  # No weight decay and no trust ratio: the plain Adam direction.
+  np.testing.assert_allclose(updates['dense']['bias'], -0.1 * adam(grads['dense']['bias']),
+                             rtol=1e-5)
+  np.testing.assert_allclose(updates['layer_norm']['scale'],
+                             -0.1 * adam(grads['layer_norm']['scale']), rtol=1e-5)
