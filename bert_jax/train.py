@@ -7,6 +7,7 @@ preemption). The step functions are pure and module-level.
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ import ml_collections
 import numpy as np
 import optax
 from absl import logging
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bert_jax import checkpoint as ckpt_lib
@@ -215,6 +217,29 @@ def summarize(metrics: list[dict[str, Any]], use_nsp: bool) -> dict[str, float]:
     for k in ('nsp_loss', 'nsp_accuracy'):
       out.pop(k, None)
   return out
+
+
+def eval_batches(it, steps: int, padding: dict[str, Any],
+                 max_over_processes: Callable[[int], int] | None = None) -> list[dict[str, Any]]:
+  """Up to `steps` batches of `it`, the same number on every process.
+
+  Processes' held-out shares can run out at different batches; one that stopped early would
+  leave the others waiting in the evaluation step's collectives forever. The count is agreed
+  on (the largest), and a process that has fewer batches adds `padding` batches, which count
+  for nothing (no tokens, zero weights).
+  """
+  batches = list(itertools.islice(it, steps))
+  if max_over_processes is None:
+    max_over_processes = _max_over_processes
+  count = max_over_processes(len(batches))
+  padding = jax.tree.map(np.asarray, padding)
+  return batches + [padding] * (count - len(batches))
+
+
+def _max_over_processes(n: int) -> int:
+  if jax.process_count() == 1:
+    return n
+  return int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
 
 
 def _dummy_batch(batch_size: int, seq_len: int, max_predictions: int) -> dict[str, jax.Array]:
@@ -479,7 +504,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   else:
     state = jax.jit(init, out_shardings=state_shardings)(jax.random.key(config.train.seed))
     if config.train.init_checkpoint:
-      fresh = jax.tree.map(np.asarray, state.params)
+      # Host copies of the fresh parameters (heads the checkpoint lacks come from them); with
+      # fsdp or tensor axes across hosts no process holds every shard, so gather them.
+      fresh = (multihost_utils.process_allgather(state.params, tiled=True)
+               if jax.process_count() > 1 else jax.tree.map(np.asarray, state.params))
       params = _init_from_checkpoint(config.train.init_checkpoint, bert_config, fresh)
       params = _put_sharded(params, state_shardings.params)
       state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
@@ -501,19 +529,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def evaluate(phase: Phase) -> dict[str, float]:
     eval_local = config.eval.batch_size // jax.process_count()
     sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
-    it = iter(dataset_for(phase, train=False, batch_size=eval_local).as_numpy_iterator())
-    results = []
-    with sharding_lib.activate(mesh, rules):
-      for _ in range(config.eval.steps):
-        try:
-          local = next(it)
-        except StopIteration:
-          break
-        results.append(p_eval_step(state.params,
-                                   sharding_lib.make_global_batch(local, batch_sharding)))
-    if not results:
+    it = dataset_for(phase, train=False, batch_size=eval_local).as_numpy_iterator()
+    batches = eval_batches(it, config.eval.steps,
+                           _dummy_batch(eval_local, phase.seq_len, phase.max_predictions))
+    if not batches:
       raise ValueError('the evaluation data gave no batch: data.eval_input (or the held-out '
                        'share of data.input) is smaller than eval.batch_size')
+    results = []
+    with sharding_lib.activate(mesh, rules):
+      for local in batches:
+        results.append(p_eval_step(state.params,
+                                   sharding_lib.make_global_batch(local, batch_sharding)))
     return summarize(jax.device_get(results), use_nsp)
 
   def save(phase: Phase, data_it) -> None:

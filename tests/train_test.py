@@ -505,6 +505,18 @@ def test_tfrecord_phases_take_their_own_records(tmp_path, vocab_file):
   assert len(eval_rows) == 1 and math.isfinite(metrics['mlm_loss'])
 
 
+def test_every_process_evaluates_the_same_number_of_batches():
+  batches = [{'x': np.full((2,), i)} for i in range(2)]
+  padding = {'x': jax.numpy.zeros((2,), jax.numpy.int32)}
+  # Alone: what the data gives, up to eval.steps.
+  assert len(train.eval_batches(iter(batches), 5, padding)) == 2
+  assert len(train.eval_batches(iter(batches), 1, padding)) == 1
+  # Another process has 4 batches: this one pads up to 4 instead of leaving the collectives.
+  got = train.eval_batches(iter(batches), 5, padding, max_over_processes=lambda n: max(n, 4))
+  assert [int(b['x'][0]) for b in got] == [0, 1, 0, 0]
+  assert isinstance(got[-1]['x'], np.ndarray)
+
+
 def test_dropout_rng_impl_is_checked():
   config = cli.load_config('smoke')
   assert jax.random.key_impl(train.dropout_rng(config.train)) == jax.random.key_impl(
