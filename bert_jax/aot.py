@@ -54,7 +54,7 @@ def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfi
              seq_len: int, preds: int):
   mesh = sharding_lib.make_mesh(config.mesh, devices)
   rules = sharding_lib.rules_from_config(config.mesh)
-  sharding_lib.check_batch_size(config.train.batch_size, mesh)
+  train_lib.check_batch(config, mesh)
   model = model_lib.BertForPreTraining(bert_config)
   tx, _ = optim.make_optimizer(config.train)
   abstract, shardings, _ = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)

@@ -4,11 +4,15 @@ import jax
 
 from bert_jax import model as model_lib
 
-# Dense bf16 peak FLOP/s per chip/device, by jax `device_kind` substring (lowercase).
+# Dense bf16 peak FLOP/s per jax device, by `device_kind` substring (lowercase), the first
+# match wins (so the specific names come first). TPU v2/v3 show each of a chip's two cores as a
+# device: half the chip's peak; v4 and later are one device per chip.
 PEAK_FLOPS = (
-    ('h200', 989e12), ('h100', 989e12), ('a100', 312e12), ('l4', 121e12), ('a10', 125e12),
+    ('b200', 2250e12), ('h200', 989e12), ('h100 pcie', 756e12), ('h100 nvl', 835e12),
+    ('h100', 989e12), ('a100', 312e12), ('l40s', 362e12), ('l40', 181e12), ('l4', 121e12),
+    ('a10', 125e12),
     ('v6 lite', 918e12), ('v6e', 918e12), ('v5 lite', 197e12), ('v5e', 197e12),
-    ('v5p', 459e12), ('v5', 459e12), ('v4', 275e12), ('v3', 123e12), ('v2', 45e12),
+    ('v5p', 459e12), ('v5', 459e12), ('v4', 275e12), ('v3', 61.5e12), ('v2', 22.5e12),
 )
 # HBM bytes and bandwidth (bytes/s) per chip for the roofline of `bert-jax compile`.
 TPU_CHIPS = {

@@ -94,6 +94,9 @@ def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
     raise ValueError(f'train.phases fractions sum to {sum(p[0] for p in parts)}, not 1: {spec}')
   phases, start = [], 0
   for i, (frac, seq_len, preds) in enumerate(parts):
+    if frac < 0 or not 8 <= seq_len or not 1 <= preds <= seq_len:
+      raise ValueError(f'train.phases: {spec.split(",")[i]!r} needs fraction >= 0, seq_len '
+                       '>= 8 and 1 <= max_predictions <= seq_len')
     end = steps if i == len(parts) - 1 else start + int(round(frac * steps))
     if seq_len > config.model.max_position_embeddings:
       raise ValueError(f'train.phases: seq_len {seq_len} exceeds '
@@ -421,6 +424,19 @@ def _progress(total: int, initial: int, enabled: bool):
 # ---------------------------------------------------------------------------------------------
 
 
+def check_batch(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+  """Clear errors for a global batch or micro-batch that does not split over the mesh."""
+  sharding_lib.check_batch_size(config.train.batch_size, mesh)
+  accum = config.train.grad_accum_steps
+  if accum < 1 or config.train.batch_size % accum:
+    raise ValueError(f'train.batch_size={config.train.batch_size} does not divide by '
+                     f'train.grad_accum_steps={accum}')
+  micro = config.train.batch_size // accum
+  if micro % sharding_lib.data_parallel_size(mesh):
+    raise ValueError(f'micro-batch {micro} (train.batch_size / train.grad_accum_steps) does not '
+                     f'divide over {sharding_lib.data_parallel_size(mesh)} data-parallel shards')
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics."""
   # TensorFlow is imported only when data is needed.
@@ -435,18 +451,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   is_main = jax.process_index() == 0
   use_nsp = config.data.objective != 'none'
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)
+  if not 0 < stop_at <= config.train.steps:
+    raise ValueError(f'train.stop_at_step={config.train.stop_at_step} must lie in '
+                     f'[1, train.steps={config.train.steps}] (0 = run to train.steps)')
 
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
-  sharding_lib.check_batch_size(config.train.batch_size, mesh)
-  if config.train.batch_size % config.train.grad_accum_steps:
-    raise ValueError(f'train.batch_size={config.train.batch_size} does not divide by '
-                     f'train.grad_accum_steps={config.train.grad_accum_steps}')
-  micro = config.train.batch_size // config.train.grad_accum_steps
-  if micro % sharding_lib.data_parallel_size(mesh):
-    raise ValueError(f'micro-batch {micro} (train.batch_size / train.grad_accum_steps) does not '
-                     f'divide over {sharding_lib.data_parallel_size(mesh)} data-parallel shards')
+  check_batch(config, mesh)
   logging.info('Mesh %s on %d devices, %d processes', dict(mesh.shape), jax.device_count(),
                jax.process_count())
 

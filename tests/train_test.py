@@ -517,6 +517,44 @@ def test_every_process_evaluates_the_same_number_of_batches():
   assert isinstance(got[-1]['x'], np.ndarray)
 
 
+@pytest.mark.parametrize('phases,message', [
+    ('0.9:128:20,0.1:512', 'is not fraction:seq_len:max_predictions'),
+    ('0.9:128:20,0.2:512:80', 'fractions sum to'),
+    ('1.1:128:20,-0.1:512:80', 'needs fraction >= 0'),
+    ('0.9:128:200,0.1:512:80', 'max_predictions <= seq_len'),
+    ('0.9:128:20,0.1:1024:80', 'exceeds model.max_position_embeddings'),
+])
+def test_bad_phases_are_named(phases, message):
+  config = cli.load_config('configs/bert_base.py', {'train.phases': phases})
+  with pytest.raises(ValueError, match=message):
+    train.parse_phases(config)
+
+
+def test_paper_phases():
+  phases = train.parse_phases(cli.load_config('configs/bert_base.py'))
+  assert [(p.start, p.end, p.seq_len, p.max_predictions) for p in phases] == [
+      (0, 900_000, 128, 20), (900_000, 1_000_000, 512, 80)]
+
+
+def test_stop_at_step_beyond_the_schedule_is_refused(tmp_path):
+  config = cli.load_config('smoke', {'train.stop_at_step': 301})
+  with pytest.raises(ValueError, match=r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'):
+    train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_batch_that_does_not_split_is_named():
+  from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  config = cli.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 3})
+  mesh = sharding_lib.make_mesh(config.mesh)
+  with pytest.raises(ValueError, match='train.batch_size=16 does not divide by '
+                     'train.grad_accum_steps=3'):
+    train.check_batch(config, mesh)
+  config = cli.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 4})
+  with pytest.raises(ValueError, match=f'micro-batch 4 .* does not divide over '
+                     f'{jax.device_count()} data-parallel shards'):
+    train.check_batch(config, mesh)
+
+
 def test_dropout_rng_impl_is_checked():
   config = cli.load_config('smoke')
   assert jax.random.key_impl(train.dropout_rng(config.train)) == jax.random.key_impl(
