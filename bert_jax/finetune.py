@@ -442,7 +442,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-  return new_state, dict(step_metrics, grad_norm=optax.global_norm(grads))
+  return new_state, dict(step_metrics, grad_norm=optax.tree.norm(grads))
 
 
 def predict_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,

@@ -190,7 +190,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Modu
     (_, m_shape), g_shape = shapes
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g_shape, shapes[0][0], m_shape))
     (grads, loss, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
