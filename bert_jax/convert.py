@@ -696,7 +696,10 @@ def _empty_dir(out_dir: str) -> str:
 def _copy_vocab(config: model.BertConfig, vocab_file: str | None, out_dir: str) -> None:
   if vocab_file:
     _check_vocab(config, vocab_file)
-    shutil.copyfile(vocab_file, os.path.join(out_dir, 'vocab.txt'))
+    if _remote(vocab_file):
+      _import_tf().io.gfile.copy(vocab_file, os.path.join(out_dir, 'vocab.txt'), overwrite=True)
+    else:
+      shutil.copyfile(vocab_file, os.path.join(out_dir, 'vocab.txt'))
 
 
 def _to_source(flat: dict, fmt: str) -> dict[str, np.ndarray]:

@@ -36,6 +36,22 @@ def decay_mask(params):
       lambda path, _: getattr(path[-1], 'key', None) not in _NO_DECAY, params)
 
 
+def _trust_ratio_where(mask) -> optax.GradientTransformation:
+  """optax.scale_by_trust_ratio on the leaves where `mask(params)` is True.
+
+  Not optax.masked: its state has another structure, and optimizer states saved by runs that
+  used optax.lamb must keep restoring (this chain's states are optax.lamb's, leaf for leaf).
+  """
+  inner = optax.scale_by_trust_ratio()
+
+  def update(updates, state, params=None):
+    scaled, state = inner.update(updates, state, params)
+    return jax.tree.map(lambda keep, s, u: s if keep else u, mask(params), scaled,
+                        updates), state
+
+  return optax.GradientTransformation(inner.init, update)
+
+
 def make_optimizer(train: ml_collections.ConfigDict,
                    total_steps: int | None = None) -> tuple[optax.GradientTransformation,
                                                            optax.Schedule]:
@@ -50,7 +66,7 @@ def make_optimizer(train: ml_collections.ConfigDict,
     opt = optax.chain(
         optax.scale_by_adam(b1=train.beta1, b2=train.beta2, eps=train.eps),
         optax.add_decayed_weights(train.weight_decay, mask=decay_mask),
-        optax.masked(optax.scale_by_trust_ratio(), decay_mask),
+        _trust_ratio_where(decay_mask),
         optax.scale_by_learning_rate(schedule))
   else:
     raise ValueError(f"train.optimizer={train.optimizer!r}: expected 'adamw' or 'lamb'")

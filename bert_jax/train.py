@@ -92,12 +92,14 @@ def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
       raise ValueError(f'train.phases: {item!r} is not fraction:seq_len:max_predictions') from None
   if abs(sum(p[0] for p in parts) - 1.0) > 1e-6:
     raise ValueError(f'train.phases fractions sum to {sum(p[0] for p in parts)}, not 1: {spec}')
-  phases, start = [], 0
+  phases, start, cumulative = [], 0, 0.0
   for i, (frac, seq_len, preds) in enumerate(parts):
     if frac < 0 or not 8 <= seq_len or not 1 <= preds <= seq_len:
       raise ValueError(f'train.phases: {spec.split(",")[i]!r} needs fraction >= 0, seq_len '
                        '>= 8 and 1 <= max_predictions <= seq_len')
-    end = steps if i == len(parts) - 1 else start + int(round(frac * steps))
+    cumulative += frac
+    # Rounded where each phase ends, not by length, so that no phase overshoots the schedule.
+    end = steps if i == len(parts) - 1 else max(start, int(round(cumulative * steps)))
     if seq_len > config.model.max_position_embeddings:
       raise ValueError(f'train.phases: seq_len {seq_len} exceeds '
                        f'model.max_position_embeddings={config.model.max_position_embeddings}')
@@ -463,9 +465,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                jax.process_count())
 
   # ---- Data ----------------------------------------------------------------------------------
-  vocab_file = input_pipeline.resolve_vocab(config.data, workdir)
-  tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   phases = parse_phases(config)
+  if not config.data.vocab_file:
+    for phase in phases:
+      data = phase_data(config, phase)
+      if 'tfrecord' in {documents.input_kind(x) for x in (data.input, data.eval_input) if x}:
+        raise ValueError(f'data.vocab_file is required with TFRecord input (phase '
+                         f'{phase.index + 1} reads {data.input!r}): the ids in the records '
+                         'belong to the vocabulary that made them')
+  # A vocab trained here comes from the first phase's input.
+  vocab_file = input_pipeline.resolve_vocab(phase_data(config, phases[0]), workdir)
+  tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   local_batch = config.train.batch_size // jax.process_count()
 
   def dataset_for(phase: Phase, train: bool, batch_size: int):
@@ -589,6 +599,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         local = next(data_it)
         wait_time += time.time() - t0
         batch = sharding_lib.make_global_batch(local, batch_sharding)
+        if first_in_segment:
+          jax.block_until_ready(state)  # Earlier steps are training time, not compile time.
         t_step = time.time()
         state, metrics = p_train_step(state, batch)
         if first_in_segment:
@@ -624,6 +636,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           excluded_time, excluded_steps = 0.0, 0
 
         if step % config.eval.every_steps == 0 or step == stop_at:
+          jax.block_until_ready(state)
           t_eval = time.time()
           eval_metrics = evaluate(phase)
           excluded_time += time.time() - t_eval
@@ -636,6 +649,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           if not math.isfinite(loss):
             raise FloatingPointError(
                 f'loss is {loss} at step {step}: stopping without saving; {last_good()}.')
+          jax.block_until_ready(state)
           t_save = time.time()
           save(phase, data_it)
           excluded_time += time.time() - t_save

@@ -305,6 +305,22 @@ def test_google_checkpoint_imports(hf_dir, reference, tmp_path):
     _assert_same(reference[1], params)
   assert convert.find_vocab(str(tmp_path / 'bert_model.ckpt')) == str(tmp_path / 'vocab.txt')
 
+  # Found on a remote filesystem (TF's ram:// stands in for gs://; TF's checkpoint reader
+  # itself cannot read ram://, and reads gs:// on its own).
+  remote = 'ram://convert_test/google'
+  tf.io.gfile.makedirs(remote)
+  for name in os.listdir(tmp_path):
+    if os.path.isfile(tmp_path / name):
+      tf.io.gfile.copy(str(tmp_path / name), f'{remote}/{name}', overwrite=True)
+  assert convert._detect(remote + '/') == ('google', remote + '/bert_model.ckpt')
+  assert convert._read_config(remote + '/bert_config.json') == reference[0]
+  vocab = convert.find_vocab(remote)
+  assert vocab == remote + '/vocab.txt'
+  out = tmp_path / 'converted'
+  out.mkdir()
+  convert._copy_vocab(reference[0], vocab, str(out))
+  assert (out / 'vocab.txt').read_text() == (tmp_path / 'vocab.txt').read_text()
+
 
 def test_google_export_roundtrip(hf_dir, reference, tmp_path):
   config, params = reference

@@ -90,3 +90,18 @@ def test_lamb_layer_adaptation_skips_bias_and_layer_norm():
                              rtol=1e-5)
   np.testing.assert_allclose(updates['layer_norm']['scale'],
                              -0.1 * adam(grads['layer_norm']['scale']), rtol=1e-5)
+
+
+def test_lamb_state_is_optax_lamb_state():
+  """Optimizer states saved by runs that used optax.lamb keep restoring."""
+  config = model_lib.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                num_attention_heads=2, intermediate_size=32)
+  params = model_lib.init_params(config, jax.random.key(0))
+  train = bert_base.get_config().train
+  train.unlock()
+  train.optimizer = 'lamb'
+  tx, schedule = optim.make_optimizer(train)
+  reference = optax.chain(optax.clip_by_global_norm(train.max_grad_norm), optax.lamb(
+      schedule, b1=train.beta1, b2=train.beta2, eps=train.eps, weight_decay=train.weight_decay,
+      mask=optim.decay_mask))
+  assert jax.tree.structure(tx.init(params)) == jax.tree.structure(reference.init(params))

@@ -530,6 +530,13 @@ def test_bad_phases_are_named(phases, message):
     train.parse_phases(config)
 
 
+def test_phase_ends_are_rounded_cumulatively():
+  config = cli.load_config('configs/bert_base.py', {
+      'train.steps': 10, 'train.warmup_steps': 0,
+      'train.phases': '0.35:128:20,0.35:256:40,0.3:512:80'})
+  assert [(p.start, p.end) for p in train.parse_phases(config)] == [(0, 4), (4, 7), (7, 10)]
+
+
 def test_paper_phases():
   phases = train.parse_phases(cli.load_config('configs/bert_base.py'))
   assert [(p.start, p.end, p.seq_len, p.max_predictions) for p in phases] == [
@@ -553,6 +560,14 @@ def test_batch_that_does_not_split_is_named():
   with pytest.raises(ValueError, match=f'micro-batch 4 .* does not divide over '
                      f'{jax.device_count()} data-parallel shards'):
     train.check_batch(config, mesh)
+
+
+def test_tfrecord_phase_inputs_need_their_vocab(tmp_path):
+  config = cli.load_config('smoke', {'train.phases': '0.5:32:5,0.5:64:10',
+                                     'data.phase_inputs': ';x/seq64.tfrecord'})
+  with pytest.raises(ValueError, match=r"data.vocab_file is required with TFRecord input "
+                     r"\(phase 2 reads 'x/seq64.tfrecord'\)"):
+    train.train_and_evaluate(config, str(tmp_path))
 
 
 def test_dropout_rng_impl_is_checked():
