@@ -118,8 +118,8 @@ def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertC
     f.write(bert_config.to_json_string())
   if vocab_file and fs.exists(vocab_file):
     dst = os.path.join(workdir, os.path.basename(vocab_file))
-    if vocab_file.rstrip('/') != dst and (
-        '://' in vocab_file + dst or os.path.abspath(vocab_file) != os.path.abspath(dst)):
+    same = lambda p: p if '://' in p else os.path.abspath(p)
+    if same(vocab_file) != same(dst):
       fs.copy(vocab_file, dst, overwrite=True)
 
 

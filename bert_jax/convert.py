@@ -468,12 +468,6 @@ def _isdir(path: str) -> bool:
   return _import_tf().io.gfile.isdir(path) if _remote(path) else os.path.isdir(path)
 
 
-def _listdir(path: str) -> list[str]:
-  if _remote(path):
-    return [n.rstrip('/') for n in _import_tf().io.gfile.listdir(path)]
-  return os.listdir(path)
-
-
 def _glob(pattern: str) -> list[str]:
   return sorted(_import_tf().io.gfile.glob(pattern) if _remote(pattern) else glob.glob(pattern))
 

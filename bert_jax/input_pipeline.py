@@ -400,6 +400,16 @@ def make_iterator(ds: tf.data.Dataset):
   return clu_data.TfDatasetIterator(ds, checkpoint=True)
 
 
+def check_vocab_given(data: ml_collections.ConfigDict, where: str = '') -> None:
+  """Raises unless data.vocab_file is set where data.input or data.eval_input is TFRecords."""
+  if data.vocab_file:
+    return
+  for spec in (data.input, data.eval_input):
+    if spec and documents.input_kind(spec) == 'tfrecord':
+      raise ValueError(f'data.vocab_file is required with TFRecord input ({where}{spec!r}): the '
+                       'ids in the records belong to the vocabulary that made them')
+
+
 def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
   """data.vocab_file, or a WordPiece vocab trained on data.input (cached) when it is empty.
 
@@ -409,10 +419,7 @@ def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
   """
   if data.vocab_file:
     return data.vocab_file
-  kind = documents.input_kind(data.input)
-  if kind == 'tfrecord':
-    raise ValueError('data.vocab_file is required with TFRecord input (the ids in the records '
-                     'belong to the vocabulary that made them)')
+  check_vocab_given(data)
   if workdir:
     path = os.path.join(workdir, 'vocab.txt')
   else:

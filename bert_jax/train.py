@@ -466,13 +466,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # ---- Data ----------------------------------------------------------------------------------
   phases = parse_phases(config)
-  if not config.data.vocab_file:
-    for phase in phases:
-      data = phase_data(config, phase)
-      if 'tfrecord' in {documents.input_kind(x) for x in (data.input, data.eval_input) if x}:
-        raise ValueError(f'data.vocab_file is required with TFRecord input (phase '
-                         f'{phase.index + 1} reads {data.input!r}): the ids in the records '
-                         'belong to the vocabulary that made them')
+  for phase in phases:
+    input_pipeline.check_vocab_given(phase_data(config, phase), f'phase {phase.index + 1} reads ')
   # A vocab trained here comes from the first phase's input.
   vocab_file = input_pipeline.resolve_vocab(phase_data(config, phases[0]), workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)

@@ -19,7 +19,8 @@ def test_peak_flops_of_device_kinds(kind, peak):
 
 
 def test_cpu_has_no_peak():
-  assert flops.peak_flops_per_device(types.SimpleNamespace(platform='cpu', device_kind='cpu')) is None
+  cpu = types.SimpleNamespace(platform='cpu', device_kind='cpu')
+  assert flops.peak_flops_per_device(cpu) is None
 
 
 def test_bert_base_step_flops_by_hand():

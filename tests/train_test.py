@@ -545,7 +545,8 @@ def test_paper_phases():
 
 def test_stop_at_step_beyond_the_schedule_is_refused(tmp_path):
   config = cli.load_config('smoke', {'train.stop_at_step': 301})
-  with pytest.raises(ValueError, match=r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'):
+  with pytest.raises(ValueError,
+                     match=r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'):
     train.train_and_evaluate(config, str(tmp_path))
 
 
