@@ -663,10 +663,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     preemption.restore()
 
   if is_main:
+    if eval_metrics:
+      last_eval = json.dumps({k: round(v, 4) for k, v in eval_metrics.items()})
+    elif start is not None and start >= stop_at:  # Resumed a run that had already finished.
+      last_eval = (f'none in this run: the workdir was already at step {step} (see '
+                   'metrics.jsonl; use another --workdir or raise train.steps to go on)')
+    else:
+      last_eval = f'none: stopped at step {step} before the first evaluation'
     print(f'\nbert_jax: step {step}/{config.train.steps} in {workdir}\n'
           f'  checkpoints:  {os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)}\n'
           f'  metrics:      {os.path.join(workdir, "metrics.jsonl")}\n'
           f'  TensorBoard:  tensorboard --logdir {workdir}\n'
-          f'  last eval:    {json.dumps({k: round(v, 4) for k, v in eval_metrics.items()})}',
-          flush=True)
+          f'  last eval:    {last_eval}', flush=True)
   return eval_metrics
