@@ -13,8 +13,12 @@ import transformers
 
 from bert_jax import convert
 from bert_jax import model
+from tolerance import assert_close, assert_moved_close
 
-TOLERANCE = 1e-5
+# Errors are bounded relative to the largest value compared (see tests/tolerance.py): the two
+# frameworks sum in different orders, so they differ by a few ulps of the activations' scale
+# (measured at most 8e-7 of it). A wrong GELU, LayerNorm epsilon or mask is 1e-4 or more.
+RELATIVE_TOLERANCE = 5e-6
 HF_CONFIG = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=37, max_position_embeddings=40, type_vocab_size=2,
                  hidden_act='gelu')
@@ -52,12 +56,11 @@ def _torch_inputs(ids, mask, segments):
 def _report(name: str, ours, theirs, valid=None) -> None:
   ours, theirs = np.asarray(ours), np.asarray(theirs)
   assert ours.shape == theirs.shape, name
-  diff = np.abs(ours - theirs)
   if valid is not None:
-    diff = diff[valid]
-  print(f'\nparity {name}: max abs diff {diff.max():.3g} (|values| up to '
-        f'{np.abs(theirs).max():.3g})')
-  assert diff.max() <= TOLERANCE, name
+    ours, theirs = ours[valid], theirs[valid]
+  ratio = assert_close(ours, theirs, RELATIVE_TOLERANCE, what=name)
+  print(f'\nparity {name}: max abs diff {ratio:.3g} of the largest |value| '
+        f'{np.abs(theirs).max():.3g}')
 
 
 @pytest.fixture(scope='module')
@@ -184,6 +187,7 @@ def test_train_step_parity(tmp_path):
     theirs.append((loss.item(), norm.item()))
   print(f'\nparity train step (loss, grad_norm): ours {ours}, HF+torch {theirs}')
   assert norm > train_config.max_grad_norm  # Clipping was exercised.
+  # Relative: the loss and the norm are sums over the batch and every weight (measured 2e-6).
   np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
   hf.save_pretrained(str(tmp_path / 'stepped'))
@@ -194,16 +198,18 @@ def test_train_step_parity(tmp_path):
   assert flat_ours.keys() == flat_theirs.keys()
   # The key bias adds q.b to every logit of a query: softmax cancels it, so its exact gradient
   # is 0 and both frameworks move it only by rounding noise that Adam's normalization scales
-  # up to ~lr * |noise| / eps. Everything else must agree.
+  # up to ~lr * |noise| / eps: under 1% of the lr-sized step a real gradient makes.
   noise_only = {k for k in flat_ours if "['key']['bias']" in k}
   assert len(noise_only) == config.num_hidden_layers
   for k in noise_only:
-    assert np.abs(flat_ours[k] - flat_init[k]).max() < 1e-5 * steps
-    assert np.abs(flat_theirs[k] - flat_init[k]).max() < 1e-5 * steps
+    assert np.abs(flat_ours[k] - flat_init[k]).max() < 0.01 * lr * steps
+    assert np.abs(flat_theirs[k] - flat_init[k]).max() < 0.01 * lr * steps
   checked = sorted(set(flat_ours) - noise_only)
-  worst = max(float(np.abs(flat_ours[k] - flat_theirs[k]).max()) for k in checked)
-  moved = min(float(np.abs(flat_ours[k] - flat_init[k]).max()) for k in checked)
-  print(f'parity train step: parameters max abs diff {worst:.3g} after {steps} steps of '
-        f'lr {lr} ({len(checked)} tensors, each moved by >= {moved:.3g})')
-  assert moved > 1000 * worst
-  assert worst <= 1e-6
+  # Adam moves every weight by about lr per step whatever its size, so each tensor's update is
+  # compared on the scale of its movement (2e-3 here). Rounding differs by 5.5e-4 of it at most
+  # (1.1e-6, on an AVX-512 CPU); applying weight decay to LayerNorm or biases, the classic
+  # mask bug, shifts them by lr * 0.01 * |w| * steps, 5e-3 to 1.5e-2 of it.
+  worst = max(assert_moved_close(flat_ours[k], flat_theirs[k], flat_init[k], 3e-3, what=k)
+              for k in checked)
+  print(f'parity train step: parameters differ by at most {worst:.3g} of their movement after '
+        f'{steps} steps of lr {lr} ({len(checked)} tensors)')

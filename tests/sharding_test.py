@@ -13,6 +13,7 @@ from bert_jax import model as model_lib
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train as train_lib
+from tolerance import assert_close, assert_trees_moved_close
 from configs import default
 
 # Every sharded dimension divides by 8, so that any mesh of 8 devices (tensor=8 included) fits.
@@ -59,6 +60,7 @@ def _one_step(mesh, config=CONFIG, accum=1, batch=None, steps=1, rng_impl='three
   tx, _ = optim.make_optimizer(_train_config())
   _, shardings, init = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
   state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+  start = jax.device_get(state.params)  # Before the step donates the state.
   step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
                                     jax.random.key(1, impl=rng_impl), accum, use_nsp=True)
   batch = _batch() if batch is None else batch
@@ -67,7 +69,7 @@ def _one_step(mesh, config=CONFIG, accum=1, batch=None, steps=1, rng_impl='three
     gb = sharding_lib.make_global_batch(batch, sharding_lib.batch_sharding(mesh))
     state, metrics = step(state, gb)
     losses.append(float(metrics['loss']))
-  return state, losses
+  return state, losses, start
 
 
 def test_partition_specs_follow_the_rules():
@@ -115,12 +117,15 @@ def test_parameters_that_do_not_divide_over_the_mesh_are_named():
 @pytest.mark.parametrize('shape,rng_impl', [((8, 1, 1), 'threefry2x32'), ((2, 2, 2), 'rbg'),
                                             ((1, 1, 8), 'rbg')])
 def test_step_is_mesh_independent(shape, rng_impl):
-  ref_state, ref_loss = _one_step(_mesh(1, 1, 1), steps=2, rng_impl=rng_impl)
-  state, loss = _one_step(_mesh(*shape), steps=2, rng_impl=rng_impl)
+  ref_state, ref_loss, start = _one_step(_mesh(1, 1, 1), steps=2, rng_impl=rng_impl)
+  state, loss, _ = _one_step(_mesh(*shape), steps=2, rng_impl=rng_impl)
   np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
   flat_ref = jax.tree.leaves(jax.device_get(ref_state.params))
   flat = jax.tree.leaves(jax.device_get(state.params))
-  assert max(float(np.abs(a - b).max()) for a, b in zip(flat, flat_ref)) < 1e-5
+  flat_init = jax.tree.leaves(start)
+  # Sharding changes only the order of summation: compared on the scale of the update
+  # (measured up to 7.5e-6 of it).
+  assert_trees_moved_close(flat, flat_ref, flat_init, 1e-4)
   kernel = state.params['bert']['encoder']['layer_0']['mlp']['intermediate']['kernel']
   assert len(kernel.sharding.device_set) == 8
 
@@ -162,18 +167,18 @@ def test_mlm_head_gradients_on_a_three_axis_mesh(constrained):
     with nn.logical_axis_rules(rules):
       got = grad(params, x)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(got)):
-    np.testing.assert_allclose(b, a, atol=1e-4, err_msg=jax.tree_util.keystr(path))
+    assert_close(b, a, 2e-6, what=jax.tree_util.keystr(path))
 
 
 def test_accumulated_micro_batches_equal_one_big_batch():
   no_dropout = CONFIG.replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
   mesh = _mesh(2, 2, 1)
-  big, big_loss = _one_step(mesh, no_dropout, accum=1, steps=2)
-  acc, acc_loss = _one_step(mesh, no_dropout, accum=4, steps=2)
+  big, big_loss, start = _one_step(mesh, no_dropout, accum=1, steps=2)
+  acc, acc_loss, _ = _one_step(mesh, no_dropout, accum=4, steps=2)
   np.testing.assert_allclose(acc_loss, big_loss, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(jax.device_get(acc.params)),
-                  jax.tree.leaves(jax.device_get(big.params))):
-    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert_trees_moved_close(jax.tree.leaves(jax.device_get(acc.params)),
+                           jax.tree.leaves(jax.device_get(big.params)), jax.tree.leaves(start),
+                           1e-4)
 
 
 def test_mesh_and_batch_errors():
