@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bert_jax import attention
+
 Array = jax.Array
 
 # ---------------------------------------------------------------------------------------------
@@ -294,12 +296,12 @@ class Embeddings(nn.Module):
 
 
 class SelfAttention(nn.Module):
-  """Multi-head self-attention over a padding mask."""
+  """Multi-head self-attention within each packed sequence (see `attention.py`)."""
   config: BertConfig
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, mask: Array, seq_lengths: Array) -> Array:
+  def __call__(self, x: Array, sequence_ids: Array) -> Array:
     c = self.config
     heads, head_dim = c.num_attention_heads, c.head_dim
     qkv_axes = ('embed', 'heads', 'kv')
@@ -309,23 +311,10 @@ class SelfAttention(nn.Module):
     q = _constrain(q, ('batch', 'length', 'act_heads', 'kv'))
     k = _constrain(k, ('batch', 'length', 'act_heads', 'kv'))
     v = _constrain(v, ('batch', 'length', 'act_heads', 'kv'))
-    dropout = 0.0 if self.deterministic else c.attention_probs_dropout_prob
-    if dropout > 0.0:
-      # jax.nn.dot_product_attention has no dropout; same numerics, written out.
-      logits = jnp.einsum('btnh,bsnh->bnts', q, k, preferred_element_type=jnp.float32)
-      logits = logits / np.sqrt(head_dim).astype(np.float32)
-      logits = jnp.where(mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
-      probs = jax.nn.softmax(logits, axis=-1)
-      probs = nn.Dropout(dropout)(probs, deterministic=False).astype(v.dtype)
-      out = jnp.einsum('bnts,bsnh->btnh', probs, v)
-    elif c.attention_impl == 'cudnn':
-      # The fused kernel takes padding as lengths: BERT masks are prefixes of ones.
-      out = jax.nn.dot_product_attention(q, k, v, query_seq_lengths=seq_lengths,
-                                         key_value_seq_lengths=seq_lengths,
-                                         implementation='cudnn')
-    else:
-      out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None, None, :],
-                                         implementation=c.attention_impl)
+    rate = 0.0 if self.deterministic else c.attention_probs_dropout_prob
+    probs_dropout = nn.Dropout(rate, deterministic=False) if rate > 0.0 else None
+    out = attention.dot_product_attention(q, k, v, sequence_ids, impl=c.attention_impl,
+                                          probs_dropout=probs_dropout)
     out = _constrain(out, ('batch', 'length', 'act_heads', 'kv'))
     return _dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1))(out)
 
@@ -348,10 +337,10 @@ class EncoderLayer(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, mask: Array, seq_lengths: Array) -> tuple[Array, Array]:
+  def __call__(self, x: Array, sequence_ids: Array) -> tuple[Array, Array]:
     c = self.config
     drop = nn.Dropout(c.hidden_dropout_prob, deterministic=self.deterministic)
-    attn = SelfAttention(c, self.deterministic, name='attention')(x, mask, seq_lengths)
+    attn = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
     x = _layer_norm(c, 'attention_layer_norm')(x + drop(attn))
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     y = Mlp(c, name='mlp')(x)
@@ -366,7 +355,7 @@ class Encoder(nn.Module):
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x: Array, mask: Array, seq_lengths: Array, deterministic: bool = True,
+  def __call__(self, x: Array, sequence_ids: Array, deterministic: bool = True,
                return_hidden_states: bool = False) -> tuple[Array, list[Array]]:
     c = self.config
     layer_cls = EncoderLayer
@@ -376,14 +365,14 @@ class Encoder(nn.Module):
     if c.scan_layers:
       scanned = nn.scan(layer_cls, variable_axes={'params': 0},
                         split_rngs={'params': True, 'dropout': True},
-                        in_axes=(nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
+                        in_axes=(nn.broadcast,), length=c.num_hidden_layers,
                         metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, stacked = scanned(c, deterministic, name='layers')(x, mask, seq_lengths)
+      x, stacked = scanned(c, deterministic, name='layers')(x, sequence_ids)
       hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
     else:
       hidden = []
       for i in range(c.num_hidden_layers):
-        x, _ = layer_cls(c, deterministic, name=f'layer_{i}')(x, mask, seq_lengths)
+        x, _ = layer_cls(c, deterministic, name=f'layer_{i}')(x, sequence_ids)
         hidden.append(x)
       if not return_hidden_states:
         hidden = []
@@ -402,11 +391,15 @@ class BertModel(nn.Module):
     self.pooler = _dense(self.config, self.config.hidden_size, ('mlp', 'embed'), 'pooler')
 
   def __call__(self, input_ids: Array, input_mask: Array, segment_ids: Array,
-               deterministic: bool = True, return_hidden_states: bool = False):
-    mask = input_mask.astype(bool)
-    seq_lengths = jnp.sum(input_mask, axis=-1, dtype=jnp.int32)
+               deterministic: bool = True, return_hidden_states: bool = False,
+               sequence_ids: Array | None = None):
+    """`sequence_ids` [B, T]: 0 = padding, k = the k-th packed sequence of the row;
+    attention stays within a sequence. None: one sequence per row (`input_mask`)."""
+    if sequence_ids is None:
+      sequence_ids = input_mask
+    sequence_ids = sequence_ids.astype(jnp.int32)
     x = self.embeddings(input_ids, segment_ids, deterministic)
-    seq, hidden = self.encoder(x, mask, seq_lengths, deterministic, return_hidden_states)
+    seq, hidden = self.encoder(x, sequence_ids, deterministic, return_hidden_states)
     pooled = jnp.tanh(self.pooler(seq[:, 0]))
     if return_hidden_states:
       return seq, pooled, [x] + hidden
@@ -456,9 +449,11 @@ class BertForPreTraining(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions,
-               deterministic: bool = True) -> tuple[Array, Array]:
+               deterministic: bool = True,
+               sequence_ids: Array | None = None) -> tuple[Array, Array]:
     bert = BertModel(self.config, name='bert')
-    seq, pooled = bert(input_ids, input_mask, segment_ids, deterministic)
+    seq, pooled = bert(input_ids, input_mask, segment_ids, deterministic,
+                       sequence_ids=sequence_ids)
     # Only the P masked positions reach the vocabulary projection: [B, P, V], not [B, T, V].
     masked = gather_positions(seq, masked_lm_positions)
     mlm_logits = MlmHead(self.config, name='mlm')(masked, bert.attend)
