@@ -9,13 +9,12 @@ Sequences are synthetic with SST-2's length distribution: the token count of a p
 ~13, 99th percentile ~45), clipped to [3, 66] -- SST-2's training phrases are mostly short,
 its longest sentence is 66 tokens. The timed loop is `finetune`'s: `finetune.batches` (shuffled,
 sorted by length within windows of 50 batches, weight-0 filler rows) feeding the jitted
-`finetune.train_step` of BertForSequenceClassification with AdamW. Every bucket's step is
-compiled (and that compile time reported) before timing; then whole epochs are timed in
+`train_state.build_train_step` with `finetune.loss_fn` of BertForSequenceClassification with
+AdamW. Every bucket's step is compiled (and that compile time reported) before timing; then whole epochs are timed in
 alternating rounds (fixed, bucketed, fixed, ...) and the best of each setting is reported.
 """
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -25,10 +24,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import default  # pylint: disable=g-import-not-at-top
 from bert_jax import finetune
@@ -36,7 +33,9 @@ from bert_jax import glue
 from bert_jax import model as model_lib
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
+from bert_jax import tasks
 from bert_jax import train as train_lib
+from bert_jax import train_state as state_lib
 
 
 def sst2_like_features(num_examples: int, max_seq_length: int, vocab_size: int,
@@ -57,16 +56,12 @@ def prepare(features, buckets, args, model, tx, mesh, rules):
   the step is compiled for every bucket here, before any timing."""
   _, shardings = finetune.abstract_state_and_shardings(model, tx, mesh, rules)
   batch_sharding = sharding_lib.batch_sharding(mesh)
-  step = jax.jit(functools.partial(finetune.train_step, model=model, tx=tx,
-                                   loss_fn=finetune.classification_loss,
-                                   base_rng=jax.random.key(1)),
-                 in_shardings=(shardings, batch_sharding),
-                 out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  step = state_lib.build_train_step(finetune.loss_fn(model, tasks.classification_loss), tx,
+                                    mesh, rules, shardings, jax.random.key(1))
   plan = list(finetune.batches(features, args.batch_size, buckets, shuffle=True, seed=1))
   params = model_lib.init_params(model.config, jax.random.key(0), type(model), num_labels=2)
   with sharding_lib.activate(mesh, rules):
-    holder = [jax.jit(lambda p: finetune.TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
-                      out_shardings=shardings)(params)]
+    holder = [state_lib.state_from_params(params, tx, shardings)]
 
   def run(batches):
     with sharding_lib.activate(mesh, rules):

@@ -29,6 +29,7 @@ from bert_jax import model as model_lib
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train as train_lib
+from bert_jax import train_state as state_lib
 
 
 def synthetic_batch(batch_size, seq_len, preds, vocab_size, seed=0):
@@ -55,7 +56,7 @@ def setup_jax(args, config):
   with sharding_lib.activate(mesh, rules):
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
   step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
-                                    train_lib.dropout_rng(config.train),
+                                    state_lib.dropout_rng(config.train),
                                     config.train.grad_accum_steps, True)
   bsh = sharding_lib.batch_sharding(mesh)
   if args.real_data:

@@ -24,6 +24,7 @@ from bert_jax import model as model_lib
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train as train_lib
+from bert_jax import train_state as state_lib
 
 # Accepted spellings of TPU generations -> libtpu's topology prefix and our chip table key.
 _GENERATIONS = {'v4': ('v4', 'v4'), 'v5e': ('v5e', 'v5e'), 'v5litepod': ('v5e', 'v5e'),
@@ -59,7 +60,7 @@ def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfi
   tx, _ = optim.make_optimizer(config.train)
   abstract, shardings, _ = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
   step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
-                                    train_lib.dropout_rng(config.train),
+                                    state_lib.dropout_rng(config.train),
                                     config.train.grad_accum_steps,
                                     config.data.objective != 'none')
   batch = _abstract_batch(config.train.batch_size, seq_len, preds,

@@ -40,11 +40,29 @@ def gfile():
   return tf.io.gfile
 
 
-def make_manager(workdir: str, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+def _registry(replica_parallel: bool):
+  """Orbax's type handlers; without replica-parallel saving when not `replica_parallel`: that
+  compiles a slicing program per distinct parameter shape on the first save (tens of seconds on
+  CPU) and gains nothing for a few saves of a small model. The files are the same either way."""
+  scalar = ocp.type_handlers.ScalarHandler()
+  return ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)),
+      (np.ndarray, ocp.type_handlers.NumpyHandler()),
+      (int, scalar), (float, scalar), (np.number, scalar))
+
+
+def make_manager(workdir: str, keep: int | None, async_save: bool = True,
+                 replica_parallel: bool = True) -> ocp.CheckpointManager:
+  """The manager of `<workdir>/checkpoints`: items params, opt_state (Orbax PyTrees), meta
+  (JSON). `keep`: how many recent steps are kept (None: all; the caller deletes)."""
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                          enable_async_checkpointing=async_save)
+  registry = _registry(replica_parallel)
+  handlers = {'params': ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
+              'opt_state': ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
+              'meta': ocp.JsonCheckpointHandler()}
   return ocp.CheckpointManager(os.path.join(workdir, CHECKPOINT_DIR), options=options,
-                               item_names=('params', 'opt_state', 'meta'))
+                               item_handlers=handlers)
 
 
 def _data_state_path(workdir: str, step: int) -> str:
@@ -59,8 +77,8 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
     gfile().makedirs(os.path.dirname(path))
     data_iterator.save(path)
   manager.save(step, force=True, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(state.params),
-      opt_state=ocp.args.StandardSave(state.opt_state),
+      params=ocp.args.PyTreeSave(state.params),
+      opt_state=ocp.args.PyTreeSave(state.opt_state),
       meta=ocp.args.JsonSave(dict(meta, step=int(step)))))
   _clean_data_states(manager, workdir, keep_step=step)
 
@@ -83,15 +101,30 @@ def latest_step(manager: ocp.CheckpointManager) -> int | None:
   return manager.latest_step()
 
 
+def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:
+  return ocp.args.PyTreeRestore(
+      abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+
+
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[Any, dict]:
   """Restores params and optimizer state into the shardings of `abstract_state`."""
   restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract_state.params),
-      opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
+      params=_pytree_restore(abstract_state.params),
+      opt_state=_pytree_restore(abstract_state.opt_state),
       meta=ocp.args.JsonRestore()))
   state = abstract_state.replace(params=restored['params'], opt_state=restored['opt_state'],
                                  step=restored['meta']['step'])
   return state, restored['meta']
+
+
+def restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:
+  """The parameters of `step` alone, into the shardings of `abstract_params`."""
+  return manager.restore(step, args=ocp.args.Composite(
+      params=_pytree_restore(abstract_params)))['params']
+
+
+def restore_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+  return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
 
 
 def restore_data_state(workdir: str, step: int, data_iterator: Any) -> bool:
@@ -106,8 +139,9 @@ def restore_data_state(workdir: str, step: int, data_iterator: Any) -> bool:
 
 
 def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertConfig,
-                    vocab_file: str | None) -> None:
-  """config.json, bert_config.json and vocab.txt in the workdir (process 0 only)."""
+                    vocab_file: str | None, extra: dict[str, Any] | None = None) -> None:
+  """config.json, bert_config.json, vocab.txt and `extra` ({file name: JSON value}) in the
+  workdir (process 0 only)."""
   if jax.process_index() != 0:
     return
   fs = gfile()
@@ -117,10 +151,25 @@ def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertC
   with fs.GFile(os.path.join(workdir, 'bert_config.json'), 'w') as f:
     f.write(bert_config.to_json_string())
   if vocab_file and fs.exists(vocab_file):
-    dst = os.path.join(workdir, os.path.basename(vocab_file))
+    dst = os.path.join(workdir, 'vocab.txt')
     same = lambda p: p if '://' in p else os.path.abspath(p)
     if same(vocab_file) != same(dst):
       fs.copy(vocab_file, dst, overwrite=True)
+  for name, value in (extra or {}).items():
+    write_json(os.path.join(workdir, name), value)
+
+
+def write_json(path: str, value: Any) -> None:
+  """`value` as indented JSON, replacing `path` whole (a reader never sees half a file)."""
+  tmp = path + '.tmp'
+  with gfile().GFile(tmp, 'w') as f:
+    f.write(json.dumps(value, indent=2) + '\n')
+  gfile().rename(tmp, path, overwrite=True)
+
+
+def read_json(path: str) -> Any:
+  with gfile().GFile(path) as f:
+    return json.load(f)
 
 
 def load_pretrained_from_workdir(path: str, step: int | None = None

@@ -15,9 +15,12 @@ import os
 from typing import Any, Iterator, Sequence
 
 from absl import logging
+import ml_collections
 import numpy as np
 
 from bert_jax import metrics
+from bert_jax import model as model_lib
+from bert_jax import tasks
 
 # ---------------------------------------------------------------------------------------------
 # Tasks
@@ -460,3 +463,81 @@ def write_predictions(task: str, predictions, output_dir: str, split: str = 'tes
     f.write('index\tprediction\n')
     f.writelines(f'{i}\t{p}\n' for i, p in zip(indices, lines))
   return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The fine-tuning task
+# ---------------------------------------------------------------------------------------------
+
+
+# The headline metric of each task in the paper (others: accuracy).
+MAIN_METRIC = {'cola': 'mcc', 'stsb': 'spearman', 'mrpc': 'f1', 'qqp': 'f1'}
+
+
+def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig
+              ) -> tasks.Task:
+  """The GLUE task `config.task` (finetune_glue.py's keys): data, classifier, loss, scoring."""
+  name = metrics.canonical_task(config.task)
+  if name in ('mnli_matched', 'mnli_mismatched'):
+    name = 'mnli'
+  if name == 'ax':
+    raise ValueError("config.task='ax' is test-only: fine-tune 'mnli' with "
+                     'config.predict_test=True, which also writes AX.tsv')
+  label_list, metric_names = task_info(name)
+  if config.data_source == 'tsv':
+    if not config.data_dir:
+      raise ValueError('config.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
+    read = lambda task, split: read_task(task, config.data_dir, split)
+  elif config.data_source == 'tfds':
+    read = lambda task, split: read_tfds(task, split, config.tfds_data_dir or None)
+  else:
+    raise ValueError(f"config.data_source={config.data_source!r}: expected 'tsv' or 'tfds'")
+
+  def convert_split(task, split):
+    return convert_examples(read(task, split), tok, config.max_seq_length, label_list)
+
+  regression = label_list is None
+
+  def dev_set(split, metric_task):
+    feats = convert_split(name, split)
+    labels = feats['label']
+
+    def evaluate(rows):
+      out = np.stack(rows)
+      return metrics.glue_metrics(metric_task, out[:, 0] if regression else out, labels), None
+    return tasks.EvalSet(split, tasks.subset(feats, tasks.INPUTS), evaluate)
+
+  def test_set(task, split):
+    examples = read(task, split)
+    feats = convert_examples(examples, tok, config.max_seq_length, label_list)
+    ids = [e.guid.split('-', 1)[1] for e in examples]
+    indices = [int(i) for i in ids] if all(i.isdigit() for i in ids) else None
+
+    def evaluate(rows):
+      out = np.stack(rows)
+      preds = out[:, 0] if regression else out
+      return None, lambda d: write_predictions(task, preds, d, split, indices)
+    return tasks.EvalSet(f'{task}_{split}' if task == 'ax' else split,
+                         tasks.subset(feats, tasks.INPUTS), evaluate)
+
+  if name == 'mnli':
+    dev = [dev_set('dev_matched', 'mnli'), dev_set('dev_mismatched', 'mnli_mismatched')]
+  else:
+    dev = [dev_set('dev', name)]
+  test = []
+  if config.predict_test:
+    splits = ['test_matched', 'test_mismatched'] if name == 'mnli' else ['test']
+    test = [test_set(name, s) for s in splits]
+    diagnostic = os.path.join(config.data_dir, 'diagnostic', 'diagnostic.tsv')
+    if name == 'mnli' and (config.data_source == 'tfds' or os.path.exists(diagnostic)):
+      test.append(test_set('ax', 'test'))
+  num_labels = 1 if regression else len(label_list)
+  train = convert_split(name, 'train')
+  return tasks.Task(
+      kind='glue', head='sequence',
+      model=model_lib.BertForSequenceClassification(bert_config, num_labels=num_labels),
+      loss_fn=tasks.regression_loss if regression else tasks.classification_loss,
+      label_keys=('label',),
+      train=tasks.subset(train, tasks.INPUTS + ('label',)), dev=dev, test=test,
+      main_metric=MAIN_METRIC.get(name, 'accuracy'), metric_names=metric_names,
+      info={'task': name, 'labels': label_list})

@@ -7,12 +7,17 @@ together so every word of every sentence gets exactly one predicted tag.
 """
 
 import dataclasses
+import os
 from typing import Any, Sequence
 
 from absl import logging
+import ml_collections
 import numpy as np
 
 from bert_jax import glue
+from bert_jax import metrics
+from bert_jax import model as model_lib
+from bert_jax import tasks
 
 # The CoNLL-2003 tag set (IOB1 and IOB2 use the same tags, only their placement differs).
 CONLL_LABELS = ('O', 'B-PER', 'I-PER', 'B-ORG', 'I-ORG', 'B-LOC', 'I-LOC', 'B-MISC', 'I-MISC')
@@ -201,3 +206,66 @@ def reassemble(sentences: Sequence[Sentence], features: dict[str, Any], predicti
       raise ValueError(f'sentence at line {s.line}: {tags.count(None)} words got no prediction '
                        '(features and sentences do not match)')
   return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The fine-tuning task
+# ---------------------------------------------------------------------------------------------
+
+
+def _conll_file(data_dir: str, names: Sequence[str], what: str, required: bool = True):
+  for n in names:
+    path = os.path.join(data_dir, n)
+    if os.path.isfile(path):
+      return path
+  if required:
+    raise FileNotFoundError(f'config.data_dir={data_dir}: no {what} file ({" or ".join(names)})')
+  return None
+
+
+def _write_conll(path: str, sentences, predicted) -> None:
+  """'word gold predicted' per line (conlleval's input), a blank line after each sentence."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    for sentence, tags in zip(sentences, predicted):
+      gold = sentence.tags or ['O'] * len(tags)
+      f.writelines(f'{w} {g} {p}\n' for w, g, p in zip(sentence.words, gold, tags))
+      f.write('\n')
+
+
+def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig
+              ) -> tasks.Task:
+  """The NER task of `config` (finetune_ner.py's keys): CoNLL files, token head, span F1."""
+  if not config.data_dir:
+    raise ValueError('config.data_dir is empty: the folder of train.txt, valid.txt, test.txt')
+  train_sentences = read_conll(_conll_file(config.data_dir, ['train.txt'], 'training'))
+  label_list = list(config.label_list)
+  if not label_list:
+    tags = {t for s in train_sentences for t in s.tags}
+    label_list = (list(CONLL_LABELS) if tags <= set(CONLL_LABELS)
+                  else label_list_from_data(train_sentences))
+  logging.info('NER labels: %s', label_list)
+
+  def eval_set(name, path):
+    sentences = read_conll(path)
+    feats = convert_sentences(sentences, tok, config.max_seq_length, label_list)
+
+    def evaluate(rows):
+      predicted = reassemble(sentences, feats, rows, label_list)
+      scores = metrics.ner_metrics([s.tags for s in sentences], predicted)
+      return scores, lambda d: _write_conll(os.path.join(d, f'{name}.conll'), sentences,
+                                            predicted)
+    return tasks.EvalSet(name, tasks.subset(feats, tasks.INPUTS, 'feature_index'), evaluate)
+
+  dev = [eval_set('dev', _conll_file(config.data_dir, ['valid.txt', 'dev.txt'], 'dev'))]
+  test = []
+  if config.predict_test:
+    test = [eval_set('test', _conll_file(config.data_dir, ['test.txt'], 'test'))]
+  train = convert_sentences(train_sentences, tok, config.max_seq_length, label_list)
+  return tasks.Task(
+      kind='ner', head='token',
+      model=model_lib.BertForTokenClassification(bert_config, num_labels=len(label_list)),
+      loss_fn=tasks.token_loss, label_keys=('labels',),
+      train=tasks.subset(train, tasks.INPUTS + ('labels',)), dev=dev, test=test,
+      main_metric='f1', metric_names=('precision', 'recall', 'f1', 'accuracy'),
+      info={'task': 'ner', 'labels': label_list})

@@ -17,9 +17,13 @@ import unicodedata
 from typing import Any, Mapping, Sequence
 
 from absl import logging
+import ml_collections
 import numpy as np
 
 from bert_jax import glue
+from bert_jax import metrics
+from bert_jax import model as model_lib
+from bert_jax import tasks
 from bert_jax import tokenization
 
 
@@ -467,3 +471,52 @@ def write_predictions(output_dir: str, predictions: Mapping[str, str],
       with open(paths[name], 'w', encoding='utf-8') as f:
         json.dump(value, f, indent=2, ensure_ascii=False)
   return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# The fine-tuning task
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_squad(path: str, is_training: bool, flag: str) -> list[SquadExample]:
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{flag}: no SQuAD file {path}')
+  # Errors name the file and the line (invalid JSON) or the question (missing fields).
+  return read_squad(path, is_training)
+
+
+def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
+              lower_case: bool) -> tasks.Task:
+  """The SQuAD task of `config` (finetune_squad.py's keys): windows, span head, decoding."""
+  version_2 = config.task.lower().replace('.', '').replace('-', '_') in ('squad_v2', 'squad_v20')
+  suffix = 'v2.0' if version_2 else 'v1.1'
+  train_file = config.train_file or os.path.join(config.data_dir, f'train-{suffix}.json')
+  predict_file = config.predict_file or os.path.join(config.data_dir, f'dev-{suffix}.json')
+  convert_args = dict(max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
+                      max_query_length=config.max_query_length)
+  train_examples = _read_squad(train_file, True, 'config.train_file')
+  train = convert_examples(train_examples, tok, is_training=True, **convert_args)
+  dev_examples = _read_squad(predict_file, False, 'config.predict_file')
+  dev_features = convert_examples(dev_examples, tok, is_training=False, **convert_args)
+  gold = gold_answers(dev_examples)
+
+  def evaluate(rows):
+    predictions, null_odds, nbest = decode_predictions(
+        dev_examples, dev_features, [r[0] for r in rows], [r[1] for r in rows],
+        n_best_size=config.n_best_size, max_answer_length=config.max_answer_length,
+        version_2=version_2, null_score_diff_threshold=config.null_score_diff_threshold,
+        do_lower_case=lower_case)
+    scores = metrics.squad_evaluate(gold, predictions, null_odds if version_2 else None)
+    return scores, lambda d: write_predictions(d, predictions,
+                                               null_odds if version_2 else None, nbest)
+
+  names = ('exact', 'f1', 'best_exact', 'best_f1') if version_2 else ('exact', 'f1')
+  return tasks.Task(
+      kind='squad', head='span', model=model_lib.BertForQuestionAnswering(bert_config),
+      loss_fn=tasks.span_loss, label_keys=('start_positions', 'end_positions'),
+      train=tasks.subset(train, tasks.INPUTS + ('start_positions', 'end_positions')),
+      dev=[tasks.EvalSet('dev', tasks.subset(dev_features, tasks.INPUTS, 'feature_index'),
+                         evaluate)],
+      test=[],
+      main_metric='f1', metric_names=names,
+      info={'task': f'squad_{suffix}', 'version_2': version_2})

@@ -11,12 +11,9 @@ import itertools
 import json
 import math
 import os
-import signal
-import threading
 import time
 from typing import Any, Callable
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,20 +22,14 @@ import numpy as np
 import optax
 from absl import logging
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
+from bert_jax import monitor
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: Any
-  opt_state: Any
+from bert_jax import train_state as state_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,56 +138,30 @@ def phase_at(phases: list[Phase], step: int) -> Phase:
 # ---------------------------------------------------------------------------------------------
 
 
-def _split_micro(x: jax.Array, k: int) -> jax.Array:
-  # [B, ...] -> [k, B/k, ...] taking every k-th example, so each micro-batch stays spread over
-  # all data-parallel shards instead of living on B/k of them.
-  y = x.reshape((x.shape[0] // k, k) + x.shape[1:])
-  y = jnp.swapaxes(y, 0, 1)
-  return nn.with_logical_constraint(y, (None, 'batch') + (None,) * (x.ndim - 1))
+def pretraining_loss_fn(model: nn.Module, use_nsp: bool) -> state_lib.LossFn:
+  """MLM (+ NSP) loss of a micro-batch, normalized by the whole batch's masked-token and
+  sequence counts (see `train_state.train_step`)."""
 
-
-def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
-               tx: optax.GradientTransformation, base_rng: jax.Array, accum_steps: int,
-               use_nsp: bool) -> tuple[TrainState, dict[str, Any]]:
-  """One optimizer step over the global batch (optionally as `accum_steps` micro-batches).
-
-  The loss is normalized by the whole batch's masked-token and sequence counts, so k
-  accumulated micro-batches give exactly the gradient of one big batch.
-  """
-  rng = jax.random.fold_in(base_rng, state.step)
-  mlm_norm = jnp.sum(batch['masked_lm_weights'].astype(jnp.float32)) + 1e-5
-  nsp_norm = jnp.asarray(batch['input_ids'].shape[0], jnp.float32)
-
-  def loss_fn(params, micro, rng):
+  def loss_fn(params, micro, rng, batch):
     mlm_logits, nsp_logits = model.apply(
         {'params': params}, micro['input_ids'], micro['input_mask'], micro['segment_ids'],
         micro['masked_lm_positions'], deterministic=False, rngs={'dropout': rng})
     _, metrics = model_lib.pretraining_loss(mlm_logits, nsp_logits, micro)
+    mlm_norm = jnp.sum(batch['masked_lm_weights'].astype(jnp.float32)) + 1e-5
     loss = metrics['mlm_loss'][0] / mlm_norm
     if use_nsp:
-      loss = loss + metrics['nsp_loss'][0] / nsp_norm
-    return loss, metrics
+      loss = loss + metrics['nsp_loss'][0] / jnp.asarray(batch['input_ids'].shape[0],
+                                                         jnp.float32)
+    return loss, dict(metrics, loss=loss)
+  return loss_fn
 
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  if accum_steps == 1:
-    (loss, metrics), grads = grad_fn(state.params, batch, rng)
-  else:
-    micro = jax.tree.map(lambda x: _split_micro(x, accum_steps), batch)
 
-    def body(carry, xs):
-      i, mb = xs
-      (l, m), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
-      return jax.tree.map(jnp.add, carry, (g, l, m)), None
-
-    shapes = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro), rng)
-    (_, m_shape), g_shape = shapes
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g_shape, shapes[0][0], m_shape))
-    (grads, loss, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
-  grad_norm = optax.tree.norm(grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-  return new_state, dict(metrics, loss=loss, grad_norm=grad_norm)
+def train_step(state: state_lib.TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
+               tx: optax.GradientTransformation, base_rng: jax.Array, accum_steps: int,
+               use_nsp: bool) -> tuple[state_lib.TrainState, dict[str, Any]]:
+  """One pre-training optimizer step over the global batch (see `train_state.train_step`)."""
+  return state_lib.train_step(state, batch, loss_fn=pretraining_loss_fn(model, use_nsp), tx=tx,
+                              base_rng=base_rng, accum_steps=accum_steps)
 
 
 def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module) -> dict[str, Any]:
@@ -260,67 +225,15 @@ def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformat
                                  mesh: jax.sharding.Mesh, rules, seq_len: int = 8):
   """(abstract TrainState, its NamedShardings, init function) without allocating anything."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
-  return state_shardings(
+  return state_lib.abstract_state(
       lambda rng: model.init({'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32),
                              deterministic=True)['params'], tx, mesh, rules)
 
 
-def state_shardings(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
-                    mesh: jax.sharding.Mesh, rules):
-  """(abstract TrainState, its NamedShardings, init function) of the model whose (boxed)
-  parameters `init_params(rng)` makes; shared by pre-training and fine-tuning."""
-
-  def boxed_params(rng):
-    # Traced without rules, so without any constraint, whatever the caller's context: the
-    # `out_shardings` of the jitted init place the parameters.
-    with nn.logical_axis_rules(()):
-      return init_params(rng)
-
-  def init(rng):
-    params = nn.unbox(boxed_params(rng))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-  rng = jax.random.key(0)
-  abstract_boxed = jax.eval_shape(boxed_params, rng)
-  # A clear error here instead of XLA's about an output sharding that does not divide.
-  sharding_lib.check_divisible(abstract_boxed, mesh, rules)
-  param_specs = sharding_lib.logical_specs(abstract_boxed)
-  abstract = jax.eval_shape(init, rng)
-  opt_specs = sharding_lib.opt_state_specs(tx, abstract.opt_state, param_specs)
-  specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs)
-  shardings = sharding_lib.to_mesh_shardings(specs, mesh, rules)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract, shardings)
-  return abstract, shardings, init
-
-
-RNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
-
-
-def dropout_rng(train_config: ml_collections.ConfigDict) -> jax.Array:
-  """The key that every step folds its step number into, for dropout."""
-  impl = train_config.get('rng_impl', 'threefry2x32')
-  if impl not in RNG_IMPLS:
-    raise ValueError(f'config.train.rng_impl={impl!r}: expected one of {RNG_IMPLS}')
-  return jax.random.fold_in(jax.random.key(train_config.seed, impl=impl), 1)
-
-
 def build_train_step(model, tx, mesh, rules, state_shardings, base_rng, accum_steps, use_nsp):
-  """The jitted, sharded, state-donating train step."""
-  step_fn = functools.partial(train_step, model=model, tx=tx, base_rng=base_rng,
-                              accum_steps=accum_steps, use_nsp=use_nsp)
-  batch_sharding = sharding_lib.batch_sharding(mesh)
-  replicated = NamedSharding(mesh, P())
-  jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding),
-                   out_shardings=(state_shardings, replicated), donate_argnums=0)
-
-  def run(state, batch):
-    # Activation constraints resolve their logical names while tracing, under the rules; with
-    # `with mesh:` instead they would all be dropped (see `sharding_lib.activate`).
-    with sharding_lib.activate(mesh, rules):
-      return jitted(state, batch)
-  run.jitted = jitted
-  return run
+  """The jitted, sharded, state-donating pre-training step."""
+  return state_lib.build_train_step(pretraining_loss_fn(model, use_nsp), tx, mesh, rules,
+                                    state_shardings, base_rng, accum_steps)
 
 
 def _init_from_checkpoint(path: str, bert_config: model_lib.BertConfig, fresh: dict) -> dict:
@@ -345,13 +258,6 @@ def _init_from_checkpoint(path: str, bert_config: model_lib.BertConfig, fresh: d
   return merged
 
 
-def _put_sharded(tree, shardings):
-  # Every process holds the whole host array; each device takes its own slice of it.
-  return jax.tree.map(
-      lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx]),
-      tree, shardings)
-
-
 def hide_accelerators_from_tf() -> None:
   """tf.data must never take GPU/TPU memory from JAX."""
   import tensorflow as tf
@@ -363,65 +269,6 @@ def hide_accelerators_from_tf() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Logging
-# ---------------------------------------------------------------------------------------------
-
-
-class _MetricsLog:
-  """metrics.jsonl + TensorBoard (clu) on process 0; nothing elsewhere."""
-
-  def __init__(self, workdir: str):
-    from clu import metric_writers  # Imports TensorFlow: only when a run starts.
-    self.active = jax.process_index() == 0
-    self.writer = metric_writers.create_default_writer(
-        workdir, just_logging=not self.active, asynchronous=False)
-    self.path = os.path.join(workdir, 'metrics.jsonl')
-
-  def write(self, step: int, scalars: dict[str, Any], prefix: str = '', **extra) -> None:
-    if not self.active:
-      return
-    self.writer.write_scalars(
-        step, {prefix + k: v for k, v in scalars.items() if v is not None})
-    # gfile appends on Cloud Storage too (it rewrites the object).
-    with ckpt_lib.gfile().GFile(self.path, 'a') as f:
-      f.write(json.dumps(dict(step=step, **extra, **scalars)) + '\n')
-
-  def close(self):
-    self.writer.flush()
-    self.writer.close()
-
-
-class _Preemption:
-  """Turns SIGTERM into a flag the loop polls, so it can save before exiting."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = None
-    if jax.process_count() > 1:
-      # jax.distributed's preemption service catches SIGTERM and makes every process stop at
-      # the same step (`manager.reached_preemption`). A local flag would send the signalled
-      # process alone into the collective save while the others enter the next train step.
-      return
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    logging.warning('SIGTERM received: saving a checkpoint and stopping.')
-    self.requested = True
-
-  def restore(self):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-
-def _progress(total: int, initial: int, enabled: bool):
-  import tqdm  # Only the driver needs it.
-  return tqdm.tqdm(total=total, initial=initial, disable=not enabled, unit='step',
-                   dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
-
-
-# ---------------------------------------------------------------------------------------------
 # The driver
 # ---------------------------------------------------------------------------------------------
 
@@ -429,14 +276,7 @@ def _progress(total: int, initial: int, enabled: bool):
 def check_batch(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
   """Clear errors for a global batch or micro-batch that does not split over the mesh."""
   sharding_lib.check_batch_size(config.train.batch_size, mesh)
-  accum = config.train.grad_accum_steps
-  if accum < 1 or config.train.batch_size % accum:
-    raise ValueError(f'train.batch_size={config.train.batch_size} does not divide by '
-                     f'train.grad_accum_steps={accum}')
-  micro = config.train.batch_size // accum
-  if micro % sharding_lib.data_parallel_size(mesh):
-    raise ValueError(f'micro-batch {micro} (train.batch_size / train.grad_accum_steps) does not '
-                     f'divide over {sharding_lib.data_parallel_size(mesh)} data-parallel shards')
+  state_lib.check_accumulation(config.train.batch_size, config.train.grad_accum_steps, mesh)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -526,22 +366,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       fresh = (multihost_utils.process_allgather(state.params, tiled=True)
                if jax.process_count() > 1 else jax.tree.map(np.asarray, state.params))
       params = _init_from_checkpoint(config.train.init_checkpoint, bert_config, fresh)
-      params = _put_sharded(params, state_shardings.params)
-      state = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
-                      out_shardings=state_shardings)(params)
+      params = state_lib.put_sharded(params, state_shardings.params)
+      state = state_lib.state_from_params(params, tx, state_shardings)
       logging.info('Initialized from %s', config.train.init_checkpoint)
   step = int(state.step)
 
   # ---- Steps ---------------------------------------------------------------------------------
-  base_rng = dropout_rng(config.train)
+  base_rng = state_lib.dropout_rng(config.train)
   p_train_step = build_train_step(model, tx, mesh, rules, state_shardings, base_rng,
                                   config.train.grad_accum_steps, use_nsp)
   p_eval_step = jax.jit(functools.partial(eval_step, model=model),
                         in_shardings=(state_shardings.params,
                                       sharding_lib.batch_sharding(mesh)))
   batch_sharding = sharding_lib.batch_sharding(mesh)
-  log = _MetricsLog(workdir)
-  preemption = _Preemption()
+  log = monitor.MetricsLog(workdir)
+  preemption = monitor.Preemption()
 
   def evaluate(phase: Phase) -> dict[str, float]:
     eval_local = config.eval.batch_size // jax.process_count()
@@ -565,7 +404,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # ---- Loop ----------------------------------------------------------------------------------
   eval_metrics: dict[str, float] = {}
-  bar = _progress(stop_at, step, is_main and config.log.progress)
+  bar = monitor.progress(stop_at, step, is_main and config.log.progress)
   history, last_log_time, last_log_step, wait_time = [], time.time(), step, 0.0
   # Time and steps that are not training throughput: evaluations, saves, and each segment's
   # first step (it compiles). Rates in metrics.jsonl leave them out.
@@ -624,7 +463,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
               tokens_per_second=sps * config.train.batch_size * phase.seq_len,
               input_wait_fraction=wait_time / max(elapsed, 1e-9),
               mfu=(flops_per_step * sps / (peak * jax.device_count())) if peak else None)
-          log.write(step, summary)
+          log.train(step, summary)
           bar.set_postfix(loss=f'{summary["loss"]:.3f}',
                           mlm_acc=f'{summary["mlm_accuracy"]:.3f}')
           history, last_log_time, last_log_step, wait_time = [], time.time(), step, 0.0
@@ -635,10 +474,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           t_eval = time.time()
           eval_metrics = evaluate(phase)
           excluded_time += time.time() - t_eval
-          log.write(step, eval_metrics, prefix='eval/', eval=True)
+          log.eval(step, eval_metrics, eval=True)
           logging.info('Step %d eval: %s', step, eval_metrics)
 
-        preempted = preemption.requested or manager.reached_preemption(step)
+        preempted = preemption.stop_now(step, manager)
         if step % config.checkpoint.every_steps == 0 or step == stop_at or preempted:
           loss = float(jax.device_get(metrics['loss']))
           if not math.isfinite(loss):

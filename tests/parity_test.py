@@ -139,6 +139,7 @@ def test_train_step_parity(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
   from bert_jax import optim  # pylint: disable=g-import-not-at-top
   from bert_jax import train  # pylint: disable=g-import-not-at-top
+  from bert_jax import train_state  # pylint: disable=g-import-not-at-top
   from configs import bert_base  # pylint: disable=g-import-not-at-top
 
   lr, steps = 1e-3, 2
@@ -163,7 +164,7 @@ def test_train_step_parity(tmp_path):
   step_fn = jax.jit(functools.partial(
       train.train_step, model=model.BertForPreTraining(config), tx=tx,
       base_rng=jax.random.key(0), accum_steps=1, use_nsp=True))
-  state = train.TrainState(step=np.int32(0), params=params, opt_state=tx.init(params))
+  state = train_state.TrainState(step=np.int32(0), params=params, opt_state=tx.init(params))
   ours = []
   for _ in range(steps):
     state, metrics = step_fn(state, batch)

@@ -29,6 +29,7 @@ from bert_jax import checkpoint as ckpt_lib
 from bert_jax import cli
 from bert_jax import input_pipeline
 from bert_jax import train
+from bert_jax import train_state
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Schedule length of the shared runs; they stop early with train.stop_at_step.
@@ -573,8 +574,8 @@ def test_tfrecord_phase_inputs_need_their_vocab(tmp_path):
 
 def test_dropout_rng_impl_is_checked():
   config = cli.load_config('smoke')
-  assert jax.random.key_impl(train.dropout_rng(config.train)) == jax.random.key_impl(
+  assert jax.random.key_impl(train_state.dropout_rng(config.train)) == jax.random.key_impl(
       jax.random.key(0, impl='rbg'))
   config.train.rng_impl = 'philox'
   with pytest.raises(ValueError, match=r"config.train.rng_impl='philox': expected one of"):
-    train.dropout_rng(config.train)
+    train_state.dropout_rng(config.train)

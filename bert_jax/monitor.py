@@ -1,0 +1,107 @@
+"""What a training run reports and listens to: metrics, progress, preemption.
+
+- `MetricsLog`: metrics.jsonl + TensorBoard on process 0, one tag scheme for every run:
+  `train/<name>` for training metrics, `eval/<name>` for evaluations (a run with several
+  evaluation sets: `eval/<set>/<name>`).
+- `progress`: the tqdm bar of the loop.
+- `Preemption`: SIGTERM as a flag the loop polls, so it saves before exiting.
+"""
+
+import json
+import os
+import signal
+import threading
+from typing import Any
+
+import jax
+from absl import logging
+
+from bert_jax import checkpoint as ckpt_lib
+
+METRICS_FILE = 'metrics.jsonl'
+
+
+class MetricsLog:
+  """metrics.jsonl + TensorBoard (clu) on process 0; nothing elsewhere.
+
+  A jsonl row is {step, **extra, **scalars} (scalars without their tag prefix).
+  """
+
+  def __init__(self, workdir: str):
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top  (TensorFlow)
+    self.active = jax.process_index() == 0
+    self.writer = metric_writers.create_default_writer(
+        workdir, just_logging=not self.active, asynchronous=False)
+    self.path = os.path.join(workdir, METRICS_FILE)
+
+  def train(self, step: int, scalars: dict[str, Any], **extra) -> None:
+    self._write(step, scalars, 'train/', extra)
+
+  def eval(self, step: int, scalars: dict[str, Any], eval_set: str = '', **extra) -> None:
+    self._write(step, scalars, f'eval/{eval_set}/' if eval_set else 'eval/', extra)
+
+  def _write(self, step: int, scalars: dict[str, Any], prefix: str, extra: dict) -> None:
+    if not self.active:
+      return
+    self.writer.write_scalars(step, {prefix + k: v for k, v in scalars.items() if v is not None})
+    # gfile appends on Cloud Storage too (it rewrites the object).
+    with ckpt_lib.gfile().GFile(self.path, 'a') as f:
+      f.write(json.dumps(dict(step=step, **extra, **scalars)) + '\n')
+
+  def close(self) -> None:
+    self.writer.flush()
+    self.writer.close()
+
+
+def truncate_metrics(workdir: str, after_step: int | None) -> None:
+  """Drops rows of metrics.jsonl past `after_step` (all of them for None): a resumed run
+  writes those steps again, and its log must read like an uninterrupted run's."""
+  path = os.path.join(workdir, METRICS_FILE)
+  fs = ckpt_lib.gfile()
+  if jax.process_index() != 0 or not fs.exists(path):
+    return
+  with fs.GFile(path) as f:
+    lines = f.read().splitlines()
+  kept = [line for line in lines
+          if after_step is not None and line.strip() and json.loads(line)['step'] <= after_step]
+  if len(kept) != len(lines):
+    with fs.GFile(path, 'w') as f:
+      f.write(''.join(line + '\n' for line in kept))
+
+
+def progress(total: int, initial: int, enabled: bool):
+  """The loop's progress bar (steps); a no-op when not `enabled`."""
+  import tqdm  # pylint: disable=g-import-not-at-top  (only a driver needs it)
+  return tqdm.tqdm(total=total, initial=initial, disable=not enabled, unit='step',
+                   dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
+
+
+class Preemption:
+  """Turns SIGTERM into a flag the loop polls, so it can save before exiting.
+
+  With several processes, jax.distributed's preemption service catches SIGTERM instead and
+  makes every process stop at the same step: ask `stop_now(step, manager)`.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+    if jax.process_count() > 1:
+      # A local flag would send the signalled process alone into the collective save while the
+      # others enter the next train step.
+      return
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    logging.warning('SIGTERM received: saving a checkpoint and stopping.')
+    self.requested = True
+
+  def stop_now(self, step: int, manager) -> bool:
+    """Whether the run must save and stop after `step` (every process agrees)."""
+    return self.requested or manager.reached_preemption(step)
+
+  def restore(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)

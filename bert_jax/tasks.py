@@ -1,0 +1,108 @@
+"""What a fine-tuning task is: its data, model head, loss and scoring.
+
+Each task module (glue.py, squad.py, ner.py) builds its `Task` from a fine-tuning config with
+`make_task`; `finetune.py` trains and evaluates any `Task` the same way. Losses return sums and
+counts, so padded rows and uneven batches average exactly.
+"""
+
+import dataclasses
+from typing import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Model inputs of every task, in the order the models take them.
+INPUTS = ('input_ids', 'input_mask', 'segment_ids')
+
+
+@dataclasses.dataclass
+class EvalSet:
+  """A dev or test set: model inputs (+ `index`), and what to do with per-row outputs."""
+  name: str
+  features: dict[str, np.ndarray]
+  # Outputs of every row in `index` order -> (metrics or None, writer(out_dir) or None).
+  evaluate: Callable[[list[np.ndarray]], tuple[dict | None, Callable[[str], None] | None]]
+
+
+@dataclasses.dataclass
+class Task:
+  kind: str  # 'glue', 'squad', 'ner'
+  head: str  # 'sequence', 'token', 'span': what the prediction step returns per row.
+  model: nn.Module
+  loss_fn: Callable
+  label_keys: tuple[str, ...]
+  train: dict[str, np.ndarray]
+  dev: list[EvalSet]
+  test: list[EvalSet]
+  main_metric: str
+  metric_names: tuple[str, ...]
+  info: dict
+
+
+def subset(features: dict, keys: Sequence[str], index_key: str | None = None) -> dict:
+  out = {k: features[k] for k in keys}
+  n = len(features['input_ids'])
+  out['index'] = (np.asarray(features[index_key], np.int32) if index_key
+                  else np.arange(n, dtype=np.int32))
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses: (sum, count, metrics as (sum, count) pairs)
+# ---------------------------------------------------------------------------------------------
+
+
+def _nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+
+
+def classification_loss(logits, batch):
+  w = batch['weight']
+  n = jnp.sum(w)
+  nll = jnp.sum(_nll(logits, batch['label']) * w)
+  correct = jnp.sum((jnp.argmax(logits, -1) == batch['label']) * w)
+  return nll, n, {'loss': (nll, n), 'accuracy': (correct, n)}
+
+
+def regression_loss(logits, batch):
+  w = batch['weight']
+  n = jnp.sum(w)
+  se = jnp.sum(jnp.square(logits[:, 0] - batch['label']) * w)
+  return se, n, {'loss': (se, n)}
+
+
+def token_loss(logits, batch):
+  """Cross-entropy on labelled positions (first word pieces); -1 labels are ignored."""
+  w = (batch['labels'] >= 0) * batch['weight'][:, None]
+  n = jnp.sum(w)
+  nll = jnp.sum(_nll(logits, batch['labels']) * w)
+  correct = jnp.sum((jnp.argmax(logits, -1) == batch['labels']) * w)
+  return nll, n, {'loss': (nll, n), 'accuracy': (correct, n)}
+
+
+def span_loss(outputs, batch):
+  """Mean of the start and end cross-entropies over the window's real tokens.
+
+  Padding positions are masked out of the softmax, so a window's loss does not depend on the
+  bucket it was batched in.
+  """
+  start, end = outputs
+  valid = batch['input_mask'].astype(bool)
+  very_negative = jnp.finfo(jnp.float32).min
+  start = jnp.where(valid, start.astype(jnp.float32), very_negative)
+  end = jnp.where(valid, end.astype(jnp.float32), very_negative)
+  w = batch['weight']
+  n = jnp.sum(w)
+  total = jnp.sum((_nll(start, batch['start_positions']) +
+                   _nll(end, batch['end_positions'])) * w) / 2
+  return total, n, {'loss': (total, n)}
+
+
+def label_count(batch: dict[str, jax.Array]) -> jax.Array:
+  """How many labels a batch's loss averages over: labelled tokens (token tasks) or real rows."""
+  if 'labels' in batch:
+    return jnp.sum((batch['labels'] >= 0) * batch['weight'][:, None])
+  return jnp.sum(batch['weight'])

@@ -1,0 +1,168 @@
+"""The train state of every run (pre-training and fine-tuning) and its one jitted step.
+
+- `abstract_state`: the sharded abstract `TrainState` of a model, built with `jax.eval_shape`,
+  so nothing is ever allocated whole on one device.
+- `put_sharded` / `state_from_params`: a state from host parameters (pre-trained weights).
+- `train_step` / `build_train_step`: one optimizer step over the global batch, optionally as
+  micro-batches whose gradients are accumulated, jitted with explicit shardings and the state
+  donated. The loss comes from the caller (pre-training's MLM + NSP, a fine-tuning head's).
+"""
+
+import functools
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from bert_jax import errors
+from bert_jax import sharding as sharding_lib
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+# ---------------------------------------------------------------------------------------------
+# Abstract state, shardings, and a state from parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def abstract_state(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
+                   mesh: jax.sharding.Mesh, rules):
+  """(abstract TrainState, its NamedShardings, init function) of the model whose (boxed)
+  parameters `init_params(rng)` makes, without allocating anything."""
+
+  def boxed_params(rng):
+    # Traced without rules, so without any constraint, whatever the caller's context: the
+    # `out_shardings` of the jitted init place the parameters.
+    with nn.logical_axis_rules(()):
+      return init_params(rng)
+
+  def init(rng):
+    params = nn.unbox(boxed_params(rng))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  rng = jax.random.key(0)
+  abstract_boxed = jax.eval_shape(boxed_params, rng)
+  # A clear error here instead of XLA's about an output sharding that does not divide.
+  sharding_lib.check_divisible(abstract_boxed, mesh, rules)
+  param_specs = sharding_lib.logical_specs(abstract_boxed)
+  abstract = jax.eval_shape(init, rng)
+  opt_specs = sharding_lib.opt_state_specs(tx, abstract.opt_state, param_specs)
+  specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs)
+  shardings = sharding_lib.to_mesh_shardings(specs, mesh, rules)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+  return abstract, shardings, init
+
+
+def put_sharded(tree: Any, shardings: Any) -> Any:
+  """Host arrays (every process holds them whole) as global arrays: each device takes its own
+  slice."""
+  return jax.tree.map(
+      lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx]),
+      tree, shardings)
+
+
+def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: TrainState
+                      ) -> TrainState:
+  """Step 0 and a fresh optimizer state around (sharded) `params`."""
+  return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
+                 out_shardings=shardings)(params)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------
+
+RNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
+
+
+def dropout_rng(train_config: ml_collections.ConfigDict) -> jax.Array:
+  """The key that every step folds its step number into, for dropout."""
+  impl = train_config.rng_impl
+  if impl not in RNG_IMPLS:
+    raise errors.UserError(f'config.train.rng_impl={impl!r}: expected one of {RNG_IMPLS}')
+  return jax.random.fold_in(jax.random.key(train_config.seed, impl=impl), 1)
+
+
+def split_micro(x: jax.Array, k: int) -> jax.Array:
+  """[B, ...] -> [k, B/k, ...] taking every k-th example, so each micro-batch stays spread over
+  all data-parallel shards instead of living on B/k of them."""
+  y = x.reshape((x.shape[0] // k, k) + x.shape[1:])
+  y = jnp.swapaxes(y, 0, 1)
+  return nn.with_logical_constraint(y, (None, 'batch') + (None,) * (x.ndim - 1))
+
+
+# loss_fn(params, micro_batch, rng, whole_batch) -> (loss, metrics). The loss is the
+# micro-batch's share of the whole batch's loss: normalized by counts over `whole_batch`, so
+# that k accumulated micro-batches give exactly the gradient of one big batch. `metrics` must
+# hold 'loss', and sums (or (sum, count) pairs) that add up over micro-batches.
+LossFn = Callable[[Any, dict, jax.Array, dict], tuple[jax.Array, dict]]
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], *, loss_fn: LossFn,
+               tx: optax.GradientTransformation, base_rng: jax.Array, accum_steps: int = 1
+               ) -> tuple[TrainState, dict[str, Any]]:
+  """One optimizer step over the global batch (optionally as `accum_steps` micro-batches)."""
+  rng = jax.random.fold_in(base_rng, state.step)
+  grad_fn = jax.value_and_grad(lambda p, mb, r: loss_fn(p, mb, r, batch), has_aux=True)
+  if accum_steps == 1:
+    (_, metrics), grads = grad_fn(state.params, batch, rng)
+  else:
+    micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
+
+    def body(carry, xs):
+      i, mb = xs
+      (_, m), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+      return jax.tree.map(jnp.add, carry, (g, m)), None
+
+    (_, m_shape), g_shape = jax.eval_shape(grad_fn, state.params,
+                                           jax.tree.map(lambda x: x[0], micro), rng)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g_shape, m_shape))
+    (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return new_state, dict(metrics, grad_norm=optax.tree.norm(grads))
+
+
+def build_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                     rules, state_shardings: TrainState, base_rng: jax.Array,
+                     accum_steps: int = 1) -> Callable:
+  """`train_step` jitted over the mesh: sharded state (donated) and batch in, state and
+  replicated metrics out. `.jitted` is the jitted function (for AOT lowering)."""
+  step_fn = functools.partial(train_step, loss_fn=loss_fn, tx=tx, base_rng=base_rng,
+                              accum_steps=accum_steps)
+  jitted = jax.jit(step_fn, in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
+                   out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+
+  def run(state, batch):
+    # Activation constraints resolve their logical names while tracing, under the rules; with
+    # `with mesh:` instead they would all be dropped (see `sharding_lib.activate`).
+    with sharding_lib.activate(mesh, rules):
+      return jitted(state, batch)
+  run.jitted = jitted
+  return run
+
+
+def check_accumulation(batch_size: int, accum_steps: int, mesh: jax.sharding.Mesh,
+                       prefix: str = 'train.') -> None:
+  """Clear errors for a micro-batch that does not split the batch or over the mesh."""
+  if accum_steps < 1 or batch_size % accum_steps:
+    raise errors.UserError(f'{prefix}batch_size={batch_size} does not divide by '
+                           f'{prefix}grad_accum_steps={accum_steps}')
+  micro = batch_size // accum_steps
+  if micro % sharding_lib.data_parallel_size(mesh):
+    raise errors.UserError(
+        f'micro-batch {micro} ({prefix}batch_size / {prefix}grad_accum_steps) does not divide '
+        f'over {sharding_lib.data_parallel_size(mesh)} data-parallel shards')
