@@ -27,7 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from configs import default  # pylint: disable=g-import-not-at-top
+from bert_jax import defaults  # pylint: disable=g-import-not-at-top
 from bert_jax import finetune
 from bert_jax import glue
 from bert_jax import model as model_lib
@@ -110,7 +110,7 @@ def main():
       optimizer='adamw', learning_rate=2e-5, warmup_steps=steps // 10, decay='linear',
       beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0))
   tx, _ = optim.make_optimizer(train, (args.rounds + 1) * steps + 8)  # + compile steps
-  mesh_config = default.get_config().mesh
+  mesh_config = defaults.pretrain().mesh
   mesh = sharding_lib.make_mesh(mesh_config)
   rules = sharding_lib.rules_from_config(mesh_config)
 

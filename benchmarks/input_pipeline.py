@@ -22,7 +22,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from bert_jax import documents  # pylint: disable=g-import-not-at-top
 from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
 from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
-from configs import default  # pylint: disable=g-import-not-at-top
+from bert_jax import defaults  # pylint: disable=g-import-not-at-top
 
 
 def _options(threads: int) -> tf.data.Options:
@@ -88,7 +88,7 @@ def main():
   args = parser.parse_args()
 
   input_pipeline.hide_accelerators_from_tf()
-  data = default.get_config().data
+  data = defaults.pretrain().data
   data.input = args.input
   data.vocab_file = args.vocab_file
   data.vocab_size = args.vocab_size

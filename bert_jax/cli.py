@@ -48,48 +48,27 @@ def resolve_config_path(path: str) -> str:
   return shipped + (':' + arg if arg else '')
 
 
-def _add_to_path(root: str) -> None:
-  if root not in sys.path:
-    sys.path.insert(0, root)
+def _config_file_parser():
+  """ml_collections' parser of config files, which also takes the shipped names.
 
-
-def _prepare_config_import(argv: list[str]) -> list[str]:
-  """Resolves --config and makes `from configs import default` work inside config files.
-
-  Neither the current directory nor the checkout is on sys.path of the `bert-jax` console
-  script, so the folder holding the shipped configs/ is always added (the default --config
-  is one of them), and that of any --config file given.
+  A config file imports only the installed package (`from bert_jax import defaults`), so a
+  shipped one, a file given by path and a user's own file anywhere load the same way, without
+  sys.path or the command line being rewritten.
   """
-  try:
-    _add_to_path(os.path.dirname(configs_dir()))
-  except FileNotFoundError:
-    pass  # Only explicit --config files then.
-  out = []
-  argv = list(argv)
-  for i, a in enumerate(argv):
-    if a == '--config' and i + 1 < len(argv):  # `--config PATH`: absl takes both spellings.
-      a, argv[i + 1] = '--config=' + argv[i + 1], None
-    if a is None:
-      continue
-    if a.startswith('--config='):
-      path = resolve_config_path(a[len('--config='):])
-      a = '--config=' + path
-      _add_to_path(os.path.dirname(os.path.dirname(os.path.abspath(path.split(':')[0]))))
-    out.append(a)
-  return out
+  # The module that defines DEFINE_config_file; its package does not re-export the parser.
+  from ml_collections.config_flags import config_flags  # pylint: disable=g-import-not-at-top
+
+  class Parser(config_flags.ConfigFileFlagParser):
+
+    def parse(self, path):
+      return super().parse(resolve_config_path(path))
+  return Parser(name='config', lock_config=True)
 
 
 def load_config(path: str, overrides: dict | None = None):
-  """Loads a config file (as the CLI does) and applies {'train.steps': 10, ...} overrides."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  path = resolve_config_path(path)
-  _prepare_config_import(['--config=' + path])
-  file_path, _, arg = path.partition(':')
-  spec = importlib.util.spec_from_file_location('bert_jax_config', file_path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(arg) if arg else module.get_config()
-  config.lock()
+  """Loads a config file (as the CLI does: a path or a shipped name, with ':arg') and applies
+  {'train.steps': 10, ...} overrides."""
+  config = _config_file_parser().parse(path)
   for key, value in (overrides or {}).items():
     node = config
     *parents, leaf = key.split('.')
@@ -104,8 +83,12 @@ def load_config(path: str, overrides: dict | None = None):
 def _define_config_flag(default: str) -> None:
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file('config', default, 'Config file (a Python file with '
-                                  'get_config()); override keys with --config.a.b=value.',
-                                  lock_config=True)
+                                  'get_config()) or a shipped config\'s name (smoke, '
+                                  'finetune_glue:mrpc, ...); override keys with '
+                                  '--config.a.b=value.', lock_config=True)
+  # DEFINE_config_file takes no parser; the flag's own (public) parser is replaced so that
+  # --config=smoke finds the shipped file. The default is a full path, parsed already.
+  FLAGS['config'].parser = _config_file_parser()
 
 
 def _define_distributed_flags() -> None:
@@ -336,10 +319,8 @@ def main(argv: list[str] | None = None) -> None:
   if name not in _COMMANDS:
     print(f'bert-jax: unknown command {name!r}\n\n{_usage()}', file=sys.stderr)
     sys.exit(2)
-  # Before the flags are defined: defining --config loads its default file.
-  args = _prepare_config_import(argv[2:])
   run = _COMMANDS[name][1]()
-  app.run(run, argv=[f'bert-jax {name}'] + args)
+  app.run(run, argv=[f'bert-jax {name}'] + argv[2:])
 
 
 if __name__ == '__main__':

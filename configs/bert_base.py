@@ -7,11 +7,11 @@ AdamW (0.9, 0.999, eps 1e-6), peak lr 1e-4 after 10,000 warmup steps, linear dec
 weight decay 0.01 (not on LayerNorm and biases), clipping at global norm 1.0, dropout 0.1.
 """
 
-from configs import default
+from bert_jax import defaults
 
 
 def get_config():
-  config = default.get_config()
+  config = defaults.pretrain()
   config.model.size = 'base'
   config.data.input = ''  # Required: the pre-training corpus (see the docstring).
   config.data.max_seq_length = 128

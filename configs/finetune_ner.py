@@ -14,11 +14,11 @@ The paper does not list its NER hyperparameters; these are the GLUE recipe with 
 learning rate of its search range.
 """
 
-from configs import finetune_glue
+from bert_jax import defaults
 
 
 def get_config():
-  config = finetune_glue.common('ner')
+  config = defaults.finetune('ner')
   config.train.epochs = 3
   config.train.learning_rate = 5e-5
   config.train.batch_size = 32

@@ -12,7 +12,7 @@ scored with the official EM/F1; predictions.json (v2 also null_odds.json) of the
 written to <workdir>/predictions/.
 """
 
-from configs import finetune_glue
+from bert_jax import defaults
 
 # version: (task, epochs, learning rate, batch size), from the paper (sections 4.2 and 4.3).
 _VERSIONS = {
@@ -25,7 +25,7 @@ def get_config(version: str = 'v1'):
   if version not in _VERSIONS:
     raise ValueError(f'finetune_squad.py:{version}: expected one of {sorted(_VERSIONS)}')
   task, epochs, lr, batch = _VERSIONS[version]
-  config = finetune_glue.common(task)
+  config = defaults.finetune(task)
   config.train.epochs = epochs
   config.train.learning_rate = lr
   config.train.batch_size = batch

@@ -11,7 +11,7 @@ Training BERT in 76 minutes": BERT-large, phase 1 at 64k sequences of 128 tokens
 Raise train.grad_accum_steps when a slice cannot hold the whole batch at once.
 """
 
-from configs import bert_large
+from bert_jax import defaults
 
 # phase: (batch, steps, peak lr, warmup steps, seq_len, max predictions)
 _PHASES = {
@@ -24,7 +24,9 @@ def get_config(phase: str = 'phase1'):
   if phase not in _PHASES:
     raise ValueError(f'lamb_large_batch.py:{phase}: expected one of {sorted(_PHASES)}')
   batch, steps, lr, warmup, seq_len, preds = _PHASES[phase]
-  config = bert_large.get_config()
+  config = defaults.pretrain()
+  config.model.size = 'large'
+  config.data.input = ''  # Required: the pre-training corpus (see the docstring).
   config.train.optimizer = 'lamb'
   config.train.batch_size = batch
   config.train.steps = steps

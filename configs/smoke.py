@@ -6,11 +6,11 @@ Trains an 8k WordPiece vocabulary from the sample corpus (the running Python's d
 if `data.vocab_file` is empty, then a few hundred steps of a 2-layer, 128-wide BERT.
 """
 
-from configs import default
+from bert_jax import defaults
 
 
 def get_config():
-  config = default.get_config()
+  config = defaults.pretrain()
   config.model.size = 'tiny'
   config.model.scan_layers = False
   config.data.max_seq_length = 64

@@ -23,16 +23,46 @@ def _run_main(tmp_path, args):
                         capture_output=True, text=True, timeout=300)
 
 
+_USER_CONFIG = """
+from bert_jax import defaults
+
+
+def get_config(size='mini'):
+  config = defaults.pretrain()
+  config.model.size = size
+  print('user config:', config.model.size)
+  return config
+"""
+
+
 @pytest.mark.parametrize('config_args', [[], ['--config=bert_base.py'],
-                                         ['--config', 'configs/bert_large.py']])
-def test_configs_import_their_base_from_any_directory(tmp_path, config_args):
-  # The shipped configs import `configs.default`; the default --config (no flag) and both
-  # flag spellings must load. A bad --topology then stops the command after flag parsing.
+                                         ['--config', 'configs/bert_large.py'],
+                                         ['--config=USER:small']])
+def test_configs_load_from_any_directory(tmp_path, config_args):
+  # The default --config (no flag), a shipped name, both flag spellings and a user's own file
+  # outside the checkout (which builds on bert_jax.defaults) load the same way. A bad
+  # --topology then stops the command after flag parsing.
   if config_args[-1:] == ['configs/bert_large.py']:
     config_args = ['--config', os.path.join(_ROOT, 'configs', 'bert_large.py')]
+  user = config_args == ['--config=USER:small']
+  if user:
+    (tmp_path / 'elsewhere').mkdir()
+    (tmp_path / 'elsewhere' / 'my_config.py').write_text(_USER_CONFIG)
+    config_args = [f'--config={tmp_path / "elsewhere" / "my_config.py"}:small']
   proc = _run_main(tmp_path, ['compile', '--topology=v9:2x2'] + config_args)
-  assert "No module named 'configs'" not in proc.stderr, proc.stderr[-3000:]
+  assert "No module named" not in proc.stderr, proc.stderr[-3000:]
   assert "--topology='v9:2x2': expected GENERATION:SHAPE" in proc.stderr, proc.stderr[-3000:]
+  assert ('user config: small' in proc.stdout) == user, proc.stdout
+
+
+def test_load_config_reads_a_user_file_anywhere(tmp_path):
+  path = tmp_path / 'my_config.py'
+  path.write_text(_USER_CONFIG)
+  config = cli.load_config(str(path), {'train.steps': 7})
+  assert (config.model.size, config.train.steps) == ('mini', 7)
+  assert cli.load_config(f'{path}:large').model.size == 'large'
+  # The same keys as the shipped default: a user's file starts from the package's defaults.
+  assert config.to_dict().keys() == cli.load_config('default').to_dict().keys()
 
 
 def test_config_names_resolve_to_the_shipped_files():

@@ -18,7 +18,7 @@ import tensorflow_datasets as tfds
 
 from bert_jax import input_pipeline
 from bert_jax import tokenization
-from configs import default
+from bert_jax import defaults
 
 SPECIALS = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]']
 PAD, UNK, CLS, SEP, MASK = range(5)
@@ -95,7 +95,7 @@ class Corpora:
         self.where[i] = (m.group(1), int(m.group(2)), int(m.group(3)))
 
   def config(self, **overrides) -> ml_collections.ConfigDict:
-    data = default.get_config().data
+    data = defaults.pretrain().data
     data.vocab_file = self.vocab_file
     data.input = self.files['r']
     data.shuffle_buffer = 500
@@ -397,7 +397,7 @@ def test_tfrecords(tmp_path):
       writer.write(tf.train.Example(features=tf.train.Features(feature=feature))
                    .SerializeToString())
       written.append(f)
-  data = default.get_config().data
+  data = defaults.pretrain().data
   data.input = str(tmp_path / '*.tfrecord')
   data.eval_input = path
   data.vocab_file = ''

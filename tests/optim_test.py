@@ -8,11 +8,11 @@ import pytest
 
 from bert_jax import model as model_lib
 from bert_jax import optim
-from configs import bert_base
+from bert_jax import defaults
 
 
 def test_paper_schedule_values():
-  train = bert_base.get_config().train
+  train = defaults.pretrain().train
   schedule = optim.make_schedule(train)
   assert float(schedule(0)) == 0.0
   np.testing.assert_allclose(float(schedule(5_000)), 0.5e-4, rtol=1e-6)
@@ -23,7 +23,7 @@ def test_paper_schedule_values():
 
 
 def test_paper_optimizer_hyperparameters():
-  train = bert_base.get_config().train
+  train = defaults.pretrain().train
   assert (train.optimizer, train.beta1, train.beta2, train.eps, train.weight_decay,
           train.max_grad_norm, train.batch_size) == ('adamw', 0.9, 0.999, 1e-6, 0.01, 1.0, 256)
 
@@ -32,7 +32,7 @@ def test_no_weight_decay_on_layer_norm_and_bias():
   config = model_lib.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
                                 num_attention_heads=2, intermediate_size=32)
   params = model_lib.init_params(config, jax.random.key(0))
-  train = bert_base.get_config().train
+  train = defaults.pretrain().train
   train.unlock()
   train.update(warmup_steps=0, decay='constant', learning_rate=1.0, max_grad_norm=0.0)
   tx, _ = optim.make_optimizer(train, total_steps=10)
@@ -51,7 +51,7 @@ def test_no_weight_decay_on_layer_norm_and_bias():
 
 
 def test_clipping_and_lamb():
-  train = bert_base.get_config().train
+  train = defaults.pretrain().train
   train.unlock()
   train.update(warmup_steps=0, decay='constant', learning_rate=0.1)
   tx, _ = optim.make_optimizer(train, total_steps=10)
@@ -71,7 +71,7 @@ def test_clipping_and_lamb():
 
 
 def test_lamb_layer_adaptation_skips_bias_and_layer_norm():
-  train = bert_base.get_config().train
+  train = defaults.pretrain().train
   train.unlock()
   train.update(optimizer='lamb', warmup_steps=0, decay='constant', learning_rate=0.1,
                max_grad_norm=0.0)
@@ -97,7 +97,7 @@ def test_lamb_state_is_optax_lamb_state():
   config = model_lib.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
                                 num_attention_heads=2, intermediate_size=32)
   params = model_lib.init_params(config, jax.random.key(0))
-  train = bert_base.get_config().train
+  train = defaults.pretrain().train
   train.unlock()
   train.optimizer = 'lamb'
   tx, schedule = optim.make_optimizer(train)

@@ -140,7 +140,7 @@ def test_train_step_parity(tmp_path):
   from bert_jax import optim  # pylint: disable=g-import-not-at-top
   from bert_jax import train  # pylint: disable=g-import-not-at-top
   from bert_jax import train_state  # pylint: disable=g-import-not-at-top
-  from configs import bert_base  # pylint: disable=g-import-not-at-top
+  from bert_jax import defaults  # pylint: disable=g-import-not-at-top
 
   lr, steps = 1e-3, 2
   hf = _hf_model(transformers.BertForPreTraining, seed=5, hidden_dropout_prob=0.0,
@@ -157,7 +157,7 @@ def test_train_step_parity(tmp_path):
   batch = {k: np.asarray(v, np.float32 if k == 'masked_lm_weights' else np.int32)
            for k, v in batch.items()}
 
-  train_config = bert_base.get_config().train
+  train_config = defaults.pretrain().train
   train_config.unlock()
   train_config.update(warmup_steps=0, decay='constant', learning_rate=lr, steps=steps)
   tx, _ = optim.make_optimizer(train_config)

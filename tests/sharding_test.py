@@ -14,7 +14,7 @@ from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train as train_lib
 from tolerance import assert_close, assert_trees_moved_close
-from configs import default
+from bert_jax import defaults
 
 # Every sharded dimension divides by 8, so that any mesh of 8 devices (tensor=8 included) fits.
 CONFIG = model_lib.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2,
@@ -29,7 +29,7 @@ def _mesh(data, fsdp, tensor):
 
 
 def _rules():
-  return sharding_lib.rules_from_config(default.get_config().mesh)
+  return sharding_lib.rules_from_config(defaults.pretrain().mesh)
 
 
 def _batch(batch_size=8, seq=16, preds=4, seed=0):
@@ -48,7 +48,7 @@ def _batch(batch_size=8, seq=16, preds=4, seed=0):
 
 
 def _train_config():
-  train = default.get_config().train
+  train = defaults.pretrain().train
   train.unlock()
   train.update(steps=10, warmup_steps=2, learning_rate=1e-3)
   return train
@@ -190,7 +190,7 @@ def test_mesh_and_batch_errors():
                                  8) == (2, 2, 2)
   with pytest.raises(ValueError, match='train.batch_size=12'):
     sharding_lib.check_batch_size(12, _mesh(8, 1, 1))
-  cfg = default.get_config().mesh
+  cfg = defaults.pretrain().mesh
   cfg.rules = (('batch', 'model'),)
   with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
     sharding_lib.rules_from_config(cfg)

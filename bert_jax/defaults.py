@@ -1,0 +1,221 @@
+"""The shared defaults of every config file: each key defined and commented once, here.
+
+Config files (the shipped ones in configs/ and a user's own, anywhere on disk) start from these
+and override; they import only the installed package, so any of them loads the same way:
+
+  from bert_jax import defaults
+
+  def get_config():
+    config = defaults.pretrain()      # or defaults.finetune('mrpc')
+    config.train.steps = 1000
+    return config
+
+  bert-jax pretrain --config=/path/to/my_config.py --workdir=/tmp/run
+"""
+
+import ml_collections
+
+
+def pretrain() -> ml_collections.ConfigDict:
+  """Every pre-training key, commented, with BERT-base's values (the paper's recipe)."""
+  config = ml_collections.ConfigDict()
+
+  # ---- Model -----------------------------------------------------------------------------
+  config.model = ml_collections.ConfigDict()
+  # Named size: tiny, mini, small, medium, base, large or L{2..12}_H{128,256,512,768}.
+  config.model.size = 'base'
+  # Vocabulary size; 0 = take it from the vocabulary file (data.vocab_file).
+  config.model.vocab_size = 0
+  config.model.max_position_embeddings = 512
+  config.model.type_vocab_size = 2
+  config.model.hidden_dropout_prob = 0.1
+  config.model.attention_probs_dropout_prob = 0.1
+  # Compute dtype: 'bfloat16' on accelerators, 'float32' on CPU ('auto' picks by backend).
+  config.model.dtype = 'auto'
+  # Stack the encoder layers with nn.scan (faster compiles, one set of stacked weights).
+  config.model.scan_layers = True
+  # Rematerialization: 'none', 'full' or 'dots' (save matmul outputs, recompute the rest).
+  config.model.remat_policy = 'none'
+  # jax.nn.dot_product_attention implementation: None (XLA), 'xla' or 'cudnn'.
+  config.model.attention_impl = ml_collections.config_dict.placeholder(str)
+
+  # ---- Input -----------------------------------------------------------------------------
+  config.data = ml_collections.ConfigDict()
+  # Paths or globs (comma separated) of text files (one sentence a line, blank line between
+  # documents, .gz allowed), TFRecords of create_pretraining_data.py ('*.tfrecord*'),
+  # 'tfds:NAME[/CONFIG][:SPLIT]', or 'sample' for the built-in sample corpus.
+  config.data.input = 'sample'
+  # Held-out data for evaluation, same forms as data.input; '' = hold out part of data.input.
+  config.data.eval_input = ''
+  # Per-phase inputs (see train.phases), one entry per phase separated by ';' ('' entries and
+  # '' = data.input / data.eval_input): TFRecords hold one sequence length, so the paper's
+  # 128 -> 512 switch needs e.g. 'gs://b/seq128/*.tfrecord;gs://b/seq512/*.tfrecord'.
+  config.data.phase_inputs = ''
+  config.data.phase_eval_inputs = ''
+  # Text feature of a TFDS dataset (for example 'text' for wikipedia).
+  config.data.tfds_text_key = 'text'
+  # WordPiece vocab.txt or SentencePiece .model; '' = train one from the input (smoke runs).
+  config.data.vocab_file = ''
+  config.data.lower_case = True
+  # Size of the vocabulary trained when data.vocab_file is empty.
+  config.data.vocab_size = 8000
+  config.data.max_seq_length = 128
+  config.data.max_predictions_per_seq = 20
+  config.data.masked_lm_prob = 0.15
+  config.data.short_seq_prob = 0.1
+  # Second-sentence objective: 'nsp' (BERT), 'sop' (ALBERT) or 'none' (MLM only, packed).
+  config.data.objective = 'nsp'
+  config.data.whole_word_masking = False
+  config.data.shuffle_buffer = 10_000
+  config.data.seed = 0
+
+  # ---- Training --------------------------------------------------------------------------
+  config.train = ml_collections.ConfigDict()
+  config.train.steps = 1_000_000
+  # Stop (with a checkpoint) at this step while the schedule still runs to train.steps, for
+  # jobs with a time limit; 0 = run to train.steps.
+  config.train.stop_at_step = 0
+  # Global batch size in sequences, over all hosts and devices.
+  config.train.batch_size = 256
+  # Micro-batches accumulated per optimizer step (batch_size must divide by it).
+  config.train.grad_accum_steps = 1
+  config.train.optimizer = 'adamw'  # 'adamw' or 'lamb'
+  config.train.learning_rate = 1e-4
+  config.train.warmup_steps = 10_000
+  # 'linear' decays to 0 at train.steps; 'constant' keeps the peak after warmup.
+  config.train.decay = 'linear'
+  config.train.beta1 = 0.9
+  config.train.beta2 = 0.999
+  config.train.eps = 1e-6
+  config.train.weight_decay = 0.01
+  config.train.max_grad_norm = 1.0
+  # Phases as 'fraction:seq_len:max_predictions' separated by commas; '' = one phase at
+  # data.max_seq_length. The paper: 90% of steps at 128, then 10% at 512.
+  config.train.phases = '0.9:128:20,0.1:512:80'
+  config.train.seed = 0
+  # PRNG of dropout: 'rbg' (XLA's RngBitGenerator; keys still derived with threefry) is
+  # cheaper than 'threefry2x32' on every backend (about 7% of a CPU step of BERT-mini) and
+  # gives the same bits on any mesh; 'threefry2x32' is jax's default.
+  config.train.rng_impl = 'rbg'
+  # A converted checkpoint to start from when the workdir has none (resume order: latest
+  # checkpoint in workdir, then this, then a fresh init).
+  config.train.init_checkpoint = ''
+
+  # ---- Mesh and sharding -----------------------------------------------------------------
+  config.mesh = ml_collections.ConfigDict()
+  # Device mesh axis sizes; -1 means "all remaining devices".
+  config.mesh.data = -1
+  config.mesh.fsdp = 1
+  config.mesh.tensor = 1
+  # Logical axis -> mesh axes. Parameters: vocab, embed, mlp, heads, kv, layers.
+  # Activations: batch, length, act_embed, act_mlp, act_heads, act_vocab.
+  config.mesh.rules = (
+      ('batch', ('data', 'fsdp')),
+      ('vocab', 'tensor'),
+      ('embed', 'fsdp'),
+      ('mlp', 'tensor'),
+      ('heads', 'tensor'),
+      ('kv', None),
+      ('layers', None),
+      ('length', None),
+      ('act_embed', None),
+      ('act_mlp', 'tensor'),
+      ('act_heads', 'tensor'),
+      ('act_vocab', 'tensor'),
+  )
+
+  # ---- Checkpoints, evaluation, logging ----------------------------------------------------
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.every_steps = 10_000
+  config.checkpoint.keep = 3
+
+  config.eval = ml_collections.ConfigDict()
+  config.eval.every_steps = 10_000
+  # Batches of held-out data per evaluation.
+  config.eval.steps = 100
+  config.eval.batch_size = 256
+
+  config.log = ml_collections.ConfigDict()
+  config.log.every_steps = 100
+  # Console progress bar (off when stdout is not a terminal unless forced).
+  config.log.progress = True
+
+  # ---- Multi-host ------------------------------------------------------------------------
+  config.distributed = ml_collections.ConfigDict()
+  # 'auto' initializes jax.distributed on Cloud TPU / SLURM / when a coordinator is given.
+  config.distributed.coordinator_address = ''
+  config.distributed.num_processes = 0
+  config.distributed.process_id = -1
+
+  return config
+
+
+def finetune(task: str) -> ml_collections.ConfigDict:
+  """The keys every fine-tuning task has, commented, with the GLUE recipe's values; each task's
+  config adds its own keys."""
+  config = ml_collections.ConfigDict()
+  # GLUE task name, 'squad_v1' / 'squad_v2', or 'ner'.
+  config.task = task
+  # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a
+  # Hugging Face directory or an original Google TF checkpoint. Only its encoder is used; the
+  # task head starts fresh (truncated normal, stddev 0.02).
+  config.init_checkpoint = ''
+  # WordPiece vocab.txt; '' = the checkpoint's own vocab.txt (which it must then have).
+  config.vocab_file = ''
+  # Lower-case the text; None = what the checkpoint says (bert_jax.json, tokenizer_config.json,
+  # or guessed from its vocabulary: an uncased one has no upper-case letters).
+  config.lower_case = ml_collections.config_dict.placeholder(bool)
+  # Directory of the task's files (see each config's docstring).
+  config.data_dir = ''
+  config.max_seq_length = 128
+  # Sequence-length buckets: each batch is cut to the smallest one that holds its longest
+  # example (one compiled step per bucket). () = every batch padded to max_seq_length
+  # (on the command line: --config.buckets=16,32,64,128 or --config.buckets='()').
+  config.buckets = (32, 64, 128)
+
+  config.model = ml_collections.ConfigDict()
+  # Compute dtype: 'auto' = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
+  config.model.dtype = 'auto'
+  config.model.hidden_dropout_prob = 0.1
+  config.model.attention_probs_dropout_prob = 0.1
+  config.model.scan_layers = False
+  # Rematerialization: 'none', 'full' or 'dots' (long sequences on small accelerators).
+  config.model.remat_policy = 'none'
+  config.model.attention_impl = ml_collections.config_dict.placeholder(str)
+
+  config.train = ml_collections.ConfigDict()
+  config.train.epochs = 3
+  # Global batch size in sequences (SQuAD: windows), over all hosts and devices.
+  config.train.batch_size = 32
+  config.train.optimizer = 'adamw'
+  config.train.learning_rate = 2e-5
+  # Share of all steps spent warming up linearly to the peak rate; then 'linear' decay to 0.
+  config.train.warmup_proportion = 0.1
+  config.train.decay = 'linear'
+  config.train.beta1 = 0.9
+  config.train.beta2 = 0.999
+  config.train.eps = 1e-6
+  config.train.weight_decay = 0.01
+  config.train.max_grad_norm = 1.0
+  # Head initialization, dropout and the order of the examples.
+  config.train.seed = 0
+  # Dropout's PRNG (see `pretrain`).
+  config.train.rng_impl = 'rbg'
+
+  config.eval = ml_collections.ConfigDict()
+  # Evaluation happens after every epoch, on every dev set.
+  config.eval.batch_size = 64
+  # The metric that picks the best epoch; '' = the task's headline metric (MRPC/QQP: f1,
+  # STS-B: spearman, CoLA: mcc, SQuAD and NER: f1, others: accuracy).
+  config.eval.main_metric = ''
+
+  # Also predict the test set(s) with the best epoch's weights (GLUE: the leaderboard's TSV
+  # files, MNLI also AX.tsv when diagnostic/diagnostic.tsv exists; NER: test.txt is scored).
+  config.predict_test = False
+
+  config.mesh = pretrain().mesh
+
+  config.log = ml_collections.ConfigDict()
+  config.log.every_steps = 50
+  config.log.progress = True
+  return config
