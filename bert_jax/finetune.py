@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import convert
+from bert_jax import errors
 from bert_jax import glue
 from bert_jax import metrics
 from bert_jax import model as model_lib
@@ -150,11 +151,16 @@ def _pad_rows(batch: dict[str, np.ndarray], batch_size: int) -> dict[str, np.nda
 
 
 def batches(features: dict[str, np.ndarray], batch_size: int, buckets: Sequence[int],
-            shuffle: bool = False, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
-  """Global batches of `batch_size` rows, cut to length buckets, with a `weight` per row."""
+            shuffle: bool = False, seed: int = 0,
+            window_batches: int = 50) -> Iterator[dict[str, np.ndarray]]:
+  """Global batches of `batch_size` rows, cut to length buckets, with a `weight` per row.
+
+  Rows are sorted by length within windows of `window_batches` batches; 1 keeps each batch a
+  uniform random draw (see config.train.length_sort_window).
+  """
   features = dict(features, weight=np.ones(len(features['input_ids']), np.float32))
   for batch in glue.bucket_batches(features, batch_size, tuple(buckets), shuffle=shuffle,
-                                   seed=seed):
+                                   seed=seed, window_batches=window_batches):
     yield _pad_rows(batch, batch_size)
 
 
@@ -323,7 +329,12 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   task = build_task(config, tok, bert_config, lower_case)
   num_train = len(task.train['input_ids'])
   buckets = _buckets(config.buckets)
-  savings = glue.padding_savings(task.train, batch_size, buckets or (config.max_seq_length,))
+  sort_window = int(config.train.length_sort_window)
+  if sort_window < 1:
+    raise errors.UserError(f'config.train.length_sort_window={sort_window}: expected 1 (uniformly '
+                           'random batches) or more batches to sort by length together')
+  savings = glue.padding_savings(task.train, batch_size, buckets or (config.max_seq_length,),
+                                 window_batches=sort_window)
   logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '
                'fixed %d-token batches', config.task, num_train, buckets,
                100 * (1 - savings['tokens_saved_share']), config.max_seq_length)
@@ -395,7 +406,8 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     for epoch in range(1, int(config.train.epochs) + 1):
       history, sequences, tokens, t0 = [], 0.0, 0, time.time()
       for batch in batches(task.train, batch_size, buckets, shuffle=True,
-                           seed=config.train.seed * 1_000_003 + epoch):
+                           seed=config.train.seed * 1_000_003 + epoch,
+                           window_batches=sort_window):
         state, step_metrics = train_step(state, to_device(batch))
         step += 1
         history.append(step_metrics)

@@ -401,9 +401,11 @@ def bucket_batches(features: dict[str, Any], batch_size: int,
 
 
 def padding_savings(features: dict[str, Any], batch_size: int,
-                    buckets: Sequence[int] = (32, 64, 128), seed: int = 0) -> dict[str, float]:
+                    buckets: Sequence[int] = (32, 64, 128), seed: int = 0,
+                    window_batches: int = 50) -> dict[str, float]:
   """Share of padded tokens with fixed-length batches vs bucketed ones (one shuffled epoch)."""
-  arrays, batches = _bucket_plan(features, batch_size, buckets, True, seed, 50, False)
+  arrays, batches = _bucket_plan(features, batch_size, buckets, True, seed, window_batches,
+                                 False)
   n, length = arrays['input_mask'].shape
   real = int(arrays['input_mask'].sum())
   bucketed = sum(len(idx) * size for idx, size in batches)

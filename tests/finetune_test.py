@@ -14,6 +14,7 @@ import pytest
 
 from bert_jax import cli
 from bert_jax import convert
+from bert_jax import errors
 from bert_jax import finetune
 from bert_jax import glue
 from bert_jax import model as model_lib
@@ -215,6 +216,12 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
         blocks = f.read().strip().split('\n\n')
       assert len(blocks) == sentences
       assert all(len(line.split()) == 3 for line in blocks[0].splitlines())  # word gold pred
+
+
+def test_length_sort_window_must_be_positive(checkpoints, glue_dir, tmp_path):
+  config = _glue_config(checkpoints['hf'], glue_dir[0], **{'train.length_sort_window': 0})
+  with pytest.raises(errors.UserError, match=r'config\.train\.length_sort_window=0'):
+    finetune.finetune(config, str(tmp_path / 'run'))
 
 
 def test_vocab_that_does_not_match_the_checkpoint(checkpoints, glue_dir, tmp_path):

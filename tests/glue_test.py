@@ -233,6 +233,29 @@ def test_bucket_batches_shuffle_is_seeded_and_drop_remainder():
   assert all(len(b['label']) == 16 for b in dropped) and len(dropped) == 200 // 16
 
 
+def test_window_of_one_batch_keeps_batches_uniform_draws():
+  """Sorting by length within windows makes a batch's labels follow its lengths; a window of
+  one batch draws each batch uniformly, whatever correlates with length."""
+  features = _random_features(3200, 128)
+  features['label'] = (features['input_mask'].sum(1) > 20).astype(np.int32)  # Long = 1.
+  base_rate = features['label'].mean()
+
+  def label_shares(window):
+    return np.array([b['label'].mean() for b in glue.bucket_batches(
+        features, 32, shuffle=True, seed=5, window_batches=window)])
+
+  sorted_shares, uniform_shares = label_shares(50), label_shares(1)
+  # Sorted: almost every batch holds one label only. Uniform: binomial spread around the rate.
+  assert np.mean((sorted_shares == 0) | (sorted_shares == 1)) > 0.9
+  assert np.mean((uniform_shares == 0) | (uniform_shares == 1)) < 0.05
+  binomial_std = np.sqrt(base_rate * (1 - base_rate) / 32)
+  assert np.std(uniform_shares) < 1.5 * binomial_std < np.std(sorted_shares)
+  # Still bucketed: no batch is longer than the bucket its longest row needs.
+  report = glue.padding_savings(features, 32, window_batches=1)
+  assert report['bucketed_tokens'] < report['fixed_tokens']
+  assert report['bucketed_tokens'] > glue.padding_savings(features, 32)['bucketed_tokens']
+
+
 def test_padding_savings_report():
   features = _random_features(2000, 128)
   report = glue.padding_savings(features, 32)
