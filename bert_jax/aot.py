@@ -25,6 +25,7 @@ from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train as train_lib
 from bert_jax import train_state as state_lib
+from bert_jax.errors import UserError
 
 # Accepted spellings of TPU generations -> libtpu's topology prefix and our chip table key.
 _GENERATIONS = {'v4': ('v4', 'v4'), 'v5e': ('v5e', 'v5e'), 'v5litepod': ('v5e', 'v5e'),
@@ -35,8 +36,8 @@ def parse_topology(name: str) -> tuple[str, str]:
   """'v5e:16x16' -> ('v5e:16x16', 'v5e'); errors name the flag."""
   gen, sep, shape = name.partition(':')
   if not sep or gen not in _GENERATIONS or not all(p.isdigit() for p in shape.split('x')):
-    raise ValueError(f'--topology={name!r}: expected GENERATION:SHAPE such as v5e:16x16, '
-                     f'v4:2x2x4, v5p:4x4x4 or v6e:8x8 (generations: {sorted(_GENERATIONS)})')
+    raise UserError(f'--topology={name!r}: expected GENERATION:SHAPE such as v5e:16x16, '
+                    f'v4:2x2x4, v5p:4x4x4 or v6e:8x8 (generations: {sorted(_GENERATIONS)})')
   prefix, chip = _GENERATIONS[gen]
   return f'{prefix}:{shape}', chip
 

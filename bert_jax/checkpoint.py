@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from bert_jax import model as model_lib
+from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
 DATA_STATE_DIR = 'data_state'
@@ -180,18 +181,18 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   """
   config_path = os.path.join(path, 'bert_config.json')
   if not gfile().exists(config_path):
-    raise FileNotFoundError(f'{path} has no bert_config.json: not a bert_jax training workdir')
+    raise UserError(f'{path} has no bert_config.json: not a bert_jax training workdir')
   with gfile().GFile(config_path) as f:
     try:
       config = model_lib.BertConfig.from_dict(json.load(f), source=config_path)
     except json.JSONDecodeError as e:
-      raise ValueError(f'{config_path}: not valid JSON: {e}') from e
+      raise UserError(f'{config_path}: not valid JSON: {e}') from e
   ckpt_dir = os.path.join(path, CHECKPOINT_DIR)
   manager = ocp.CheckpointManager(ckpt_dir, item_names=('params', 'opt_state', 'meta'),
                                   options=ocp.CheckpointManagerOptions(read_only=True))
   step = manager.latest_step() if step is None else step
   if step is None:
-    raise FileNotFoundError(f'{ckpt_dir} holds no complete checkpoint')
+    raise UserError(f'{ckpt_dir} holds no complete checkpoint')
   metadata = manager.item_metadata(step)['params']
   sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
   abstract = jax.tree.map(

@@ -2,15 +2,24 @@
 
 Subcommands parse flags (absl + ml_collections: `--config=configs/x.py --config.a.b=value`)
 and call one function of the package; no logic lives here.
+
+A user's mistake (`errors.UserError`, a bad flag or config override) ends as one line on stderr,
+`bert-jax <command>: error: ...`, with exit status 2; anything else is a bug and keeps its
+traceback (status 1). `--traceback` or BERT_JAX_TRACEBACK=1 shows the traceback of a mistake too.
 """
 
+import difflib
 import os
+import re
 import sys
+import traceback
 from typing import Callable
 
 from absl import app
 from absl import flags
 from absl import logging
+
+from bert_jax.errors import UserError
 
 FLAGS = flags.FLAGS
 _COMMANDS: dict[str, tuple[str, Callable[[], Callable[[list[str]], None]]]] = {}
@@ -33,7 +42,8 @@ def configs_dir() -> str:
                     os.path.join(sys.prefix, 'share', 'bert_jax', 'configs')):
     if os.path.isdir(candidate):
       return candidate
-  raise FileNotFoundError('cannot find the bert_jax configs/ folder; pass --config=PATH')
+  raise UserError('cannot find the bert_jax configs/ folder (neither in the checkout nor under '
+                  f'{sys.prefix}/share/bert_jax): pass --config=PATH to a config file')
 
 
 def resolve_config_path(path: str) -> str:
@@ -44,7 +54,10 @@ def resolve_config_path(path: str) -> str:
   name = os.path.basename(name)
   shipped = os.path.join(configs_dir(), name if name.endswith('.py') else name + '.py')
   if not os.path.exists(shipped):
-    raise FileNotFoundError(f'--config={path}: no such file (nor {shipped})')
+    shipped_names = sorted(f[:-3] for f in os.listdir(os.path.dirname(shipped))
+                           if f.endswith('.py') and not f.startswith('_'))
+    raise UserError(f'--config={path}: no such file (nor {shipped}); give the path of a config '
+                    f'file or one of the shipped names: {", ".join(shipped_names)}')
   return shipped + (':' + arg if arg else '')
 
 
@@ -80,15 +93,60 @@ def load_config(path: str, overrides: dict | None = None):
   return config
 
 
+# The command line being parsed: config_flags reads the --config.a.b overrides from it (not from
+# sys.argv, which differs when main() is called with an argv), and the default --config file.
+_ARGV: list[str] = []
+_DEFAULT_CONFIG: list[str] = []
+
+
 def _define_config_flag(default: str) -> None:
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  _DEFAULT_CONFIG[:] = [default]
   config_flags.DEFINE_config_file('config', default, 'Config file (a Python file with '
                                   'get_config()) or a shipped config\'s name (smoke, '
                                   'finetune_glue:mrpc, ...); override keys with '
-                                  '--config.a.b=value.', lock_config=True)
+                                  '--config.a.b=value.', lock_config=True, sys_argv=_ARGV)
   # DEFINE_config_file takes no parser; the flag's own (public) parser is replaced so that
   # --config=smoke finds the shipped file. The default is a full path, parsed already.
   FLAGS['config'].parser = _config_file_parser()
+
+
+def _explain_config_overrides(args: list[str]) -> None:
+  """Raises a UserError naming the first --config.a.b override that is not a key of the config.
+
+  ml_collections reports a misspelt key as a KeyError deep in flag parsing; this names the flag,
+  the closest key ("did you mean") and the keys that exist. Returns if every override is a key.
+  """
+  from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
+  path = (_DEFAULT_CONFIG or [''])[0]
+  for i, arg in enumerate(args):
+    if arg.startswith('--config='):
+      path = arg[len('--config='):]
+    elif arg == '--config' and i + 1 < len(args):  # absl takes `--config PATH` too.
+      path = args[i + 1]
+  if not path:
+    return
+  config = load_config(path)
+  for arg in args:
+    flag = arg.split('=', 1)[0]
+    key = flag[len('--noconfig.'):] if flag.startswith('--noconfig.') else (
+        flag[len('--config.'):] if flag.startswith('--config.') else None)
+    if key is None:
+      continue
+    node, parts = config, key.split('.')
+    for i, part in enumerate(parts):
+      if isinstance(node, config_dict.ConfigDict) and part in node:
+        node = node[part]
+        continue
+      where = '.'.join(['config'] + parts[:i])
+      if not isinstance(node, config_dict.ConfigDict):
+        raise UserError(f'{flag}: {where} is a value ({node!r}), not a group of keys; '
+                        f'set it with --{where}=VALUE')
+      keys = sorted(node.keys())
+      close = difflib.get_close_matches(part, keys, n=1)
+      hint = (f'did you mean --{where}.{close[0]}?' if close else
+              f'the keys of {where} are: {", ".join(keys)}')
+      raise UserError(f'{flag}: the config ({path}) has no key {where}.{part}; {hint}')
 
 
 def _define_distributed_flags() -> None:
@@ -114,7 +172,8 @@ def initialize_distributed(coordinator_address: str = '', num_processes: int = 0
   kwargs = {}
   if explicit:
     if num_processes <= 0 or process_id < 0:
-      raise ValueError('--coordinator_address needs --num_processes and --process_id')
+      raise UserError(f'--coordinator_address={coordinator_address} needs --num_processes (got '
+                      f'{num_processes}) and --process_id (got {process_id}) too')
     kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                   process_id=process_id)
     if os.environ.get('JAX_PLATFORMS', '').startswith('cpu'):
@@ -176,8 +235,10 @@ def _data_flags():
   def run(argv):
     del argv
     import json  # pylint: disable=g-import-not-at-top
-    from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+    from bert_jax import model  # pylint: disable=g-import-not-at-top
     config = FLAGS.config
+    model.check_seq_len(config.data.max_seq_length, config.model.max_position_embeddings)
+    from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
     workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', _config_name())
     vocab = input_pipeline.resolve_vocab(config.data, workdir)
     if FLAGS.stats:
@@ -253,8 +314,8 @@ def _finetune_flags():
     try:
       rates = [float(r) for r in FLAGS.learning_rates]
     except ValueError:
-      raise app.UsageError(
-          f'--learning_rates={",".join(FLAGS.learning_rates)}: not numbers') from None
+      raise UserError(f'--learning_rates={",".join(FLAGS.learning_rates)}: not numbers; give '
+                      'comma-separated rates such as 5e-5,3e-5') from None
     result = finetune.sweep(FLAGS.config, workdir, rates)
     print(f'\nbert_jax finetune --sweep {result["task"]}: best {result["main_metric"]} '
           f'{result["best_score"]:.4f} at learning rate {result["best_learning_rate"]:g} '
@@ -290,7 +351,8 @@ def _features_flags():
     try:
       layers = [int(l) for l in FLAGS.layers]
     except ValueError:
-      raise app.UsageError(f'--layers={",".join(FLAGS.layers)}: not integers') from None
+      raise UserError(f'--layers={",".join(FLAGS.layers)}: not integers; give comma-separated '
+                      'layer indices such as -1,-2 (-1 = last layer, 0 = embeddings)') from None
     result = features.extract_features(
         FLAGS.init_checkpoint, FLAGS.input, FLAGS.output, layers=layers,
         max_seq_length=FLAGS.max_seq_length, batch_size=FLAGS.batch_size, pooling=FLAGS.pooling,
@@ -310,18 +372,91 @@ def _usage() -> str:
   return '\n'.join(lines)
 
 
+def _traceback_wanted(args: list[str]) -> bool:
+  """--traceback on the command line or BERT_JAX_TRACEBACK=1 (read before flags are parsed)."""
+  env = os.environ.get('BERT_JAX_TRACEBACK', '').lower() in ('1', 'true', 'yes')
+  return env or any(a in ('--traceback', '--traceback=true', '--traceback=1') for a in args)
+
+
+def user_error_message(error: BaseException) -> str | None:
+  """The message of a mistake the user can fix, or None for a bug (which keeps its traceback)."""
+  if isinstance(error, UserError):
+    return str(error)
+  if isinstance(error, (flags.Error, app.UsageError)):
+    return str(error)
+  if isinstance(error, SyntaxError) and error.filename and not os.path.realpath(
+      error.filename).startswith(os.path.dirname(os.path.realpath(__file__))):
+    # A config file that is not valid Python (ours are).
+    return f'{error.filename}:{error.lineno}: {error.msg}: {(error.text or "").strip()}'
+  return None
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """FLAGS(argv), with a flag mistake raised as a UserError (absl would exit with status 1)."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    # An exception in a config file's get_config() surfaces as a flag error whose message holds
+    # a traceback (ml_collections re-raises it so); the original is further down the chain.
+    chain, cause = [], e.__context__
+    while cause is not None:
+      chain.append(cause)
+      cause = cause.__context__
+    if chain and isinstance(chain[0], UserError) and not str(chain[0]).startswith(
+        'Error whilst parsing config file'):
+      raise UserError(str(chain[0])) from e  # Raised by a flag's parser: its own message.
+    if chain and str(chain[0]).startswith('Error whilst parsing config file'):
+      original = chain[-1]
+      if isinstance(original, UserError):
+        raise UserError(str(original)) from e
+      raise original  # A bug in the config file: its traceback shows where.
+    command = argv[0].split()[-1]
+    missing = re.findall(r'Flag --(\w+) must have a value other than None', str(e))
+    if missing:
+      raise UserError(f'missing required flag(s): {", ".join("--" + m for m in missing)} '
+                      f'(bert-jax {command} --helpshort describes them)') from e
+    raise UserError(f'{e} (bert-jax {command} --helpshort lists the flags)') from e
+  except (KeyError, AttributeError):
+    _explain_config_overrides(argv[1:])
+    raise
+
+
+def _run_command(name: str, args: list[str]) -> None:
+  # Before the flags are defined: defining --config loads its default file and its overrides.
+  _ARGV[:] = [f'bert-jax {name}'] + args
+  flags.DEFINE_bool('traceback', False, 'Show the full traceback of an error (also '
+                    'BERT_JAX_TRACEBACK=1), for a bug report.')
+  try:
+    run = _COMMANDS[name][1]()
+  except (KeyError, AttributeError):  # A --config.a.b override misspelt (default --config).
+    _explain_config_overrides(args)
+    raise
+  app.run(run, argv=list(_ARGV), flags_parser=_parse_flags)
+
+
 def main(argv: list[str] | None = None) -> None:
+  """Runs `bert-jax <command> [--flags]`; a user's mistake exits with one message, status 2."""
   argv = list(sys.argv if argv is None else argv)
   if len(argv) < 2 or argv[1] in ('-h', '--help', 'help'):
     print(_usage())
     sys.exit(0 if len(argv) >= 2 else 2)
   name = argv[1]
   if name not in _COMMANDS:
-    print(f'bert-jax: unknown command {name!r}\n\n{_usage()}', file=sys.stderr)
+    close = difflib.get_close_matches(name, list(_COMMANDS), n=1)
+    hint = f' (did you mean {close[0]!r}?)' if close else ''
+    print(f'bert-jax: unknown command {name!r}{hint}\n\n{_usage()}', file=sys.stderr)
     sys.exit(2)
-  run = _COMMANDS[name][1]()
-  app.run(run, argv=[f'bert-jax {name}'] + argv[2:])
-
+  try:
+    _run_command(name, argv[2:])
+  except Exception as e:  # pylint: disable=broad-except
+    message = user_error_message(e)
+    if message is None:
+      raise
+    if _traceback_wanted(argv[2:]):
+      traceback.print_exc()
+    sys.stderr.flush()
+    print(f'bert-jax {name}: error: {message}', file=sys.stderr, flush=True)
+    sys.exit(2)
 
 if __name__ == '__main__':
   main()

@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 import safetensors.numpy
 
 from bert_jax import model
+from bert_jax.errors import UserError
 
 FORMAT_VERSION = 1
 FORMATS = ('bert_jax', 'hf', 'google')
@@ -193,18 +194,18 @@ def _assemble(tensors: dict, config: model.BertConfig, fmt: str, source: str,
   specs = {p: _source_spec(p, s, fmt) for p, s in shapes.items()}
   present = {_group(p) for p, (name, _, _) in specs.items() if name in tensors}
   if 'bert' not in present:
-    raise ValueError(f'{source}: no BERT encoder tensors (such as '
-                     f'{specs["bert/embeddings/word_embeddings/embedding"][0]!r}); it holds '
-                     f'{_preview(tensors) or "nothing"}')
+    raise UserError(f'{source}: no BERT encoder tensors (such as '
+                    f'{specs["bert/embeddings/word_embeddings/embedding"][0]!r}); it holds '
+                    f'{_preview(tensors) or "nothing"}')
   wanted = {p: spec for p, spec in specs.items() if _group(p) in present}
   missing = [name for name, _, _ in wanted.values() if name not in tensors]
   if missing:
-    raise ValueError(f'{source}: missing {len(missing)} tensor(s) that the config needs: '
-                     f'{_preview(missing)}')
+    raise UserError(f'{source}: missing {len(missing)} tensor(s) that the config needs: '
+                    f'{_preview(missing)}')
   unexpected = set(tensors) - {name for name, _, _ in wanted.values()}
   if unexpected:
-    raise ValueError(f'{source}: unexpected tensor(s) {_preview(unexpected)}; not part of BERT '
-                     f'or of its heads {HEADS}')
+    raise UserError(f'{source}: unexpected tensor(s) {_preview(unexpected)}; not part of BERT '
+                    f'or of its heads {HEADS}')
   flat = {}
   for path, (name, shape, transposed) in wanted.items():
     x = np.asarray(tensors[name])
@@ -212,15 +213,15 @@ def _assemble(tensors: dict, config: model.BertConfig, fmt: str, source: str,
       hint = ''
       if path in ('bert/embeddings/word_embeddings/embedding', 'mlm/output_bias'):
         hint = f' (vocab_size in the config is {config.vocab_size}, the weights have {x.shape[0]})'
-      raise ValueError(f'{source}: tensor {name!r} has shape {x.shape}, the config needs '
-                       f'{shape}{hint}')
+      raise UserError(f'{source}: tensor {name!r} has shape {x.shape}, the config needs '
+                      f'{shape}{hint}')
     if x.dtype.kind != 'f' and x.dtype != ml_dtypes.bfloat16:
-      raise ValueError(f'{source}: tensor {name!r} has dtype {x.dtype}, not floating point')
+      raise UserError(f'{source}: tensor {name!r} has dtype {x.dtype}, not floating point')
     x = x.astype(np.float32)
     flat[path] = np.ascontiguousarray((x.T if transposed else x).reshape(shapes[path]))
   if 'bert/pooler' not in present:
     if not init_missing_pooler:
-      raise ValueError(f'{source}: no pooler ({specs["bert/pooler/kernel"][0]!r})')
+      raise UserError(f'{source}: no pooler ({specs["bert/pooler/kernel"][0]!r})')
     logging.warning('%s has no pooler; initializing it randomly (HF token-classification and '
                     'QA models save none)', source)
     shape = shapes['bert/pooler/kernel']
@@ -247,7 +248,7 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
   except TypeError:
     pass  # numpy has no bfloat16: read the (simple) format ourselves, with ml_dtypes.
   except Exception as e:  # SafetensorError and friends.
-    raise ValueError(f'{path}: not a readable safetensors file: {e}') from e
+    raise UserError(f'{path}: not a readable safetensors file: {e}') from e
   with open(path, 'rb') as f:
     (header_len,) = struct.unpack('<Q', f.read(8))
     header = json.loads(f.read(header_len))
@@ -256,7 +257,7 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
   for name, info in header.items():
     if name != '__metadata__':
       if info['dtype'] not in _SAFETENSORS_DTYPES:
-        raise ValueError(f'{path}: tensor {name!r} has unsupported dtype {info["dtype"]}')
+        raise UserError(f'{path}: tensor {name!r} has unsupported dtype {info["dtype"]}')
       begin, end = info['data_offsets']
       dtype = np.dtype(_SAFETENSORS_DTYPES[info['dtype']]).newbyteorder('<')
       out[name] = np.frombuffer(data[begin:end], dtype).reshape(info['shape']).copy()
@@ -345,7 +346,7 @@ def _read_torch(path: str) -> dict[str, np.ndarray]:
   with zipfile.ZipFile(path) as archive:
     pickles = [n for n in archive.namelist() if n.endswith('data.pkl')]
     if len(pickles) != 1:
-      raise ValueError(f'{path}: not a torch.save archive (found {len(pickles)} data.pkl)')
+      raise UserError(f'{path}: not a torch.save archive (found {len(pickles)} data.pkl)')
     root = os.path.dirname(pickles[0])
     byteorder = f'{root}/byteorder'
     big_endian = (byteorder in archive.namelist() and
@@ -354,9 +355,9 @@ def _read_torch(path: str) -> dict[str, np.ndarray]:
       try:
         state = _TorchUnpickler(f, archive, root, big_endian, path).load()
       except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
-        raise ValueError(f'{path}: cannot read PyTorch file: {e}') from e
+        raise UserError(f'{path}: cannot read PyTorch file: {e}') from e
   if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
-    raise ValueError(f'{path}: does not hold a state dict of tensors')
+    raise UserError(f'{path}: does not hold a state dict of tensors')
   return dict(state)
 
 
@@ -366,8 +367,8 @@ def _read_torch_legacy(path: str) -> dict[str, np.ndarray]:
   except ImportError:
     torch = None
   if torch is None:
-    raise ValueError(f'{path} is a legacy (pre-zip) PyTorch file, which needs torch to read; '
-                     'install torch or convert it to model.safetensors')
+    raise UserError(f'{path} is a legacy (pre-zip) PyTorch file, which needs torch to read; '
+                    'install torch or convert it to model.safetensors')
   state = torch.load(path, map_location='cpu', weights_only=True)
   return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
 
@@ -376,18 +377,18 @@ def _read_sharded(index_file: str, read) -> dict[str, np.ndarray]:
   with open(index_file) as f:
     weight_map = json.load(f).get('weight_map')
   if not isinstance(weight_map, dict):
-    raise ValueError(f'{index_file}: no weight_map')
+    raise UserError(f'{index_file}: no weight_map')
   tensors = {}
   for shard in sorted(set(weight_map.values())):
     part = read(os.path.join(os.path.dirname(index_file), shard))
     twice = set(part) & set(tensors)
     if twice:
-      raise ValueError(f'{index_file}: tensors in more than one shard: {_preview(twice)}')
+      raise UserError(f'{index_file}: tensors in more than one shard: {_preview(twice)}')
     tensors.update(part)
   missing = set(weight_map) - set(tensors)
   if missing:
-    raise ValueError(f'{index_file}: tensors listed but not in their shards: '
-                     f'{_preview(missing)}')
+    raise UserError(f'{index_file}: tensors listed but not in their shards: '
+                    f'{_preview(missing)}')
   return tensors
 
 
@@ -413,7 +414,7 @@ def _read_hf(path: str) -> tuple[dict[str, np.ndarray], str]:
       raw = _read_sharded(file, read) if sharded else read(file)
       break
   else:
-    raise ValueError(f'{path}: no {" or ".join(n for n, _, _ in _HF_WEIGHTS)}')
+    raise UserError(f'{path}: no {" or ".join(n for n, _, _ in _HF_WEIGHTS)}')
   tensors = {}
   for name, x in raw.items():
     if name.endswith('embeddings.position_ids'):  # A buffer (arange), not a weight.
@@ -424,8 +425,8 @@ def _read_hf(path: str) -> tuple[dict[str, np.ndarray], str]:
     canonical = re.sub(r'LayerNorm\.gamma$', 'LayerNorm.weight', canonical)
     canonical = re.sub(r'LayerNorm\.beta$', 'LayerNorm.bias', canonical)
     if canonical in tensors:
-      raise ValueError(f'{file}: {name!r} appears twice (with and without a prefix or as '
-                       'gamma/beta and weight/bias)')
+      raise UserError(f'{file}: {name!r} appears twice (with and without a prefix or as '
+                      'gamma/beta and weight/bias)')
     tensors[canonical] = x
   # The MLM decoder is tied to the word embeddings (and its bias to cls.predictions.bias):
   # HF usually leaves it out; when present it must be a copy.
@@ -433,14 +434,14 @@ def _read_hf(path: str) -> tuple[dict[str, np.ndarray], str]:
   embeddings = tensors.get('bert.embeddings.word_embeddings.weight')
   if decoder is not None and (embeddings is None or decoder.shape != embeddings.shape or
                               not np.array_equal(decoder, embeddings)):
-    raise ValueError(f'{file}: cls.predictions.decoder.weight differs from '
-                     'bert.embeddings.word_embeddings.weight; this BERT ties them')
+    raise UserError(f'{file}: cls.predictions.decoder.weight differs from '
+                    'bert.embeddings.word_embeddings.weight; this BERT ties them')
   decoder_bias = tensors.pop('cls.predictions.decoder.bias', None)
   if decoder_bias is not None:
     bias = tensors.setdefault('cls.predictions.bias', decoder_bias)
     if bias.shape != decoder_bias.shape or not np.array_equal(bias, decoder_bias):
-      raise ValueError(f'{file}: cls.predictions.decoder.bias differs from '
-                       'cls.predictions.bias; HF ties them')
+      raise UserError(f'{file}: cls.predictions.decoder.bias differs from '
+                      'cls.predictions.bias; HF ties them')
   return tensors, file
 
 
@@ -485,11 +486,11 @@ def _read_google(prefix: str) -> dict[str, np.ndarray]:
   try:
     reader = tf.train.load_checkpoint(prefix)
   except Exception as e:  # TF raises several types for a bad or missing checkpoint.
-    raise ValueError(f'{prefix}: cannot read TF checkpoint: {e}') from e
+    raise UserError(f'{prefix}: cannot read TF checkpoint: {e}') from e
   names = sorted(reader.get_variable_to_shape_map())
   if any('.ATTRIBUTES' in n for n in names):
-    raise ValueError(f'{prefix}: an object-based (TF2 / Model Garden) checkpoint; only the '
-                     "original name-based BERT checkpoints ('bert/encoder/...') are supported")
+    raise UserError(f'{prefix}: an object-based (TF2 / Model Garden) checkpoint; only the '
+                    "original name-based BERT checkpoints ('bert/encoder/...') are supported")
   ignored = [n for n in names if _TF_IGNORED.fullmatch(n)]
   logging.debug('%s: ignoring %d non-weight variables: %s', prefix, len(ignored), ignored)
   return {n: np.asarray(reader.get_tensor(n)) for n in names if not _TF_IGNORED.fullmatch(n)}
@@ -506,18 +507,18 @@ def _google_prefix(path: str) -> str | None:
       return os.path.join(path, latest[1])
   indexes = _glob(os.path.join(path, '*.index'))
   if len(indexes) > 1:
-    raise ValueError(f'{path}: several TF checkpoints ({_preview(map(os.path.basename, indexes))})'
-                     '; pass the prefix of one')
+    raise UserError(f'{path}: several TF checkpoints ({_preview(map(os.path.basename, indexes))})'
+                    '; pass the prefix of one')
   return indexes[0][:-len('.index')] if indexes else None
 
 
 def _read_config(path: str) -> model.BertConfig:
   if not _exists(path):
-    raise ValueError(f'{path}: no such config file')
+    raise UserError(f'{path}: no such config file')
   try:
     d = json.loads(_read_text(path))
   except json.JSONDecodeError as e:
-    raise ValueError(f'{path}: not valid JSON: {e}') from e
+    raise UserError(f'{path}: not valid JSON: {e}') from e
   # HF configs carry their own `dtype` (and could carry others): how to run is ours to say.
   run_fields = ('dtype', 'scan_layers', 'remat_policy', 'attention_impl')
   return model.BertConfig.from_dict({k: v for k, v in d.items() if k not in run_fields},
@@ -527,7 +528,7 @@ def _read_config(path: str) -> model.BertConfig:
 def _read_bert_jax(path: str) -> dict[str, np.ndarray]:
   params_dir = os.path.abspath(os.path.join(path, 'params'))
   if not os.path.isdir(params_dir):
-    raise ValueError(f'{path}: no params/ directory')
+    raise UserError(f'{path}: no params/ directory')
   with ocp.StandardCheckpointer() as checkpointer:
     tree = checkpointer.restore(params_dir)
   return {p: np.asarray(x) for p, x in _flatten(tree).items()}
@@ -551,9 +552,9 @@ def _detect(path: str) -> tuple[str, str]:
       prefix = _google_prefix(path)
       if prefix:
         return 'google', prefix
-      raise ValueError(f'{path}: neither a training workdir (checkpoints/) nor a Google TF '
-                       'checkpoint; copy other checkpoints to a local directory first '
-                       '(gsutil -m cp -r)')
+      raise UserError(f'{path}: neither a training workdir (checkpoints/) nor a Google TF '
+                      'checkpoint; copy other checkpoints to a local directory first '
+                      '(gsutil -m cp -r)')
     if os.path.exists(os.path.join(path, 'bert_jax.json')):
       return 'bert_jax', path
     if os.path.exists(os.path.join(path, 'config.json')) and _hf_weights_file(path):
@@ -561,7 +562,7 @@ def _detect(path: str) -> tuple[str, str]:
     prefix = _google_prefix(path)
     if prefix:
       return 'google', prefix
-    raise ValueError(
+    raise UserError(
         f'{path}: not a checkpoint directory; expected bert_jax.json + params/ (bert_jax), '
         'config.json + model.safetensors or pytorch_model.bin (Hugging Face), bert_config.json + '
         f'bert_model.ckpt.index (Google) or checkpoints/ (a training workdir); it holds '
@@ -569,7 +570,7 @@ def _detect(path: str) -> tuple[str, str]:
   prefix = path[:-len('.index')] if path.endswith('.index') else path
   if _exists(prefix + '.index'):
     return 'google', prefix
-  raise ValueError(f'{path}: no such directory or TF checkpoint ({prefix}.index)')
+  raise UserError(f'{path}: no such directory or TF checkpoint ({prefix}.index)')
 
 
 def find_vocab(path: str) -> str | None:
@@ -590,8 +591,8 @@ def _read_vocab(vocab_file: str) -> list[str]:
 def _check_vocab(config: model.BertConfig, vocab_file: str) -> None:
   size = len(_read_vocab(vocab_file))
   if size > config.vocab_size:
-    raise ValueError(f'{vocab_file} has {size} tokens but vocab_size is {config.vocab_size}: '
-                     'the tokenizer would produce ids the embeddings do not have')
+    raise UserError(f'{vocab_file} has {size} tokens but vocab_size is {config.vocab_size}: '
+                    'the tokenizer would produce ids the embeddings do not have')
   if size < config.vocab_size:
     # Not an error: vocabularies padded to a multiple of 8 (NVIDIA's BERT) look like this.
     logging.warning('%s has %d tokens, fewer than vocab_size %d', vocab_file, size,
@@ -682,7 +683,7 @@ def _export_tree(config: model.BertConfig, params: dict) -> tuple[dict, list[str
 
 def _empty_dir(out_dir: str) -> str:
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-    raise ValueError(f'{out_dir}: output directory exists and is not empty')
+    raise UserError(f'{out_dir}: output directory exists and is not empty')
   os.makedirs(out_dir, exist_ok=True)
   return out_dir
 
@@ -778,7 +779,7 @@ def export_bert_jax(config: model.BertConfig, params: dict, out_dir: str,
 def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
   """`bert-jax convert`: any readable checkpoint -> `fmt` ('bert_jax', 'hf' or 'google')."""
   if fmt not in FORMATS:
-    raise ValueError(f'--format={fmt!r} is not one of {FORMATS}')
+    raise UserError(f'--format={fmt!r} is not one of {FORMATS}')
   config, params = load_pretrained(input_path)
   vocab = find_vocab(input_path)
   lower_case = read_metadata(input_path).get('lower_case')

@@ -54,6 +54,8 @@ def pretrain() -> ml_collections.ConfigDict:
   config.data.phase_eval_inputs = ''
   # Text feature of a TFDS dataset (for example 'text' for wikipedia).
   config.data.tfds_text_key = 'text'
+  # TFDS data_dir of 'tfds:' inputs (prepared datasets; never downloaded); '' = TFDS's default.
+  config.data.tfds_data_dir = ''
   # WordPiece vocab.txt or SentencePiece .model; '' = train one from the input (smoke runs).
   config.data.vocab_file = ''
   config.data.lower_case = True
@@ -67,6 +69,9 @@ def pretrain() -> ml_collections.ConfigDict:
   config.data.objective = 'nsp'
   config.data.whole_word_masking = False
   config.data.shuffle_buffer = 10_000
+  # Documents tokenized and paired together: more amortize tf.data's per-op overhead and give
+  # NotNext more documents to draw from; changing it changes the example stream.
+  config.data.docs_per_batch = 64
   config.data.seed = 0
 
   # ---- Training --------------------------------------------------------------------------
@@ -140,12 +145,9 @@ def pretrain() -> ml_collections.ConfigDict:
   # Console progress bar (off when stdout is not a terminal unless forced).
   config.log.progress = True
 
-  # ---- Multi-host ------------------------------------------------------------------------
-  config.distributed = ml_collections.ConfigDict()
-  # 'auto' initializes jax.distributed on Cloud TPU / SLURM / when a coordinator is given.
-  config.distributed.coordinator_address = ''
-  config.distributed.num_processes = 0
-  config.distributed.process_id = -1
+  # Multi-host runs are set up by flags of `bert-jax pretrain` (--coordinator_address,
+  # --num_processes, --process_id, --distributed), not config keys: they describe the launch,
+  # and the same config runs on any number of hosts.
 
   return config
 

@@ -11,12 +11,14 @@ unfinished document, so no document spans two files and nothing leaves the tf.da
 Invalid UTF-8 becomes U+FFFD instead of failing.
 """
 
+import difflib
 import re
 
 import ml_collections
 import tensorflow as tf
 
 from bert_jax import sample_corpus
+from bert_jax.errors import UserError
 
 # One document in HOLDOUT_MODULUS (by id) is held out for evaluation.
 HOLDOUT_MODULUS = 100
@@ -47,12 +49,12 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
   """Files of comma-separated paths or globs, each pattern sorted; errors name the pattern."""
   patterns = _split_spec(spec)
   if not patterns:
-    raise ValueError(f'{flag} is empty')
+    raise UserError(f'{flag} is empty')
   files = []
   for pattern in patterns:
     matched = sorted(tf.io.gfile.glob(pattern))
     if not matched:
-      raise FileNotFoundError(f'{flag}: {pattern!r} matches no file')
+      raise UserError(f'{flag}: {pattern!r} matches no file')
     files += matched
   return files
 
@@ -160,7 +162,7 @@ def parse_tfds(spec: str) -> tuple[str, str]:
   """'tfds:NAME[/CONFIG][:SPLIT]' -> (NAME[/CONFIG], SPLIT or 'train')."""
   name, _, split = spec[len('tfds:'):].partition(':')
   if not name:
-    raise ValueError(f'{spec!r}: expected tfds:NAME[/CONFIG][:SPLIT]')
+    raise UserError(f'{spec!r}: expected tfds:NAME[/CONFIG][:SPLIT]')
   return name, split or 'train'
 
 
@@ -169,16 +171,26 @@ def tfds_documents(spec: str, data: ml_collections.ConfigDict, *, holdout: bool 
                    process_count: int = 1) -> tf.data.Dataset:
   """One pass over the articles of a TFDS split (feature data.tfds_text_key), as documents.
 
-  Processes read disjoint even sub-splits; data.tfds_data_dir (optional) is the TFDS data_dir.
+  Processes read disjoint even sub-splits; data.tfds_data_dir is the TFDS data_dir ('' = default).
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   name, split = parse_tfds(spec)
-  builder = tfds.builder(name, data_dir=data.get('tfds_data_dir', None) or None)
+  try:
+    builder = tfds.builder(name, data_dir=data.tfds_data_dir or None)
+  except tfds.core.registered.DatasetNotFoundError as e:
+    close = difflib.get_close_matches(name.split('/')[0], tfds.list_builders(), n=1)
+    raise UserError(f'{spec!r}: TFDS has no dataset {name!r}'
+                    + (f' (did you mean {close[0]!r}?)' if close else '')) from e
+  if not builder.is_prepared():
+    raise UserError(f'{spec!r}: TFDS dataset {name} is not prepared in '
+                    f'{data.tfds_data_dir or "the default TFDS data_dir"} (bert_jax never '
+                    'downloads): prepare it with `tfds build`, or set data.tfds_data_dir to '
+                    'where it is')
   key = data.tfds_text_key
   features = builder.info.features
   if key not in features:
-    raise ValueError(f'data.tfds_text_key={key!r} is not a feature of {name}: '
-                     f'{sorted(features.keys())}')
+    raise UserError(f'data.tfds_text_key={key!r} is not a feature of {name}: '
+                    f'{sorted(features.keys())}')
   if process_count > 1:
     split = tfds.even_splits(split, n=process_count, drop_remainder=False)[process_index]
   read_config = tfds.ReadConfig(shuffle_seed=seed, shuffle_reshuffle_each_iteration=True,
@@ -203,7 +215,7 @@ def require_element(ds: tf.data.Dataset, message: str) -> None:
   """Reads one element eagerly: an empty input fails here, not as a silent empty stream."""
   for _ in ds.take(1):
     return
-  raise ValueError(message)
+  raise UserError(message)
 
 
 def text_lines(spec: str, data: ml_collections.ConfigDict):

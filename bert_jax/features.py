@@ -38,6 +38,7 @@ import numpy as np
 
 from bert_jax import glue
 from bert_jax import model as model_lib
+from bert_jax.errors import UserError
 
 POOLINGS = ('cls', 'mean')
 _CHUNK_BATCHES = 50  # Lines are processed (and JSONL written) in chunks of this many batches.
@@ -46,7 +47,7 @@ _CHUNK_BATCHES = 50  # Lines are processed (and JSONL written) in chunks of this
 def read_input(path: str) -> list[tuple[int, str, str | None]]:
   """(line number, text_a, text_b or None) of every non-blank line; ' ||| ' splits a pair."""
   if not os.path.isfile(path):
-    raise FileNotFoundError(f'--input: no file {path}')
+    raise UserError(f'--input: no file {path}')
   lines, blank = [], 0
   with open(path, encoding='utf-8') as f:
     for number, line in enumerate(f, 1):
@@ -59,7 +60,7 @@ def read_input(path: str) -> list[tuple[int, str, str | None]]:
   if blank:
     logging.warning('%s: skipped %d blank lines', path, blank)
   if not lines:
-    raise ValueError(f'{path}: no text (the file is empty{" or blank" if blank else ""})')
+    raise UserError(f'{path}: no text (the file is empty{" or blank" if blank else ""})')
   return lines
 
 
@@ -70,11 +71,11 @@ def resolve_layers(layers: Sequence[int], num_layers: int) -> list[int]:
   for layer in layers:
     layer = int(layer)
     if not -num_layers - 1 <= layer <= num_layers:
-      raise ValueError(f'--layers: {layer} is out of range for a {num_layers}-layer model (0 = '
-                       f'embeddings, 1..{num_layers}, or -1..-{num_layers} from the top)')
+      raise UserError(f'--layers: {layer} is out of range for a {num_layers}-layer model (0 = '
+                      f'embeddings, 1..{num_layers}, or -1..-{num_layers} from the top)')
     out.append(layer if layer >= 0 else num_layers + 1 + layer)
   if not out:
-    raise ValueError('--layers: no layers')
+    raise UserError('--layers: no layers')
   return out
 
 
@@ -133,19 +134,19 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
 
   suffix = os.path.splitext(output)[1]
   if suffix not in ('.jsonl', '.npz', '.npy'):
-    raise ValueError(f'--output={output}: the name must end in .jsonl, .npz or .npy')
+    raise UserError(f'--output={output}: the name must end in .jsonl, .npz or .npy')
   unknown = sorted(set(pooling) - set(POOLINGS))
   if unknown:
-    raise ValueError(f'pooling {unknown} not in {POOLINGS}')
+    raise UserError(f'pooling {unknown} not in {POOLINGS}')
   if batch_size < 1:
-    raise ValueError(f'batch_size must be positive, got {batch_size}')
+    raise UserError(f'batch_size must be positive, got {batch_size}')
   lines = read_input(input_file)  # Before the (slow) checkpoint: a wrong path fails at once.
   train_lib.hide_accelerators_from_tf()
   config, params, tok, _, _ = finetune.load_checkpoint(init_checkpoint, vocab_file, lower_case,
                                                        flag='--init_checkpoint')
   if not 2 < max_seq_length <= config.max_position_embeddings:
-    raise ValueError(f'--max_seq_length={max_seq_length} must be in [3, '
-                     f'{config.max_position_embeddings}] (the model\'s max_position_embeddings)')
+    raise UserError(f'--max_seq_length={max_seq_length} must be in [3, '
+                    f'{config.max_position_embeddings}] (the model\'s max_position_embeddings)')
   config = config.replace(dtype=train_lib.compute_dtype(dtype), scan_layers=False)
   chosen = resolve_layers(layers, config.num_hidden_layers)
   encoded = _encode(tok, lines, max_seq_length)

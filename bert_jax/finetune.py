@@ -52,6 +52,7 @@ from bert_jax import squad
 from bert_jax import tasks
 from bert_jax import train as train_lib
 from bert_jax import train_state as state_lib
+from bert_jax.errors import UserError
 
 PREDICTIONS_DIR = 'predictions'
 
@@ -70,19 +71,19 @@ def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = N
   """
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top  (TensorFlow)
   if not path:
-    raise ValueError(f'{flag} is empty: name a pre-trained checkpoint (bert_jax, Hugging Face, '
-                     'Google TF, or a training workdir)')
+    raise UserError(f'{flag} is empty: name a pre-trained checkpoint (bert_jax, Hugging Face, '
+                    'Google TF, or a training workdir)')
   bert_config, params = convert.load_pretrained(path, scan_layers=scan_layers)
   vocab = vocab_file or convert.find_vocab(path)
   if not vocab:
-    raise ValueError(f'{flag}={path} has no vocab.txt next to it; set the vocab_file')
+    raise UserError(f'{flag}={path} has no vocab.txt next to it; set the vocab_file')
   if lower_case is None:
     lower_case = convert.read_metadata(path).get('lower_case')
     if lower_case is None:
-      raise ValueError(f'{flag}={path} does not say whether it is cased; set lower_case')
+      raise UserError(f'{flag}={path} does not say whether it is cased; set lower_case')
   tok = tokenization.load_tokenizer(vocab, lower_case=lower_case)
   if tok.vocab_size > bert_config.vocab_size:
-    raise ValueError(
+    raise UserError(
         f'{vocab} has {tok.vocab_size} tokens but {flag}={path} has vocab_size '
         f'{bert_config.vocab_size} (bert/embeddings/word_embeddings/embedding is '
         f'[{bert_config.vocab_size}, {bert_config.hidden_size}]): use the vocabulary the '
@@ -108,8 +109,8 @@ def task_kind(task: str) -> str:
   try:
     metrics.canonical_task(task)
   except ValueError:
-    raise ValueError(f'config.task={task!r}: expected a GLUE task, squad_v1, squad_v2 or '
-                     'ner') from None
+    raise UserError(f'config.task={task!r}: expected a GLUE task, squad_v1, squad_v2 or '
+                    'ner') from None
   return 'glue'
 
 
@@ -125,8 +126,8 @@ def build_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Be
     task = ner.make_task(config, tok, bert_config)
   if config.eval.main_metric:
     if config.eval.main_metric not in task.metric_names:
-      raise ValueError(f'config.eval.main_metric={config.eval.main_metric!r} is not a metric of '
-                       f'{config.task}: {list(task.metric_names)}')
+      raise UserError(f'config.eval.main_metric={config.eval.main_metric!r} is not a metric of '
+                      f'{config.task}: {list(task.metric_names)}')
     task.main_metric = config.eval.main_metric
   return task
 
@@ -250,8 +251,8 @@ def _check_same_tree(loaded: Any, abstract: Any, path: str) -> None:
           for k, v in jax.tree_util.tree_leaves_with_path(loaded)}
   if want != have:
     diff = sorted(set(want.items()) ^ set(have.items()))[:6]
-    raise ValueError(f'init_checkpoint={path}: its encoder does not match the model; '
-                     f'differing (name, shape): {diff}')
+    raise UserError(f'init_checkpoint={path}: its encoder does not match the model; '
+                    f'differing (name, shape): {diff}')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,11 +301,11 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   workdir = os.path.abspath(os.path.expanduser(workdir))
   is_main = jax.process_index() == 0
   if ckpt_steps := ckpt_lib.checkpoint_steps(workdir):
-    raise ValueError(f'{workdir} already holds a fine-tuned checkpoint (step {ckpt_steps[-1]}); '
-                     'fine-tuning does not resume: use a new --workdir')
+    raise UserError(f'{workdir} already holds a fine-tuned checkpoint (step {ckpt_steps[-1]}); '
+                    'fine-tuning does not resume: use a new --workdir')
   os.makedirs(workdir, exist_ok=True)
   if config.train.epochs < 1:
-    raise ValueError(f'config.train.epochs={config.train.epochs} must be at least 1')
+    raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')
 
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
@@ -318,8 +319,8 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       config.init_checkpoint, config.vocab_file, config.lower_case, config.model.scan_layers,
       flag='config.init_checkpoint')
   if config.max_seq_length > pre_config.max_position_embeddings:
-    raise ValueError(f'config.max_seq_length={config.max_seq_length} exceeds the checkpoint\'s '
-                     f'max_position_embeddings={pre_config.max_position_embeddings}')
+    raise UserError(f'config.max_seq_length={config.max_seq_length} exceeds the checkpoint\'s '
+                    f'max_position_embeddings={pre_config.max_position_embeddings}')
   bert_config = pre_config.replace(
       dtype=train_lib.compute_dtype(config.model.dtype),
       hidden_dropout_prob=config.model.hidden_dropout_prob,
@@ -483,8 +484,8 @@ def _buckets(values) -> tuple[int, ...]:
   except (TypeError, ValueError):
     buckets = None
   if buckets is None or any(b < 1 for b in buckets):
-    raise ValueError(f'config.buckets={tuple(values)!r}: expected positive sequence lengths, '
-                     "e.g. --config.buckets=32,64,128, or --config.buckets='()' for none")
+    raise UserError(f'config.buckets={tuple(values)!r}: expected positive sequence lengths, '
+                    "e.g. --config.buckets=32,64,128, or --config.buckets='()' for none")
   return buckets
 
 
@@ -493,7 +494,7 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
   """The paper's search: one fine-tuning run per learning rate in `workdir/lr_<lr>`; the best
   dev score and its rate (also written to `workdir/sweep.json`)."""
   if not learning_rates:
-    raise ValueError('sweep: no learning rates')
+    raise UserError('sweep: no learning rates')
   runs = {}
   for lr in learning_rates:
     run_config = copy.deepcopy(config)

@@ -21,6 +21,7 @@ import numpy as np
 from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import tasks
+from bert_jax.errors import UserError
 
 # ---------------------------------------------------------------------------------------------
 # Tasks
@@ -103,7 +104,7 @@ def _split(name: str, spec: _Task, split: str) -> str:
   if name == 'mnli' and split in ('dev', 'test'):
     split += '_matched'  # The leaderboard's headline MNLI number is the matched one.
   if split not in spec.files:
-    raise ValueError(f'GLUE task {name!r} has no split {split!r}; known: {sorted(spec.files)}')
+    raise UserError(f'GLUE task {name!r} has no split {split!r}; known: {sorted(spec.files)}')
   return split
 
 
@@ -131,7 +132,7 @@ def _read_rows(path: str) -> Iterator[tuple[int, list[str]]]:
 
 def _column(header: list[str], name: str, path: str) -> int:
   if name not in header:
-    raise ValueError(f'{path}: header (line 1) has no column {name!r}; it has {header}')
+    raise UserError(f'{path}: header (line 1) has no column {name!r}; it has {header}')
   return header.index(name)
 
 
@@ -151,9 +152,9 @@ def read_task(task: str, data_dir: str, split: str,
   split = _split(name, spec, split)
   path = os.path.join(data_dir, spec.directory, spec.files[split])
   if not os.path.exists(path):
-    raise FileNotFoundError(f'GLUE {name} {split}: no file {path} (expected the layout of '
-                            f'download_glue_data.py: <data_dir>/{spec.directory}/'
-                            f'{spec.files[split]})')
+    raise UserError(f'GLUE {name} {split}: no file {path} (expected the layout of '
+                    f'download_glue_data.py: <data_dir>/{spec.directory}/'
+                    f'{spec.files[split]})')
   skip = spec.skip_malformed if skip_malformed is None else skip_malformed
   is_test = split.startswith('test')
   rows = _read_rows(path)
@@ -165,7 +166,7 @@ def read_task(task: str, data_dir: str, split: str,
     try:
       _, header = next(rows)
     except StopIteration:
-      raise ValueError(f'{path}: empty file (expected a header line)') from None
+      raise UserError(f'{path}: empty file (expected a header line)') from None
     n_columns = len(header)
     a = _column(header, (spec.test_text_a if is_test and spec.test_text_a else spec.text_a), path)
     b = None if spec.text_b is None else _column(header, spec.text_b, path)
@@ -178,8 +179,8 @@ def read_task(task: str, data_dir: str, split: str,
       if skip:
         skipped.append(number)
         continue
-      raise ValueError(f'{path}:{number}: expected {n_columns} tab-separated columns, got '
-                       f'{len(row)} (pass skip_malformed=True to skip such rows)')
+      raise UserError(f'{path}:{number}: expected {n_columns} tab-separated columns, got '
+                      f'{len(row)}: fix or delete that line')
     value = None
     if label is not None:
       value = row[label]
@@ -187,18 +188,18 @@ def read_task(task: str, data_dir: str, split: str,
         try:
           value = float(value)
         except ValueError:
-          raise ValueError(f'{path}:{number}: score {value!r} is not a number') from None
+          raise UserError(f'{path}:{number}: score {value!r} is not a number') from None
       elif value not in spec.labels:
-        raise ValueError(f'{path}:{number}: unknown label {value!r} for {name}; expected one of '
-                         f'{list(spec.labels)}')
+        raise UserError(f'{path}:{number}: unknown label {value!r} for {name}; expected one of '
+                        f'{list(spec.labels)}')
     guid = f'{split}-{row[row_id] if row_id is not None else len(examples)}'
     examples.append(Example(guid, row[a], None if b is None else row[b], value))
   if skipped:
     logging.warning('%s: skipped %d malformed rows (wrong number of columns), lines %s%s',
                     path, len(skipped), skipped[:10], ' ...' if len(skipped) > 10 else '')
   if not examples:
-    raise ValueError(f'{path}: no examples (file has no data rows'
-                     f'{f", {len(skipped)} malformed rows skipped" if skipped else ""})')
+    raise UserError(f'{path}: no examples (file has no data rows'
+                    f'{f", {len(skipped)} malformed rows skipped" if skipped else ""})')
   logging.info('%s: %d examples', path, len(examples))
   return examples
 
@@ -239,12 +240,12 @@ def read_tfds(task: str, split: str, data_dir: str | None = None) -> list[Exampl
       else:
         label = label_names[int(row['label'])]
         if label not in spec.labels:
-          raise ValueError(f'TFDS glue/{name}: label {label!r} not in {list(spec.labels)}')
+          raise UserError(f'TFDS glue/{name}: label {label!r} not in {list(spec.labels)}')
     examples.append(Example(
         f'{split}-{int(row["idx"])}', row[key_a].decode('utf-8'),
         None if key_b is None else row[key_b].decode('utf-8'), label))
   if not examples:
-    raise ValueError(f'TFDS glue/{name} split {split!r} is empty')
+    raise UserError(f'TFDS glue/{name} split {split!r} is empty')
   return examples
 
 
@@ -301,7 +302,7 @@ def convert_examples(examples: Sequence[Example], tok, max_seq_length: int,
     raise ValueError('convert_examples: no examples')
   has_pairs = any(e.text_b is not None for e in examples)
   if max_seq_length < (3 if has_pairs else 2) + 1:
-    raise ValueError(f'max_seq_length={max_seq_length} leaves no room for text')
+    raise UserError(f'max_seq_length={max_seq_length} leaves no room for text')
   label_map = None if label_list is None else {l: i for i, l in enumerate(label_list)}
   n = len(examples)
   encoded_a = encode_in_chunks(tok, [e.text_a for e in examples])
@@ -357,7 +358,7 @@ def _bucket_plan(features, batch_size, buckets, shuffle, seed, window_batches, d
                  ) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int]]]:
   arrays, n, length = _batchable(features)
   if batch_size < 1:
-    raise ValueError(f'batch_size must be positive, got {batch_size}')
+    raise UserError(f'batch_size must be positive, got {batch_size}')
   sizes = sorted({min(int(b), length) for b in buckets} | {length})
   lengths = arrays['input_mask'].sum(1)
   rng = np.random.default_rng(seed)
@@ -483,17 +484,17 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   if name in ('mnli_matched', 'mnli_mismatched'):
     name = 'mnli'
   if name == 'ax':
-    raise ValueError("config.task='ax' is test-only: fine-tune 'mnli' with "
-                     'config.predict_test=True, which also writes AX.tsv')
+    raise UserError("config.task='ax' is test-only: fine-tune 'mnli' with "
+                    'config.predict_test=True, which also writes AX.tsv')
   label_list, metric_names = task_info(name)
   if config.data_source == 'tsv':
     if not config.data_dir:
-      raise ValueError('config.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
+      raise UserError('config.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
     read = lambda task, split: read_task(task, config.data_dir, split)
   elif config.data_source == 'tfds':
     read = lambda task, split: read_tfds(task, split, config.tfds_data_dir or None)
   else:
-    raise ValueError(f"config.data_source={config.data_source!r}: expected 'tsv' or 'tfds'")
+    raise UserError(f"config.data_source={config.data_source!r}: expected 'tsv' or 'tfds'")
 
   def convert_split(task, split):
     return convert_examples(read(task, split), tok, config.max_seq_length, label_list)

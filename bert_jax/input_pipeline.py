@@ -6,7 +6,7 @@ position, shuffle buffers included, can be saved and restored exactly (`make_ite
 Text path, per process:
   documents (`documents.py`: files i::n of n processes, blank-line separated, held-out share
   by document hash) -> [train: repeat, shuffle (data.shuffle_buffer documents)]
-  -> batches of DOCS_PER_BATCH documents -> tokenize (`tokenization.load_tokenizer`)
+  -> batches of data.docs_per_batch documents -> tokenize (`tokenization.load_tokenizer`)
   -> sentence pairs or packed sequences (`pairing.py`) -> [train: shuffle (data.shuffle_buffer
   examples)] -> batches -> dynamic masking (`masking.py`) -> the original feature dict.
 
@@ -42,13 +42,11 @@ from bert_jax import masking
 from bert_jax import pairing
 from bert_jax import sample_corpus
 from bert_jax import tokenization
+from bert_jax.errors import UserError
 
 FEATURES = ('input_ids', 'input_mask', 'segment_ids', 'masked_lm_positions', 'masked_lm_ids',
             'masked_lm_weights', 'next_sentence_labels')
 OBJECTIVES = ('nsp', 'sop', 'none')
-# Documents tokenized and paired together (data.docs_per_batch overrides): more amortize
-# per-op overhead better and give NotNext more documents to draw from.
-DOCS_PER_BATCH = 64
 # How many characters of text a vocabulary is trained on at most (data.vocab_file empty).
 _VOCAB_TRAINING_CHARS = 200_000_000
 
@@ -259,16 +257,16 @@ def check_tfrecord(path: str, seq_len: int, max_predictions: int) -> None:
     example = tf.train.Example.FromString(record.numpy())
     for name, (size, dtype) in _record_spec(seq_len, max_predictions).items():
       if name not in example.features.feature:
-        raise ValueError(f'{path}: the records have no feature {name!r}; expected the '
-                         f'features of create_pretraining_data.py: {list(FEATURES)}')
+        raise UserError(f'{path}: the records have no feature {name!r}; expected the '
+                        f'features of create_pretraining_data.py: {list(FEATURES)}')
       feature = example.features.feature[name]
       values = (feature.float_list.value if dtype == tf.float32 else feature.int64_list.value)
       if len(values) != size:
         setting = 'seq_len' if size == seq_len and 'masked' not in name else 'max_predictions'
         if name == 'next_sentence_labels':
           setting = 'one label per example'
-        raise ValueError(f'{path}: feature {name!r} has {len(values)} values, but '
-                         f'{setting} asks for {size}')
+        raise UserError(f'{path}: feature {name!r} has {len(values)} values, but '
+                        f'{setting} asks for {size}')
 
 
 def _zero_record(seq_len: int, max_predictions: int) -> bytes:
@@ -359,15 +357,15 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
   """
   hide_accelerators_from_tf()
   if seq_len < 8:
-    raise ValueError(f'seq_len={seq_len} is too short for [CLS] A [SEP] B [SEP]: use >= 8')
+    raise UserError(f'seq_len={seq_len} is too short for [CLS] A [SEP] B [SEP]: use >= 8')
   if not 1 <= max_predictions <= seq_len:
-    raise ValueError(f'max_predictions={max_predictions} must lie in [1, seq_len={seq_len}]')
+    raise UserError(f'max_predictions={max_predictions} must lie in [1, seq_len={seq_len}]')
   if batch_size < 1:
-    raise ValueError(f'batch_size={batch_size} must be positive')
+    raise UserError(f'batch_size={batch_size} must be positive')
   if not 0 <= process_index < process_count:
     raise ValueError(f'process_index={process_index} is not in [0, {process_count})')
   if data.objective not in OBJECTIVES:
-    raise ValueError(f'data.objective={data.objective!r} is not one of {OBJECTIVES}')
+    raise UserError(f'data.objective={data.objective!r} is not one of {OBJECTIVES}')
   seed = int(data.seed if seed is None else seed)
   common = dict(batch_size=batch_size, seq_len=seq_len, max_predictions=max_predictions,
                 train=train, process_index=process_index, process_count=process_count,
@@ -376,14 +374,14 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
   kinds = {documents.input_kind(s) for s in inputs}
   if 'tfrecord' in kinds:
     if kinds != {'tfrecord'}:
-      raise ValueError(f'data.input={data.input!r} and data.eval_input={data.eval_input!r} '
-                       'mix TFRecords and text')
+      raise UserError(f'data.input={data.input!r} and data.eval_input={data.eval_input!r} '
+                      'mix TFRecords and text')
     ds = _tfrecord_dataset(data, **common)
   else:
     if not 0.0 < data.masked_lm_prob < 1.0:
-      raise ValueError(f'data.masked_lm_prob={data.masked_lm_prob} must lie in (0, 1)')
+      raise UserError(f'data.masked_lm_prob={data.masked_lm_prob} must lie in (0, 1)')
     ds = _text_dataset(data, vocab_file=vocab_file or resolve_vocab(data, None),
-                       docs_per_batch=int(data.get('docs_per_batch', DOCS_PER_BATCH)),
+                       docs_per_batch=int(data.docs_per_batch),
                        **common)
   options = tf.data.Options()
   options.deterministic = True
@@ -406,8 +404,8 @@ def check_vocab_given(data: ml_collections.ConfigDict, where: str = '') -> None:
     return
   for spec in (data.input, data.eval_input):
     if spec and documents.input_kind(spec) == 'tfrecord':
-      raise ValueError(f'data.vocab_file is required with TFRecord input ({where}{spec!r}): the '
-                       'ids in the records belong to the vocabulary that made them')
+      raise UserError(f'data.vocab_file is required with TFRecord input ({where}{spec!r}): the '
+                      'ids in the records belong to the vocabulary that made them')
 
 
 def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
@@ -429,12 +427,19 @@ def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
   if tf.io.gfile.exists(path):
     return path
   from bert_jax import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  if documents.input_kind(data.input) != 'tfds':
+    documents.resolve_files(data.input)  # A pattern that matches nothing fails before training.
   texts = documents.text_lines(data.input, data)
   logging.info('Training a %d-token WordPiece vocabulary on %s into %s', data.vocab_size,
                data.input, path)
   tmp = f'{path}.tmp-{os.getpid()}'
-  vocab_lib.train_wordpiece(_capped(texts, _VOCAB_TRAINING_CHARS), tmp, int(data.vocab_size),
-                            lower_case=data.lower_case)
+  try:
+    vocab_lib.train_wordpiece(_capped(texts, _VOCAB_TRAINING_CHARS), tmp, int(data.vocab_size),
+                              lower_case=data.lower_case)
+  except vocab_lib.EmptyInputError as e:
+    raise UserError(f'data.input={data.input!r} has no text to train a vocabulary on (its files '
+                    'are empty or blank); point it at a corpus: one sentence a line, a blank line '
+                    'between documents') from e
   tf.io.gfile.rename(tmp, path, overwrite=True)
   return path
 

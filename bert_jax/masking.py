@@ -24,13 +24,15 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from bert_jax.errors import UserError
+
 
 def replacement_table(vocab_size: int, special_ids: Sequence[int]) -> np.ndarray:
   """The ids a masked token may be replaced with: the whole vocabulary minus `special_ids`."""
   allowed = np.setdiff1d(np.arange(vocab_size, dtype=np.int32),
                          np.asarray(list(special_ids), np.int32))
   if allowed.size == 0:
-    raise ValueError(f'a vocabulary of {vocab_size} ids has no non-special token')
+    raise UserError(f'a vocabulary of {vocab_size} ids has no non-special token')
   return allowed
 
 

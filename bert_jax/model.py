@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bert_jax import attention
+from bert_jax.errors import UserError
 
 Array = jax.Array
 
@@ -71,15 +72,15 @@ class BertConfig:
 
   def __post_init__(self):
     if self.hidden_size % self.num_attention_heads:
-      raise ValueError(f'hidden_size {self.hidden_size} is not a multiple of '
-                       f'num_attention_heads {self.num_attention_heads}')
+      raise UserError(f'hidden_size {self.hidden_size} is not a multiple of '
+                      f'num_attention_heads {self.num_attention_heads}')
     if self.hidden_act not in _ACTIVATIONS:
-      raise ValueError(f'hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}')
+      raise UserError(f'hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}')
     if self.remat_policy not in _REMAT_POLICIES:
-      raise ValueError(f'remat_policy {self.remat_policy!r} is not one of '
-                       f'{sorted(_REMAT_POLICIES)}')
+      raise UserError(f'remat_policy {self.remat_policy!r} is not one of '
+                      f'{sorted(_REMAT_POLICIES)}')
     if self.attention_impl not in (None, 'xla', 'cudnn'):
-      raise ValueError(f"attention_impl {self.attention_impl!r} is not None, 'xla' or 'cudnn'")
+      raise UserError(f"attention_impl {self.attention_impl!r} is not None, 'xla' or 'cudnn'")
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
 
   @property
@@ -100,13 +101,13 @@ class BertConfig:
     """Reads a bert_config.json or a Hugging Face config.json dict (extra keys ignored)."""
     model_type = d.get('model_type', 'bert')
     if model_type != 'bert':
-      raise ValueError(f'{source}: model_type is {model_type!r}, only BERT is supported')
+      raise UserError(f'{source}: model_type is {model_type!r}, only BERT is supported')
     missing = [k for k in _ORIGINAL_FIELDS if k not in d and k != 'initializer_range']
     if missing:
-      raise ValueError(f'{source}: missing BERT config fields {missing}')
+      raise UserError(f'{source}: missing BERT config fields {missing}')
     if d.get('position_embedding_type', 'absolute') != 'absolute':
-      raise ValueError(f'{source}: position_embedding_type '
-                       f'{d["position_embedding_type"]!r} is not supported (absolute only)')
+      raise UserError(f'{source}: position_embedding_type '
+                      f'{d["position_embedding_type"]!r} is not supported (absolute only)')
     # Only the architecture: a file's `dtype` (HF writes one) says how it was saved, not how
     # to compute, and must not switch the compute dtype.
     kwargs = {k: d[k] for k in _ORIGINAL_FIELDS + ('layer_norm_eps',) if k in d}
@@ -118,7 +119,7 @@ class BertConfig:
       try:
         d = json.load(f)
       except json.JSONDecodeError as e:
-        raise ValueError(f'{path}: not valid JSON: {e}') from e
+        raise UserError(f'{path}: not valid JSON: {e}') from e
     return cls.from_dict(d, source=path)
 
   def to_original_dict(self) -> dict[str, Any]:
@@ -163,11 +164,21 @@ SIZES.update({
 def config_for_size(size: str, **overrides) -> BertConfig:
   """`BertConfig` of a named size (see `SIZES`), with any field overridden."""
   if size not in SIZES:
-    raise ValueError(f'unknown model size {size!r}; known: tiny, mini, small, medium, base, '
-                     f'large and L{{2..12}}_H{{128,256,512,768}}')
+    raise UserError(f'model.size={size!r} is not a known size; known: tiny, mini, small, medium, '
+                    f'base, large and L{{2..12}}_H{{128,256,512,768}}')
   layers, hidden, heads = SIZES[size]
   return BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                     intermediate_size=4 * hidden, **overrides)
+
+
+def check_seq_len(seq_len: int, max_position_embeddings: int,
+                  key: str = 'data.max_seq_length') -> None:
+  """Refuses sequences longer than the model has position embeddings, before any work."""
+  if seq_len > max_position_embeddings:
+    raise UserError(f'{key}={seq_len} exceeds model.max_position_embeddings='
+                    f'{max_position_embeddings}: the model has no position embedding past '
+                    f'{max_position_embeddings}; lower {key} (or, pre-training from scratch, raise '
+                    'model.max_position_embeddings)')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,8 +293,8 @@ class Embeddings(nn.Module):
   def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool) -> Array:
     seq_len = input_ids.shape[1]
     if seq_len > self.config.max_position_embeddings:
-      raise ValueError(f'sequence length {seq_len} exceeds max_position_embeddings '
-                       f'{self.config.max_position_embeddings}')
+      raise UserError(f'sequence length {seq_len} exceeds max_position_embeddings '
+                      f'{self.config.max_position_embeddings}')
     positions = jnp.arange(seq_len)[None, :]
     x = (self.word_embeddings(input_ids) + self.position_embeddings(positions) +
          self.token_type_embeddings(segment_ids))

@@ -18,6 +18,7 @@ from bert_jax import glue
 from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import tasks
+from bert_jax.errors import UserError
 
 # The CoNLL-2003 tag set (IOB1 and IOB2 use the same tags, only their placement differs).
 CONLL_LABELS = ('O', 'B-PER', 'I-PER', 'B-ORG', 'I-ORG', 'B-LOC', 'I-LOC', 'B-MISC', 'I-MISC')
@@ -33,7 +34,7 @@ class Sentence:
 
 def _check_tag(tag: str, where: str) -> None:
   if tag != 'O' and (tag[:2] not in _PREFIXES or len(tag) < 3):
-    raise ValueError(f'{where}: tag {tag!r} is neither O nor B-/I-/E-/S-<TYPE>')
+    raise UserError(f'{where}: tag {tag!r} is neither O nor B-/I-/E-/S-<TYPE>')
 
 
 def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[Sentence]:
@@ -63,10 +64,10 @@ def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[
       if columns is None:
         columns = len(fields)
         if has_tags and columns < 2:
-          raise ValueError(f'{path}:{number}: expected a word and a tag column, got {fields}')
+          raise UserError(f'{path}:{number}: expected a word and a tag column, got {fields}')
       elif len(fields) != columns:
-        raise ValueError(f'{path}:{number}: {len(fields)} columns where earlier lines have '
-                         f'{columns}')
+        raise UserError(f'{path}:{number}: {len(fields)} columns where earlier lines have '
+                        f'{columns}')
       if first_line is None:
         first_line = number
       words.append(fields[0])
@@ -75,7 +76,7 @@ def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[
         tags.append(fields[-1])
   flush()
   if not sentences:
-    raise ValueError(f'{path}: no sentences')
+    raise UserError(f'{path}: no sentences')
   if to_iob2 and has_tags:
     sentences = [dataclasses.replace(s, tags=iob1_to_iob2(s.tags)) for s in sentences]
   logging.info('%s: %d sentences, %d words', path, len(sentences),
@@ -119,7 +120,7 @@ def convert_sentences(sentences: Sequence[Sentence], tok, max_seq_length: int,
     raise ValueError('convert_sentences: no sentences')
   room = max_seq_length - 2
   if room < 1:
-    raise ValueError(f'max_seq_length={max_seq_length} leaves no room for words')
+    raise UserError(f'max_seq_length={max_seq_length} leaves no room for words')
   label_map = {l: i for i, l in enumerate(label_list)}
   flat = glue.encode_in_chunks(tok, [w for s in sentences for w in s.words])
   num_empty = num_long = 0
@@ -130,12 +131,12 @@ def convert_sentences(sentences: Sequence[Sentence], tok, max_seq_length: int,
     position += len(sentence.words)
     if sentence.tags is not None:
       if len(sentence.tags) != len(sentence.words):
-        raise ValueError(f'sentence at line {sentence.line}: {len(sentence.words)} words but '
-                         f'{len(sentence.tags)} tags')
+        raise UserError(f'sentence at line {sentence.line}: {len(sentence.words)} words but '
+                        f'{len(sentence.tags)} tags')
       unknown = sorted(set(sentence.tags) - set(label_map))
       if unknown:
-        raise ValueError(f'sentence at line {sentence.line}: tags {unknown} not in the label '
-                         f'list {list(label_list)}')
+        raise UserError(f'sentence at line {sentence.line}: tags {unknown} not in the label '
+                        f'list {list(label_list)}')
     start, current, used = 0, [], 0
     for wi, word_pieces in enumerate(pieces):
       if not word_pieces:  # E.g. a word of control characters: it still needs a prediction.
@@ -219,7 +220,7 @@ def _conll_file(data_dir: str, names: Sequence[str], what: str, required: bool =
     if os.path.isfile(path):
       return path
   if required:
-    raise FileNotFoundError(f'config.data_dir={data_dir}: no {what} file ({" or ".join(names)})')
+    raise UserError(f'config.data_dir={data_dir}: no {what} file ({" or ".join(names)})')
   return None
 
 
@@ -237,7 +238,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
               ) -> tasks.Task:
   """The NER task of `config` (finetune_ner.py's keys): CoNLL files, token head, span F1."""
   if not config.data_dir:
-    raise ValueError('config.data_dir is empty: the folder of train.txt, valid.txt, test.txt')
+    raise UserError('config.data_dir is empty: the folder of train.txt, valid.txt, test.txt')
   train_sentences = read_conll(_conll_file(config.data_dir, ['train.txt'], 'training'))
   label_list = list(config.label_list)
   if not label_list:

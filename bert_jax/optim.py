@@ -4,6 +4,8 @@ import jax
 import ml_collections
 import optax
 
+from bert_jax.errors import UserError
+
 # Parameters that are never weight-decayed: LayerNorm scale/bias and every bias, as in BERT.
 _NO_DECAY = ('bias', 'scale', 'output_bias')
 
@@ -18,13 +20,13 @@ def make_schedule(train: ml_collections.ConfigDict, total_steps: int | None = No
   warmup = int(train.warmup_steps)
   peak = float(train.learning_rate)
   if warmup < 0 or warmup > total:
-    raise ValueError(f'train.warmup_steps={warmup} must lie in [0, train.steps={total}]')
+    raise UserError(f'train.warmup_steps={warmup} must lie in [0, train.steps={total}]')
   if train.decay == 'linear':
     after = optax.linear_schedule(peak, 0.0, max(total - warmup, 1))
   elif train.decay == 'constant':
     after = optax.constant_schedule(peak)
   else:
-    raise ValueError(f"train.decay={train.decay!r}: expected 'linear' or 'constant'")
+    raise UserError(f"train.decay={train.decay!r}: expected 'linear' or 'constant'")
   if warmup == 0:
     return after
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
@@ -69,7 +71,7 @@ def make_optimizer(train: ml_collections.ConfigDict,
         _trust_ratio_where(decay_mask),
         optax.scale_by_learning_rate(schedule))
   else:
-    raise ValueError(f"train.optimizer={train.optimizer!r}: expected 'adamw' or 'lamb'")
+    raise UserError(f"train.optimizer={train.optimizer!r}: expected 'adamw' or 'lamb'")
   parts = []
   if train.max_grad_norm and train.max_grad_norm > 0:
     parts.append(optax.clip_by_global_norm(train.max_grad_norm))

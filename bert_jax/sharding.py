@@ -18,6 +18,8 @@ import optax
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from bert_jax.errors import UserError
+
 MESH_AXES = ('data', 'fsdp', 'tensor')
 Rules = Sequence[tuple[str, Any]]
 
@@ -27,18 +29,19 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int) -> tupl
   sizes = [int(mesh_config[a]) for a in MESH_AXES]
   unknown = [a for a, s in zip(MESH_AXES, sizes) if s == -1]
   if len(unknown) > 1:
-    raise ValueError(f'only one of mesh.data/fsdp/tensor may be -1, got {dict(zip(MESH_AXES, sizes))}')
+    raise UserError(f'only one of mesh.data/fsdp/tensor may be -1, got '
+                    f'{dict(zip(MESH_AXES, sizes))}')
   if any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(f'mesh sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes))}')
+    raise UserError(f'mesh sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes))}')
   known = int(np.prod([s for s in sizes if s != -1]))
   if unknown:
     if num_devices % known:
-      raise ValueError(f'{num_devices} devices do not divide by the fixed mesh axes '
-                       f'{dict(zip(MESH_AXES, sizes))}')
+      raise UserError(f'{num_devices} devices do not divide by the fixed mesh axes '
+                      f'{dict(zip(MESH_AXES, sizes))}')
     sizes[sizes.index(-1)] = num_devices // known
   if int(np.prod(sizes)) != num_devices:
-    raise ValueError(f'mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, '
-                     f'but {num_devices} are available; set mesh.data/fsdp/tensor (-1 = rest)')
+    raise UserError(f'mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, '
+                    f'but {num_devices} are available; set mesh.data/fsdp/tensor (-1 = rest)')
   return tuple(sizes)
 
 
@@ -58,13 +61,13 @@ def rules_from_config(mesh_config: ml_collections.ConfigDict) -> tuple[tuple[str
   rules = []
   for rule in mesh_config.rules:
     if len(rule) != 2:
-      raise ValueError(f'mesh.rules entries are (logical_axis, mesh_axes) pairs, got {rule!r}')
+      raise UserError(f'mesh.rules entries are (logical_axis, mesh_axes) pairs, got {rule!r}')
     name, target = rule
     targets = target if isinstance(target, (tuple, list)) else (target,)
     for t in targets:
       if t is not None and t not in MESH_AXES:
-        raise ValueError(f'mesh.rules: {name!r} maps to unknown mesh axis {t!r}; '
-                         f'mesh axes are {MESH_AXES}')
+        raise UserError(f'mesh.rules: {name!r} maps to unknown mesh axis {t!r}; '
+                        f'mesh axes are {MESH_AXES}')
     rules.append((name, tuple(target) if isinstance(target, list) else target))
   return tuple(rules)
 
@@ -126,8 +129,8 @@ def check_divisible(boxed_params: Any, mesh: Mesh, rules: Rules) -> None:
             f'to a divisor of {shape[dim]} or change {_SIZE_KEYS.get(logical, logical)}')
   if problems:
     more = [f'  ... and {len(problems) - 8} more'] if len(problems) > 8 else []
-    raise ValueError('parameters do not divide over the mesh (config.mesh.rules maps their '
-                     'logical axes onto it):\n' + '\n'.join(problems[:8] + more))
+    raise UserError('parameters do not divide over the mesh (config.mesh.rules maps their '
+                    'logical axes onto it):\n' + '\n'.join(problems[:8] + more))
 
 
 def logical_specs(boxed_tree: Any) -> Any:
@@ -159,8 +162,8 @@ def data_parallel_size(mesh: Mesh) -> int:
 def check_batch_size(global_batch: int, mesh: Mesh, flag: str = 'train.batch_size') -> None:
   dp = data_parallel_size(mesh)
   if global_batch % dp or global_batch % jax.process_count():
-    raise ValueError(f'{flag}={global_batch} must divide over the {dp} data-parallel shards '
-                     f'(mesh data x fsdp) and {jax.process_count()} processes')
+    raise UserError(f'{flag}={global_batch} must divide over the {dp} data-parallel shards '
+                    f'(mesh data x fsdp) and {jax.process_count()} processes')
 
 
 def make_global_batch(local_batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict:

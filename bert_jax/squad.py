@@ -25,6 +25,7 @@ from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import tasks
 from bert_jax import tokenization
+from bert_jax.errors import UserError
 
 
 @dataclasses.dataclass
@@ -76,9 +77,9 @@ def read_squad(source: str | Mapping, is_training: bool) -> list[SquadExample]:
       try:
         source = json.load(f)
       except json.JSONDecodeError as e:
-        raise ValueError(f'{name}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}') from None
+        raise UserError(f'{name}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}') from None
   if not isinstance(source, Mapping) or 'data' not in source:
-    raise ValueError(f'{name}: no "data" key; not a SQuAD file')
+    raise UserError(f'{name}: no "data" key; not a SQuAD file')
   examples, skipped = [], []
   where = 'data'
   try:
@@ -95,14 +96,14 @@ def read_squad(source: str | Mapping, is_training: bool) -> list[SquadExample]:
           else:
             examples.append(example)
   except KeyError as e:
-    raise ValueError(f'{name}: {where}: missing key {e}') from None
+    raise UserError(f'{name}: {where}: missing key {e}') from None
   except (TypeError, AttributeError, ValueError) as e:
-    raise ValueError(f'{name}: {where}: {e}') from None
+    raise UserError(f'{name}: {where}: {e}') from None
   if skipped:
     logging.warning('%s: skipped %d questions whose answer is not found in the context, e.g. '
                     '%s', name, len(skipped), skipped[:5])
   if not examples:
-    raise ValueError(f'{name}: no usable questions')
+    raise UserError(f'{name}: no usable questions')
   logging.info('%s: %d questions', name, len(examples))
   return examples
 
@@ -120,7 +121,7 @@ def _read_question(qa: Mapping, context: str, doc_tokens: list[str], char_to_wor
     example.orig_answer_text, example.start_position, example.end_position = '', -1, -1
   elif is_training:
     if not answers:
-      raise ValueError(f'question {qid} has no answer and is not marked is_impossible')
+      raise UserError(f'question {qid} has no answer and is not marked is_impossible')
     answer = qa['answers'][0]
     text, start = answer['text'], int(answer['answer_start'])
     end = start + len(text) - 1
@@ -196,10 +197,10 @@ def convert_examples(examples: Sequence[SquadExample], tok, max_seq_length: int 
   queries = glue.encode_in_chunks(tok, [e.question_text for e in examples])
   max_doc_tokens = max_seq_length - min(max_query_length, max(map(len, queries))) - 3
   if max_doc_tokens < 1:
-    raise ValueError(f'max_seq_length={max_seq_length} leaves no room for the document with '
-                     f'max_query_length={max_query_length}')
+    raise UserError(f'max_seq_length={max_seq_length} leaves no room for the document with '
+                    f'max_query_length={max_query_length}')
   if doc_stride < 1:
-    raise ValueError(f'doc_stride must be positive, got {doc_stride}')
+    raise UserError(f'doc_stride must be positive, got {doc_stride}')
   docs = list({id(e.doc_tokens): e.doc_tokens for e in examples}.items())
   flat = glue.encode_in_chunks(tok, [w for _, words in docs for w in words])
   doc_cache, position = {}, 0
@@ -480,7 +481,7 @@ def write_predictions(output_dir: str, predictions: Mapping[str, str],
 
 def _read_squad(path: str, is_training: bool, flag: str) -> list[SquadExample]:
   if not os.path.isfile(path):
-    raise FileNotFoundError(f'{flag}: no SQuAD file {path}')
+    raise UserError(f'{flag}: no SQuAD file {path}')
   # Errors name the file and the line (invalid JSON) or the question (missing fields).
   return read_squad(path, is_training)
 

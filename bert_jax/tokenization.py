@@ -26,6 +26,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_text as tf_text
 
+from bert_jax.errors import UserError
+
 PAD, UNK, CLS, SEP, MASK = '[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
 SUFFIX = '##'
@@ -187,9 +189,21 @@ def split_words(strings: tf.Tensor, lower_case: bool = True,
 
 def _read_lines(path: str) -> list[str]:
   if not tf.io.gfile.exists(path):
-    raise FileNotFoundError(f'Vocabulary file not found: {path}')
-  with tf.io.gfile.GFile(path, 'rb') as f:
-    return f.read().decode('utf-8').splitlines()
+    raise UserError(f'Vocabulary file not found: {path} (check data.vocab_file / vocab_file / '
+                    '--vocab_file, or train one with `bert-jax vocab`)')
+  if tf.io.gfile.isdir(path):
+    raise UserError(f'Vocabulary {path} is a directory: name the vocab.txt file in it')
+  try:
+    with tf.io.gfile.GFile(path, 'rb') as f:
+      raw = f.read()
+  except tf.errors.OpError as e:
+    raise UserError(f'Vocabulary {path} cannot be read: {e.message}') from e
+  try:
+    return raw.decode('utf-8').splitlines()
+  except UnicodeDecodeError as e:
+    line = raw[:e.start].count(b'\n') + 1
+    raise UserError(f'{path}:{line}: not UTF-8 text (byte {e.start}); a vocab.txt is one UTF-8 '
+                    'token a line (a SentencePiece .model file must end in .model)') from e
 
 
 def load_vocab(path: str) -> list[str]:
@@ -200,14 +214,17 @@ def load_vocab(path: str) -> list[str]:
   seen = {}
   for i, tok in enumerate(tokens):
     if not tok:
-      raise ValueError(f'{path}:{i + 1}: empty token in vocabulary.')
+      raise UserError(f'{path}:{i + 1}: empty token in vocabulary (one token a line, no blank '
+                      'lines).')
     if tok in seen:
-      raise ValueError(f'{path}:{i + 1}: duplicate token {tok!r} '
-                       f'(first on line {seen[tok] + 1}).')
+      raise UserError(f'{path}:{i + 1}: duplicate token {tok!r} '
+                      f'(first on line {seen[tok] + 1}).')
     seen[tok] = i
   missing = [t for t in SPECIAL_TOKENS if t not in seen]
   if missing:
-    raise ValueError(f'Vocabulary {path} lacks special tokens {missing}.')
+    raise UserError(f'Vocabulary {path} lacks special tokens {missing}: a BERT vocab.txt has '
+                    f'{", ".join(SPECIAL_TOKENS)} each on a line of its own (add them, or train '
+                    'a vocabulary with `bert-jax vocab`).')
   return tokens
 
 
@@ -247,8 +264,9 @@ class _TokenizerBase:
   def _set_specials(self, path: str):
     missing = [t for t in SPECIAL_TOKENS if t not in self._ids]
     if missing:
-      raise ValueError(
-          f'Tokenizer model {path} lacks special tokens {missing}.')
+      raise UserError(
+          f'Tokenizer model {path} lacks special tokens {missing}: train it with '
+          '`bert-jax vocab --kind=sentencepiece`, which adds them.')
     self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
         self._ids[t] for t in SPECIAL_TOKENS)
     self.special_ids = [self._ids[t] for t in SPECIAL_TOKENS]
@@ -305,8 +323,8 @@ class WordPieceTokenizer(_TokenizerBase):
   def __init__(self, vocab_file: str, lower_case: bool = True,
                max_chars_per_word: int = 100):
     if max_chars_per_word < 1:
-      raise ValueError(f'max_chars_per_word must be >= 1, got '
-                       f'{max_chars_per_word}.')
+      raise UserError(f'max_chars_per_word must be >= 1, got '
+                      f'{max_chars_per_word}.')
     self.vocab_file = vocab_file
     self.lower_case = lower_case
     self.max_chars_per_word = max_chars_per_word
@@ -411,14 +429,14 @@ class SentencePieceTokenizer(_TokenizerBase):
 
   def __init__(self, model_file: str):
     if not tf.io.gfile.exists(model_file):
-      raise FileNotFoundError(f'SentencePiece model not found: {model_file}')
+      raise UserError(f'SentencePiece model not found: {model_file}')
     with tf.io.gfile.GFile(model_file, 'rb') as f:
       model = f.read()
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
     try:
       proc = spm.SentencePieceProcessor(model_proto=model)
     except RuntimeError as e:
-      raise ValueError(f'Not a SentencePiece model: {model_file}: {e}') from e
+      raise UserError(f'Not a SentencePiece model: {model_file}: {e}') from e
     self.model_file = model_file
     self._vocab = [proc.id_to_piece(i) for i in range(proc.get_piece_size())]
     self._ids = {t: i for i, t in enumerate(self._vocab)}

@@ -30,6 +30,7 @@ from bert_jax import monitor
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train_state as state_lib
+from bert_jax.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +58,8 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_li
   """The BertConfig of `config.model`, with the vocabulary size of the tokenizer."""
   m = config.model
   if m.vocab_size and m.vocab_size < vocab_size:
-    raise ValueError(f'model.vocab_size={m.vocab_size} is smaller than the vocabulary '
-                     f'({vocab_size} tokens in data.vocab_file)')
+    raise UserError(f'model.vocab_size={m.vocab_size} is smaller than the vocabulary '
+                    f'({vocab_size} tokens in data.vocab_file)')
   return model_lib.config_for_size(
       m.size, vocab_size=m.vocab_size or vocab_size,
       max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size,
@@ -73,6 +74,8 @@ def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
   steps = int(config.train.steps)
   spec = config.train.phases.strip()
   if not spec:
+    # train.phases is empty: the run uses data.max_seq_length.
+    model_lib.check_seq_len(config.data.max_seq_length, config.model.max_position_embeddings)
     return [Phase(0, 0, steps, config.data.max_seq_length, config.data.max_predictions_per_seq)]
   parts = []
   for item in spec.split(','):
@@ -80,20 +83,20 @@ def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
       frac, seq_len, preds = item.split(':')
       parts.append((float(frac), int(seq_len), int(preds)))
     except ValueError:
-      raise ValueError(f'train.phases: {item!r} is not fraction:seq_len:max_predictions') from None
+      raise UserError(f'train.phases: {item!r} is not fraction:seq_len:max_predictions') from None
   if abs(sum(p[0] for p in parts) - 1.0) > 1e-6:
-    raise ValueError(f'train.phases fractions sum to {sum(p[0] for p in parts)}, not 1: {spec}')
+    raise UserError(f'train.phases fractions sum to {sum(p[0] for p in parts)}, not 1: {spec}')
   phases, start, cumulative = [], 0, 0.0
   for i, (frac, seq_len, preds) in enumerate(parts):
     if frac < 0 or not 8 <= seq_len or not 1 <= preds <= seq_len:
-      raise ValueError(f'train.phases: {spec.split(",")[i]!r} needs fraction >= 0, seq_len '
-                       '>= 8 and 1 <= max_predictions <= seq_len')
+      raise UserError(f'train.phases: {spec.split(",")[i]!r} needs fraction >= 0, seq_len '
+                      '>= 8 and 1 <= max_predictions <= seq_len')
     cumulative += frac
     # Rounded where each phase ends, not by length, so that no phase overshoots the schedule.
     end = steps if i == len(parts) - 1 else max(start, int(round(cumulative * steps)))
     if seq_len > config.model.max_position_embeddings:
-      raise ValueError(f'train.phases: seq_len {seq_len} exceeds '
-                       f'model.max_position_embeddings={config.model.max_position_embeddings}')
+      raise UserError(f'train.phases: seq_len {seq_len} exceeds '
+                      f'model.max_position_embeddings={config.model.max_position_embeddings}')
     phases.append(Phase(i, start, end, seq_len, preds))
     start = end
   return [p for p in phases if p.end > p.start]
@@ -101,15 +104,15 @@ def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
 
 def _per_phase(config: ml_collections.ConfigDict, key: str) -> list[str]:
   """data.<key> ('a;b', one entry per train.phases entry; '' entries = the default input)."""
-  spec = config.data.get(key, '').strip()
+  spec = config.data[key].strip()
   count = max(1, len([p for p in config.train.phases.split(',') if p.strip()]))
   if not spec:
     return [''] * count
   entries = [e.strip() for e in spec.split(';')]
   if len(entries) != count:
-    raise ValueError(f'data.{key} has {len(entries)} entries separated by ";", train.phases has '
-                     f'{count} phases: give one input per phase (an empty entry keeps the '
-                     'default)')
+    raise UserError(f'data.{key} has {len(entries)} entries separated by ";", train.phases has '
+                    f'{count} phases: give one input per phase (an empty entry keeps the '
+                    'default)')
   return entries
 
 
@@ -243,11 +246,11 @@ def _init_from_checkpoint(path: str, bert_config: model_lib.BertConfig, fresh: d
   for field in ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'intermediate_size',
                 'max_position_embeddings', 'type_vocab_size'):
     if getattr(cfg, field) != getattr(bert_config, field):
-      raise ValueError(f'train.init_checkpoint={path}: {field}={getattr(cfg, field)} but the '
-                       f'model config has {getattr(bert_config, field)}')
+      raise UserError(f'train.init_checkpoint={path}: {field}={getattr(cfg, field)} but the '
+                      f'model config has {getattr(bert_config, field)}')
   if cfg.vocab_size != bert_config.vocab_size:
-    raise ValueError(f'train.init_checkpoint={path}: vocab_size={cfg.vocab_size} but '
-                     f'data.vocab_file gives {bert_config.vocab_size}; use the checkpoint\'s vocab')
+    raise UserError(f'train.init_checkpoint={path}: vocab_size={cfg.vocab_size} but '
+                    f'data.vocab_file gives {bert_config.vocab_size}; use the checkpoint\'s vocab')
   merged = {}
   for head, value in fresh.items():
     if head in loaded:
@@ -294,8 +297,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   use_nsp = config.data.objective != 'none'
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)
   if not 0 < stop_at <= config.train.steps:
-    raise ValueError(f'train.stop_at_step={config.train.stop_at_step} must lie in '
-                     f'[1, train.steps={config.train.steps}] (0 = run to train.steps)')
+    raise UserError(f'train.stop_at_step={config.train.stop_at_step} must lie in '
+                    f'[1, train.steps={config.train.steps}] (0 = run to train.steps)')
 
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
@@ -329,7 +332,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         try:
           dataset_for(phase, train, 1)
         except ValueError as e:
-          raise ValueError(
+          raise UserError(
               f'train.phases phase {phase.index + 1} ({phase.seq_len} tokens, '
               f'{phase.max_predictions} predictions) cannot read its {"" if train else "eval "}'
               f'data: {e}. Give each phase records of its length with data.phase_inputs (and '
@@ -389,8 +392,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     batches = eval_batches(it, config.eval.steps,
                            _dummy_batch(eval_local, phase.seq_len, phase.max_predictions))
     if not batches:
-      raise ValueError('the evaluation data gave no batch: data.eval_input (or the held-out '
-                       'share of data.input) is smaller than eval.batch_size')
+      raise UserError('the evaluation data gave no batch: data.eval_input (or the held-out '
+                      'share of data.input) is smaller than eval.batch_size')
     results = []
     with sharding_lib.activate(mesh, rules):
       for local in batches:

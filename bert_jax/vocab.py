@@ -31,11 +31,12 @@ import tqdm
 
 from bert_jax import documents
 from bert_jax import tokenization
+from bert_jax.errors import UserError
 
 _CHUNK_BYTES = 1 << 23
 
 
-class EmptyInputError(ValueError):
+class EmptyInputError(UserError):
   """The input text has no words."""
 
 
@@ -51,7 +52,7 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
   if isinstance(patterns, str):
     patterns = [patterns]
   if not patterns:
-    raise ValueError('--input is empty')
+    raise UserError('--input is empty')
   return [f for p in patterns for f in documents.expand_files(p, flag='--input')]
 
 
@@ -236,8 +237,8 @@ def train_wordpiece(texts: Iterable[str], output_path: str, vocab_size: int,
   """
   reserved = reserved_tokens(num_unused)
   if vocab_size <= len(reserved):
-    raise ValueError(f'vocab_size={vocab_size} leaves no room after the '
-                     f'{len(reserved)} reserved tokens.')
+    raise UserError(f'vocab_size={vocab_size} leaves no room after the '
+                    f'{len(reserved)} reserved tokens.')
   counts = count_words(texts, lower_case)
   if not counts:
     raise EmptyInputError('No words in the input text: it is empty or blank.')
@@ -272,8 +273,8 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str,
   """
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
   if model_type not in ('unigram', 'bpe'):
-    raise ValueError(f"model_type must be 'unigram' or 'bpe', got "
-                     f'{model_type!r}.')
+    raise UserError(f"model_type must be 'unigram' or 'bpe', got "
+                    f'{model_type!r}.')
   lines = (t for t in texts if t.strip())
   first = next(lines, None)
   if first is None:
@@ -316,10 +317,10 @@ def run(input_patterns: Sequence[str], output: str, vocab_size: int,
   path (with or without '.model') for SentencePiece. Returns the file written.
   """
   if kind not in ('wordpiece', 'sentencepiece'):
-    raise ValueError(f"kind must be 'wordpiece' or 'sentencepiece', got "
-                     f'{kind!r}.')
+    raise UserError(f"kind must be 'wordpiece' or 'sentencepiece', got "
+                    f'{kind!r}.')
   if kind == 'sentencepiece' and num_unused:
-    raise ValueError('num_unused is for WordPiece vocabularies only.')
+    raise UserError('num_unused is for WordPiece vocabularies only.')
   if isinstance(input_patterns, str):
     input_patterns = [input_patterns]
   tfds_specs = [p for p in input_patterns if documents.input_kind(p) == 'tfds']

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from bert_jax import cli
+from bert_jax.errors import UserError
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,5 +69,190 @@ def test_load_config_reads_a_user_file_anywhere(tmp_path):
 def test_config_names_resolve_to_the_shipped_files():
   assert cli.resolve_config_path('smoke') == os.path.join(cli.configs_dir(), 'smoke.py')
   assert cli.resolve_config_path('finetune_glue:mrpc').endswith('finetune_glue.py:mrpc')
-  with pytest.raises(FileNotFoundError, match='--config=nope.py: no such file'):
+  with pytest.raises(UserError, match='--config=nope.py: no such file'):
     cli.resolve_config_path('nope.py')
+
+
+# ---- User mistakes end in one message and exit status 2; bugs keep their traceback ----------
+
+
+def _cli(args, env=None, cwd=_ROOT):
+  """`python -m bert_jax.cli ARGS` as a user runs it (this checkout, CPU)."""
+  variables = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu')
+  variables.pop('BERT_JAX_TRACEBACK', None)
+  variables.update(env or {})
+  return subprocess.run([sys.executable, '-m', 'bert_jax.cli'] + args, cwd=cwd, env=variables,
+                        capture_output=True, text=True, timeout=600)
+
+
+def _assert_user_error(proc, command, *fragments):
+  """Exit status 2, no traceback, and the last line of stderr is the one message."""
+  last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  assert last.startswith(f'bert-jax {command}: error: '), proc.stderr[-3000:]
+  for fragment in fragments:
+    assert fragment in last, (fragment, last)
+  return last
+
+
+@pytest.mark.parametrize('args, fragments', [
+    (['pretrain', '--config.train.setps=3'],
+     ['--config.train.setps:', 'no key config.train.setps', 'did you mean --config.train.steps?']),
+    (['finetune', '--config=finetune_glue:mrpc', '--config.trian.epochs=1'],
+     ['no key config.trian', 'did you mean --config.train?']),
+    (['data', '--config=no_such_config'],
+     ['--config=no_such_config: no such file', 'shipped names: bert_base']),
+    (['pretrain', '--config.train.steps=ten'], ['--config.train.steps=ten']),
+    (['pretrain', '--workdri=/tmp/x'], ["Unknown command line flag 'workdri'", 'workdir']),
+    (['convert', '--output=/tmp/x'], ['missing required flag(s): --input']),
+    (['features', '--input=a', '--output=b.jsonl'], ['--init_checkpoint']),
+    (['vocab', '--input=a'], ['--output']),
+    (['compile', '--topology=v5e'], ["--topology='v5e': expected GENERATION:SHAPE"]),
+    (['data', '--config.data.max_seq_length=1024'],
+     ['data.max_seq_length=1024 exceeds model.max_position_embeddings=512']),
+])
+def test_flag_and_config_mistakes_are_one_message(args, fragments):
+  _assert_user_error(_cli(args), args[0], *fragments)
+
+
+def test_unknown_command_suggests_the_closest():
+  proc = _cli(['pretrian'])
+  assert proc.returncode == 2
+  assert "unknown command 'pretrian' (did you mean 'pretrain'?)" in proc.stderr
+
+
+@pytest.mark.parametrize('how', ['flag', 'env'])
+def test_traceback_flag_and_environment_show_the_traceback(how):
+  args = ['pretrain', '--config.train.setps=3'] + (['--traceback'] if how == 'flag' else [])
+  proc = _cli(args, env={'BERT_JAX_TRACEBACK': '1'} if how == 'env' else None)
+  assert proc.returncode == 2
+  assert 'Traceback (most recent call last)' in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith('bert-jax pretrain: error: ')
+
+
+def test_a_bug_keeps_its_traceback_and_status_1(tmp_path):
+  # A config file that fails is code going wrong, not a setting: the traceback shows where.
+  config = tmp_path / 'broken.py'
+  config.write_text('def get_config():\n  raise RuntimeError("broken on purpose")\n')
+  proc = _cli(['data', f'--config={config}'])
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert 'Traceback (most recent call last)' in proc.stderr
+  assert 'RuntimeError: broken on purpose' in proc.stderr
+  assert 'bert-jax data: error:' not in proc.stderr
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory):
+  """A tiny bert_jax checkpoint, vocabularies good and bad, and task files with one bad line."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp('cli_errors')
+  words = ['the', 'movie', 'was', 'good', 'bad', 'plot', '.']
+  vocab = root / 'vocab.txt'
+  vocab.write_text('\n'.join(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + words) + '\n')
+  config = model_lib.BertConfig(vocab_size=12, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=64,
+                                max_position_embeddings=512)
+  ckpt = str(root / 'ckpt')
+  convert.export_bert_jax(config, model_lib.init_params(config, jax.random.key(0)), ckpt,
+                          vocab_file=str(vocab), lower_case=True)
+  (root / 'big_vocab.txt').write_text(vocab.read_text() + 'story\nactors\n')
+  (root / 'no_mask.txt').write_text('[PAD]\n[UNK]\n[CLS]\n[SEP]\nthe\n')
+  (root / 'binary.txt').write_bytes(b'[PAD]\n[UNK]\n\xff\xfe\x00\x01\n')
+  (root / 'empty.txt').write_text('')
+  (root / 'SST-2').mkdir()
+  (root / 'SST-2' / 'dev.tsv').write_text('sentence\tlabel\nthe movie was good\t1\n')
+  (root / 'SST-2' / 'train.tsv').write_text(
+      'sentence\tlabel\nthe movie was good\t1\nthe plot was bad\t0\textra\n')
+  (root / 'squad').mkdir()
+  (root / 'squad' / 'train-v1.1.json').write_text('{"data": [\n  {"title": "x",,}\n]}\n')
+  (root / 'conll').mkdir()
+  (root / 'conll' / 'train.txt').write_text('the DT B-NP O\nmovie NN I-NP\n')
+  return root, ckpt
+
+
+def _finetune(config, files, *args):
+  root, ckpt = files
+  return _cli(['finetune', f'--config={config}', f'--config.init_checkpoint={ckpt}',
+               f'--workdir={root}/finetune_{len(args)}_{config.replace(":", "_")}'] + list(args))
+
+
+def test_malformed_glue_file_is_named_with_its_line(files):
+  proc = _finetune('finetune_glue:sst2', files, f'--config.data_dir={files[0]}')
+  _assert_user_error(proc, 'finetune', 'SST-2/train.tsv:3: expected 2 tab-separated columns, '
+                     'got 3')
+
+
+def test_malformed_squad_file_is_named_with_its_line(files):
+  proc = _finetune('finetune_squad:v1', files, f'--config.data_dir={files[0]}/squad')
+  _assert_user_error(proc, 'finetune', 'train-v1.1.json:2:', 'not valid JSON')
+
+
+def test_malformed_conll_file_is_named_with_its_line(files):
+  proc = _finetune('finetune_ner', files, f'--config.data_dir={files[0]}/conll')
+  _assert_user_error(proc, 'finetune', 'conll/train.txt:2: 3 columns where earlier lines have 4')
+
+
+def test_vocabulary_larger_than_the_checkpoint_is_refused(files):
+  proc = _finetune('finetune_glue:sst2', files, f'--config.data_dir={files[0]}',
+                   f'--config.vocab_file={files[0]}/big_vocab.txt')
+  _assert_user_error(proc, 'finetune', 'big_vocab.txt has 14 tokens but config.init_checkpoint=',
+                     'use the vocabulary the checkpoint was trained with')
+
+
+@pytest.mark.parametrize('vocab, fragments', [
+    ('no_mask.txt', ["lacks special tokens ['[MASK]']", 'each on a line of its own']),
+    ('binary.txt', ['binary.txt:3: not UTF-8 text']),
+    ('missing.txt', ['Vocabulary file not found']),
+])
+def test_unusable_vocabularies_are_named(files, vocab, fragments):
+  proc = _cli(['data', f'--config.data.vocab_file={files[0]}/{vocab}'])
+  _assert_user_error(proc, 'data', *fragments)
+
+
+def test_inputs_that_match_nothing_or_hold_no_text(files):
+  root, _ = files
+  proc = _cli(['data', f'--config.data.input={root}/nothing-*.txt',
+               f'--config.data.vocab_file={root}/vocab.txt'])
+  _assert_user_error(proc, 'data', "data.input: '", "nothing-*.txt' matches no file")
+  proc = _cli(['pretrain', f'--config.data.input={root}/empty.txt', f'--workdir={root}/empty'])
+  _assert_user_error(proc, 'pretrain', "data.input='", 'has no text to train a vocabulary on')
+  proc = _cli(['vocab', f'--input={root}/empty.txt', f'--output={root}/v.txt'])
+  _assert_user_error(proc, 'vocab', 'No text in')
+
+
+def test_meshes_and_batches_that_do_not_divide(files):
+  root, _ = files
+  proc = _cli(['pretrain', '--config.mesh.data=3', f'--workdir={root}/mesh',
+               f'--config.data.vocab_file={root}/vocab.txt'])
+  _assert_user_error(proc, 'pretrain', "mesh {'data': 3, 'fsdp': 1, 'tensor': 1} needs 3 devices")
+  proc = _cli(['pretrain', '--config.train.batch_size=6', f'--workdir={root}/batch',
+               f'--config.data.vocab_file={root}/vocab.txt'],
+              env={'XLA_FLAGS': '--xla_force_host_platform_device_count=4'})
+  _assert_user_error(proc, 'pretrain', 'train.batch_size=6', '4 data-parallel shards')
+
+
+def test_checkpoints_that_do_not_match(files):
+  root, ckpt = files
+  proc = _cli(['pretrain', f'--config.train.init_checkpoint={ckpt}', f'--workdir={root}/init',
+               f'--config.data.vocab_file={ckpt}/vocab.txt'])
+  _assert_user_error(proc, 'pretrain', f'train.init_checkpoint={ckpt}: hidden_size=32 but the '
+                     'model config has 128')
+  proc = _cli(['convert', f'--input={root}/nowhere', f'--output={root}/out'])
+  _assert_user_error(proc, 'convert', f'{root}/nowhere: no such directory or TF checkpoint')
+  proc = _cli(['features', f'--init_checkpoint={ckpt}', f'--input={root}/nowhere.txt',
+               f'--output={root}/f.jsonl'])
+  _assert_user_error(proc, 'features', '--input: no file')
+
+
+@pytest.mark.parametrize('body, fragment', [
+    ('def get_config(:\n  pass\n', 'mine.py:1: invalid syntax'),
+    ('from bert_jax.errors import UserError\ndef get_config():\n'
+     '  raise UserError("task foo: unknown")\n', 'error: task foo: unknown'),
+])
+def test_mistakes_in_a_config_file_are_one_message(tmp_path, body, fragment):
+  (tmp_path / 'mine.py').write_text(body)
+  last = _assert_user_error(_cli(['data', f'--config={tmp_path}/mine.py']), 'data')
+  assert fragment in last

@@ -16,3 +16,44 @@ def test_checkpoints_and_evaluations_happen_within_the_run(name):
   assert config.checkpoint.every_steps <= steps // 2, name
   assert config.eval.every_steps <= steps, name
   assert config.log.every_steps <= config.checkpoint.every_steps, name
+
+
+def _keys(config, prefix=''):
+  out = set()
+  for key, value in config.items():
+    out.add(prefix + key)
+    if hasattr(value, 'items'):
+      out |= _keys(value, prefix + key + '.')
+  return out
+
+
+def test_the_code_reads_only_keys_the_config_defines():
+  """Every `config.a.b` / `data.x` / `train.y` the pre-training code reads is a default key,
+  and none is read with `.get` (a key that could not be set from the command line)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bert_jax')
+  defined = _keys(cli.load_config('configs/default.py'))
+  read, gets = set(), []
+  for module in ('train.py', 'input_pipeline.py', 'documents.py', 'optim.py', 'sharding.py',
+                 'aot.py', 'cli.py', 'checkpoint.py'):
+    with open(os.path.join(root, module)) as f:
+      source = f.read()
+    for section in ('model', 'data', 'train', 'mesh', 'checkpoint', 'eval', 'log'):
+      for key in re.findall(rf'\bconfig\.{section}\.(\w+)\b', source):
+        read.add(f'{section}.{key}')
+    for key in re.findall(r'\bdata\.(\w+)\b', source):
+      if key not in ('Dataset', 'Options', 'AUTOTUNE', 'experimental', 'TFRecordDataset',
+                     'TextLineDataset'):
+        read.add(f'data.{key}')
+    gets += [(module, g) for g in re.findall(r'\b(?:config|data|train_config)(?:\.\w+)*\.get\(',
+                                             source)]
+  methods = {'copy_and_resolve_references', 'to_json_best_effort', 'lock', 'get', 'items'}
+  undefined = {k for k in read if k not in defined and k.split('.')[-1] not in methods}
+  assert not undefined, f'read by the code but not in bert_jax/defaults.py: {sorted(undefined)}'
+  assert not gets, f'config keys read with .get (cannot be set on the command line): {gets}'
+
+
+def test_multi_host_settings_are_flags_not_keys():
+  # The launch decides the process layout (--coordinator_address etc.); no config key pretends.
+  assert 'distributed' not in cli.load_config('configs/default.py')

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from bert_jax import documents
+from bert_jax.errors import UserError
 
 
 def _texts(ds):
@@ -98,7 +99,7 @@ def test_expand_files_errors(tmp_path):
   (tmp_path / 'x.txt').write_text('a\n')
   assert documents.expand_files(f'{tmp_path}/x.txt, {tmp_path}/*.txt') == [
       str(tmp_path / 'x.txt')] * 2
-  with pytest.raises(FileNotFoundError, match=r"data.eval_input: '.*/y\*' matches no file"):
+  with pytest.raises(UserError, match=r"data.eval_input: '.*/y\*' matches no file"):
     documents.expand_files(f'{tmp_path}/x.txt,{tmp_path}/y*', 'data.eval_input')
   with pytest.raises(ValueError, match='data.input is empty'):
     documents.expand_files(' , ')
@@ -130,5 +131,5 @@ def test_require_element():
 
 def test_text_lines(tmp_path):
   _write_docs(tmp_path / 'a.txt', [['a b', 'c'], ['d']])
-  data = ml_collections.ConfigDict({'tfds_text_key': 'text'})
+  data = ml_collections.ConfigDict({'tfds_text_key': 'text', 'tfds_data_dir': ''})
   assert list(documents.text_lines(str(tmp_path / 'a.txt'), data)) == ['a b', 'c', 'd']

@@ -14,6 +14,7 @@ import pytest
 from bert_jax import convert
 from bert_jax import features
 from bert_jax import model as model_lib
+from bert_jax.errors import UserError
 from tolerance import assert_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,5 +163,5 @@ def test_bad_arguments(setup, tmp_path):
   empty.write_text('\n\n')
   with pytest.raises(ValueError, match='empty.txt: no text'):
     features.extract_features(ckpt, str(empty), str(tmp_path / 'o.npy'))
-  with pytest.raises(FileNotFoundError, match='--input: no file'):
+  with pytest.raises(UserError, match='--input: no file'):
     features.extract_features(ckpt, str(tmp_path / 'missing.txt'), str(tmp_path / 'o.npy'))

@@ -9,6 +9,7 @@ import pytest
 
 from bert_jax import glue
 from bert_jax import tokenization
+from bert_jax.errors import UserError
 
 _WORDS = ['the', 'cat', 'dog', 'sat', 'on', 'mat', 'is', 'a', 'not', 'good', 'movie']
 
@@ -123,7 +124,7 @@ def test_task_info_labels():
 
 
 def test_bad_input_errors_name_file_and_line(glue_dir):
-  with pytest.raises(FileNotFoundError, match=r'QNLI/train.tsv'):
+  with pytest.raises(UserError, match=r'QNLI/train.tsv'):
     glue.read_task('qnli', glue_dir, 'train')
   with pytest.raises(ValueError, match='no split'):
     glue.read_task('rte', glue_dir, 'dev_matched')

@@ -16,9 +16,10 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from bert_jax import defaults
 from bert_jax import input_pipeline
 from bert_jax import tokenization
-from bert_jax import defaults
+from bert_jax.errors import UserError
 
 SPECIALS = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]']
 PAD, UNK, CLS, SEP, MASK = range(5)
@@ -471,7 +472,7 @@ def test_bad_inputs(corpora, tmp_path):
         data, batch_size=4, seq_len=seq_len, max_predictions=max_predictions, train=train)
 
   # A pattern that matches nothing.
-  with pytest.raises(FileNotFoundError, match=r'nothing-\*\.txt'):
+  with pytest.raises(UserError, match=r'nothing-\*\.txt'):
     make(corpora.config(input=f'{corpora.files["r"]},{tmp_path}/nothing-*.txt'))
   # An empty corpus: blank lines only.
   empty = tmp_path / 'empty.txt'

@@ -47,7 +47,7 @@ def test_named_sizes():
   c = model_lib.config_for_size('L6_H512')
   assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
           c.intermediate_size) == (6, 512, 8, 2048)
-  with pytest.raises(ValueError, match='unknown model size'):
+  with pytest.raises(ValueError, match='is not a known size'):
     model_lib.config_for_size('huge')
 
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from bert_jax import tokenization
 from bert_jax import vocab as vocab_lib
+from bert_jax.errors import UserError
 
 # A varied text: every line is a separate example.
 VARIED = [
@@ -336,7 +337,7 @@ def test_python_conveniences(tokenizer):
 
 def test_vocab_errors(tmp_path):
   missing = str(tmp_path / 'nope.txt')
-  with pytest.raises(FileNotFoundError, match='nope.txt'):
+  with pytest.raises(UserError, match='nope.txt'):
     tokenization.WordPieceTokenizer(missing)
   path = _write(tmp_path / 'few.txt', ['[PAD]', '[UNK]', 'a'])
   with pytest.raises(ValueError, match=r'few\.txt.*\[CLS\].*\[SEP\].*\[MASK\]'):
@@ -345,7 +346,7 @@ def test_vocab_errors(tmp_path):
                 list(tokenization.SPECIAL_TOKENS) + ['a', 'b', 'a'])
   with pytest.raises(ValueError, match=r"dup\.txt:8: duplicate token 'a'"):
     tokenization.WordPieceTokenizer(path)
-  with pytest.raises(FileNotFoundError, match='gone.model'):
+  with pytest.raises(UserError, match='gone.model'):
     tokenization.load_tokenizer(str(tmp_path / 'gone.model'))
 
 

@@ -9,6 +9,7 @@ import tensorflow_datasets as tfds
 
 from bert_jax import tokenization
 from bert_jax import vocab
+from bert_jax.errors import UserError
 
 
 def _corpus(num_lines=400, seed=0):
@@ -171,7 +172,7 @@ def test_run_from_tfds_and_files_together(tmp_path):
 
 
 def test_errors(tmp_path):
-  with pytest.raises(FileNotFoundError, match='missing-.*txt'):
+  with pytest.raises(UserError, match='missing-.*txt'):
     vocab.run([str(tmp_path / 'missing-*.txt')], str(tmp_path / 'v.txt'), 100)
   empty = _write(tmp_path / 'empty.txt', ['', '  ', ''])
   with pytest.raises(ValueError, match='empty.txt'):
