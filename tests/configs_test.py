@@ -36,7 +36,7 @@ def test_the_code_reads_only_keys_the_config_defines():
   defined = _keys(cli.load_config('configs/default.py'))
   read, gets = set(), []
   for module in ('train.py', 'input_pipeline.py', 'documents.py', 'optim.py', 'sharding.py',
-                 'aot.py', 'cli.py', 'checkpoint.py'):
+                 'aot.py', 'cli.py', 'checkpoint.py', 'train_state.py', 'monitor.py'):
     with open(os.path.join(root, module)) as f:
       source = f.read()
     for section in ('model', 'data', 'train', 'mesh', 'checkpoint', 'eval', 'log'):
