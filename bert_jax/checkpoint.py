@@ -28,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from bert_jax import fileio
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
 
@@ -35,10 +36,13 @@ CHECKPOINT_DIR = 'checkpoints'
 DATA_STATE_DIR = 'data_state'
 
 
-def gfile():
-  """`tf.io.gfile`: local paths and gs:// alike. TensorFlow is imported on first use."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return tf.io.gfile
+gfile = fileio.gfile
+
+
+def workdir_path(path: str) -> str:
+  """A workdir as runs use it: local paths absolute (with ~ expanded), gs:// and other
+  filesystems' paths as given."""
+  return path if '://' in path else os.path.abspath(os.path.expanduser(path))
 
 
 def _registry(replica_parallel: bool):

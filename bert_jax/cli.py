@@ -317,6 +317,8 @@ def _finetune_flags():
       raise UserError(f'--learning_rates={",".join(FLAGS.learning_rates)}: not numbers; give '
                       'comma-separated rates such as 5e-5,3e-5') from None
     result = finetune.sweep(FLAGS.config, workdir, rates)
+    if result is None:
+      return  # Stopped early; the run said so.
     print(f'\nbert_jax finetune --sweep {result["task"]}: best {result["main_metric"]} '
           f'{result["best_score"]:.4f} at learning rate {result["best_learning_rate"]:g} '
           f'({result["best_workdir"]})\n{json.dumps(result)}', flush=True)

@@ -187,6 +187,9 @@ def finetune(task: str) -> ml_collections.ConfigDict:
 
   config.train = ml_collections.ConfigDict()
   config.train.epochs = 3
+  # Stop (with a checkpoint) at this step, for jobs with a time limit; rerunning the same
+  # command resumes. 0 = run to the end.
+  config.train.stop_at_step = 0
   # Global batch size in sequences (SQuAD: windows), over all hosts and devices.
   config.train.batch_size = 32
   # Batch composition: 1 = every training batch is a uniform random draw of examples (the
@@ -194,6 +197,8 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # batches (transformers' group_by_length uses 50): less padding, but each batch then holds
   # one length range -- and whatever correlates with length, often the label.
   config.train.length_sort_window = 50
+  # Micro-batches accumulated per optimizer step (train.batch_size must divide by it).
+  config.train.grad_accum_steps = 1
   config.train.optimizer = 'adamw'
   config.train.learning_rate = 2e-5
   # Share of all steps spent warming up linearly to the peak rate; then 'linear' decay to 0.
@@ -208,6 +213,11 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.train.seed = 0
   # Dropout's PRNG (see `pretrain`).
   config.train.rng_impl = 'rbg'
+
+  config.checkpoint = ml_collections.ConfigDict()
+  # Also save the train state every this many steps inside an epoch (it is always saved after
+  # each epoch's evaluation and on SIGTERM); 0 = only then. A rerun resumes from the latest.
+  config.checkpoint.every_steps = 1000
 
   config.eval = ml_collections.ConfigDict()
   # Evaluation happens after every epoch, on every dev set.

@@ -24,6 +24,7 @@ Fine-tuning does not resume: a workdir that already holds a checkpoint is refuse
 
 import copy
 import functools
+import itertools
 import math
 import os
 import time
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bert_jax import checkpoint as ckpt_lib
@@ -289,23 +291,25 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
 # ---------------------------------------------------------------------------------------------
 
 
-def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
   """Fine-tunes `config.init_checkpoint` on `config.task`; returns the best epoch's metrics.
 
   The result (also in <workdir>/metrics.json): task, main_metric, score (the main metric on
   the first dev set), epoch, step, learning_rate, and one dict of metrics per dev set ('dev';
-  MNLI: 'dev_matched' and 'dev_mismatched'), plus 'test' for NER with predict_test.
+  MNLI: 'dev_matched' and 'dev_mismatched'), plus 'test' for NER with predict_test. None when
+  the run stopped early (SIGTERM, train.stop_at_step) with a checkpoint to resume from: the
+  same call continues it.
   """
   # ---- Setup ---------------------------------------------------------------------------------
   train_lib.hide_accelerators_from_tf()
-  workdir = os.path.abspath(os.path.expanduser(workdir))
+  workdir = ckpt_lib.workdir_path(workdir)
   is_main = jax.process_index() == 0
-  if ckpt_steps := ckpt_lib.checkpoint_steps(workdir):
-    raise UserError(f'{workdir} already holds a fine-tuned checkpoint (step {ckpt_steps[-1]}); '
-                    'fine-tuning does not resume: use a new --workdir')
-  os.makedirs(workdir, exist_ok=True)
   if config.train.epochs < 1:
     raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')
+  metrics_path = os.path.join(workdir, 'metrics.json')
+  if ckpt_lib.gfile().exists(metrics_path):
+    return _finished(workdir, metrics_path)
+  ckpt_lib.gfile().makedirs(workdir)
 
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
@@ -313,6 +317,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   batch_size, eval_batch_size = int(config.train.batch_size), int(config.eval.batch_size)
   sharding_lib.check_batch_size(batch_size, mesh)
   sharding_lib.check_batch_size(eval_batch_size, mesh, 'eval.batch_size')
+  state_lib.check_accumulation(batch_size, config.train.grad_accum_steps, mesh)
 
   # ---- Pre-trained encoder, tokenizer and task data ------------------------------------------
   pre_config, pretrained, tok, vocab_file, lower_case = load_checkpoint(
@@ -343,6 +348,11 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # ---- Model and optimizer -------------------------------------------------------------------
   steps_per_epoch = math.ceil(num_train / batch_size)
   total_steps = steps_per_epoch * int(config.train.epochs)
+  stop_at = int(config.train.stop_at_step) or total_steps
+  if not 0 < stop_at <= total_steps:
+    raise UserError(f'config.train.stop_at_step={config.train.stop_at_step} must lie in '
+                    f'[1, {total_steps}] ({config.train.epochs} epochs x {steps_per_epoch} '
+                    'steps; 0 = run to the end)')
   train_cfg = ml_collections.ConfigDict(dict(
       optimizer=config.train.optimizer, learning_rate=config.train.learning_rate,
       warmup_steps=int(config.train.warmup_proportion * total_steps), decay=config.train.decay,
@@ -351,26 +361,39 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   tx, schedule = optim.make_optimizer(train_cfg, total_steps)
   _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
 
-  # ---- Abstract init, shardings, and init: pre-trained encoder, fresh head --------------------
+  # ---- Abstract init and shardings -----------------------------------------------------------
   abstract, shardings = abstract_state_and_shardings(task.model, tx, mesh, rules)
   _check_same_tree(pretrained['bert'], abstract.params['bert'], config.init_checkpoint)
-  params = init_head(abstract.params, shardings.params, bert_config.initializer_range,
-                     config.train.seed)
-  params['bert'] = state_lib.put_sharded(pretrained['bert'], shardings.params['bert'])
-  ignored = sorted(set(pretrained) - {'bert'})
-  logging.info('Encoder from %s; fresh head %s%s', config.init_checkpoint,
-               sorted(set(params) - {'bert'}),
-               f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')
+
+  # ---- Restore, or init: pre-trained encoder, fresh head --------------------------------------
+  # Every save keeps the train state (for resume) and, in `meta`, the best epoch so far, whose
+  # step is kept too; once the run ends only the best epoch's checkpoint stays.
+  manager = ckpt_lib.make_manager(workdir, keep=None, async_save=False, replica_parallel=False)
+  start = manager.latest_step()
+  best: dict[str, Any] | None = None
+  if start is not None:
+    state, meta = ckpt_lib.restore(manager, start, abstract)
+    best = meta['best']
+    logging.info('Resumed from step %d in %s', start, workdir)
+  else:
+    params = init_head(abstract.params, shardings.params, bert_config.initializer_range,
+                       config.train.seed)
+    params['bert'] = state_lib.put_sharded(pretrained['bert'], shardings.params['bert'])
+    ignored = sorted(set(pretrained) - {'bert'})
+    logging.info('Encoder from %s; fresh head %s%s', config.init_checkpoint,
+                 sorted(set(params) - {'bert'}),
+                 f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')
+    with sharding_lib.activate(mesh, rules):
+      state = state_lib.state_from_params(params, tx, shardings)
+    del params
   del pretrained
-  with sharding_lib.activate(mesh, rules):
-    state = state_lib.state_from_params(params, tx, shardings)
-  del params
+  step = int(state.step)
 
   # ---- Steps ---------------------------------------------------------------------------------
   batch_sharding = sharding_lib.batch_sharding(mesh)
   train_step = state_lib.build_train_step(
       loss_fn(task.model, task.loss_fn), tx, mesh, rules, shardings,
-      state_lib.dropout_rng(config.train))
+      state_lib.dropout_rng(config.train), config.train.grad_accum_steps)
   jit_predict = jax.jit(functools.partial(predict_step, model=task.model, head=task.head),
                         in_shardings=(shardings.params, batch_sharding),
                         out_shardings=NamedSharding(mesh, P()))
@@ -389,33 +412,44 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             rows[i] = o
     return rows
 
-  # ---- Checkpoints and logs ------------------------------------------------------------------
-  # Saved only when the dev score improves, so the one kept is the best epoch's.
-  manager = ckpt_lib.make_manager(workdir, keep=1, async_save=False, replica_parallel=False)
-  monitor.truncate_metrics(workdir, None)  # From an earlier attempt that saved no checkpoint.
+  def save() -> None:
+    ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed))
+    # Kept: this step (to resume from) and the best epoch's (its weights are the result).
+    for old in manager.all_steps():
+      if old != step and (best is None or old != best['step']):
+        manager.delete(old)
+
+  # ---- Logs ----------------------------------------------------------------------------------
+  # Rows past the checkpoint are from an attempt that did not save them: written again below.
+  monitor.truncate_metrics(workdir, start)
   log = monitor.MetricsLog(workdir)
+  preemption = monitor.Preemption()
   predictions_dir = os.path.join(workdir, PREDICTIONS_DIR)
 
   # ---- Loop ----------------------------------------------------------------------------------
   logging.info('%s: %d epochs x %d steps of %d sequences, peak lr %g, %d warmup steps',
                config.task, config.train.epochs, steps_per_epoch, batch_size,
                config.train.learning_rate, train_cfg.warmup_steps)
-  bar = monitor.progress(total_steps, 0, is_main and config.log.progress)
-  best: dict[str, Any] | None = None
-  step = 0
+  bar = monitor.progress(total_steps, step, is_main and config.log.progress)
+  every = int(config.checkpoint.every_steps)
+  stopped = False
   try:
-    for epoch in range(1, int(config.train.epochs) + 1):
+    while step < stop_at and not stopped:
+      epoch = step // steps_per_epoch + 1
+      epoch_end = epoch * steps_per_epoch
+      # The epoch's batches are planned from its seed alone, so a resumed run skips exactly
+      # the ones it had trained on.
+      plan = batches(task.train, batch_size, buckets, shuffle=True,
+                     seed=config.train.seed * 1_000_003 + epoch, window_batches=sort_window)
       history, sequences, tokens, t0 = [], 0.0, 0, time.time()
-      for batch in batches(task.train, batch_size, buckets, shuffle=True,
-                           seed=config.train.seed * 1_000_003 + epoch,
-                           window_batches=sort_window):
+      for batch in itertools.islice(plan, step - (epoch - 1) * steps_per_epoch, None):
         state, step_metrics = train_step(state, to_device(batch))
         step += 1
         history.append(step_metrics)
         sequences += float(batch['weight'].sum())
         tokens += batch['input_ids'].size
         bar.update(1)
-        if step % config.log.every_steps == 0 or step % steps_per_epoch == 0:
+        if step % config.log.every_steps == 0 or step == epoch_end or step == stop_at:
           summary = train_lib.summarize(jax.device_get(history), use_nsp=True)
           if not math.isfinite(summary['loss']):
             raise FloatingPointError(f'loss is {summary["loss"]} at step {step}: lower '
@@ -427,6 +461,15 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           log.train(step, summary)
           bar.set_postfix(loss=f'{summary["loss"]:.4f}')
           history, sequences, tokens, t0 = [], 0.0, 0, time.time()
+        stopped = preemption.stop_now(step, manager) or step == stop_at
+        if step == epoch_end:
+          break  # Evaluated, then saved, below.
+        if stopped or (every and step % every == 0):
+          save()
+        if stopped:
+          break
+      if step != epoch_end:
+        continue
 
       results, writers = {}, {}
       for eval_set in task.dev:
@@ -441,12 +484,21 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       if best is None or score > best['score'] or math.isnan(best['score']):
         best = dict(task=config.task, main_metric=task.main_metric, score=score, epoch=epoch,
                     step=step, learning_rate=float(config.train.learning_rate), **results)
-        ckpt_lib.save(manager, workdir, step, state, best)
         if is_main:
           for write in writers.values():
             if write:
               write(predictions_dir)
-    manager.wait_until_finished()
+      save()
+      stopped = stopped or preemption.stop_now(step, manager)
+
+    if step < total_steps:
+      logging.warning('Stopped at step %d of %d; rerun the same command to resume.', step,
+                      total_steps)
+      if is_main:
+        print(f'\nbert_jax finetune {config.task}: stopped at step {step} of {total_steps} '
+              f'(epoch {step // steps_per_epoch + 1}); rerun the same command to resume from '
+              f'{workdir}', flush=True)
+      return None
 
     # ---- Test predictions with the best epoch's weights ----------------------------------------
     if task.test:
@@ -464,15 +516,34 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       logging.info('Test predictions in %s', predictions_dir)
   finally:
     bar.close()
+    manager.wait_until_finished()
     manager.close()
     log.close()
+    preemption.restore()
 
+  # metrics.json marks the run finished; then only the best epoch's checkpoint is kept.
   if is_main:
-    ckpt_lib.write_json(os.path.join(workdir, 'metrics.json'), best)
-    print(f'\nbert_jax finetune {config.task}: best epoch {best["epoch"]} of '
-          f'{config.train.epochs}, {task.main_metric} {best["score"]:.4f}\n'
+    ckpt_lib.write_json(metrics_path, best)
+  return _finished(workdir, metrics_path, fresh=True)
+
+
+def _finished(workdir: str, metrics_path: str, fresh: bool = False) -> dict[str, Any]:
+  """The result of a finished run; drops every checkpoint but the best epoch's (a rerun after
+  a stop between metrics.json and that clean-up finishes it)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices('bert_jax finetune: metrics.json written')
+  best = ckpt_lib.read_json(metrics_path)
+  manager = ckpt_lib.make_manager(workdir, keep=None, async_save=False, replica_parallel=False)
+  for step in manager.all_steps():
+    if step != best['step']:
+      manager.delete(step)
+  manager.close()
+  if jax.process_index() == 0:
+    print(f'\nbert_jax finetune {best["task"]}: best epoch {best["epoch"]}, '
+          f'{best["main_metric"]} {best["score"]:.4f}'
+          + ('' if fresh else ' (the run had finished already)') + '\n'
           f'  workdir:      {workdir}\n'
-          f'  metrics:      {os.path.join(workdir, "metrics.json")}\n'
+          f'  metrics:      {metrics_path}\n'
           f'  TensorBoard:  tensorboard --logdir {workdir}', flush=True)
   return best
 
@@ -490,22 +561,26 @@ def _buckets(values) -> tuple[int, ...]:
 
 
 def sweep(config: ml_collections.ConfigDict, workdir: str,
-          learning_rates: Sequence[float] = (5e-5, 4e-5, 3e-5, 2e-5)) -> dict[str, Any]:
+          learning_rates: Sequence[float] = (5e-5, 4e-5, 3e-5, 2e-5)) -> dict[str, Any] | None:
   """The paper's search: one fine-tuning run per learning rate in `workdir/lr_<lr>`; the best
-  dev score and its rate (also written to `workdir/sweep.json`)."""
+  dev score and its rate (also written to `workdir/sweep.json`). None when a run stopped early:
+  rerunning the sweep skips the finished runs and resumes that one."""
   if not learning_rates:
     raise UserError('sweep: no learning rates')
+  workdir = ckpt_lib.workdir_path(workdir)
   runs = {}
   for lr in learning_rates:
     run_config = copy.deepcopy(config)
     with run_config.unlocked():
       run_config.train.learning_rate = float(lr)
     runs[f'{lr:g}'] = finetune(run_config, os.path.join(workdir, f'lr_{lr:g}'))
+    if runs[f'{lr:g}'] is None:
+      return None
   best_lr = max(runs, key=lambda k: runs[k]['score'])
   result = {
       'task': config.task, 'main_metric': runs[best_lr]['main_metric'],
       'best_learning_rate': float(best_lr), 'best_score': runs[best_lr]['score'],
-      'best_workdir': os.path.join(os.path.abspath(workdir), f'lr_{best_lr}'),
+      'best_workdir': os.path.join(workdir, f'lr_{best_lr}'),
       'runs': {lr: {'score': r['score'], 'epoch': r['epoch']} for lr, r in runs.items()},
   }
   if jax.process_index() == 0:

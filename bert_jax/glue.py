@@ -18,6 +18,7 @@ from absl import logging
 import ml_collections
 import numpy as np
 
+from bert_jax import fileio
 from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import tasks
@@ -123,11 +124,10 @@ def _read_rows(path: str) -> Iterator[tuple[int, list[str]]]:
   """(1-based line number, tab-separated fields); quotes are literal, as GLUE's files need."""
   # utf-8-sig: MRPC's header starts with a byte-order mark. newline='\n': a stray '\r' inside a
   # sentence must not end the row.
-  with open(path, encoding='utf-8-sig', newline='\n') as f:
-    for number, line in enumerate(f, 1):
-      line = line.rstrip('\r\n')
-      if line:
-        yield number, line.split('\t')
+  for number, line in enumerate(fileio.read_text(path, 'utf-8-sig').split('\n'), 1):
+    line = line.rstrip('\r')
+    if line:
+      yield number, line.split('\t')
 
 
 def _column(header: list[str], name: str, path: str) -> int:
@@ -151,7 +151,7 @@ def read_task(task: str, data_dir: str, split: str,
   name, spec = _task(task)
   split = _split(name, spec, split)
   path = os.path.join(data_dir, spec.directory, spec.files[split])
-  if not os.path.exists(path):
+  if not fileio.exists(path):
     raise UserError(f'GLUE {name} {split}: no file {path} (expected the layout of '
                     f'download_glue_data.py: <data_dir>/{spec.directory}/'
                     f'{spec.files[split]})')
@@ -460,11 +460,9 @@ def write_predictions(task: str, predictions, output_dir: str, split: str = 'tes
   indices = range(len(lines)) if indices is None else list(indices)
   if len(indices) != len(lines):
     raise ValueError(f'{len(indices)} indices for {len(lines)} predictions')
-  os.makedirs(output_dir, exist_ok=True)
   path = os.path.join(output_dir, spec.submission[split])
-  with open(path, 'w', encoding='utf-8') as f:
-    f.write('index\tprediction\n')
-    f.writelines(f'{i}\t{p}\n' for i, p in zip(indices, lines))
+  fileio.write_text(path, 'index\tprediction\n' + ''.join(
+      f'{i}\t{p}\n' for i, p in zip(indices, lines)))
   return path
 
 
@@ -532,7 +530,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
     splits = ['test_matched', 'test_mismatched'] if name == 'mnli' else ['test']
     test = [test_set(name, s) for s in splits]
     diagnostic = os.path.join(config.data_dir, 'diagnostic', 'diagnostic.tsv')
-    if name == 'mnli' and (config.data_source == 'tfds' or os.path.exists(diagnostic)):
+    if name == 'mnli' and (config.data_source == 'tfds' or fileio.exists(diagnostic)):
       test.append(test_set('ax', 'test'))
   num_labels = 1 if regression else len(label_list)
   train = convert_split(name, 'train')

@@ -14,6 +14,7 @@ from absl import logging
 import ml_collections
 import numpy as np
 
+from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import metrics
 from bert_jax import model as model_lib
@@ -55,25 +56,26 @@ def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[
       sentences.append(Sentence(words, tags if has_tags else None, first_line))
     words, tags, first_line = [], [], None
 
-  with open(path, encoding='utf-8') as f:
-    for number, line in enumerate(f, 1):
-      fields = line.split()
-      if not fields or fields[0] == '-DOCSTART-':
-        flush()
-        continue
-      if columns is None:
-        columns = len(fields)
-        if has_tags and columns < 2:
-          raise UserError(f'{path}:{number}: expected a word and a tag column, got {fields}')
-      elif len(fields) != columns:
-        raise UserError(f'{path}:{number}: {len(fields)} columns where earlier lines have '
-                        f'{columns}')
-      if first_line is None:
-        first_line = number
-      words.append(fields[0])
-      if has_tags:
-        _check_tag(fields[-1], f'{path}:{number}')
-        tags.append(fields[-1])
+  # Universal newlines, as open() reads text (str.splitlines would also split on \x85).
+  text = fileio.read_text(path).replace('\r\n', '\n').replace('\r', '\n')
+  for number, line in enumerate(text.split('\n'), 1):
+    fields = line.split()
+    if not fields or fields[0] == '-DOCSTART-':
+      flush()
+      continue
+    if columns is None:
+      columns = len(fields)
+      if has_tags and columns < 2:
+        raise UserError(f'{path}:{number}: expected a word and a tag column, got {fields}')
+    elif len(fields) != columns:
+      raise UserError(f'{path}:{number}: {len(fields)} columns where earlier lines have '
+                      f'{columns}')
+    if first_line is None:
+      first_line = number
+    words.append(fields[0])
+    if has_tags:
+      _check_tag(fields[-1], f'{path}:{number}')
+      tags.append(fields[-1])
   flush()
   if not sentences:
     raise UserError(f'{path}: no sentences')
@@ -217,7 +219,7 @@ def reassemble(sentences: Sequence[Sentence], features: dict[str, Any], predicti
 def _conll_file(data_dir: str, names: Sequence[str], what: str, required: bool = True):
   for n in names:
     path = os.path.join(data_dir, n)
-    if os.path.isfile(path):
+    if fileio.isfile(path):
       return path
   if required:
     raise UserError(f'config.data_dir={data_dir}: no {what} file ({" or ".join(names)})')
@@ -226,12 +228,12 @@ def _conll_file(data_dir: str, names: Sequence[str], what: str, required: bool =
 
 def _write_conll(path: str, sentences, predicted) -> None:
   """'word gold predicted' per line (conlleval's input), a blank line after each sentence."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, 'w', encoding='utf-8') as f:
-    for sentence, tags in zip(sentences, predicted):
-      gold = sentence.tags or ['O'] * len(tags)
-      f.writelines(f'{w} {g} {p}\n' for w, g, p in zip(sentence.words, gold, tags))
-      f.write('\n')
+  lines = []
+  for sentence, tags in zip(sentences, predicted):
+    gold = sentence.tags or ['O'] * len(tags)
+    lines.extend(f'{w} {g} {p}\n' for w, g, p in zip(sentence.words, gold, tags))
+    lines.append('\n')
+  fileio.write_text(path, ''.join(lines))
 
 
 def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig

@@ -20,6 +20,7 @@ from absl import logging
 import ml_collections
 import numpy as np
 
+from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import metrics
 from bert_jax import model as model_lib
@@ -73,11 +74,10 @@ def read_squad(source: str | Mapping, is_training: bool) -> list[SquadExample]:
   """
   name = source if isinstance(source, str) else '<SQuAD dict>'
   if isinstance(source, str):
-    with open(source, encoding='utf-8') as f:
-      try:
-        source = json.load(f)
-      except json.JSONDecodeError as e:
-        raise UserError(f'{name}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}') from None
+    try:
+      source = json.loads(fileio.read_text(source))
+    except json.JSONDecodeError as e:
+      raise UserError(f'{name}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}') from None
   if not isinstance(source, Mapping) or 'data' not in source:
     raise UserError(f'{name}: no "data" key; not a SQuAD file')
   examples, skipped = [], []
@@ -463,14 +463,12 @@ def write_predictions(output_dir: str, predictions: Mapping[str, str],
                       null_odds: Mapping[str, float] | None = None,
                       nbest: Mapping[str, list] | None = None) -> dict[str, str]:
   """Writes predictions.json (and null_odds.json, nbest_predictions.json); returns paths."""
-  os.makedirs(output_dir, exist_ok=True)
   paths = {}
   for name, value in (('predictions', predictions), ('null_odds', null_odds),
                       ('nbest_predictions', nbest)):
     if value is not None:
       paths[name] = os.path.join(output_dir, f'{name}.json')
-      with open(paths[name], 'w', encoding='utf-8') as f:
-        json.dump(value, f, indent=2, ensure_ascii=False)
+      fileio.write_text(paths[name], json.dumps(value, indent=2, ensure_ascii=False))
   return paths
 
 
@@ -480,7 +478,7 @@ def write_predictions(output_dir: str, predictions: Mapping[str, str],
 
 
 def _read_squad(path: str, is_training: bool, flag: str) -> list[SquadExample]:
-  if not os.path.isfile(path):
+  if not fileio.isfile(path):
     raise UserError(f'{flag}: no SQuAD file {path}')
   # Errors name the file and the line (invalid JSON) or the question (missing fields).
   return read_squad(path, is_training)

@@ -291,7 +291,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # ---- Setup ---------------------------------------------------------------------------------
   hide_accelerators_from_tf()
-  workdir = os.path.abspath(os.path.expanduser(workdir)) if '://' not in workdir else workdir
+  workdir = ckpt_lib.workdir_path(workdir)
   ckpt_lib.gfile().makedirs(workdir)
   is_main = jax.process_index() == 0
   use_nsp = config.data.objective != 'none'

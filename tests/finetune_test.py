@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 
@@ -12,12 +13,14 @@ import jax
 import numpy as np
 import pytest
 
+from bert_jax import checkpoint as ckpt_lib
 from bert_jax import cli
 from bert_jax import convert
 from bert_jax import errors
 from bert_jax import finetune
 from bert_jax import glue
 from bert_jax import model as model_lib
+from bert_jax import monitor
 from bert_jax import tokenization
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,8 +130,65 @@ def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints
   assert [int(i) for i, _ in rows] == list(range(len(gold)))
   assert np.mean([int(p) == g for (_, p), g in zip(rows, gold)]) >= 0.9
 
-  with pytest.raises(ValueError, match='already holds a fine-tuned checkpoint'):
-    finetune.finetune(config, workdir)
+  # Rerunning a finished run gives its result again, and trains nothing.
+  assert finetune.finetune(config, workdir) == result
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == [str(result['step'])]
+
+
+def _dev_rows(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  return [r for r in rows if r.get('split') == 'dev'], [r['step'] for r in rows if 'loss' in r]
+
+
+def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, monkeypatch):
+  """A run stopped inside an epoch (train.stop_at_step, or SIGTERM) saves where it stopped;
+  rerunning the same call continues at that step and ends with exactly the metrics, best epoch
+  and checkpoint of an uninterrupted run. The task data lies on a non-local filesystem
+  (TensorFlow's ram://, standing in for Cloud Storage)."""
+  data_dir = 'ram://bert_jax_finetune_test/glue'
+  rng = random.Random(3)
+  for split, n in (('train', 64), ('dev', 32)):
+    labels = [rng.randint(0, 1) for _ in range(n)]
+    ckpt_lib.gfile().makedirs(f'{data_dir}/SST-2')
+    with ckpt_lib.gfile().GFile(f'{data_dir}/SST-2/{split}.tsv', 'w') as f:
+      f.write('sentence\tlabel\n' + ''.join(f'{_sentence(rng, l)}\t{l}\n' for l in labels))
+  # 4 steps an epoch; a checkpoint every 3 steps as well as after each epoch. One length (no
+  # buckets): one compiled step per run.
+  settings = {'train.learning_rate': 3e-3, 'train.epochs': 2, 'checkpoint.every_steps': 3,
+              'log.every_steps': 1, 'buckets': ()}
+  full = finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
+                           str(tmp_path / 'full'))
+  full_dev, full_steps = _dev_rows(str(tmp_path / 'full'))
+  assert [r['epoch'] for r in full_dev] == [1, 2] and full_steps == list(range(1, 9))
+
+  # Stopped at step 6 (epoch 2): its checkpoint and the best epoch's so far are kept.
+  stopped = str(tmp_path / 'stopped')
+  assert finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir,
+                                        **settings, **{'train.stop_at_step': 6}), stopped) is None
+  assert ckpt_lib.checkpoint_steps(stopped) == [4, 6]
+  assert _dev_rows(stopped)[1] == list(range(1, 7))
+  resumed = finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
+                              stopped)
+  assert resumed == full
+  assert ckpt_lib.checkpoint_steps(stopped) == [full['step']]
+  assert _dev_rows(stopped) == (full_dev, full_steps)
+
+  # SIGTERM after step 2 (epoch 1): the run saves step 2 and returns; the rerun finishes it.
+  log_train = monitor.MetricsLog.train
+
+  def train_then_sigterm(self, step, scalars, **extra):
+    log_train(self, step, scalars, **extra)
+    if step == 2:
+      signal.raise_signal(signal.SIGTERM)
+  monkeypatch.setattr(monitor.MetricsLog, 'train', train_then_sigterm)
+  signalled = str(tmp_path / 'signalled')
+  config = _glue_config(checkpoints['bert_jax'], data_dir, **settings)
+  assert finetune.finetune(config, signalled) is None
+  assert ckpt_lib.checkpoint_steps(signalled) == [2]
+  monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
+  assert finetune.finetune(config, signalled) == full
+  assert _dev_rows(signalled) == (full_dev, full_steps)
 
 
 def test_squad_runs_end_to_end(checkpoints, tmp_path):
