@@ -365,6 +365,51 @@ def _features_flags():
   return run
 
 
+@_command('eval', 'MLM and NSP metrics of a checkpoint on held-out text, without training '
+          '(one JSON object).')
+def _eval_flags():
+  _define_config_flag(os.path.join(configs_dir(), 'smoke.py'))
+  flags.DEFINE_string('checkpoint', None, 'A pre-training workdir, or a Hugging Face, Google TF '
+                      'or bert_jax checkpoint with an MLM head.')
+  flags.mark_flags_as_required(['checkpoint'])
+
+  def run(argv):
+    del argv
+    import json  # pylint: disable=g-import-not-at-top
+    from bert_jax import train  # pylint: disable=g-import-not-at-top
+    print(json.dumps(train.evaluate_checkpoint(FLAGS.config, FLAGS.checkpoint)), flush=True)
+  return run
+
+
+@_command('fill-mask', 'Top-k tokens and probabilities for each [MASK] of the texts given '
+          '(one JSON object per text).')
+def _fill_mask_flags():
+  flags.DEFINE_string('checkpoint', None, 'A checkpoint with an MLM head: bert_jax, Hugging '
+                      'Face, Google TF, or a pre-training workdir.')
+  flags.DEFINE_integer('top_k', 5, 'Tokens to show per [MASK].')
+  flags.DEFINE_bool('table', False, 'A human-readable table instead of JSON lines.')
+  flags.DEFINE_string('vocab_file', '', 'vocab.txt; default: the checkpoint\'s.')
+  flags.DEFINE_bool('lower_case', None, 'Lower-case the text; default: what the checkpoint '
+                    'says.')
+  flags.mark_flags_as_required(['checkpoint'])
+
+  def run(argv):
+    import json  # pylint: disable=g-import-not-at-top
+    from bert_jax import fill_mask  # pylint: disable=g-import-not-at-top
+    texts = argv[1:]
+    if not texts:
+      raise UserError('give the texts as arguments: bert-jax fill-mask --checkpoint=PATH '
+                      '"The capital of France is [MASK]."')
+    results = fill_mask.fill_mask(FLAGS.checkpoint, texts, FLAGS.top_k,
+                                  vocab_file=FLAGS.vocab_file, lower_case=FLAGS.lower_case)
+    if FLAGS.table:
+      print(fill_mask.format_table(results))
+    else:
+      for result in results:
+        print(json.dumps(result, ensure_ascii=False))
+  return run
+
+
 # ---- Entry point -------------------------------------------------------------------------------
 
 

@@ -215,6 +215,76 @@ def _max_over_processes(n: int) -> int:
   return int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
 
 
+def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any,
+                    p_eval_step: Callable, mesh: jax.sharding.Mesh, rules, vocab_file: str,
+                    use_nsp: bool) -> dict[str, float]:
+  """MLM (and NSP) metrics of `params` on eval.steps batches of the phase's held-out data."""
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  eval_local = config.eval.batch_size // jax.process_count()
+  sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
+  it = input_pipeline.make_pretraining_dataset(
+      phase_data(config, phase), batch_size=eval_local, seq_len=phase.seq_len,
+      max_predictions=phase.max_predictions, train=False, process_index=jax.process_index(),
+      process_count=jax.process_count(), vocab_file=vocab_file).as_numpy_iterator()
+  batches = eval_batches(it, config.eval.steps,
+                         _dummy_batch(eval_local, phase.seq_len, phase.max_predictions))
+  if not batches:
+    raise UserError('the evaluation data gave no batch: data.eval_input (or the held-out '
+                    'share of data.input) is smaller than eval.batch_size')
+  batch_sharding = sharding_lib.batch_sharding(mesh)
+  results = []
+  with sharding_lib.activate(mesh, rules):
+    for local in batches:
+      results.append(p_eval_step(params, sharding_lib.make_global_batch(local, batch_sharding)))
+  return summarize(jax.device_get(results), use_nsp)
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> dict[str, Any]:
+  """MLM and NSP metrics of any checkpoint `convert.load_pretrained` reads, on the held-out
+  data of `config` (eval.steps batches of eval.batch_size), without training.
+
+  The vocabulary is data.vocab_file or else the checkpoint's vocab.txt. Given a pre-training
+  workdir and that run's config, the numbers are those of the run's last evaluation (the same
+  data, phase and batches). A checkpoint without an NSP head (BertForMaskedLM) gets MLM only.
+  """
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  hide_accelerators_from_tf()
+  mesh = sharding_lib.make_mesh(config.mesh)
+  rules = sharding_lib.rules_from_config(config.mesh)
+  loaded_config, params = convert.load_pretrained(checkpoint,
+                                                  scan_layers=config.model.scan_layers)
+  vocab_file = config.data.vocab_file or convert.find_vocab(checkpoint)
+  if not vocab_file:
+    raise UserError(f'--checkpoint={checkpoint} has no vocab.txt next to it: set '
+                    '--config.data.vocab_file')
+  if 'mlm' not in params:
+    raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
+                    'fine-tuned model has no pre-training metrics')
+  m = config.model
+  bert_config = loaded_config.replace(
+      dtype=compute_dtype(m.dtype), scan_layers=m.scan_layers, remat_policy=m.remat_policy,
+      attention_impl=m.attention_impl)
+  use_nsp = config.data.objective != 'none' and 'nsp' in params
+  if 'nsp' not in params:  # Its outputs are not reported.
+    params = dict(params, nsp={'kernel': np.zeros((bert_config.hidden_size, 2), np.float32),
+                               'bias': np.zeros(2, np.float32)})
+  # The phase of the last step: a workdir's latest checkpoint, else where the run would end.
+  phases = parse_phases(config)
+  steps = ckpt_lib.checkpoint_steps(checkpoint) if ckpt_lib.gfile().isdir(checkpoint) else []
+  last = steps[-1] if steps else (int(config.train.stop_at_step) or int(config.train.steps))
+  phase = phase_at(phases, last - 1)
+  model = model_lib.BertForPreTraining(bert_config)
+  _, shardings, _ = abstract_state_and_shardings(model, optax.identity(), mesh, rules)
+  params = state_lib.put_sharded({k: params[k] for k in shardings.params},
+                                 shardings.params)
+  p_eval_step = jax.jit(functools.partial(eval_step, model=model),
+                        in_shardings=(shardings.params, sharding_lib.batch_sharding(mesh)))
+  metrics = evaluate_params(config, phase, params, p_eval_step, mesh, rules, vocab_file,
+                            use_nsp)
+  return dict(metrics, checkpoint=checkpoint, step=steps[-1] if steps else None,
+              seq_len=phase.seq_len)
+
+
 def _dummy_batch(batch_size: int, seq_len: int, max_predictions: int) -> dict[str, jax.Array]:
   ids = jnp.zeros((batch_size, seq_len), jnp.int32)
   return dict(input_ids=ids, input_mask=ids, segment_ids=ids,
@@ -386,20 +456,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   preemption = monitor.Preemption()
 
   def evaluate(phase: Phase) -> dict[str, float]:
-    eval_local = config.eval.batch_size // jax.process_count()
-    sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
-    it = dataset_for(phase, train=False, batch_size=eval_local).as_numpy_iterator()
-    batches = eval_batches(it, config.eval.steps,
-                           _dummy_batch(eval_local, phase.seq_len, phase.max_predictions))
-    if not batches:
-      raise UserError('the evaluation data gave no batch: data.eval_input (or the held-out '
-                      'share of data.input) is smaller than eval.batch_size')
-    results = []
-    with sharding_lib.activate(mesh, rules):
-      for local in batches:
-        results.append(p_eval_step(state.params,
-                                   sharding_lib.make_global_batch(local, batch_sharding)))
-    return summarize(jax.device_get(results), use_nsp)
+    return evaluate_params(config, phase, state.params, p_eval_step, mesh, rules, vocab_file,
+                           use_nsp)
 
   def save(phase: Phase, data_it) -> None:
     ckpt_lib.save(manager, workdir, step, state,

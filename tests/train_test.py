@@ -30,6 +30,7 @@ from bert_jax import cli
 from bert_jax import input_pipeline
 from bert_jax import train
 from bert_jax import train_state
+from tolerance import assert_close
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Schedule length of the shared runs; they stop early with train.stop_at_step.
@@ -288,6 +289,32 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, v
   assert {s: expected[s] for s in range(1, stopped + 1)} == {
       s: before[s] for s in range(1, stopped + 1)}
   assert {s: expected[s] for s in resumed} == resumed
+
+
+def test_eval_command_agrees_with_the_runs_last_evaluation(tmp_path, reference, vocab_file,
+                                                            compilation_cache):
+  """`bert-jax eval` of a workdir with the run's config gives the run's last evaluation; the same
+  weights converted to Hugging Face's format give the same numbers."""
+  overrides = dict(TINY, **{'data.vocab_file': vocab_file,
+                            'train.stop_at_step': REFERENCE_STEPS})
+  proc = subprocess.run(
+      [sys.executable, '-m', 'bert_jax.cli', 'eval', f'--checkpoint={reference}'] +
+      _flags(overrides), cwd=_ROOT, env=_env(compilation_cache), capture_output=True, text=True,
+      timeout=400)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  last = _rows(reference)[1][-1]
+  assert last['step'] == REFERENCE_STEPS == result['step']
+  keys = ('mlm_loss', 'mlm_accuracy', 'nsp_loss', 'nsp_accuracy')
+  assert_close([result[k] for k in keys], [last[k] for k in keys], 1e-5)
+
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  hf_dir = str(tmp_path / 'hf')
+  convert.convert(reference, hf_dir, 'hf')
+  converted = train.evaluate_checkpoint(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS),
+                                        hf_dir)
+  assert converted['step'] is None
+  assert_close([converted[k] for k in keys], [last[k] for k in keys], 1e-5)
 
 
 def test_uncommitted_checkpoint_is_never_resumed_from(tmp_path, reference, vocab_file):

@@ -1,0 +1,87 @@
+"""`bert-jax fill-mask` against transformers' BertForMaskedLM on the same random weights."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from bert_jax import fill_mask
+from tolerance import assert_close
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]', 'the', 'capital', 'of', 'france', 'is',
+         'paris', '.', 'a', 'dog', 'cat', 'sat', 'on', 'mat', 'red', '##s', 'big', 'small']
+TEXTS = ['The capital of France is [MASK].', '[MASK] dog sat on a [MASK] mat.']
+
+
+@pytest.fixture(scope='module')
+def hf_dir(tmp_path_factory):
+  """A tiny random BertForMaskedLM saved as Hugging Face does, with an uncased vocab."""
+  path = str(tmp_path_factory.mktemp('hf_mlm'))
+  config = transformers.BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, intermediate_size=37,
+                                   max_position_embeddings=40, attn_implementation='eager')
+  torch.manual_seed(0)
+  model = transformers.BertForMaskedLM(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():  # Spread the logits: no near-ties in the top k.
+      noise = 0.3 * torch.randn(p.shape)
+      p.copy_(1.0 + noise if name.endswith('LayerNorm.weight') else noise)
+  model.save_pretrained(path)
+  with open(os.path.join(path, 'vocab.txt'), 'w') as f:
+    f.write('\n'.join(VOCAB) + '\n')
+  with open(os.path.join(path, 'tokenizer_config.json'), 'w') as f:
+    json.dump({'do_lower_case': True}, f)
+  return path, model
+
+
+def test_top_k_equals_transformers(hf_dir):
+  path, model = hf_dir
+  ours = fill_mask.fill_mask(path, TEXTS, top_k=5)
+  tokenizer = transformers.BertTokenizer(os.path.join(path, 'vocab.txt'), do_lower_case=True)
+  for text, result in zip(TEXTS, ours):
+    encoded = tokenizer(text, return_tensors='pt')
+    with torch.no_grad():
+      probs = torch.softmax(model(**encoded).logits[0], -1).numpy()
+    ids = encoded['input_ids'][0].numpy()
+    positions = list(np.flatnonzero(ids == VOCAB.index('[MASK]')))
+    assert result['text'] == text
+    assert [m['position'] for m in result['masks']] == positions
+    for mask, position in zip(result['masks'], positions):
+      expected_ids = list(np.argsort(-probs[position])[:5])
+      assert [p['token_id'] for p in mask['predictions']] == expected_ids
+      assert [p['token'] for p in mask['predictions']] == [VOCAB[i] for i in expected_ids]
+      assert_close([p['probability'] for p in mask['predictions']],
+                   probs[position][expected_ids], 1e-5, what=text)
+
+
+def test_command_prints_one_json_object_per_text_and_a_table(hf_dir):
+  path, _ = hf_dir
+  cmd = [sys.executable, '-m', 'bert_jax.cli', 'fill-mask', f'--checkpoint={path}', '--top_k=3']
+  env = dict(os.environ, PYTHONPATH=_ROOT)
+  proc = subprocess.run(cmd + TEXTS, cwd=_ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+  expected = fill_mask.fill_mask(path, TEXTS, top_k=3)
+  assert [l['text'] for l in lines] == TEXTS
+  for got, want in zip(lines, expected):
+    assert [[p['token'] for p in m['predictions']] for m in got['masks']] == [
+        [p['token'] for p in m['predictions']] for m in want['masks']]
+  table = fill_mask.format_table(expected)
+  assert table.splitlines()[0] == TEXTS[0]
+  assert table.splitlines()[1].startswith('  [MASK] 1: ' + expected[0]['masks'][0][
+      'predictions'][0]['token'])
+
+
+def test_mistakes_are_named(hf_dir, tmp_path):
+  path, _ = hf_dir
+  with pytest.raises(ValueError, match='has no \\[MASK\\]'):
+    fill_mask.fill_mask(path, ['no mask here'])
+  with pytest.raises(ValueError, match='at most 40'):
+    fill_mask.fill_mask(path, [' '.join(['dog'] * 50) + ' [MASK]'])
