@@ -12,14 +12,19 @@ rows of weight 0, so every example counts exactly once per epoch and shapes stay
 
 Workdir:
   config.json, bert_config.json, vocab.txt, tokenizer_config.json, task.json
-  checkpoints/<step>/  the best epoch's train state (checkpoint.py's layout: params, opt_state,
-                       meta = the epoch's metrics); the workdir loads with
+  checkpoints/<step>/  train states (checkpoint.py's layout: params, opt_state, meta = the best
+                       epoch so far): during a run the latest and the best epoch's; after it
+                       only the best epoch's, so the workdir loads with
                        `convert.load_pretrained` like a pre-training workdir, head included
   metrics.jsonl + TensorBoard events   training metrics and each epoch's dev metrics
-  metrics.json         the best epoch's dev metrics (what `finetune` returns)
+  metrics.json         the best epoch's dev metrics (what `finetune` returns); marks the run
+                       finished
   predictions/         SQuAD predictions.json (+ null_odds.json), NER CoNLL files (dev, test),
                        GLUE test TSVs in the leaderboard's format (with config.predict_test)
-Fine-tuning does not resume: a workdir that already holds a checkpoint is refused.
+Resume: rerunning the same call continues from the latest checkpoint (saved every
+checkpoint.every_steps, after each epoch's evaluation and on SIGTERM) at its step inside its
+epoch, and ends as an uninterrupted run would; a finished workdir returns its metrics.json.
+Every path goes through tf.io.gfile (local or gs://).
 """
 
 import copy
