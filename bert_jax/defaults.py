@@ -65,9 +65,22 @@ def pretrain() -> ml_collections.ConfigDict:
   config.data.max_predictions_per_seq = 20
   config.data.masked_lm_prob = 0.15
   config.data.short_seq_prob = 0.1
-  # Second-sentence objective: 'nsp' (BERT), 'sop' (ALBERT) or 'none' (MLM only, packed).
+  # Second-sentence objective: 'nsp' (BERT), 'sop' (ALBERT) or 'none' (MLM only: sentences
+  # fill whole rows, across documents unless data.packing is on).
   config.data.objective = 'nsp'
   config.data.whole_word_masking = False
+  # Pack several complete sequences into each row of max_seq_length (README "Packing"): each
+  # keeps its own [CLS] A [SEP] B [SEP], segment ids, positions from 0, NSP/SOP label and 15%
+  # masking, and attention never crosses from one to another. Off = the paper's rows, one
+  # sequence each, padded; on in the speed config (lamb_large_batch.py).
+  config.data.packing = False
+  # Sequences per packed row at most (the width of the next_sentence_* features); a row is
+  # closed rather than exceed it, so nothing is dropped. A packed row also holds at most
+  # max_predictions + packing_max_sequences // 2 masked-LM predictions.
+  config.data.packing_max_sequences = 16
+  # Sequences packed together (first-fit decreasing over this many of the shuffled stream):
+  # larger windows leave fewer part-full rows.
+  config.data.packing_window = 1000
   config.data.shuffle_buffer = 10_000
   # Documents tokenized and paired together: more amortize tf.data's per-op overhead and give
   # NotNext more documents to draw from; changing it changes the example stream.

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from bert_jax import documents
 from bert_jax import masking
+from bert_jax import packing
 from bert_jax import pairing
 from bert_jax import sample_corpus
 from bert_jax import tokenization
@@ -102,7 +103,7 @@ def _cached_tokenizer(vocab_file: str, version: tuple[int, int], lower_case: boo
 # dataset with the same settings (train and eval, tests) reuses their traced graphs.
 @functools.lru_cache(maxsize=32)
 def _pair_function(vocab_file: str, version: tuple[int, int], lower_case: bool, objective: str,
-                   seq_len: int, short_seq_prob: float):
+                   seq_len: int, short_seq_prob: float, cross_documents: bool):
   """(seed, batch index, texts [N], ids [N]) -> examples of a batch of documents."""
   tokenizer = _cached_tokenizer(vocab_file, version, lower_case)
   specials = dict(cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id)
@@ -113,7 +114,9 @@ def _pair_function(vocab_file: str, version: tuple[int, int], lower_case: bool, 
   def fn(seed, index, texts, ids):
     doc_tokens = _tokenize_documents(tokenizer, texts)
     if objective == 'none':
-      return pairing.pack_sequences(doc_tokens, seq_len=seq_len, **specials), tf.constant(False)
+      return (pairing.pack_sequences(doc_tokens, seq_len=seq_len,
+                                     cross_documents=cross_documents, **specials),
+              tf.constant(False))
     # The single-document check is returned, not asserted: a stateful op would make the
     # function call stateful, and tf.data cannot checkpoint iterators through those.
     pairs = pairing.make_pairs(
@@ -211,7 +214,7 @@ def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_
                                  seed=_shuffle_seed(seed, process_index, 1))
   version = _version(vocab_file)
   pair = _pair_function(vocab_file, version, data.lower_case, objective, seq_len,
-                        float(data.short_seq_prob))
+                        float(data.short_seq_prob), not data.packing)
   pair_seed = _seed_tensor(seed, process_index, 1)
   examples = docs.batch(docs_per_batch).enumerate().map(
       lambda i, docs: pair(pair_seed, i, docs['text'], docs['id']),
@@ -219,18 +222,66 @@ def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_
   if train:
     examples = examples.shuffle(data.shuffle_buffer,
                                 seed=_shuffle_seed(seed, process_index, 2))
+  mask = _mask_function(vocab_file, version, data.lower_case, seq_len, max_predictions,
+                        float(data.masked_lm_prob), bool(data.whole_word_masking))
+  mask_seed = _seed_tensor(seed, process_index, 2)
+
+  def masked(batches):
+    return batches.enumerate().map(
+        lambda i, b: mask(mask_seed, i, b['input_ids'], b['num_a'], b['length'],
+                          b['next_sentence_labels']),
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+  if data.packing:
+    # Each sequence is masked on its own, then windows of them are packed into rows.
+    windows = masked(examples.batch(int(data.packing_window)))
+    return _packed_batches(windows, data, batch_size=batch_size, seq_len=seq_len,
+                           max_predictions=max_predictions, train=train, seed=seed,
+                           process_index=process_index, pad_id=tokenizer.pad_id)
+  if train:
     batches = examples.batch(batch_size, drop_remainder=True)
   else:
     padding = {'input_ids': tf.fill([seq_len], tokenizer.pad_id), 'num_a': 0, 'length': 0,
                'next_sentence_labels': 0}
     batches = _pad_to_batches(examples, batch_size, padding)
-  mask = _mask_function(vocab_file, version, data.lower_case, seq_len, max_predictions,
-                        float(data.masked_lm_prob), bool(data.whole_word_masking))
-  mask_seed = _seed_tensor(seed, process_index, 2)
-  return batches.enumerate().map(
-      lambda i, b: mask(mask_seed, i, b['input_ids'], b['num_a'], b['length'],
-                        b['next_sentence_labels']),
-      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  return masked(batches)
+
+
+@functools.lru_cache(maxsize=32)
+def _pack_function(seq_len: int, max_predictions: int, max_sequences: int, pad_id: int):
+  """(seed, window index, unpacked features [N, ...]) -> packed rows [R, ...]."""
+  row_predictions = packing.predictions_per_row(max_predictions, max_sequences, seq_len)
+  tokens = tf.TensorSpec([None, seq_len], tf.int32)
+  targets = tf.TensorSpec([None, max_predictions], tf.int32)
+
+  @tf.function(autograph=False, input_signature=[
+      tf.TensorSpec([2], tf.int64), tf.TensorSpec([], tf.int64),
+      dict(input_ids=tokens, input_mask=tokens, segment_ids=tokens, masked_lm_positions=targets,
+           masked_lm_ids=targets,
+           masked_lm_weights=tf.TensorSpec([None, max_predictions], tf.float32),
+           next_sentence_labels=tf.TensorSpec([None], tf.int32))])
+  def fn(seed, index, features):
+    return packing.pack(features, tf.random.experimental.stateless_fold_in(seed, index),
+                        seq_len=seq_len, max_sequences=max_sequences,
+                        max_predictions=row_predictions, pad_id=pad_id)
+  return fn
+
+
+def _packed_batches(windows: tf.data.Dataset, data, *, batch_size, seq_len, max_predictions,
+                    train, seed, process_index, pad_id) -> tf.data.Dataset:
+  """Windows of unpacked, masked sequences -> batches of packed rows (`packing.py`)."""
+  max_sequences = int(data.packing_max_sequences)
+  pack = _pack_function(seq_len, max_predictions, max_sequences, pad_id)
+  pack_seed = _seed_tensor(seed, process_index, 3)
+  rows = windows.enumerate().map(lambda i, w: pack(pack_seed, i, w),
+                                 num_parallel_calls=tf.data.AUTOTUNE,
+                                 deterministic=True).unbatch()
+  if train:
+    return rows.batch(batch_size, drop_remainder=True)
+  padding = packing.padding_row(
+      seq_len, max_sequences,
+      packing.predictions_per_row(max_predictions, max_sequences, seq_len), pad_id)
+  return _pad_to_batches(rows, batch_size, padding)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +373,14 @@ def _tfrecord_dataset(data, *, batch_size, seq_len, max_predictions, train, proc
 
   if train:
     ds = ds.repeat().shuffle(data.shuffle_buffer, seed=_shuffle_seed(seed, process_index, 1))
+  if data.packing:
+    # The records' sequences and static masks, packed a window at a time.
+    windows = ds.batch(int(data.packing_window)).map(
+        parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return _packed_batches(windows, data, batch_size=batch_size, seq_len=seq_len,
+                           max_predictions=max_predictions, train=train, seed=seed,
+                           process_index=process_index, pad_id=0)
+  if train:
     ds = ds.batch(batch_size, drop_remainder=True)
   else:
     ds = _pad_to_batches(ds, batch_size, tf.constant(_zero_record(seq_len, max_predictions)))
@@ -353,7 +412,11 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
   Returns:
     A dataset of dicts: input_ids, input_mask, segment_ids [B, seq_len] int32,
     masked_lm_positions, masked_lm_ids [B, max_predictions] int32, masked_lm_weights
-    [B, max_predictions] float32, next_sentence_labels [B] int32.
+    [B, max_predictions] float32, next_sentence_labels [B] int32. With data.packing, B rows
+    of several sequences each (`packing.PACKED_FEATURES`): also position_ids and sequence_ids
+    [B, seq_len], masked_lm_* [B, packing.predictions_per_row(...)], and
+    next_sentence_positions, next_sentence_labels (int32) and next_sentence_weights (float32)
+    [B, data.packing_max_sequences].
   """
   hide_accelerators_from_tf()
   if seq_len < 8:
@@ -366,6 +429,8 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
     raise ValueError(f'process_index={process_index} is not in [0, {process_count})')
   if data.objective not in OBJECTIVES:
     raise UserError(f'data.objective={data.objective!r} is not one of {OBJECTIVES}')
+  if data.packing:
+    check_packing(data)
   seed = int(data.seed if seed is None else seed)
   common = dict(batch_size=batch_size, seq_len=seq_len, max_predictions=max_predictions,
                 train=train, process_index=process_index, process_count=process_count,
@@ -390,6 +455,16 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
   # tf.data (randomness is stateless), which the save/restore test checks.
   options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
   return ds.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
+def check_packing(data: ml_collections.ConfigDict) -> None:
+  """Raises UserError naming the data.packing_* key that cannot work."""
+  if int(data.packing_max_sequences) < 1:
+    raise UserError(f'data.packing_max_sequences={data.packing_max_sequences}: a packed '
+                           'row must hold at least one sequence (16 is the default)')
+  if int(data.packing_window) < 1:
+    raise UserError(f'data.packing_window={data.packing_window}: the packer needs a '
+                           'window of at least one sequence (1000 is the default)')
 
 
 def make_iterator(ds: tf.data.Dataset):
@@ -464,7 +539,8 @@ def show_examples(data: ml_collections.ConfigDict, num: int = 3, *,
                   max_predictions: int | None = None, train: bool = True,
                   seed: int | None = None) -> str:
   """Decoded examples: [MASK→orig] for a masked token, [rand→orig] for a replaced one and
-  {orig} for one kept as is, the two segments and the next-sentence label."""
+  {orig} for one kept as is, the two segments and the next-sentence label. With data.packing,
+  `num` rows and each of their sequences."""
   seq_len, max_predictions = _settings(data, seq_len, max_predictions)
   vocab_file = vocab_file or resolve_vocab(data, None)
   tokenizer = _load_tokenizer(vocab_file, data.lower_case)
@@ -481,25 +557,36 @@ def show_examples(data: ml_collections.ConfigDict, num: int = 3, *,
     marked = {int(p): int(t) for p, t, w in zip(batch['masked_lm_positions'][i],
                                                  batch['masked_lm_ids'][i],
                                                  batch['masked_lm_weights'][i]) if w > 0}
-    words = {0: [], 1: []}
-    for pos in range(int(batch['input_mask'][i].sum())):
-      token = vocab[ids[pos]]
-      if pos in marked:
-        original = vocab[marked[pos]]
-        if ids[pos] == tokenizer.mask_id:
-          token = f'[MASK→{original}]'
-        elif ids[pos] == marked[pos]:
-          token = f'{{{original}}}'
-        else:
-          token = f'[{token}→{original}]'
-      words[int(batch['segment_ids'][i][pos])].append(token)
-    header = f'example {i}: {len(marked)} masked'
-    if data.objective != 'none':
-      header += f', {label_names[int(batch["next_sentence_labels"][i])]}'
-    lines.append(header)
-    lines.append('  A: ' + ' '.join(words[0]))
-    if words[1]:
-      lines.append('  B: ' + ' '.join(words[1]))
+    if data.packing:
+      count = int(batch['sequence_ids'][i].max())
+      lines.append(f'row {i}: {count} sequence{"s" * (count != 1)}, '
+                   f'{int(batch["input_mask"][i].sum())} of {seq_len} tokens')
+      sequences = [(f'  sequence {k + 1}', np.nonzero(batch['sequence_ids'][i] == k + 1)[0],
+                    batch['next_sentence_labels'][i, k]) for k in range(count)]
+    else:
+      sequences = [(f'example {i}', np.arange(int(batch['input_mask'][i].sum())),
+                    batch['next_sentence_labels'][i])]
+    for title, positions, label in sequences:
+      words = {0: [], 1: []}
+      for pos in positions:
+        token = vocab[ids[pos]]
+        if pos in marked:
+          original = vocab[marked[pos]]
+          if ids[pos] == tokenizer.mask_id:
+            token = f'[MASK→{original}]'
+          elif ids[pos] == marked[pos]:
+            token = f'{{{original}}}'
+          else:
+            token = f'[{token}→{original}]'
+        words[int(batch['segment_ids'][i][pos])].append(token)
+      header = f'{title}: {sum(int(p) in marked for p in positions)} masked'
+      if data.objective != 'none':
+        header += f', {label_names[int(label)]}'
+      indent = title[:len(title) - len(title.lstrip())]
+      lines.append(header)
+      lines.append(f'{indent}  A: ' + ' '.join(words[0]))
+      if words[1]:
+        lines.append(f'{indent}  B: ' + ' '.join(words[1]))
   return '\n'.join(lines)
 
 
@@ -509,10 +596,14 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
                   seed: int | None = None) -> dict[str, Any]:
   """Statistics over `num_batches` batches (see the keys) and the pipeline's speed.
 
+  Examples are sequences, packed or not (with data.packing a row holds several).
   masked_fraction is masked / eligible tokens (not [CLS], [SEP], [PAD], [MASK] before
   masking); mask_token_fraction, random_token_fraction and kept_fraction split the masked
-  positions; tokens_per_second counts non-padding tokens after the first batch (which pays
-  for building the pipeline).
+  positions; padding_fraction is the share of the rows' slots that hold no token;
+  sequences_per_row counts rows with any token; rows_at_sequence_cap (packing only) is the
+  share of rows holding data.packing_max_sequences sequences (the packer never drops a
+  sequence: a row at a cap is closed and the next sequence opens another); tokens_per_second
+  counts non-padding tokens after the first batch (which pays for building the pipeline).
   """
   seq_len, max_predictions = _settings(data, seq_len, max_predictions)
   if documents.input_kind(data.input) != 'tfrecord':
@@ -529,7 +620,7 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
                                 max_predictions=max_predictions, train=train, seed=seed,
                                 vocab_file=vocab_file)
   totals = dict(examples=0, not_next=0, tokens=0, slots=0, masked=0, eligible=0, as_mask=0,
-                kept=0, segment_b=0)
+                kept=0, segment_b=0, rows=0, rows_at_cap=0)
   start = None
   timed_tokens = 0
   for i, batch in enumerate(ds.take(num_batches).as_numpy_iterator()):
@@ -545,8 +636,14 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
     real = batch['input_mask'] > 0
     eligible = real & ~np.isin(restored, specials)
     tokens = int(real.sum())
-    totals['examples'] += int(real[:, 0].sum())
-    totals['not_next'] += int(batch['next_sentence_labels'][real[:, 0]].sum())
+    if data.packing:
+      sequences = batch['next_sentence_weights'] > 0
+      totals['rows_at_cap'] += int((sequences.sum(1) == sequences.shape[1]).sum())
+    else:
+      sequences = real[:, 0]
+    totals['examples'] += int(sequences.sum())
+    totals['not_next'] += int(batch['next_sentence_labels'][sequences].sum())
+    totals['rows'] += int(real.any(1).sum())
     totals['tokens'] += tokens
     totals['slots'] += real.size
     totals['masked'] += int(weights.sum())
@@ -558,6 +655,7 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
       timed_tokens += tokens
   elapsed = time.perf_counter() - start if start is not None else 0.0
   masked = max(totals['masked'], 1)
+  packed = {'rows_at_sequence_cap': totals['rows_at_cap'] / max(totals['rows'], 1)}
   return {
       'examples': totals['examples'],
       'next_sentence_fraction': totals['not_next'] / max(totals['examples'], 1),
@@ -566,6 +664,8 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
       'random_token_fraction': (totals['masked'] - totals['as_mask'] - totals['kept']) / masked,
       'kept_fraction': totals['kept'] / masked,
       'padding_fraction': 1.0 - totals['tokens'] / max(totals['slots'], 1),
+      'sequences_per_row': totals['examples'] / max(totals['rows'], 1),
+      **(packed if data.packing else {}),
       'mean_length': totals['tokens'] / max(totals['examples'], 1),
       'segment_b_fraction': totals['segment_b'] / max(totals['tokens'], 1),
       'masked_per_example': totals['masked'] / max(totals['examples'], 1),

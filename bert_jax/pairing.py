@@ -241,12 +241,13 @@ def _assemble_pairs(flat_tokens, a_start, a_len, b_start, b_len, label, *, seq_l
 
 
 def pack_sequences(doc_tokens: tf.RaggedTensor, *, seq_len: int, cls_id: int, sep_id: int,
-                   pad_id: int) -> dict[str, tf.Tensor]:
+                   pad_id: int, cross_documents: bool = True) -> dict[str, tf.Tensor]:
   """MLM-only sequences: whole sentences packed greedily into `[CLS] ... [SEP]`.
 
   Documents of the batch follow each other with a [SEP] between them; a sentence longer
   than seq_len - 2 tokens is cut into pieces. Segment ids are all 0 (num_a = length) and the
-  labels 0.
+  labels 0. With cross_documents=False a sequence ends where its document does (RoBERTa's
+  DOC-SENTENCES): for packed rows (`packing.py`), where documents must not see each other.
   """
   capacity = seq_len - 2
   sentences = doc_tokens.values  # [S, tokens]
@@ -277,6 +278,14 @@ def pack_sequences(doc_tokens: tf.RaggedTensor, *, seq_len: int, cls_id: int, se
   last_token = tf.gather(flat_tokens, tf.maximum(tf.gather(offset, limit) - 1, 0))
   fits = (tf.gather(offset, limit) - offset[:-1] <= capacity) | tf.equal(last_token, sep_id)
   following = tf.where(fits, limit, limit - 1)
+  if not cross_documents:
+    # A document's last unit ends with its [SEP]: no sequence runs past it.
+    last_piece = tf.equal(piece_index, tf.repeat(num_pieces, num_pieces) - 1)
+    ends_document = tf.where(last_piece & (tf.repeat(is_last, num_pieces) > 0))[:, 0]
+    ends_document = tf.cast(ends_document, tf.int32)
+    document_end = tf.gather(ends_document,
+                             tf.searchsorted(ends_document, tf.range(num_units), side='left'))
+    following = tf.minimum(following, document_end + 1)
   first_unit = _path_from_zero(tf.concat([following, [num_units]], 0))
   start = tf.gather(offset, first_unit)
   size = tf.gather(offset, tf.gather(following, first_unit)) - start

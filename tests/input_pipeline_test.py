@@ -18,6 +18,7 @@ import tensorflow_datasets as tfds
 
 from bert_jax import defaults
 from bert_jax import input_pipeline
+from bert_jax import packing
 from bert_jax import tokenization
 from bert_jax.errors import UserError
 
@@ -564,3 +565,177 @@ def test_show_examples_and_stats(corpora):
   assert abs(stats['mask_token_fraction'] + stats['random_token_fraction'] +
              stats['kept_fraction'] - 1) < 1e-6
   assert stats['tokens_per_second'] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed rows (data.packing)
+# ---------------------------------------------------------------------------------------------
+
+
+def _unpack(b, seq_len, max_predictions):
+  """Packed rows -> the unpacked features of their sequences, one row each, in row order."""
+  out = {k: [] for k in input_pipeline.FEATURES}
+  for r in range(len(b['input_ids'])):
+    for slot in range(int(b['sequence_ids'][r].max())):
+      cols = np.nonzero(b['sequence_ids'][r] == slot + 1)[0]
+      start, length = cols[0], len(cols)
+      assert np.all(np.diff(cols) == 1) and b['next_sentence_positions'][r, slot] == start
+      np.testing.assert_array_equal(b['position_ids'][r, cols], np.arange(length))
+      pad = lambda x, n, fill=0: np.concatenate([x, np.full(n - len(x), fill, x.dtype)])
+      out['input_ids'].append(pad(b['input_ids'][r, cols], seq_len, PAD))
+      out['input_mask'].append(pad(np.ones(length, np.int32), seq_len))
+      out['segment_ids'].append(pad(b['segment_ids'][r, cols], seq_len))
+      mine = (b['masked_lm_weights'][r] > 0) & np.isin(b['masked_lm_positions'][r], cols)
+      out['masked_lm_positions'].append(pad(b['masked_lm_positions'][r, mine] - start,
+                                            max_predictions))
+      out['masked_lm_ids'].append(pad(b['masked_lm_ids'][r, mine], max_predictions))
+      out['masked_lm_weights'].append(pad(b['masked_lm_weights'][r, mine], max_predictions))
+      out['next_sentence_labels'].append(b['next_sentence_labels'][r, slot])
+    assert (b['next_sentence_weights'][r] == (np.arange(b['next_sentence_weights'].shape[1])
+                                              < b['sequence_ids'][r].max())).all()
+  return {k: np.stack(v) for k, v in out.items()}
+
+
+def test_packed_rows_hold_whole_pairs_each_masked_on_its_own(corpora):
+  data = corpora.config(packing=True, packing_max_sequences=6)
+  ds = input_pipeline.make_pretraining_dataset(data, batch_size=50, seq_len=64,
+                                               max_predictions=10, train=True)
+  spec = ds.element_spec
+  assert set(spec) == set(packing.PACKED_FEATURES)
+  width = packing.predictions_per_row(10, 6, 64)
+  assert width == 13 and spec['masked_lm_ids'].shape == (50, width)
+  assert spec['next_sentence_labels'].shape == (50, 6)
+  b = _concat(_batches(ds, 20))
+  unpacked = _unpack(b, 64, 10)
+  stats = _check_pairs(corpora, unpacked, 64)
+  assert abs(stats['not_next'] / stats['examples'] - 0.5) < 0.04
+  m = _check_masking(unpacked, 10)  # Per sequence: the 15% rule and the 10-prediction cap.
+  assert abs(m['masked'] - 0.15) < 0.01 and abs(m['mask'] - 0.8) < 0.03
+  sequences_per_row = len(unpacked['input_ids']) / len(b['input_ids'])
+  assert sequences_per_row > 1.3
+  assert b['input_mask'].mean() > 0.97  # Unpacked, these rows are about 30% padding.
+
+
+def test_packed_mlm_only_keeps_documents_apart(corpora):
+  data = corpora.config(objective='none', packing=True)
+  ds = input_pipeline.make_pretraining_dataset(data, batch_size=32, seq_len=48,
+                                               max_predictions=8, train=True)
+  unpacked = _unpack(_concat(_batches(ds, 4)), 48, 8)
+  ids = _originals(unpacked)
+  lengths = unpacked['input_mask'].sum(1)
+  ends_document = 0
+  for row in range(len(ids)):
+    seq = ids[row, :lengths[row]]
+    assert seq[0] == CLS and seq[-1] == SEP and SEP not in seq[1:-1]
+    marks = [corpora.where[t] for t in seq[1:-1]]
+    assert len({m[:2] for m in marks}) == 1, 'a sequence spans documents'
+    prefix, doc = marks[0][:2]
+    # A sequence ends with its document's last sentence, or is full (46 tokens + 2).
+    if marks[-1][2] == len(corpora.docs[prefix][doc]) - 1:
+      ends_document += 1
+    else:
+      assert lengths[row] >= 48 - 14, 'a sequence stopped early inside its document'
+  assert ends_document > 0.5 * len(ids)
+
+
+def test_packed_evaluation_holds_every_sequence_of_the_pass(corpora):
+  path = os.path.join(corpora.root, 'eval.txt')
+  _write(path, 'r', corpora.docs['r'][:40])
+
+  def sequences(**kw):
+    data = corpora.config(eval_input=path, **kw)
+    batches = list(input_pipeline.make_pretraining_dataset(
+        data, batch_size=7, seq_len=32, max_predictions=5, train=False).as_numpy_iterator())
+    b = _concat(batches)
+    if kw:
+      real = b['input_mask'].any(1)
+      assert not real[-1] or real.all()  # Padding rows only at the end.
+      assert not b['masked_lm_weights'][~real].any()
+      assert not b['next_sentence_weights'][~real].any()
+      b = _unpack(b, 32, 5)
+    found = sorted(tuple(row[row != PAD]) for row in _originals(b))
+    return found, len(batches)
+
+  packed, packed_batches = sequences(packing=True, packing_window=25)
+  unpacked, unpacked_batches = sequences()
+  assert packed == [s for s in unpacked if s]  # The same sequences, none lost or doubled.
+  assert packed_batches < unpacked_batches
+
+
+def test_packed_iterator_save_and_restore(corpora, tmp_path):
+  data = corpora.config(shuffle_buffer=100, packing=True, packing_window=30)
+  make = lambda: input_pipeline.make_pretraining_dataset(  # pylint: disable=g-long-lambda
+      data, batch_size=8, seq_len=32, max_predictions=5, train=True)
+  it = input_pipeline.make_iterator(make())
+  for _ in range(13):
+    next(it)
+  it.save(str(tmp_path / 'data_state'))
+  expected = [next(it) for _ in range(40)]
+  restored = input_pipeline.make_iterator(make())
+  restored.restore(str(tmp_path / 'data_state'))
+  for x, y in zip(expected, (next(restored) for _ in range(40))):
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_packed_tfrecords_keep_their_static_masks(tmp_path):
+  path = str(tmp_path / 'data.tfrecord')
+  rng = np.random.RandomState(1)
+  written = []
+  with tf.io.TFRecordWriter(path) as writer:
+    for i in range(30):
+      length = rng.randint(5, 17)
+      f = {'input_ids': np.r_[CLS, 1000 * i + np.arange(1, length - 1), SEP,
+                              np.zeros(16 - length, int)],
+           'input_mask': np.r_[np.ones(length, int), np.zeros(16 - length, int)],
+           'segment_ids': np.zeros(16, int), 'masked_lm_positions': np.array([1, 2, 0]),
+           'masked_lm_ids': np.array([7, 8, 0]), 'next_sentence_labels': [i % 2]}
+      feature = {k: tf.train.Feature(int64_list=tf.train.Int64List(value=v))
+                 for k, v in f.items()}
+      f['masked_lm_weights'] = np.array([1.0, 1.0, 0.0], np.float32)
+      feature['masked_lm_weights'] = tf.train.Feature(
+          float_list=tf.train.FloatList(value=f['masked_lm_weights']))
+      writer.write(tf.train.Example(features=tf.train.Features(feature=feature))
+                   .SerializeToString())
+      written.append(f)
+  data = defaults.pretrain().data
+  data.input = data.eval_input = path
+  data.vocab_file = ''
+  data.packing = True
+  b = _concat(list(input_pipeline.make_pretraining_dataset(
+      data, batch_size=4, seq_len=16, max_predictions=3, train=False).as_numpy_iterator()))
+  unpacked = _unpack(b, 16, 3)
+  assert len(unpacked['input_ids']) == 30 and len(b['input_ids']) < 30
+  order = np.argsort(unpacked['input_ids'][:, 1])
+  for k in input_pipeline.FEATURES:
+    expected = np.stack([f[k] for f in written])
+    if k == 'next_sentence_labels':
+      expected = expected[:, 0]
+    np.testing.assert_array_equal(unpacked[k][order], expected)
+
+
+def test_packing_keys_are_checked(corpora):
+  for key in ('packing_max_sequences', 'packing_window'):
+    with pytest.raises(UserError, match=f'data.{key}=0'):
+      input_pipeline.make_pretraining_dataset(corpora.config(packing=True, **{key: 0}),
+                                              batch_size=4, seq_len=32, max_predictions=5,
+                                              train=True)
+
+
+def test_packed_examples_and_stats(corpora):
+  data = corpora.config(packing=True, packing_max_sequences=4)
+  text = input_pipeline.show_examples(data, num=8, seq_len=32, max_predictions=5)
+  assert text.count('row ') == 8 and 'sequence 2:' in text and '[MASK→' in text
+  stats = input_pipeline.compute_stats(data, num_batches=5, batch_size=64, seq_len=32,
+                                       max_predictions=5)
+  unpacked = input_pipeline.compute_stats(corpora.config(), num_batches=5, batch_size=64,
+                                          seq_len=32, max_predictions=5)
+  assert stats['examples'] > 1.15 * 320 and unpacked['examples'] == 320
+  assert stats['padding_fraction'] < 0.06 < 0.2 < unpacked['padding_fraction']
+  assert stats['sequences_per_row'] == stats['examples'] / 320
+  assert unpacked['sequences_per_row'] == 1.0 and 'rows_at_sequence_cap' not in unpacked
+  assert 0 <= stats['rows_at_sequence_cap'] < 0.5
+  # Computed over sequences: the same shares as unpacked.
+  for key in ('next_sentence_fraction', 'masked_fraction', 'mask_token_fraction'):
+    assert abs(stats[key] - unpacked[key]) < 0.06, key
+  assert abs(stats['mean_length'] - unpacked['mean_length']) < 2
