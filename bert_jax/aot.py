@@ -42,14 +42,35 @@ def parse_topology(name: str) -> tuple[str, str]:
   return f'{prefix}:{shape}', chip
 
 
-def _abstract_batch(batch_size: int, seq_len: int, preds: int, sharding) -> dict:
+def _row_predictions(config: ml_collections.ConfigDict, seq_len: int, preds: int) -> int:
+  """Width of the batch's masked_lm_* features: a packed row holds several sequences'."""
+  if not config.data.packing:
+    return preds
+  from bert_jax import packing  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  return packing.predictions_per_row(preds, int(config.data.packing_max_sequences), seq_len)
+
+
+def _abstract_batch(config: ml_collections.ConfigDict, seq_len: int, preds: int,
+                    sharding) -> dict:
+  """The batch `input_pipeline` makes for a phase: rows of one sequence, or packed rows."""
+  batch_size = config.train.batch_size
   spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  return dict(input_ids=spec((batch_size, seq_len)), input_mask=spec((batch_size, seq_len)),
-              segment_ids=spec((batch_size, seq_len)),
-              masked_lm_positions=spec((batch_size, preds)),
-              masked_lm_ids=spec((batch_size, preds)),
-              masked_lm_weights=spec((batch_size, preds), jnp.float32),
-              next_sentence_labels=spec((batch_size,)))
+  batch = dict(input_ids=spec((batch_size, seq_len)), input_mask=spec((batch_size, seq_len)),
+               segment_ids=spec((batch_size, seq_len)))
+  preds = _row_predictions(config, seq_len, preds)
+  if config.data.packing:
+    per_row = int(config.data.packing_max_sequences)
+    batch.update(position_ids=spec((batch_size, seq_len)),
+                 sequence_ids=spec((batch_size, seq_len)),
+                 next_sentence_positions=spec((batch_size, per_row)),
+                 next_sentence_labels=spec((batch_size, per_row)),
+                 next_sentence_weights=spec((batch_size, per_row), jnp.float32))
+  else:
+    batch.update(next_sentence_labels=spec((batch_size,)))
+  batch.update(masked_lm_positions=spec((batch_size, preds)),
+               masked_lm_ids=spec((batch_size, preds)),
+               masked_lm_weights=spec((batch_size, preds), jnp.float32))
+  return batch
 
 
 def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfig, devices,
@@ -64,8 +85,7 @@ def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfi
                                     state_lib.dropout_rng(config.train),
                                     config.train.grad_accum_steps,
                                     config.data.objective != 'none')
-  batch = _abstract_batch(config.train.batch_size, seq_len, preds,
-                          sharding_lib.batch_sharding(mesh))
+  batch = _abstract_batch(config, seq_len, preds, sharding_lib.batch_sharding(mesh))
   with sharding_lib.activate(mesh, rules):
     lowered = step.jitted.lower(abstract, batch)
   return lowered.compile(), model_lib.count_params(abstract.params)
@@ -116,13 +136,19 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     n = len(devices)
     xla_flops = float(cost['flops'])  # The partitioned program of one device.
     xla_bytes = float(cost.get('bytes accessed', 0.0))
-    analytic = flops_lib.train_flops_per_sequence(bert_config, phase.seq_len,
-                                                  phase.max_predictions) * config.train.batch_size
+    analytic = flops_lib.train_flops_per_sequence(
+        bert_config, phase.seq_len,
+        _row_predictions(config, phase.seq_len, phase.max_predictions)) * config.train.batch_size
     per_chip_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes +
                       mem.temp_size_in_bytes - mem.alias_size_in_bytes)
     t_compute = xla_flops / hw['peak_flops']
     t_memory = xla_bytes / hw['hbm_bandwidth']
     t_bound = max(t_compute, t_memory)
+    tokens_per_chip = config.train.batch_size * phase.seq_len / t_bound / chips
+    # Padded rows spend part of every step on padding, how much depends on the data; packed
+    # rows are full but for the packer's few percent (`bert-jax data --stats`).
+    real_tokens = dict(real_tokens_per_second_per_chip=tokens_per_chip) if config.data.packing \
+        else {}
     reports.append(dict(
         header, params=n_params,
         memory=dict(arguments_gib=mem.argument_size_in_bytes / 2**30,
@@ -139,6 +165,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
             note='a lower bound on step time: max(FLOPs / peak, bytes / HBM bandwidth)',
             compute_seconds=t_compute, memory_seconds=t_memory, step_seconds=t_bound,
             sequences_per_second=config.train.batch_size / t_bound,
+            tokens_per_second_per_chip=tokens_per_chip, **real_tokens,
             mfu=analytic / (t_bound * hw['peak_flops'] * n)),
     ))
   return reports
@@ -155,6 +182,10 @@ def format_report(report: dict[str, Any]) -> str:
         '  Try model.remat_policy=dots or full, mesh.fsdp > 1, train.grad_accum_steps > 1, '
         'or a larger slice.', '  ' + json.dumps(report)])
   f, r = report['flops'], report['roofline_bound']
+  rows = 'sequences'
+  if 'real_tokens_per_second_per_chip' in r:
+    rows = (f"packed rows, <= {r['real_tokens_per_second_per_chip']:.0f} real tokens/s per chip "
+            '(packed rows are full but for the padding_fraction of bert-jax data --stats)')
   return '\n'.join([
       title,
       f"  memory per device: {m['total_gib']:.2f} GiB of {m['hbm_gib']:.0f} GiB HBM "
@@ -165,6 +196,7 @@ def format_report(report: dict[str, Any]) -> str:
       f"(ratio {f['xla_over_analytic']:.3f})",
       f"  roofline bound (not a measurement): step >= {r['step_seconds'] * 1e3:.1f} ms "
       f"(compute {r['compute_seconds'] * 1e3:.1f} ms, memory {r['memory_seconds'] * 1e3:.1f} "
-      f"ms), <= {r['sequences_per_second']:.0f} sequences/s, MFU <= {r['mfu']:.1%}",
+      f"ms), <= {r['sequences_per_second']:.0f} {rows}, "
+      f"<= {r['tokens_per_second_per_chip']:.0f} tokens/s per chip, MFU <= {r['mfu']:.1%}",
       '  ' + json.dumps(report),
   ])

@@ -290,12 +290,14 @@ class Embeddings(nn.Module):
     self.layer_norm = _layer_norm(c, 'layer_norm')
     self.dropout = nn.Dropout(c.hidden_dropout_prob)
 
-  def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool) -> Array:
+  def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool,
+               position_ids: Array | None = None) -> Array:
     seq_len = input_ids.shape[1]
     if seq_len > self.config.max_position_embeddings:
       raise UserError(f'sequence length {seq_len} exceeds max_position_embeddings '
                       f'{self.config.max_position_embeddings}')
-    positions = jnp.arange(seq_len)[None, :]
+    # Packed rows give each sequence positions from 0; otherwise the row's positions.
+    positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
     x = (self.word_embeddings(input_ids) + self.position_embeddings(positions) +
          self.token_type_embeddings(segment_ids))
     x = _constrain(x, ('batch', 'length', 'act_embed'))
@@ -403,15 +405,20 @@ class BertModel(nn.Module):
 
   def __call__(self, input_ids: Array, input_mask: Array, segment_ids: Array,
                deterministic: bool = True, return_hidden_states: bool = False,
-               sequence_ids: Array | None = None):
+               sequence_ids: Array | None = None, position_ids: Array | None = None,
+               cls_positions: Array | None = None):
     """`sequence_ids` [B, T]: 0 = padding, k = the k-th packed sequence of the row;
-    attention stays within a sequence. None: one sequence per row (`input_mask`)."""
+    attention stays within a sequence. None: one sequence per row (`input_mask`).
+    `position_ids` [B, T] (packed rows: from 0 in each sequence; None: 0..T-1) and
+    `cls_positions` [B, S] (packed rows: each sequence's [CLS]; the pooled output is then
+    [B, S, H]; None: the row's first token, [B, H])."""
     if sequence_ids is None:
       sequence_ids = input_mask
     sequence_ids = sequence_ids.astype(jnp.int32)
-    x = self.embeddings(input_ids, segment_ids, deterministic)
+    x = self.embeddings(input_ids, segment_ids, deterministic, position_ids)
     seq, hidden = self.encoder(x, sequence_ids, deterministic, return_hidden_states)
-    pooled = jnp.tanh(self.pooler(seq[:, 0]))
+    first = seq[:, 0] if cls_positions is None else gather_positions(seq, cls_positions)
+    pooled = jnp.tanh(self.pooler(first))
     if return_hidden_states:
       return seq, pooled, [x] + hidden
     return seq, pooled
@@ -460,11 +467,15 @@ class BertForPreTraining(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions,
-               deterministic: bool = True,
-               sequence_ids: Array | None = None) -> tuple[Array, Array]:
+               deterministic: bool = True, sequence_ids: Array | None = None,
+               position_ids: Array | None = None,
+               next_sentence_positions: Array | None = None) -> tuple[Array, Array]:
+    """Packed rows (`packing.py`) also give sequence_ids and position_ids [B, T] and
+    next_sentence_positions [B, S]; the NSP logits are then [B, S, 2], one per sequence."""
     bert = BertModel(self.config, name='bert')
     seq, pooled = bert(input_ids, input_mask, segment_ids, deterministic,
-                       sequence_ids=sequence_ids)
+                       sequence_ids=sequence_ids, position_ids=position_ids,
+                       cls_positions=next_sentence_positions)
     # Only the P masked positions reach the vocabulary projection: [B, P, V], not [B, T, V].
     masked = gather_positions(seq, masked_lm_positions)
     mlm_logits = MlmHead(self.config, name='mlm')(masked, bert.attend)
@@ -522,8 +533,9 @@ def pretraining_loss(mlm_logits: Array, nsp_logits: Array, batch: dict[str, Arra
                      use_nsp: bool = True) -> tuple[Array, dict[str, Array]]:
   """Total loss and metrics. MLM cross-entropy is weighted by `masked_lm_weights`.
 
-  Metrics come as (sum, count) pairs so that they average exactly over devices, micro-batches
-  and evaluation batches.
+  NSP is per sequence: one per row, or with packed rows ([B, S, 2] logits) one per entry of
+  `next_sentence_weights` [B, S]. Metrics come as (sum, count) pairs so that they average
+  exactly over devices, micro-batches and evaluation batches.
   """
   weights = batch['masked_lm_weights'].astype(jnp.float32)
   labels = batch['masked_lm_ids']
@@ -532,11 +544,14 @@ def pretraining_loss(mlm_logits: Array, nsp_logits: Array, batch: dict[str, Arra
   mlm_sum, mlm_count = jnp.sum(mlm_nll * weights), jnp.sum(weights)
   mlm_correct = jnp.sum((jnp.argmax(mlm_logits, -1) == labels) * weights)
   nsp_labels = batch['next_sentence_labels'].reshape(-1)
+  nsp_logits = nsp_logits.reshape(-1, nsp_logits.shape[-1])
   nsp_logp = jax.nn.log_softmax(nsp_logits.astype(jnp.float32), axis=-1)
   nsp_nll = -jnp.take_along_axis(nsp_logp, nsp_labels[:, None], axis=-1)[:, 0]
-  # Rows that fill up the last evaluation batch have no tokens ([CLS] is always unmasked in a
-  # real example): they count for neither loss nor accuracy.
-  if 'input_mask' in batch:
+  if 'next_sentence_weights' in batch:  # Packed rows: their sequences, not their slots.
+    real = batch['next_sentence_weights'].reshape(-1).astype(jnp.float32)
+  elif 'input_mask' in batch:
+    # Rows that fill up the last evaluation batch have no tokens ([CLS] is always unmasked in
+    # a real example): they count for neither loss nor accuracy.
     real = batch['input_mask'][:, 0].astype(jnp.float32)
   else:
     real = jnp.ones(nsp_labels.shape, jnp.float32)

@@ -141,22 +141,47 @@ def phase_at(phases: list[Phase], step: int) -> Phase:
 # ---------------------------------------------------------------------------------------------
 
 
+# Inputs of packed rows (data.packing, `packing.py`) that the model takes besides the usual.
+PACKED_INPUTS = ('position_ids', 'sequence_ids', 'next_sentence_positions')
+
+
+def apply_model(model: nn.Module, params: Any, batch: dict[str, jax.Array], **kwargs):
+  """BertForPreTraining on a batch of rows, packed or not."""
+  packed = {k: batch[k] for k in PACKED_INPUTS if k in batch}
+  return model.apply({'params': params}, batch['input_ids'], batch['input_mask'],
+                     batch['segment_ids'], batch['masked_lm_positions'], **packed, **kwargs)
+
+
 def pretraining_loss_fn(model: nn.Module, use_nsp: bool) -> state_lib.LossFn:
   """MLM (+ NSP) loss of a micro-batch, normalized by the whole batch's masked-token and
   sequence counts (see `train_state.train_step`)."""
 
   def loss_fn(params, micro, rng, batch):
-    mlm_logits, nsp_logits = model.apply(
-        {'params': params}, micro['input_ids'], micro['input_mask'], micro['segment_ids'],
-        micro['masked_lm_positions'], deterministic=False, rngs={'dropout': rng})
+    mlm_logits, nsp_logits = apply_model(model, params, micro, deterministic=False,
+                                         rngs={'dropout': rng})
     _, metrics = model_lib.pretraining_loss(mlm_logits, nsp_logits, micro)
     mlm_norm = jnp.sum(batch['masked_lm_weights'].astype(jnp.float32)) + 1e-5
     loss = metrics['mlm_loss'][0] / mlm_norm
     if use_nsp:
-      loss = loss + metrics['nsp_loss'][0] / jnp.asarray(batch['input_ids'].shape[0],
-                                                         jnp.float32)
-    return loss, dict(metrics, loss=loss)
+      loss = loss + metrics['nsp_loss'][0] / _sequences(batch)
+    # Real tokens and sequences per row, for the rates in metrics.jsonl: (sum, rows) pairs add
+    # up over micro-batches.
+    rows = jnp.float32(micro['input_ids'].shape[0])
+    return loss, dict(metrics, loss=loss,
+                      real_tokens_per_row=(jnp.sum(micro['input_mask'].astype(jnp.float32)),
+                                           rows),
+                      sequences_per_row=(_sequences(micro), rows))
   return loss_fn
+
+
+def _sequences(batch: dict[str, jax.Array]) -> jax.Array:
+  """The batch's sequences: its rows, or with packed rows their sequences (at least 1).
+
+  Normalizing NSP by it makes the same sequences packed or one per row give the same loss and
+  gradient."""
+  if 'next_sentence_weights' in batch:
+    return jnp.maximum(jnp.sum(batch['next_sentence_weights'].astype(jnp.float32)), 1.0)
+  return jnp.asarray(batch['input_ids'].shape[0], jnp.float32)
 
 
 def train_step(state: state_lib.TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
@@ -168,9 +193,7 @@ def train_step(state: state_lib.TrainState, batch: dict[str, jax.Array], *, mode
 
 
 def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module) -> dict[str, Any]:
-  mlm_logits, nsp_logits = model.apply(
-      {'params': params}, batch['input_ids'], batch['input_mask'], batch['segment_ids'],
-      batch['masked_lm_positions'], deterministic=True)
+  mlm_logits, nsp_logits = apply_model(model, params, batch, deterministic=True)
   _, metrics = model_lib.pretraining_loss(mlm_logits, nsp_logits, batch)
   return metrics
 
@@ -222,12 +245,12 @@ def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   eval_local = config.eval.batch_size // jax.process_count()
   sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
-  it = input_pipeline.make_pretraining_dataset(
+  ds = input_pipeline.make_pretraining_dataset(
       phase_data(config, phase), batch_size=eval_local, seq_len=phase.seq_len,
       max_predictions=phase.max_predictions, train=False, process_index=jax.process_index(),
-      process_count=jax.process_count(), vocab_file=vocab_file).as_numpy_iterator()
-  batches = eval_batches(it, config.eval.steps,
-                         _dummy_batch(eval_local, phase.seq_len, phase.max_predictions))
+      process_count=jax.process_count(), vocab_file=vocab_file)
+  batches = eval_batches(ds.as_numpy_iterator(), config.eval.steps,
+                         _empty_batch(ds.element_spec))
   if not batches:
     raise UserError('the evaluation data gave no batch: data.eval_input (or the held-out '
                     'share of data.input) is smaller than eval.batch_size')
@@ -285,13 +308,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
               seq_len=phase.seq_len)
 
 
-def _dummy_batch(batch_size: int, seq_len: int, max_predictions: int) -> dict[str, jax.Array]:
-  ids = jnp.zeros((batch_size, seq_len), jnp.int32)
-  return dict(input_ids=ids, input_mask=ids, segment_ids=ids,
-              masked_lm_positions=jnp.zeros((batch_size, max_predictions), jnp.int32),
-              masked_lm_ids=jnp.zeros((batch_size, max_predictions), jnp.int32),
-              masked_lm_weights=jnp.zeros((batch_size, max_predictions), jnp.float32),
-              next_sentence_labels=jnp.zeros((batch_size,), jnp.int32))
+def _empty_batch(element_spec) -> dict[str, np.ndarray]:
+  """A batch of the dataset's shapes with no tokens and zero weights: it counts for nothing."""
+  return {k: np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
+          for k, spec in element_spec.items()}
 
 
 def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformation,
@@ -484,9 +504,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if step > 0 and meta.get('data_phase') == phase.index and start == step:
         if not ckpt_lib.restore_data_state(workdir, step, data_it):
           logging.warning('No input position saved for step %d: the data restarts', step)
-      flops_per_step = (flops_lib.train_flops_per_sequence(bert_config, phase.seq_len,
-                                                           phase.max_predictions)
-                        * config.train.batch_size)
+      # Model FLOPs per real (non-padding) token: MFU counts only the tokens trained on, so
+      # packed and padded runs compare honestly.
+      flops_per_token = flops_lib.train_flops_per_sequence(
+          bert_config, phase.seq_len, phase.max_predictions) / phase.seq_len
       peak = flops_lib.peak_flops_per_device()
       first_in_segment = True
       while step < min(phase.end, stop_at):
@@ -518,12 +539,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           if steps_done > excluded_steps:
             elapsed, steps_done = elapsed - excluded_time, steps_done - excluded_steps
           sps = steps_done / max(elapsed, 1e-9)
+          rows_per_second = sps * config.train.batch_size
+          real_tokens_per_second = summary.pop('real_tokens_per_row') * rows_per_second
           summary.update(
               learning_rate=float(schedule(step - 1)), steps_per_second=sps,
-              sequences_per_second=sps * config.train.batch_size,
+              sequences_per_second=summary.pop('sequences_per_row') * rows_per_second,
               tokens_per_second=sps * config.train.batch_size * phase.seq_len,
+              real_tokens_per_second=real_tokens_per_second,
               input_wait_fraction=wait_time / max(elapsed, 1e-9),
-              mfu=(flops_per_step * sps / (peak * jax.device_count())) if peak else None)
+              mfu=(flops_per_token * real_tokens_per_second / (peak * jax.device_count())
+                   if peak else None))
           log.train(step, summary)
           bar.set_postfix(loss=f'{summary["loss"]:.3f}',
                           mlm_acc=f'{summary["mlm_accuracy"]:.3f}')

@@ -64,3 +64,15 @@ def test_a_step_that_does_not_fit_is_reported_not_raised():
   assert 'RESOURCE_EXHAUSTED' in report['memory']['error']
   text = aot.format_report(report)
   assert 'DOES NOT FIT in 16 GiB HBM per device' in text and 'model.remat_policy' in text
+
+
+def test_packed_config_compiles_packed_rows_and_reports_real_tokens():
+  padded, = aot.compile_for_topology(_config(), 'v5e:2x2')
+  packed, = aot.compile_for_topology(_config(**{'data.packing': True}), 'v5e:2x2')
+  assert 'real_tokens_per_second_per_chip' not in padded['roofline_bound']
+  bound = packed['roofline_bound']
+  assert bound['real_tokens_per_second_per_chip'] == bound['tokens_per_second_per_chip'] == (
+      pytest.approx(32 * 64 / bound['step_seconds'] / 4))
+  # The packed step reads 18 masked-LM slots (10 + 16 // 2) and 16 [CLS] per row.
+  assert packed['flops']['analytic_total'] > padded['flops']['analytic_total']
+  assert 'real tokens/s per chip' in aot.format_report(packed)

@@ -138,3 +138,124 @@ def test_padding_row_is_empty():
       'next_sentence_labels': (4,), 'next_sentence_weights': (4,)}
   assert set(row) == set(packing.PACKED_FEATURES)
   assert all(float(tf.reduce_sum(tf.cast(v, tf.float32))) == 0 for v in row.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness: the same sequences, packed or one per row, train the same
+# ---------------------------------------------------------------------------------------------
+
+# Dropout off: the comparison is of the arithmetic, which dropout masks would not share.
+MODEL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+             intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
+             attention_probs_dropout_prob=0.0)
+
+
+def _unpacked_and_packed(num=16, seq_len=32, max_predictions=5, max_sequences=6):
+  """`num` random sequences one per row, and the same packed (padded to a multiple of 4)."""
+  rng = np.random.RandomState(7)
+  features = _sequences(rng, num, seq_len, max_predictions)
+  features['input_ids'] = np.where(features['input_ids'] >= 10,
+                                   rng.randint(5, 96, features['input_ids'].shape),
+                                   features['input_ids']).astype(np.int32)
+  features['masked_lm_ids'] = np.where(features['masked_lm_weights'] > 0,
+                                       rng.randint(5, 96, features['masked_lm_ids'].shape),
+                                       0).astype(np.int32)
+  rows = _pack(features, seq_len=seq_len, max_sequences=max_sequences,
+               max_predictions=packing.predictions_per_row(max_predictions, max_sequences,
+                                                           seq_len))
+  assert len(rows['input_ids']) < num * 0.7  # Really packed.
+  extra = -len(rows['input_ids']) % 4
+  rows = {k: np.concatenate([v, np.zeros((extra,) + v.shape[1:], v.dtype)])
+          for k, v in rows.items()}
+  return features, rows
+
+
+def _where_packed(features, rows):
+  """(row, slot, start) in `rows` of each sequence of `features`, found by its tokens."""
+  found = {}
+  for r in range(len(rows['input_ids'])):
+    for slot in range(int(rows['sequence_ids'][r].max())):
+      cols = np.nonzero(rows['sequence_ids'][r] == slot + 1)[0]
+      found.setdefault(tuple(rows['input_ids'][r, cols]), []).append((r, slot, cols[0]))
+  where = []
+  for ids, length in zip(features['input_ids'], features['input_mask'].sum(1)):
+    (place,) = found[tuple(ids[:length])]
+    where.append(place)
+  return where
+
+
+def test_packed_sequences_give_the_same_losses_per_sequence():
+  import jax  # pylint: disable=g-import-not-at-top
+  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from bert_jax import train as train_lib  # pylint: disable=g-import-not-at-top
+
+  features, rows = _unpacked_and_packed()
+  config = model_lib.BertConfig(**MODEL)
+  model = model_lib.BertForPreTraining(config)
+  params = model_lib.init_params(config, jax.random.key(0))
+  mlm_u, nsp_u = train_lib.apply_model(model, params, features, deterministic=True)
+  mlm_p, nsp_p = train_lib.apply_model(model, params, rows, deterministic=True)
+  assert nsp_p.shape == rows['next_sentence_weights'].shape + (2,)
+  logp_u = np.asarray(jax.nn.log_softmax(mlm_u))
+  logp_p = np.asarray(jax.nn.log_softmax(mlm_p))
+  nsp_u, nsp_p = np.asarray(jax.nn.log_softmax(nsp_u)), np.asarray(jax.nn.log_softmax(nsp_p))
+  scale = np.abs(logp_u).max()
+  for i, (r, slot, start) in enumerate(_where_packed(features, rows)):
+    np.testing.assert_allclose(nsp_p[r, slot], nsp_u[i], atol=2e-5 * np.abs(nsp_u).max())
+    for j in np.nonzero(features['masked_lm_weights'][i])[0]:
+      (k,) = np.nonzero((rows['masked_lm_positions'][r] == features['masked_lm_positions'][i, j]
+                         + start) & (rows['masked_lm_weights'][r] > 0))[0]
+      label = features['masked_lm_ids'][i, j]
+      assert rows['masked_lm_ids'][r, k] == label
+      # The whole distribution over the vocabulary, not only the loss at the label.
+      np.testing.assert_allclose(logp_p[r, k], logp_u[i, j], atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize('mesh_shape', [(1, 1, 1), (2, 2, 2)])
+def test_packed_sequences_give_the_same_gradient(mesh_shape):
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from bert_jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  from configs import default  # pylint: disable=g-import-not-at-top
+
+  features, rows = _unpacked_and_packed()
+  model = model_lib.BertForPreTraining(model_lib.BertConfig(**MODEL))
+  rules = sharding_lib.rules_from_config(default.get_config().mesh)
+  # new params = params - lr * gradient; a large lr puts the rounding of that sum (an ulp of
+  # the parameter) far below the gradient read back from it.
+  lr = 1e3
+  tx = optax.sgd(lr)
+
+  def gradient_and_loss(batch, shape):
+    mesh = sharding_lib.make_mesh(ml_collections.ConfigDict(
+        dict(data=shape[0], fsdp=shape[1], tensor=shape[2])), jax.devices()[:np.prod(shape)])
+    _, shardings, init = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
+    state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+    before = jax.device_get(state.params)
+    step = train_lib.build_train_step(model, tx, mesh, rules, shardings, jax.random.key(1), 1,
+                                      use_nsp=True)
+    state, metrics = step(state, sharding_lib.make_global_batch(
+        batch, sharding_lib.batch_sharding(mesh)))
+    after = jax.device_get(state.params)
+    return jax.tree.map(lambda b, a: (b - a) / lr, before, after), jax.device_get(metrics)
+
+  grad_u, metrics_u = gradient_and_loss(features, (1, 1, 1))
+  grad_p, metrics_p = gradient_and_loss(rows, mesh_shape)
+  np.testing.assert_allclose(metrics_p['loss'], metrics_u['loss'], rtol=1e-5)
+  for key in ('mlm_loss', 'nsp_loss'):
+    assert metrics_p[key][1] == metrics_u[key][1]  # Same counts: predictions, sequences.
+    np.testing.assert_allclose(metrics_p[key][0], metrics_u[key][0], rtol=1e-5)
+  assert metrics_p['sequences_per_row'][0] == metrics_u['sequences_per_row'][0] == 16
+  assert metrics_p['real_tokens_per_row'][0] == metrics_u['real_tokens_per_row'][0] == (
+      features['input_mask'].sum())
+  flat_u = jax.tree_util.tree_leaves_with_path(grad_u)
+  overall = max(np.abs(u).max() for _, u in flat_u)
+  for (path, u), p in zip(flat_u, jax.tree.leaves(grad_p)):
+    # Relative to the leaf's scale, as summation orders differ (rows, shards, CPUs); the key
+    # biases' gradient is zero up to rounding (softmax ignores a shift), hence the floor.
+    scale = max(np.abs(u).max(), 1e-5 * overall)
+    np.testing.assert_allclose(p, u, atol=1e-4 * scale, rtol=0,
+                               err_msg=jax.tree_util.keystr(path))
