@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from tolerance import assert_close
 
 from bert_jax import packing
 
@@ -201,14 +202,14 @@ def test_packed_sequences_give_the_same_losses_per_sequence():
   nsp_u, nsp_p = np.asarray(jax.nn.log_softmax(nsp_u)), np.asarray(jax.nn.log_softmax(nsp_p))
   scale = np.abs(logp_u).max()
   for i, (r, slot, start) in enumerate(_where_packed(features, rows)):
-    np.testing.assert_allclose(nsp_p[r, slot], nsp_u[i], atol=2e-5 * np.abs(nsp_u).max())
+    assert_close(nsp_p[r, slot], nsp_u[i], 2e-5, scale=np.abs(nsp_u).max(), what='nsp')
     for j in np.nonzero(features['masked_lm_weights'][i])[0]:
       (k,) = np.nonzero((rows['masked_lm_positions'][r] == features['masked_lm_positions'][i, j]
                          + start) & (rows['masked_lm_weights'][r] > 0))[0]
       label = features['masked_lm_ids'][i, j]
       assert rows['masked_lm_ids'][r, k] == label
       # The whole distribution over the vocabulary, not only the loss at the label.
-      np.testing.assert_allclose(logp_p[r, k], logp_u[i, j], atol=2e-5 * scale)
+      assert_close(logp_p[r, k], logp_u[i, j], 2e-5, scale=scale, what='mlm')
 
 
 @pytest.mark.parametrize('mesh_shape', [(1, 1, 1), (2, 2, 2)])
@@ -244,10 +245,10 @@ def test_packed_sequences_give_the_same_gradient(mesh_shape):
 
   grad_u, metrics_u = gradient_and_loss(features, (1, 1, 1))
   grad_p, metrics_p = gradient_and_loss(rows, mesh_shape)
-  np.testing.assert_allclose(metrics_p['loss'], metrics_u['loss'], rtol=1e-5)
+  assert_close(metrics_p['loss'], metrics_u['loss'], 1e-5, what='loss')
   for key in ('mlm_loss', 'nsp_loss'):
     assert metrics_p[key][1] == metrics_u[key][1]  # Same counts: predictions, sequences.
-    np.testing.assert_allclose(metrics_p[key][0], metrics_u[key][0], rtol=1e-5)
+    assert_close(metrics_p[key][0], metrics_u[key][0], 1e-5, what=key)
   assert metrics_p['sequences_per_row'][0] == metrics_u['sequences_per_row'][0] == 16
   assert metrics_p['real_tokens_per_row'][0] == metrics_u['real_tokens_per_row'][0] == (
       features['input_mask'].sum())
@@ -256,6 +257,5 @@ def test_packed_sequences_give_the_same_gradient(mesh_shape):
   for (path, u), p in zip(flat_u, jax.tree.leaves(grad_p)):
     # Relative to the leaf's scale, as summation orders differ (rows, shards, CPUs); the key
     # biases' gradient is zero up to rounding (softmax ignores a shift), hence the floor.
-    scale = max(np.abs(u).max(), 1e-5 * overall)
-    np.testing.assert_allclose(p, u, atol=1e-4 * scale, rtol=0,
-                               err_msg=jax.tree_util.keystr(path))
+    assert_close(p, u, 1e-4, scale=max(np.abs(u).max(), 1e-5 * overall),
+                 what=jax.tree_util.keystr(path))

@@ -55,7 +55,7 @@ TINY = {
 }
 TRAIN_KEYS = ('step', 'loss', 'mlm_loss', 'mlm_accuracy', 'nsp_loss', 'nsp_accuracy',
               'learning_rate', 'grad_norm', 'steps_per_second', 'sequences_per_second',
-              'tokens_per_second', 'mfu')
+              'tokens_per_second', 'real_tokens_per_second', 'mfu')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,6 +479,32 @@ def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vo
   train.train_and_evaluate(_config(vocab_file, **phases), resumed)
   expected = _losses(full)
   assert _losses(resumed, skip=lines) == {s: expected[s] for s in range(9, 13)}
+  _assert_same_params(_params(resumed), _params(full))
+
+
+def test_packed_run_resumes_exactly_and_counts_real_tokens(tmp_path, vocab_file):
+  """data.packing: rows of several sequences train, evaluate per sequence, and resume exactly
+  (the packer's position is part of the saved input state)."""
+  packed = dict(data__packing=True, train__stop_at_step=8)
+  full = str(tmp_path / 'full')
+  train.train_and_evaluate(_config(vocab_file, **packed), full)
+  train_rows, eval_rows = _rows(full)
+  for row in train_rows:
+    # Packed rows: nearly every slot a real token (unpacked, 32-token rows of the sample corpus
+    # are about 7% padding), at least one sequence per row (sequences of the sample corpus
+    # mostly fill 32 tokens: 1.02 per row).
+    assert 0.95 * row['tokens_per_second'] < row['real_tokens_per_second'] <= (
+        row['tokens_per_second'])
+    assert row['sequences_per_second'] >= 0.999 * 8 * row['steps_per_second']
+  assert eval_rows and {'mlm_accuracy', 'nsp_accuracy'} <= set(eval_rows[-1])
+
+  resumed = str(tmp_path / 'resumed')
+  shutil.copytree(full, resumed)
+  shutil.rmtree(os.path.join(resumed, ckpt_lib.CHECKPOINT_DIR, '8'))
+  lines = _num_lines(resumed)
+  train.train_and_evaluate(_config(vocab_file, **packed), resumed)
+  expected = _losses(full)
+  assert _losses(resumed, skip=lines) == {s: expected[s] for s in range(5, 9)}
   _assert_same_params(_params(resumed), _params(full))
 
 
