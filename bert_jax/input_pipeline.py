@@ -458,7 +458,7 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
 
 
 def check_packing(data: ml_collections.ConfigDict) -> None:
-  """Raises UserError naming the data.packing_* key that cannot work."""
+  """Raises UserError naming the packing key (data.packing_window, ...) that cannot work."""
   if int(data.packing_max_sequences) < 1:
     raise UserError(f'data.packing_max_sequences={data.packing_max_sequences}: a packed '
                            'row must hold at least one sequence (16 is the default)')
