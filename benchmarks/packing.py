@@ -35,6 +35,7 @@ from bert_jax import model as model_lib
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train as train_lib
+from bert_jax import train_state as state_lib
 
 # (sequence length, max predictions per sequence, batch rows) of each setting.
 SETTINGS = {128: (128, 20, 32), 512: (512, 80, 8)}
@@ -80,7 +81,7 @@ def _stepper(config, batches):
   with sharding_lib.activate(mesh, rules):
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
   step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
-                                    train_lib.dropout_rng(config.train), 1,
+                                    state_lib.dropout_rng(config.train), 1,
                                     config.data.objective != 'none')
   bsh = sharding_lib.batch_sharding(mesh)
   placed = [sharding_lib.make_global_batch(b, bsh) for b in batches]
