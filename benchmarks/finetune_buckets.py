@@ -2,13 +2,15 @@
 buckets vs. every batch padded to max_seq_length. Prints one JSON line.
 
   python benchmarks/finetune_buckets.py --size=tiny --num_examples=2048
+  python benchmarks/finetune_buckets.py --size=tiny --num_examples=2048 --length_sort_window=50
   python benchmarks/finetune_buckets.py --size=base --num_examples=8192   # on an accelerator
 
 Sequences are synthetic with SST-2's length distribution: the token count of a packed
 '[CLS] sentence [SEP]' (WordPiece, uncased) is log-normal with median 11 and sigma 0.6 (mean
 ~13, 99th percentile ~45), clipped to [3, 66] -- SST-2's training phrases are mostly short,
 its longest sentence is 66 tokens. The timed loop is `finetune`'s: `finetune.batches` (shuffled,
-sorted by length within windows of 50 batches, weight-0 filler rows) feeding the jitted
+uniform random batches or, with --length_sort_window=N, sorted by length within windows of N
+batches as config.train.length_sort_window does; weight-0 filler rows) feeding the jitted
 `train_state.build_train_step` with `finetune.loss_fn` of BertForSequenceClassification with
 AdamW. Every bucket's step is compiled (and that compile time reported) before timing; then whole epochs are timed in
 alternating rounds (fixed, bucketed, fixed, ...) and the best of each setting is reported.
@@ -58,7 +60,8 @@ def prepare(features, buckets, args, model, tx, mesh, rules):
   batch_sharding = sharding_lib.batch_sharding(mesh)
   step = state_lib.build_train_step(finetune.loss_fn(model, tasks.classification_loss), tx,
                                     mesh, rules, shardings, jax.random.key(1))
-  plan = list(finetune.batches(features, args.batch_size, buckets, shuffle=True, seed=1))
+  plan = list(finetune.batches(features, args.batch_size, buckets, shuffle=True, seed=1,
+                               window_batches=args.length_sort_window))
   params = model_lib.init_params(model.config, jax.random.key(0), type(model), num_labels=2)
   with sharding_lib.activate(mesh, rules):
     holder = [state_lib.state_from_params(params, tx, shardings)]
@@ -95,6 +98,8 @@ def main():
   parser.add_argument('--batch_size', type=int, default=32)
   parser.add_argument('--max_seq_length', type=int, default=128)
   parser.add_argument('--buckets', default='32,64,128')
+  parser.add_argument('--length_sort_window', type=int, default=1,
+                      help='as config.train.length_sort_window (1: uniform random batches)')
   parser.add_argument('--vocab_size', type=int, default=30522)
   parser.add_argument('--dtype', default='auto')
   parser.add_argument('--rounds', type=int, default=2, help='timed epochs per setting')
@@ -132,7 +137,9 @@ def main():
       'lengths': {'mean': round(float(lengths.mean()), 2), 'median': float(np.median(lengths)),
                   'p99': float(np.percentile(lengths, 99)), 'max': int(lengths.max())},
       'padding': {k: round(v, 4) for k, v in glue.padding_savings(
-          features, args.batch_size, buckets).items()},
+          features, args.batch_size, buckets,
+          window_batches=args.length_sort_window).items()},
+      'length_sort_window': args.length_sort_window,
       'buckets': list(buckets), 'rounds': args.rounds, 'fixed': fixed, 'bucketed': bucketed,
       'speedup': round(fixed['epoch_s'] / bucketed['epoch_s'], 2),
   }))

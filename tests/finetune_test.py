@@ -91,12 +91,23 @@ def _glue_config(init_checkpoint, data_dir, **overrides):
 
 
 def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints, glue_dir,
-                                                                     tmp_path):
+                                                                     tmp_path, monkeypatch):
   data_dir, gold = glue_dir
   workdir = str(tmp_path / 'sst2')
   config = _glue_config(checkpoints['hf'], data_dir, predict_test=True,
                         **{'train.learning_rate': 3e-3, 'train.epochs': 4})
+  planned = []
+  bucket_batches = glue.bucket_batches
+
+  def spy(features, batch_size, buckets, shuffle=False, **kw):
+    planned.append((shuffle, kw.get('window_batches', 50)))
+    return bucket_batches(features, batch_size, buckets, shuffle=shuffle, **kw)
+
+  monkeypatch.setattr(glue, 'bucket_batches', spy)
   result = finetune.finetune(config, workdir)
+  # Training batches are uniform random draws by default, as in the recipe's reference
+  # implementations (run_classifier.py, transformers' Trainer); evaluation may sort.
+  assert {w for shuffled, w in planned if shuffled} == {1}
 
   assert result['task'] == 'sst2' and result['main_metric'] == 'accuracy'
   assert result['score'] >= 0.9, result
