@@ -14,14 +14,28 @@ The data state of step S is written synchronously *before* the (asynchronous) Or
 starts, so every committed checkpoint has its data state; leftovers of uncommitted steps are
 removed when the manager cleans up.
 
+A committed checkpoint that cannot be read back (truncated or corrupt files) is named in a
+warning, moved aside to `<step>.corrupt`, and the one before it is used; one whose shapes do not
+match the config is an error (never a partial load). A save that fails (a full disk) is removed
+and named in the error; the checkpoints before it stay usable.
+
+One run at a time per workdir: `workdir_lock` holds `<workdir>/run.lock` (pid, host, heartbeat)
+on process 0 and refuses a second run while the holder is alive.
+
 Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) works like a
 local one (Orbax handles its own paths).
 """
 
+import contextlib
+import errno
 import json
 import os
 import re
-from typing import Any
+import socket
+import threading
+import time
+from typing import Any, Iterator
+import uuid
 
 import jax
 import numpy as np
@@ -34,6 +48,10 @@ from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
 DATA_STATE_DIR = 'data_state'
+LOCK_FILE = 'run.lock'
+# A lock whose holder runs on another host is stale when its heartbeat is older than this.
+LOCK_STALE_SECONDS = 300
+_LOCK_HEARTBEAT_SECONDS = 60
 
 
 gfile = fileio.gfile
@@ -76,16 +94,78 @@ def _data_state_path(workdir: str, step: int) -> str:
 
 def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, meta: dict,
          data_iterator: Any | None = None) -> None:
-  """Saves the train state (async) and this process's input position (sync, first)."""
-  if data_iterator is not None:
-    path = _data_state_path(workdir, step)
-    gfile().makedirs(os.path.dirname(path))
-    data_iterator.save(path)
-  manager.save(step, force=True, args=ocp.args.Composite(
-      params=ocp.args.PyTreeSave(state.params),
-      opt_state=ocp.args.PyTreeSave(state.opt_state),
-      meta=ocp.args.JsonSave(dict(meta, step=int(step)))))
+  """Saves the train state (async) and this process's input position (sync, first).
+
+  A failure of the previous (asynchronous) save surfaces here, as `wait_for_saves` raises it.
+  """
+  wait_for_saves(manager, workdir)
+  try:
+    if data_iterator is not None:
+      path = _data_state_path(workdir, step)
+      gfile().makedirs(os.path.dirname(path))
+      data_iterator.save(path)
+    manager.save(step, force=True, args=ocp.args.Composite(
+        params=ocp.args.PyTreeSave(state.params),
+        opt_state=ocp.args.PyTreeSave(state.opt_state),
+        meta=ocp.args.JsonSave(dict(meta, step=int(step)))))
+  except Exception as e:  # pylint: disable=broad-except
+    _save_failed(manager, workdir, e)
   _clean_data_states(manager, workdir, keep_step=step)
+
+
+def wait_for_saves(manager: ocp.CheckpointManager, workdir: str) -> None:
+  """Blocks until the pending save is committed; a failed one is removed and raised (a full
+  disk as a UserError that names it and the checkpoint to resume from)."""
+  try:
+    manager.wait_until_finished()
+  except Exception as e:  # pylint: disable=broad-except
+    _save_failed(manager, workdir, e)
+
+
+_DISK_ERRORS = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded',
+                errno.EROFS: 'Read-only file system', errno.EACCES: 'Permission denied',
+                errno.EFBIG: 'File too large'}
+
+
+def _disk_error(error: BaseException) -> str | None:
+  """The cause of a save failure that the user must fix on the storage side, else None."""
+  while error is not None:
+    if isinstance(error, OSError) and error.errno in _DISK_ERRORS:
+      return _DISK_ERRORS[error.errno]
+    # TensorStore and TensorFlow report OS errors in their message ("... No space left on
+    # device [os_error_code='28']").
+    for text in _DISK_ERRORS.values():
+      if text in str(error):
+        return text
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception) -> None:
+  """Removes what failed saves left behind, then raises (a UserError for a storage problem)."""
+  ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
+  partial = []
+  if jax.process_index() == 0 and gfile().isdir(ckpt_dir):
+    for name in gfile().listdir(ckpt_dir):
+      name = name.rstrip('/')
+      if re.fullmatch(r'\d+\.orbax-checkpoint-tmp.*', name):
+        partial.append(name)
+        try:
+          gfile().rmtree(os.path.join(ckpt_dir, name))
+        except Exception as e:  # pylint: disable=broad-except  (the error below matters more)
+          logging.warning('Could not remove the failed save %s: %s', name, e)
+  manager.reload()
+  kept = manager.latest_step()
+  cause = _disk_error(error)
+  if cause is None:
+    raise error
+  failed = ', '.join(os.path.join(ckpt_dir, p) for p in partial) or 'the checkpoint being saved'
+  raise UserError(
+      f'saving a checkpoint failed: {cause} ({failed}, removed). '
+      + (f'The last complete checkpoint, step {kept}, is intact. ' if kept is not None else
+         'No checkpoint was saved before it. ')
+      + f'Free space in {workdir} (or fix its permissions) and rerun the same command to '
+      f'resume. [{str(error).splitlines()[0][:300]}]') from error
 
 
 def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: int) -> None:
@@ -104,6 +184,190 @@ def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: 
 
 def latest_step(manager: ocp.CheckpointManager) -> int | None:
   return manager.latest_step()
+
+
+def restore_latest(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any
+                   ) -> tuple[int | None, Any, dict]:
+  """(step, state, meta) of the latest checkpoint that reads back whole; (None, None, {}) if
+  the workdir has none.
+
+  A checkpoint whose files cannot be read (truncated, corrupt) is named in a warning, moved
+  aside to `<step>.corrupt` (so that a later save of that step does not collide with it) and
+  the previous one is tried. One that does not match the config is an error: its shapes say
+  the config changed, not that the files broke.
+  """
+  ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
+  skipped = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      metadata = manager.item_metadata(step)['params']
+      _check_shapes(metadata, abstract_state.params, os.path.join(ckpt_dir, str(step)))
+      state, meta = restore(manager, step, abstract_state)
+    except UserError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
+      logging.warning('Checkpoint %s cannot be read (%s: %s); moving it to %s.corrupt and '
+                      'trying the one before it.', os.path.join(ckpt_dir, str(step)),
+                      type(e).__name__, str(e).splitlines()[0][:300] if str(e) else '',
+                      os.path.join(ckpt_dir, str(step)))
+      skipped.append(step)
+      _move_aside(ckpt_dir, step)
+      continue
+    if skipped:
+      manager.reload()
+      logging.warning('Resuming from step %d: checkpoints %s were unreadable', step, skipped)
+    return step, state, meta
+  if skipped:
+    manager.reload()
+    raise UserError(f'no checkpoint in {ckpt_dir} can be read: steps {skipped} are corrupt '
+                    '(moved to <step>.corrupt). Delete the workdir\'s checkpoints/ to start '
+                    'afresh, or restore them from a copy.')
+  return None, None, {}
+
+
+def _check_shapes(metadata: Any, abstract_params: Any, where: str) -> None:
+  """UserError unless the checkpoint's parameters have the config's names and shapes."""
+  saved = {jax.tree_util.keystr(p): tuple(m.shape) for p, m in
+           jax.tree_util.tree_flatten_with_path(metadata, is_leaf=lambda m: hasattr(m, 'shape'))[0]}
+  wanted = {jax.tree_util.keystr(p): tuple(a.shape) for p, a in
+            jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+  if saved == wanted:
+    return
+  differ = [f'{k} {saved[k]} vs {wanted[k]}' for k in sorted(saved.keys() & wanted.keys())
+            if saved[k] != wanted[k]]
+  only = sorted(saved.keys() ^ wanted.keys())
+  example = differ[0] if differ else f'{only[0]} in only one of them'
+  raise UserError(f'checkpoint {where} does not match the config (e.g. {example}; '
+                  f'{len(differ)} shapes differ, {len(only)} tensors in only one): resume with '
+                  'the config it was saved with (config.json in the workdir) or use another '
+                  '--workdir')
+
+
+def _move_aside(ckpt_dir: str, step: int) -> None:
+  if jax.process_index() == 0:
+    src = os.path.join(ckpt_dir, str(step))
+    dst = f'{src}.corrupt'
+    if gfile().exists(dst):
+      dst = f'{src}.corrupt-{int(time.time())}'
+    gfile().rename(src, dst)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(f'bert_jax_move_aside_{step}')
+
+
+# ---- One run per workdir ---------------------------------------------------------------------
+
+
+def _read_lock(path: str) -> dict | None:
+  try:
+    with gfile().GFile(path) as f:
+      return json.loads(f.read() or 'null')
+  except Exception:  # pylint: disable=broad-except  (gone meanwhile, or half written)
+    return None
+
+
+def _holder_alive(holder: dict) -> bool:
+  if holder.get('host') == socket.gethostname():
+    pid = int(holder.get('pid', -1))
+    if pid == os.getpid():
+      return False  # An earlier run in this very process that did not release it.
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return False
+    except PermissionError:
+      return True  # Alive, another user's.
+    return True
+  return time.time() - float(holder.get('heartbeat', 0)) < LOCK_STALE_SECONDS
+
+
+def _write_lock(path: str, record: dict, exclusive: bool) -> bool:
+  text = json.dumps(record)
+  if exclusive and '://' not in path:
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      return False
+    with os.fdopen(fd, 'w') as f:
+      f.write(text)
+    return True
+  with gfile().GFile(path, 'w') as f:
+    f.write(text)
+  return True
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str) -> Iterator[None]:
+  """Holds `<workdir>/run.lock` for the duration of a run; refuses if a live run holds it.
+
+  Process 0 takes it (all processes learn the outcome); the holder is alive when it is a live
+  pid on this host, or, on another host, when its heartbeat (rewritten every minute) is younger
+  than LOCK_STALE_SECONDS. A stale lock (a killed run) is taken over with a warning. On Cloud
+  Storage there is no exclusive create: the lock is written, then read back to see who won.
+  Writing the lock is also the check that the workdir is writable.
+  """
+  path = os.path.join(workdir, LOCK_FILE)
+  token = uuid.uuid4().hex
+  refusal = ''
+  if jax.process_index() == 0:
+    gfile().makedirs(workdir)
+    record = dict(pid=os.getpid(), host=socket.gethostname(), token=token,
+                  started=time.strftime('%Y-%m-%d %H:%M:%S %Z'), heartbeat=time.time())
+    for _ in range(3):
+      holder = _read_lock(path) if gfile().exists(path) else None
+      if holder is not None and _holder_alive(holder):
+        refusal = (f'--workdir={workdir} is in use by another run (pid {holder.get("pid")} on '
+                   f'{holder.get("host")}, started {holder.get("started")}; lock file {path}). '
+                   'Wait for it to end or stop it, or use another --workdir; if no such run is '
+                   f'alive, delete {path}.')
+        break
+      if holder is not None or gfile().exists(path):
+        logging.warning('Taking over the stale lock %s of a run that is gone: %s', path, holder)
+        try:
+          gfile().remove(path)
+        except Exception:  # pylint: disable=broad-except  (another starter removed it)
+          pass
+      try:
+        written = _write_lock(path, record, exclusive=True)
+      except Exception as e:  # pylint: disable=broad-except
+        raise UserError(f'--workdir={workdir} is not writable ({path}: {e}); choose a '
+                        'directory this job can write to') from e
+      if written and (_read_lock(path) or {}).get('token') == token:
+        break
+    else:
+      refusal = f'--workdir={workdir}: could not take the lock {path} (another run starts?)'
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    refused = int(multihost_utils.broadcast_one_to_all(np.int32(bool(refusal))))
+    if refused and not refusal:
+      refusal = f'--workdir={workdir} is in use by another run (see process 0\'s message)'
+  if refusal:
+    raise UserError(refusal)
+
+  stop = threading.Event()
+
+  def heartbeat():
+    while not stop.wait(_LOCK_HEARTBEAT_SECONDS):
+      holder = _read_lock(path)
+      if holder and holder.get('token') == token:
+        holder['heartbeat'] = time.time()
+        try:
+          _write_lock(path, holder, exclusive=False)
+        except Exception as e:  # pylint: disable=broad-except  (retried next time)
+          logging.warning('Could not refresh %s: %s', path, e)
+
+  beat = None
+  if jax.process_index() == 0:
+    beat = threading.Thread(target=heartbeat, name='bert_jax_lock_heartbeat', daemon=True)
+    beat.start()
+  try:
+    yield
+  finally:
+    stop.set()
+    if beat is not None:
+      beat.join()
+      if (_read_lock(path) or {}).get('token') == token:
+        gfile().remove(path)
 
 
 def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:

@@ -457,8 +457,8 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
         if step % config.log.every_steps == 0 or step == epoch_end or step == stop_at:
           summary = train_lib.summarize(jax.device_get(history), use_nsp=True)
           if not math.isfinite(summary['loss']):
-            raise FloatingPointError(f'loss is {summary["loss"]} at step {step}: lower '
-                                     'config.train.learning_rate')
+            raise UserError(f'loss is {summary["loss"]} at step {step}: lower '
+                            'config.train.learning_rate')
           elapsed = max(time.time() - t0, 1e-9)
           summary.update(epoch=epoch, learning_rate=float(schedule(step - 1)),
                          sequences_per_second=sequences / elapsed,

@@ -373,7 +373,16 @@ def check_batch(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> N
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics."""
+  """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics.
+
+  One run at a time per workdir: a second one is refused while this one holds its lock.
+  """
+  workdir = ckpt_lib.workdir_path(workdir)
+  with ckpt_lib.workdir_lock(workdir):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # TensorFlow is imported only when data is needed.
   from bert_jax import documents  # pylint: disable=g-import-not-at-top
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
@@ -381,8 +390,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # ---- Setup ---------------------------------------------------------------------------------
   hide_accelerators_from_tf()
-  workdir = ckpt_lib.workdir_path(workdir)
-  ckpt_lib.gfile().makedirs(workdir)
   is_main = jax.process_index() == 0
   use_nsp = config.data.objective != 'none'
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)
@@ -394,6 +401,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   check_batch(config, mesh)
+  # Evaluation runs thousands of steps in: its settings are checked now.
+  sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
+  if config.eval.steps < 1 or config.eval.every_steps < 1:
+    raise UserError(f'eval.steps={config.eval.steps} and eval.every_steps='
+                    f'{config.eval.every_steps} must be at least 1')
   logging.info('Mesh %s on %d devices, %d processes', dict(mesh.shape), jax.device_count(),
                jax.process_count())
 
@@ -413,20 +425,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         process_index=jax.process_index(), process_count=jax.process_count(),
         vocab_file=vocab_file)
 
-  # TFRecords fix the sequence length: check every phase's records now, not when phase 2
-  # starts 900,000 steps in.
+  # Every phase's training and held-out data is checked now, not when phase 2 starts 900,000
+  # steps in (TFRecords fix the sequence length) or at the first evaluation: the held-out set
+  # must give a batch.
+  eval_local = config.eval.batch_size // jax.process_count()
   for phase in phases:
     data = phase_data(config, phase)
-    if documents.input_kind(data.input) == 'tfrecord':
-      for train in (True, False):
-        try:
-          dataset_for(phase, train, 1)
-        except ValueError as e:
-          raise UserError(
-              f'train.phases phase {phase.index + 1} ({phase.seq_len} tokens, '
-              f'{phase.max_predictions} predictions) cannot read its {"" if train else "eval "}'
-              f'data: {e}. Give each phase records of its length with data.phase_inputs (and '
-              'data.phase_eval_inputs), separated by ";".') from e
+    for train in (True, False):
+      try:
+        ds = dataset_for(phase, train, 1 if train else eval_local)
+        if not train and not any(True for _ in ds.take(1)):
+          source = 'data.eval_input' if data.eval_input else 'the held-out share of data.input'
+          raise UserError(f'{source} gives no evaluation batch')
+      except ValueError as e:
+        raise UserError(
+            f'train.phases phase {phase.index + 1} ({phase.seq_len} tokens, '
+            f'{phase.max_predictions} predictions) cannot read its {"" if train else "eval "}'
+            f'data: {e}' + ('. Give each phase records of its length with data.phase_inputs '
+                            '(and data.phase_eval_inputs), separated by ";".'
+                            if documents.input_kind(data.input) == 'tfrecord' else '')) from e
 
   # ---- Model and optimizer -------------------------------------------------------------------
   bert_config = model_config(config, tokenizer.vocab_size)
@@ -443,10 +460,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # ---- Init or restore -----------------------------------------------------------------------
   manager = ckpt_lib.make_manager(workdir, config.checkpoint.keep)
-  start = ckpt_lib.latest_step(manager)
-  meta = {}
+  start, state, meta = ckpt_lib.restore_latest(manager, workdir, abstract)
+  # Rows past the checkpoint are from a run that died after it: they are logged again.
+  monitor.truncate_metrics(workdir, start)
   if start is not None:
-    state, meta = ckpt_lib.restore(manager, start, abstract)
     if meta.get('seed') != config.train.seed:
       logging.warning('Resuming with train.seed=%s, the checkpoint used %s',
                       config.train.seed, meta.get('seed'))
@@ -531,7 +548,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if step % config.log.every_steps == 0 or step == stop_at:
           summary = summarize(jax.device_get(history), use_nsp)
           if not math.isfinite(summary['loss']):
-            raise FloatingPointError(
+            raise UserError(
                 f'loss is {summary["loss"]} at step {step}: stopping; {last_good()}. Lower '
                 'train.learning_rate or raise train.warmup_steps.')
           elapsed = time.time() - last_log_time
@@ -555,25 +572,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           history, last_log_time, last_log_step, wait_time = [], time.time(), step, 0.0
           excluded_time, excluded_steps = 0.0, 0
 
-        if step % config.eval.every_steps == 0 or step == stop_at:
-          jax.block_until_ready(state)
-          t_eval = time.time()
-          eval_metrics = evaluate(phase)
-          excluded_time += time.time() - t_eval
-          log.eval(step, eval_metrics, eval=True)
-          logging.info('Step %d eval: %s', step, eval_metrics)
-
         preempted = preemption.stop_now(step, manager)
         if step % config.checkpoint.every_steps == 0 or step == stop_at or preempted:
           loss = float(jax.device_get(metrics['loss']))
           if not math.isfinite(loss):
-            raise FloatingPointError(
+            raise UserError(
                 f'loss is {loss} at step {step}: stopping without saving; {last_good()}.')
           jax.block_until_ready(state)
           t_save = time.time()
           save(phase, data_it)
           excluded_time += time.time() - t_save
           last_saved = step
+        # After the save: a failing or killed evaluation never costs the steps before it.
+        if (step % config.eval.every_steps == 0 or step == stop_at) and not preempted:
+          jax.block_until_ready(state)
+          t_eval = time.time()
+          ckpt_lib.wait_for_saves(manager, workdir)
+          eval_metrics = evaluate(phase)
+          excluded_time += time.time() - t_eval
+          log.eval(step, eval_metrics, eval=True)
+          logging.info('Step %d eval: %s', step, eval_metrics)
+
         if preempted:
           logging.warning('Stopped for preemption at step %d; rerun to resume.', step)
           stopped_early = True
@@ -582,7 +601,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         break
   finally:
     bar.close()
-    manager.wait_until_finished()
+    ckpt_lib.wait_for_saves(manager, workdir)
     manager.close()
     log.close()
     preemption.restore()
