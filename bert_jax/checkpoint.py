@@ -291,8 +291,7 @@ def _write_lock(path: str, record: dict, exclusive: bool) -> bool:
     with os.fdopen(fd, 'w') as f:
       f.write(text)
     return True
-  with gfile().GFile(path, 'w') as f:
-    f.write(text)
+  write_json(path, record)  # Replaced whole: a reader never sees half a lock.
   return True
 
 

@@ -3,12 +3,17 @@ Cloud Storage, which the machines that run these tests cannot reach."""
 
 import json
 import os
+import socket
+import subprocess
+import time
 
+import pytest
 import tensorflow as tf
 from clu import data as clu_data
 
 from bert_jax import checkpoint
 from bert_jax import model as model_lib
+from bert_jax.errors import UserError
 
 
 class _Manager:
@@ -67,3 +72,43 @@ def test_run_files_on_a_non_local_filesystem(tmp_path):
   written = json.loads(fs.GFile(os.path.join(workdir, 'bert_config.json')).read())
   assert written == config.to_original_dict()
   assert fs.GFile(os.path.join(workdir, 'vocab.txt')).read() == '[PAD]\n[UNK]\n'
+
+
+def _lock_record(**fields):
+  return json.dumps(dict(dict(pid=1, host='elsewhere', started='then', heartbeat=0.0,
+                              token='x'), **fields))
+
+
+@pytest.mark.parametrize('where', ['local', 'ram'])
+def test_workdir_lock_refuses_a_live_run_and_takes_over_a_dead_one(tmp_path, where):
+  """One run per workdir, locally and on a non-local filesystem (no exclusive create there)."""
+  workdir = str(tmp_path / 'w') if where == 'local' else f'ram://{tmp_path}/w'
+  path = os.path.join(workdir, checkpoint.LOCK_FILE)
+  tf.io.gfile.makedirs(workdir)
+  live = subprocess.Popen(['sleep', '60'])
+  dead = subprocess.Popen(['true'])
+  dead.wait()
+  host = socket.gethostname()
+  try:
+    for holder, refused in [
+        (_lock_record(pid=live.pid, host=host), True),       # A live process here.
+        (_lock_record(heartbeat=time.time()), True),         # Another host, fresh heartbeat.
+        (_lock_record(pid=dead.pid, host=host), False),      # Its process is gone.
+        (_lock_record(heartbeat=time.time() - 3600), False)]:  # Another host, silent an hour.
+      if tf.io.gfile.exists(path):
+        tf.io.gfile.remove(path)  # ram:// does not always replace a file written over.
+      with tf.io.gfile.GFile(path, 'w') as f:
+        f.write(holder)
+      if refused:
+        with pytest.raises(UserError, match=f'--workdir={workdir} is in use by another run'):
+          with checkpoint.workdir_lock(workdir):
+            pass
+        assert tf.io.gfile.exists(path)  # The holder's lock stays.
+      else:
+        with checkpoint.workdir_lock(workdir):
+          with tf.io.gfile.GFile(path) as f:
+            assert json.loads(f.read())['pid'] == os.getpid()
+        assert not tf.io.gfile.exists(path)  # Released at the end.
+  finally:
+    live.kill()
+    live.wait()
