@@ -48,6 +48,7 @@ def synthetic_batch(batch_size, seq_len, preds, vocab_size, seed=0):
 def setup_jax(args, config):
   """(run(n) -> seconds waiting for input over n steps, finish() -> result dict)."""
   bert_config = train_lib.model_config(config, args.vocab_size)
+  train_lib.check_attention(config, jax.default_backend())
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   model = model_lib.BertForPreTraining(bert_config)
@@ -169,7 +170,8 @@ def main():
   parser.add_argument('--warmup', type=int, default=3)
   parser.add_argument('--vocab_size', type=int, default=30522)
   parser.add_argument('--dtype', default='auto')
-  parser.add_argument('--attention_impl', default=None, choices=[None, 'xla', 'cudnn'])
+  parser.add_argument('--attention_impl', default='xla', choices=['xla', 'cudnn', 'splash'],
+                      help='fused kernels need --dropout 0 (no attention dropout in them)')
   parser.add_argument('--remat', default='none', choices=['none', 'full', 'dots'])
   parser.add_argument('--scan_layers', action='store_true')
   parser.add_argument('--dropout', type=float, default=0.1)

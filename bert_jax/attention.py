@@ -7,16 +7,75 @@ unpacked batch is the special case `sequence_ids = input_mask`.
 
 Padding queries (id 0) attend every real key of their row, as in the original BERT (whose mask
 is over keys only): their outputs stay finite and, unpacked, equal the original's everywhere.
-No loss reads them.
+No loss reads them; the fused kernels treat them differently (see below), also finitely.
+
+Implementations (`model.attention_impl`):
+  xla     einsums and a softmax (jax.nn.dot_product_attention), with attention dropout written
+          out. Every backend; the default and the reference in tests.
+  cudnn   cuDNN's fused flash attention on NVIDIA GPUs, through the public
+          `jax.nn.dot_product_attention(implementation='cudnn')`, the block-diagonal mask passed
+          as a mask (cuDNN adds it as a bias inside the kernel). Padding queries as in xla.
+  splash  Pallas splash attention on TPUs, packing given as segment ids, under `shard_map`
+          over the mesh (batch over data/fsdp, heads over tensor). Padding queries attend the
+          padding keys. Sequence lengths must be multiples of 128 (the kernel's tiles).
+
+Neither fused kernel applies attention dropout: JAX's public cuDNN call has none, the private
+one takes its dropout seed as a static Python int (the same mask every step unless recompiled),
+and splash has none. Training with one of them therefore needs
+`model.attention_probs_dropout_prob=0` (as RoBERTa-era recipes and MosaicBERT train); asking
+for a fused kernel with attention dropout is an error, never a silent fall back to xla.
 """
 
-from typing import Callable
+import functools
+from typing import Callable, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.sharding import PartitionSpec as P
+
+from bert_jax.errors import UserError
 
 Array = jax.Array
+
+IMPLEMENTATIONS = ('xla', 'cudnn', 'splash')
+# The backend each fused kernel runs on (jax.default_backend() names).
+_BACKENDS = {'cudnn': 'gpu', 'splash': 'tpu'}
+# Splash attention tiles sequences in blocks of multiples of 128 (the TPU lane width).
+SPLASH_BLOCK = 128
+_NO_DROPOUT = ("the fused {impl} kernel applies no attention dropout in JAX (the public cuDNN "
+               "call and splash attention have none; the private cuDNN call fixes its dropout "
+               "seed at compile time, so the same mask would repeat every step). Train with "
+               "--config.model.attention_probs_dropout_prob=0 (as RoBERTa-era recipes and "
+               "MosaicBERT do) to use it, or keep model.attention_impl='xla'")
+
+
+def check_config(impl: str, attention_dropout: float, platform: str,
+                 seq_lens: Sequence[int] = (), training: bool = True) -> None:
+  """UserErrors for an attention implementation that cannot run as configured.
+
+  `platform` is the backend the step will run on ('cpu', 'gpu', 'tpu'); `seq_lens` the
+  sequence lengths it will see (every phase or bucket).
+  """
+  if impl not in IMPLEMENTATIONS:
+    raise UserError(f'model.attention_impl={impl!r} is not one of {IMPLEMENTATIONS}')
+  if impl == 'xla':
+    return
+  if platform != _BACKENDS[impl]:
+    raise UserError(f"model.attention_impl={impl!r} runs on {_BACKENDS[impl].upper()}s only, "
+                    f"but this run's backend is {platform!r}: use model.attention_impl='xla'")
+  if training and attention_dropout > 0:
+    raise UserError(f'model.attention_impl={impl!r} with model.attention_probs_dropout_prob='
+                    f'{attention_dropout}: ' + _NO_DROPOUT.format(impl=impl))
+  if impl == 'splash':
+    bad = sorted({int(t) for t in seq_lens if int(t) % SPLASH_BLOCK})
+    if bad:
+      raise UserError(f"model.attention_impl='splash' tiles sequences in blocks of "
+                      f'{SPLASH_BLOCK} tokens, so every sequence length must be a multiple of '
+                      f'{SPLASH_BLOCK}; got {bad} (data.max_seq_length, train.phases or '
+                      'buckets)')
 
 
 def block_diagonal_mask(sequence_ids: Array) -> Array:
@@ -31,9 +90,21 @@ def dot_product_attention(q: Array, k: Array, v: Array, sequence_ids: Array, *, 
   """Softmax(q k^T / sqrt(d)) v within each packed sequence; q, k, v are [B, T, heads, d].
 
   `probs_dropout` (training with attention dropout) is applied to the attention
-  probabilities.
+  probabilities; only the xla implementation can.
   """
+  if probs_dropout is not None and impl != 'xla':
+    raise UserError(f'model.attention_impl={impl!r} in training with '
+                    'model.attention_probs_dropout_prob > 0: ' + _NO_DROPOUT.format(impl=impl))
+  if impl == 'splash':
+    return splash_attention(q, k, v, sequence_ids)
   mask = block_diagonal_mask(sequence_ids)
+  if impl == 'cudnn':
+    if jax.default_backend() != 'gpu':
+      raise UserError(f"model.attention_impl='cudnn' needs an NVIDIA GPU; this backend is "
+                      f"{jax.default_backend()!r}: use model.attention_impl='xla'")
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
+  if impl != 'xla':
+    raise UserError(f'model.attention_impl={impl!r} is not one of {IMPLEMENTATIONS}')
   if probs_dropout is not None:
     # jax.nn.dot_product_attention has no dropout: the same numerics, written out.
     logits = jnp.einsum('btnh,bsnh->bnts', q, k, preferred_element_type=jnp.float32)
@@ -42,4 +113,61 @@ def dot_product_attention(q: Array, k: Array, v: Array, sequence_ids: Array, *, 
     probs = jax.nn.softmax(logits, axis=-1)
     probs = probs_dropout(probs).astype(v.dtype)
     return jnp.einsum('bnts,bsnh->btnh', probs, v)
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='xla')
+
+
+# ---------------------------------------------------------------------------------------------
+# Splash attention (TPU)
+# ---------------------------------------------------------------------------------------------
+
+
+def splash_block_sizes(seq_len: int) -> splash.BlockSizes:
+  """The largest tile of 512, 256 or 128 tokens that divides the sequence, everywhere."""
+  if seq_len % SPLASH_BLOCK:
+    raise UserError(f"model.attention_impl='splash' needs a sequence length that is a multiple "
+                    f'of {SPLASH_BLOCK}, got {seq_len} (data.max_seq_length, train.phases or '
+                    'buckets)')
+  b = next(b for b in (512, 256, 128) if seq_len % b == 0)
+  return splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                           block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+
+
+def _splash_local(q: Array, k: Array, v: Array, sequence_ids: Array, interpret: bool) -> Array:
+  """Splash attention on one device's shard: [b, T, n, d] with [b, T] segment ids."""
+  _, seq_len, heads, head_dim = q.shape
+  mask = splash.MultiHeadMask([splash.FullMask((seq_len, seq_len))] * heads)
+  kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1,
+                                  block_sizes=splash_block_sizes(seq_len), interpret=interpret)
+  # The kernel takes pre-scaled queries, one example at a time, heads first.
+  q = q * jnp.asarray(1.0 / np.sqrt(head_dim), q.dtype)
+
+  def one(q, k, v, ids):
+    t = lambda x: jnp.transpose(x, (1, 0, 2))
+    out = kernel(t(q), t(k), t(v), segment_ids=splash.SegmentIds(q=ids, kv=ids))
+    return t(out)
+
+  return jax.vmap(one)(q, k, v, sequence_ids)
+
+
+def splash_attention(q: Array, k: Array, v: Array, sequence_ids: Array,
+                     interpret: bool | None = None) -> Array:
+  """Block-diagonal attention with Pallas splash attention; q, k, v are [B, T, heads, d].
+
+  On a TPU the Mosaic kernel runs; elsewhere (tests on CPU) Pallas interprets the same kernel,
+  chosen when the program is lowered, so an AOT compile for a TPU gets the real kernel. Under
+  a mesh the kernel runs per device through `shard_map`: the batch split as the activations'
+  'batch' rule says, heads as 'act_heads', the sequence whole (splash cannot split keys).
+  """
+  if interpret is not None:
+    fn = functools.partial(_splash_local, interpret=interpret)
+  else:
+    fn = lambda *a: jax.lax.platform_dependent(
+        *a, tpu=functools.partial(_splash_local, interpret=False),
+        default=functools.partial(_splash_local, interpret=True))
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(q, k, v, sequence_ids)
+  batch, _, heads, _ = nn.logical_to_mesh_axes(('batch', 'length', 'act_heads', 'kv'))
+  qkv_spec, ids_spec = P(batch, None, heads, None), P(batch, None)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, ids_spec),
+                       out_specs=qkv_spec, check_vma=False)(q, k, v, sequence_ids)

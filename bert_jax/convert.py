@@ -166,7 +166,7 @@ def _preview(names, n: int = 8) -> str:
 def expected_shapes(config: model.BertConfig, num_labels: int | None = None) -> dict:
   """{path: shape} of every parameter BERT with all heads has under `config` (unscanned)."""
   config = config.replace(scan_layers=False, remat_policy='none', dtype='float32',
-                          attention_impl=None)
+                          attention_impl='xla')
 
   def shapes(model_cls, **kwargs):
     tree = jax.eval_shape(

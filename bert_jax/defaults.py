@@ -36,8 +36,11 @@ def pretrain() -> ml_collections.ConfigDict:
   config.model.scan_layers = True
   # Rematerialization: 'none', 'full' or 'dots' (save matmul outputs, recompute the rest).
   config.model.remat_policy = 'none'
-  # jax.nn.dot_product_attention implementation: None (XLA), 'xla' or 'cudnn'.
-  config.model.attention_impl = ml_collections.config_dict.placeholder(str)
+  # Attention kernel: 'xla' (any backend; the only one with attention dropout), 'cudnn' (fused,
+  # NVIDIA GPUs) or 'splash' (Pallas, TPUs; sequence lengths multiples of 128). The fused ones
+  # apply no attention dropout: they need model.attention_probs_dropout_prob=0 (README,
+  # "Attention").
+  config.model.attention_impl = 'xla'
 
   # ---- Input -----------------------------------------------------------------------------
   config.data = ml_collections.ConfigDict()
@@ -196,7 +199,8 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.model.scan_layers = False
   # Rematerialization: 'none', 'full' or 'dots' (long sequences on small accelerators).
   config.model.remat_policy = 'none'
-  config.model.attention_impl = ml_collections.config_dict.placeholder(str)
+  # 'xla', 'cudnn' (GPUs) or 'splash' (TPUs); the fused ones need attention dropout 0.
+  config.model.attention_impl = 'xla'
 
   config.train = ml_collections.ConfigDict()
   config.train.epochs = 3

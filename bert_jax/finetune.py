@@ -45,6 +45,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from bert_jax import attention
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import convert
 from bert_jax import errors
@@ -344,6 +345,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   if sort_window < 1:
     raise errors.UserError(f'config.train.length_sort_window={sort_window}: expected 1 (uniformly '
                            'random batches) or more batches to sort by length together')
+  attention.check_config(config.model.attention_impl,
+                         config.model.attention_probs_dropout_prob, jax.default_backend(),
+                         tuple(buckets or ()) + (config.max_seq_length,))
   savings = glue.padding_savings(task.train, batch_size, buckets or (config.max_seq_length,),
                                  window_batches=sort_window)
   logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '

@@ -23,6 +23,7 @@ import optax
 from absl import logging
 from jax.experimental import multihost_utils
 
+from bert_jax import attention
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
@@ -366,6 +367,13 @@ def hide_accelerators_from_tf() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def check_attention(config: ml_collections.ConfigDict, platform: str) -> None:
+  """Clear errors for a model.attention_impl that cannot train on `platform` as configured."""
+  attention.check_config(config.model.attention_impl,
+                         config.model.attention_probs_dropout_prob, platform,
+                         [p.seq_len for p in parse_phases(config)])
+
+
 def check_batch(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
   """Clear errors for a global batch or micro-batch that does not split over the mesh."""
   sharding_lib.check_batch_size(config.train.batch_size, mesh)
@@ -411,6 +419,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
 
   # ---- Data ----------------------------------------------------------------------------------
   phases = parse_phases(config)
+  check_attention(config, jax.default_backend())
   for phase in phases:
     input_pipeline.check_vocab_given(phase_data(config, phase), f'phase {phase.index + 1} reads ')
   # A vocab trained here comes from the first phase's input.

@@ -4,16 +4,18 @@ import pytest
 
 from bert_jax import aot
 from bert_jax import cli
+from bert_jax import flops
+from bert_jax.errors import UserError
 
 pytest.importorskip('libtpu', reason='libtpu (a test dependency) gives the TPU topologies')
 
 
-def _config(**overrides):
+def _config(path='configs/bert_base.py', **overrides):
   base = {'model.size': 'tiny', 'model.vocab_size': 1024, 'train.batch_size': 32,
           'train.phases': '', 'data.max_seq_length': 64, 'data.max_predictions_per_seq': 10,
           'mesh.data': -1}
   base.update(overrides)
-  return cli.load_config('configs/bert_base.py', base)
+  return cli.load_config(path, base)
 
 
 def test_compile_reports_memory_flops_and_a_roofline_bound():
@@ -27,6 +29,7 @@ def test_compile_reports_memory_flops_and_a_roofline_bound():
     # model the softmax over the vocabulary and Adam's elementwise work add a third; for
     # BERT-large the two agree within 5% (see the README's performance table).
     assert 1.0 <= r['flops']['xla_over_analytic'] < 1.5
+    assert r['attention_impl'] == 'xla' and r['flops']['pallas_kernel_calls'] == 0
     bound = r['roofline_bound']
     assert bound['step_seconds'] == max(bound['compute_seconds'], bound['memory_seconds']) > 0
     assert 0 < bound['mfu'] <= 1
@@ -76,3 +79,33 @@ def test_packed_config_compiles_packed_rows_and_reports_real_tokens():
   # The packed step reads 18 masked-LM slots (10 + 16 // 2) and 16 [CLS] per row.
   assert packed['flops']['analytic_total'] > padded['flops']['analytic_total']
   assert 'real tokens/s per chip' in aot.format_report(packed)
+
+
+def test_splash_attention_compiles_for_a_v5e_slice():
+  """The TPU speed config's step: Mosaic splash attention kernels in the compiled program,
+  batch and heads split over a data x tensor mesh (shard_map)."""
+  config = _config('configs/bert_base_tpu_speed.py', **{
+      'data.max_seq_length': 128, 'data.max_predictions_per_seq': 20,
+      'model.scan_layers': False, 'mesh.data': 2, 'mesh.tensor': 2})
+  (report,) = aot.compile_for_topology(config, 'v5e:2x2')
+  assert report['attention_impl'] == 'splash' and report['memory']['fits']
+  assert report['mesh'] == {'data': 2, 'fsdp': 1, 'tensor': 2}
+  # The forward, dq and dkv kernels of each of the two layers.
+  assert report['flops']['pallas_kernel_calls'] == 3 * 2
+  # XLA's count misses the attention inside the kernels: the bound counts at least the
+  # analytic FLOPs of each chip's share.
+  peak = flops.TPU_CHIPS['v5e']['peak_flops']
+  assert (report['roofline_bound']['compute_seconds'] * peak >=
+          report['flops']['analytic_total'] / 4 * (1 - 1e-9))
+  assert '6 Pallas kernel calls' in aot.format_report(report)
+
+
+def test_attention_that_cannot_train_on_a_tpu_is_a_clear_error():
+  with pytest.raises(UserError, match="'cudnn' runs on GPUs only"):
+    aot.compile_for_topology(_config(**{'model.attention_impl': 'cudnn',
+                                        'model.attention_probs_dropout_prob': 0.0}), 'v5e:2x2')
+  with pytest.raises(UserError, match='attention_probs_dropout_prob=0'):
+    aot.compile_for_topology(_config(**{'model.attention_impl': 'splash'}), 'v5e:2x2')
+  with pytest.raises(UserError, match=r'multiple of 128; got \[64\]'):
+    aot.compile_for_topology(_config(**{'model.attention_impl': 'splash',
+                                        'model.attention_probs_dropout_prob': 0.0}), 'v5e:2x2')

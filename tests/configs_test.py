@@ -4,8 +4,8 @@ import pytest
 
 from bert_jax import cli
 
-PRETRAINING = ['default.py', 'bert_base.py', 'bert_large.py', 'smoke.py',
-               'lamb_large_batch.py:phase1', 'lamb_large_batch.py:phase2']
+PRETRAINING = ['default.py', 'bert_base.py', 'bert_large.py', 'bert_base_tpu_speed.py',
+               'smoke.py', 'lamb_large_batch.py:phase1', 'lamb_large_batch.py:phase2']
 
 
 @pytest.mark.parametrize('name', PRETRAINING)
