@@ -381,6 +381,25 @@ def _eval_flags():
   return run
 
 
+@_command('predict', 'A fine-tuned GLUE-style model on new inputs: labels and probabilities '
+          '(JSONL).')
+def _predict_flags():
+  flags.DEFINE_string('workdir', None, 'A `bert-jax finetune` workdir.')
+  flags.DEFINE_string('input', None, 'A TSV file in the layout of the task\'s dev or test file, '
+                      'or JSONL of {"text_a": ..., "text_b": ...}.')
+  flags.DEFINE_string('output', None, 'Where the JSONL predictions go.')
+  flags.DEFINE_integer('batch_size', 64, 'Examples per batch.')
+  flags.mark_flags_as_required(['workdir', 'input', 'output'])
+
+  def run(argv):
+    del argv
+    import json  # pylint: disable=g-import-not-at-top
+    from bert_jax import predict  # pylint: disable=g-import-not-at-top
+    print(json.dumps(predict.predict(FLAGS.workdir, FLAGS.input, FLAGS.output,
+                                     FLAGS.batch_size)), flush=True)
+  return run
+
+
 @_command('fill-mask', 'Top-k tokens and probabilities for each [MASK] of the texts given '
           '(one JSON object per text).')
 def _fill_mask_flags():

@@ -137,7 +137,7 @@ def _column(header: list[str], name: str, path: str) -> int:
 
 
 def read_task(task: str, data_dir: str, split: str,
-              skip_malformed: bool | None = None) -> list[Example]:
+              skip_malformed: bool | None = None, path: str | None = None) -> list[Example]:
   """Examples of one split from the official files.
 
   Args:
@@ -147,10 +147,11 @@ def read_task(task: str, data_dir: str, split: str,
       'test_mismatched' ('dev'/'test' mean matched).
     skip_malformed: skip rows with the wrong number of columns (counted and logged) instead of
       raising; by default only for QQP, whose released files have such rows.
+    path: read this file (laid out as the split's official file) instead of data_dir's.
   """
   name, spec = _task(task)
   split = _split(name, spec, split)
-  path = os.path.join(data_dir, spec.directory, spec.files[split])
+  path = path or os.path.join(data_dir, spec.directory, spec.files[split])
   if not fileio.exists(path):
     raise UserError(f'GLUE {name} {split}: no file {path} (expected the layout of '
                     f'download_glue_data.py: <data_dir>/{spec.directory}/'
@@ -202,6 +203,18 @@ def read_task(task: str, data_dir: str, split: str,
                     f'{f", {len(skipped)} malformed rows skipped" if skipped else ""})')
   logging.info('%s: %d examples', path, len(examples))
   return examples
+
+
+def read_file(task: str, path: str) -> list[Example]:
+  """Examples of a TSV file in the layout of the task's dev file (with labels) or test file
+  (without); which one is told by its header (CoLA's dev file has none: labelled)."""
+  name, spec = _task(task)
+  first = fileio.read_text(path, 'utf-8-sig').split('\n', 1)[0].rstrip('\r').split('\t')
+  dev = [s for s in spec.files if s.startswith('dev')][0]
+  test = [s for s in spec.files if s.startswith('test')][0]
+  labelled = dev in spec.headerless_splits or (isinstance(spec.label, str)
+                                               and spec.label in first)
+  return read_task(name, '', dev if labelled else test, path=path)
 
 
 # TFDS feature names of the two texts, and split names.

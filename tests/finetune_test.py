@@ -21,7 +21,7 @@ from bert_jax import finetune
 from bert_jax import glue
 from bert_jax import model as model_lib
 from bert_jax import monitor
-from bert_jax import tokenization
+from bert_jax import predict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POSITIVE = ['good', 'great', 'fine', 'nice', 'happy', 'superb', 'lovely', 'brilliant']
@@ -122,16 +122,34 @@ def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints
   assert any(r.get('loss') for r in log)
   assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))  # TensorBoard.
 
-  # Only the best epoch's checkpoint is kept, and it scores what metrics.json says.
+  # Only the best epoch's checkpoint is kept, and `bert-jax predict` on the dev file scores
+  # what metrics.json says.
   assert os.listdir(os.path.join(workdir, 'checkpoints')) == [str(result['step'])]
   config_ft, params = convert.load_pretrained(workdir)
   assert set(params) == {'bert', 'classifier'}
-  tok = tokenization.load_tokenizer(os.path.join(workdir, 'vocab.txt'), lower_case=True)
-  feats = glue.convert_examples(glue.read_task('sst2', data_dir, 'dev'), tok, 32, ['0', '1'])
-  classifier = model_lib.BertForSequenceClassification(config_ft, num_labels=2)
-  logits = jax.jit(classifier.apply)({'params': params}, feats['input_ids'],
-                                     feats['input_mask'], feats['segment_ids'])
-  assert np.mean(np.argmax(logits, -1) == feats['label']) == result['score']
+  output = str(tmp_path / 'dev_predictions.jsonl')
+  cmd = [sys.executable, '-m', 'bert_jax.cli', 'predict', f'--workdir={workdir}',
+         f'--input={os.path.join(data_dir, "SST-2", "dev.tsv")}', f'--output={output}']
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert summary['metrics']['accuracy'] == result['score']
+  with open(output) as f:
+    rows = [json.loads(line) for line in f]
+  labels = [e.label for e in glue.read_task('sst2', data_dir, 'dev')]
+  assert len(rows) == len(labels) == summary['examples']
+  assert np.mean([r['label'] == l for r, l in zip(rows, labels)]) == result['score']
+  assert all(abs(sum(r['probabilities'].values()) - 1) < 1e-5 for r in rows)
+  assert all(r['probabilities'][r['label']] == max(r['probabilities'].values()) for r in rows)
+  # The same sentences as JSONL (no labels): the same predicted labels.
+  texts = str(tmp_path / 'dev.jsonl')
+  with open(texts, 'w') as f:
+    f.writelines(json.dumps({'sentence': e.text_a}) + '\n'
+                 for e in glue.read_task('sst2', data_dir, 'dev'))
+  unlabelled = predict.predict(workdir, texts, str(tmp_path / 'jsonl_predictions.jsonl'))
+  assert 'metrics' not in unlabelled
+  with open(unlabelled['output']) as f:
+    assert [json.loads(line)['label'] for line in f] == [r['label'] for r in rows]
 
   # The test set in GLUE's submission format, scored by the rule that made it.
   with open(os.path.join(workdir, 'predictions', 'SST-2.tsv')) as f:
