@@ -176,9 +176,12 @@ def test_accumulated_micro_batches_equal_one_big_batch():
   big, big_loss, start = _one_step(mesh, no_dropout, accum=1, steps=2)
   acc, acc_loss, _ = _one_step(mesh, no_dropout, accum=4, steps=2)
   np.testing.assert_allclose(acc_loss, big_loss, rtol=1e-5)
+  # Summing micro-batch gradients reorders the sums, and Adam's g / (sqrt(v) + eps) amplifies
+  # the rounding of components near eps (measured 2.8e-4 of the step on a bias); dropping or
+  # mis-weighting a micro-batch changes updates by a sizeable fraction of the step.
   assert_trees_moved_close(jax.tree.leaves(jax.device_get(acc.params)),
                            jax.tree.leaves(jax.device_get(big.params)), jax.tree.leaves(start),
-                           1e-4)
+                           2e-3)
 
 
 def test_mesh_and_batch_errors():
