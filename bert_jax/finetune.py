@@ -304,11 +304,17 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   the first dev set), epoch, step, learning_rate, and one dict of metrics per dev set ('dev';
   MNLI: 'dev_matched' and 'dev_mismatched'), plus 'test' for NER with predict_test. None when
   the run stopped early (SIGTERM, train.stop_at_step) with a checkpoint to resume from: the
-  same call continues it.
+  same call continues it. One run at a time per workdir, as in pre-training: a second one is
+  refused while this one holds the workdir's lock.
   """
+  workdir = ckpt_lib.workdir_path(workdir)
+  with ckpt_lib.workdir_lock(workdir):
+    return _finetune(config, workdir)
+
+
+def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
   # ---- Setup ---------------------------------------------------------------------------------
   train_lib.hide_accelerators_from_tf()
-  workdir = ckpt_lib.workdir_path(workdir)
   is_main = jax.process_index() == 0
   if config.train.epochs < 1:
     raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')

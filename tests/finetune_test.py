@@ -313,6 +313,29 @@ def test_length_sort_window_must_be_positive(checkpoints, glue_dir, tmp_path):
     finetune.finetune(config, str(tmp_path / 'run'))
 
 
+def test_a_workdir_in_use_is_refused(checkpoints, glue_dir, tmp_path):
+  # A live run (this process) holds the workdir: a second fine-tuning run there, which would
+  # resume from and overwrite the same checkpoints, is refused before it loads anything.
+  import socket  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / 'run')
+  os.makedirs(workdir)
+  lock = os.path.join(workdir, ckpt_lib.LOCK_FILE)
+  live = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
+  try:
+    with open(lock, 'w') as f:
+      json.dump(dict(pid=live.pid, host=socket.gethostname(), token='other',
+                     started='earlier', heartbeat=time.time()), f)
+    config = _glue_config(checkpoints['hf'], glue_dir[0])
+    with pytest.raises(errors.UserError, match=rf'is in use by another run \(pid {live.pid} '):
+      finetune.finetune(config, workdir)
+    assert json.load(open(lock))['pid'] == live.pid  # The live run's lock stays.
+  finally:
+    live.kill()
+    live.wait()
+  assert not glob.glob(os.path.join(workdir, 'checkpoints', '*'))  # Nothing was written.
+
+
 def test_vocab_that_does_not_match_the_checkpoint(checkpoints, glue_dir, tmp_path):
   data_dir, _ = glue_dir
   bigger = _write_lines(str(tmp_path / 'vocab.txt'), VOCAB + [f'extra{i}' for i in range(9)])
