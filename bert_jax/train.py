@@ -442,7 +442,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     data = phase_data(config, phase)
     for train in (True, False):
       try:
-        ds = dataset_for(phase, train, 1 if train else eval_local)
+        ds = dataset_for(phase, train, local_batch if train else eval_local)
         if not train and not any(True for _ in ds.take(1)):
           source = 'data.eval_input' if data.eval_input else 'the held-out share of data.input'
           raise UserError(f'{source} gives no evaluation batch')
