@@ -16,6 +16,17 @@ and override; they import only the installed package, so any of them loads the s
 import ml_collections
 
 
+def _adamw_terms(train: ml_collections.ConfigDict) -> None:
+  """The paper's AdamW terms, the same for pre-training and fine-tuning."""
+  train.beta1 = 0.9
+  train.beta2 = 0.999
+  train.eps = 1e-6
+  # Decoupled weight decay; never on biases and LayerNorm (optim.py).
+  train.weight_decay = 0.01
+  # Clipping of the global gradient norm.
+  train.max_grad_norm = 1.0
+
+
 def pretrain() -> ml_collections.ConfigDict:
   """Every pre-training key, commented, with BERT-base's values (the paper's recipe)."""
   config = ml_collections.ConfigDict()
@@ -105,11 +116,7 @@ def pretrain() -> ml_collections.ConfigDict:
   config.train.warmup_steps = 10_000
   # 'linear' decays to 0 at train.steps; 'constant' keeps the peak after warmup.
   config.train.decay = 'linear'
-  config.train.beta1 = 0.9
-  config.train.beta2 = 0.999
-  config.train.eps = 1e-6
-  config.train.weight_decay = 0.01
-  config.train.max_grad_norm = 1.0
+  _adamw_terms(config.train)
   # Phases as 'fraction:seq_len:max_predictions' separated by commas; '' = one phase at
   # data.max_seq_length. The paper: 90% of steps at 128, then 10% at 512.
   config.train.phases = '0.9:128:20,0.1:512:80'
@@ -223,11 +230,7 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # Share of all steps spent warming up linearly to the peak rate; then 'linear' decay to 0.
   config.train.warmup_proportion = 0.1
   config.train.decay = 'linear'
-  config.train.beta1 = 0.9
-  config.train.beta2 = 0.999
-  config.train.eps = 1e-6
-  config.train.weight_decay = 0.01
-  config.train.max_grad_norm = 1.0
+  _adamw_terms(config.train)
   # Head initialization, dropout and the order of the examples.
   config.train.seed = 0
   # Dropout's PRNG (see `pretrain`).
