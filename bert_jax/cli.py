@@ -381,14 +381,20 @@ def _eval_flags():
   return run
 
 
-@_command('predict', 'A fine-tuned GLUE-style model on new inputs: labels and probabilities '
-          '(JSONL).')
+@_command('predict', 'A fine-tuned model on new inputs: GLUE labels and probabilities (JSONL), '
+          'SQuAD answers (JSON), NER tags (CoNLL); inputs with labels are also scored.')
 def _predict_flags():
-  flags.DEFINE_string('workdir', None, 'A `bert-jax finetune` workdir.')
-  flags.DEFINE_string('input', None, 'A TSV file in the layout of the task\'s dev or test file, '
-                      'or JSONL of {"text_a": ..., "text_b": ...}.')
-  flags.DEFINE_string('output', None, 'Where the JSONL predictions go.')
-  flags.DEFINE_integer('batch_size', 64, 'Examples per batch.')
+  flags.DEFINE_string('workdir', None, 'A finished `bert-jax finetune` workdir.')
+  flags.DEFINE_string('input', None, 'GLUE: a TSV file in the layout of the task\'s dev or test '
+                      'file, or JSONL of {"text_a": ..., "text_b": ...}. SQuAD: a SQuAD-format '
+                      'JSON file. NER: CoNLL, or plain text with a sentence per line.')
+  flags.DEFINE_string('output', None, 'Where the predictions go: JSONL (GLUE), JSON (SQuAD; '
+                      'with .nbest.json and, for 2.0, .null_odds.json beside it), CoNLL (NER).')
+  flags.DEFINE_enum('input_format', 'auto', ['auto', 'tsv', 'jsonl', 'squad', 'conll', 'text'],
+                    'What --input is; auto: by the task, the file name (.jsonl) and, for NER, '
+                    'whether the file looks like CoNLL.')
+  flags.DEFINE_integer('batch_size', 0, 'Examples (SQuAD: windows) per batch; 0 = the run\'s '
+                       'eval.batch_size, which reproduces its dev predictions exactly.')
   flags.mark_flags_as_required(['workdir', 'input', 'output'])
 
   def run(argv):
@@ -396,7 +402,7 @@ def _predict_flags():
     import json  # pylint: disable=g-import-not-at-top
     from bert_jax import predict  # pylint: disable=g-import-not-at-top
     print(json.dumps(predict.predict(FLAGS.workdir, FLAGS.input, FLAGS.output,
-                                     FLAGS.batch_size)), flush=True)
+                                     FLAGS.batch_size, FLAGS.input_format)), flush=True)
   return run
 
 

@@ -215,6 +215,19 @@ def predict_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
   return {'outputs': outputs, 'index': batch['index'], 'weight': batch['weight']}
 
 
+def predict_rows(step, features: dict[str, np.ndarray], batch_size: int,
+                 buckets: Sequence[int]) -> list[np.ndarray]:
+  """Every row's output of `step` (batch -> `predict_step`'s dict) in `features['index']`
+  order, over the batches `finetune` evaluates with (padded rows dropped)."""
+  rows: list[Any] = [None] * len(features['index'])
+  for batch in batches(features, batch_size, buckets):
+    out = jax.device_get(step(batch))
+    for o, i, w in zip(out['outputs'], out['index'], out['weight']):
+      if w:
+        rows[i] = o
+  return rows
+
+
 def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformation,
                                  mesh: jax.sharding.Mesh, rules):
   """(abstract TrainState, its NamedShardings) of a fine-tuning model, allocating nothing."""
@@ -273,9 +286,10 @@ def _scalars(d: dict) -> dict[str, float]:
           if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
 
 
-def _json_safe(d: Any) -> Any:
+def json_safe(d: Any) -> Any:
+  """`d` (nested dicts of numbers) with NumPy scalars as Python numbers, for JSON."""
   if isinstance(d, dict):
-    return {k: _json_safe(v) for k, v in d.items()}
+    return {k: json_safe(v) for k, v in d.items()}
   if isinstance(d, (np.integer, np.floating)):
     return d.item()
   return d
@@ -346,7 +360,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
       attention_impl=config.model.attention_impl)
   task = build_task(config, tok, bert_config, lower_case)
   num_train = len(task.train['input_ids'])
-  buckets = _buckets(config.buckets)
+  buckets = parse_buckets(config.buckets)
   sort_window = int(config.train.length_sort_window)
   if sort_window < 1:
     raise errors.UserError(f'config.train.length_sort_window={sort_window}: expected 1 (uniformly '
@@ -417,15 +431,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
     return sharding_lib.make_global_batch(_local_rows(batch), batch_sharding)
 
   def predict(params, eval_set: tasks.EvalSet) -> list[np.ndarray]:
-    n = len(eval_set.features['index'])
-    rows: list[Any] = [None] * n
     with sharding_lib.activate(mesh, rules):
-      for batch in batches(eval_set.features, eval_batch_size, buckets):
-        out = jax.device_get(jit_predict(params, to_device(batch)))
-        for o, i, w in zip(out['outputs'], out['index'], out['weight']):
-          if w:
-            rows[i] = o
-    return rows
+      return predict_rows(lambda batch: jit_predict(params, to_device(batch)),
+                          eval_set.features, eval_batch_size, buckets)
 
   def save() -> None:
     ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed))
@@ -489,7 +497,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
       results, writers = {}, {}
       for eval_set in task.dev:
         scores, writers[eval_set.name] = eval_set.evaluate(predict(state.params, eval_set))
-        results[eval_set.name] = _json_safe(scores)
+        results[eval_set.name] = json_safe(scores)
         log.eval(step, _scalars(scores), eval_set.name, split=eval_set.name, epoch=epoch)
       score = float(results[task.dev[0].name][task.main_metric])
       logging.info('Epoch %d (step %d): %s', epoch, step,
@@ -523,7 +531,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
       for eval_set in task.test:
         scores, write = eval_set.evaluate(predict(params, eval_set))
         if scores is not None:
-          best[eval_set.name] = _json_safe(scores)
+          best[eval_set.name] = json_safe(scores)
           log.eval(best['step'], _scalars(scores), eval_set.name, split=eval_set.name,
                    epoch=best['epoch'])
         if write and is_main:
@@ -563,7 +571,7 @@ def _finished(workdir: str, metrics_path: str, fresh: bool = False) -> dict[str,
   return best
 
 
-def _buckets(values) -> tuple[int, ...]:
+def parse_buckets(values) -> tuple[int, ...]:
   """config.buckets as ints (`--config.buckets=` arrives as ('',): an error, not 'none')."""
   try:
     buckets = tuple(int(b) for b in values)

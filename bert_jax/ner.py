@@ -226,14 +226,53 @@ def _conll_file(data_dir: str, names: Sequence[str], what: str, required: bool =
   return None
 
 
-def _write_conll(path: str, sentences, predicted) -> None:
-  """'word gold predicted' per line (conlleval's input), a blank line after each sentence."""
+def write_conll(path: str, sentences: Sequence[Sentence],
+                predicted: Sequence[Sequence[str]]) -> None:
+  """'word gold predicted' per line (conlleval's input; 'word predicted' for sentences without
+  tags), a blank line after each sentence."""
   lines = []
   for sentence, tags in zip(sentences, predicted):
-    gold = sentence.tags or ['O'] * len(tags)
-    lines.extend(f'{w} {g} {p}\n' for w, g, p in zip(sentence.words, gold, tags))
+    if sentence.tags is None:
+      lines.extend(f'{w} {p}\n' for w, p in zip(sentence.words, tags))
+    else:
+      lines.extend(f'{w} {g} {p}\n' for w, g, p in zip(sentence.words, sentence.tags, tags))
     lines.append('\n')
   fileio.write_text(path, ''.join(lines))
+
+
+def read_text_sentences(path: str) -> list[Sentence]:
+  """Plain text, one sentence per line, split into words as BERT's BasicTokenizer splits them
+  (whitespace, punctuation, CJK characters; case kept): CoNLL-2003's word boundaries."""
+  from bert_jax import squad  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  sentences = []
+  text = fileio.read_text(path).replace('\r\n', '\n').replace('\r', '\n')
+  for number, line in enumerate(text.split('\n'), 1):
+    words = squad.basic_tokenize(line, lower_case=False)
+    if words:
+      sentences.append(Sentence(words, None, number))
+  if not sentences:
+    raise UserError(f'{path}: no sentences')
+  return sentences
+
+
+def looks_like_conll(path: str) -> bool:
+  """Whether `path` is CoNLL (one word per line, sentences between blank lines): a
+  -DOCSTART- line, or every non-blank line with the same number of columns, the last one a tag
+  when there are several, and blank lines between groups of single words."""
+  lines = fileio.read_text(path).replace('\r', '\n').split('\n')
+  fields = [l.split() for l in lines if l.strip()]
+  if not fields:
+    return False
+  if any(f[0] == '-DOCSTART-' for f in fields):
+    return True
+  columns = {len(f) for f in fields}
+  if len(columns) != 1:
+    return False
+  if columns == {1}:  # A word per line with blank lines between groups; else a sentence each.
+    filled = [bool(l.strip()) for l in lines]
+    first, last = filled.index(True), len(filled) - 1 - filled[::-1].index(True)
+    return not all(filled[first:last + 1])
+  return all(f[-1] == 'O' or (f[-1][:2] in _PREFIXES and len(f[-1]) > 2) for f in fields)
 
 
 def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig
@@ -256,7 +295,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
     def evaluate(rows):
       predicted = reassemble(sentences, feats, rows, label_list)
       scores = metrics.ner_metrics([s.tags for s in sentences], predicted)
-      return scores, lambda d: _write_conll(os.path.join(d, f'{name}.conll'), sentences,
+      return scores, lambda d: write_conll(os.path.join(d, f'{name}.conll'), sentences,
                                             predicted)
     return tasks.EvalSet(name, tasks.subset(feats, tasks.INPUTS, 'feature_index'), evaluate)
 

@@ -1,14 +1,28 @@
 """A fine-tuned model on new inputs: `bert-jax predict --workdir=FINETUNED --input --output`.
 
 The workdir says what it is (task.json, config.json, tokenizer_config.json) and holds the best
-epoch's weights. Sentence-pair classification and regression (GLUE): the input is a TSV file
-in the layout of the task's dev file (labels: metrics are reported) or test file, or JSONL of
-{"text_a": ..., "text_b": ...} (also "sentence" / "sentence1" / "sentence2"); the output is
-JSONL, one object per input row, with the label and every label's probability (STS-B: the
-score).
+epoch's weights. Inputs and outputs by task:
+
+  GLUE (classification, regression): a TSV file in the layout of the task's dev or test file,
+    or JSONL of {"text_a": ..., "text_b": ...} (also "sentence" / "sentence1" / "sentence2")
+    -> JSONL, one object per input row: the label and every label's probability (STS-B: the
+    score).
+  SQuAD: a SQuAD-format JSON file -> JSON {question id: answer text} (the official evaluation
+    script's input), and beside it <output>.nbest.json (the n best answers with probabilities)
+    and, for SQuAD 2.0, <output>.null_odds.json (no-answer score minus best-span score).
+  NER: CoNLL (a word per line, first column; blank lines between sentences; tags in the last
+    column if any) or plain text (a sentence per line, split into words as BERT's basic
+    tokenizer splits them) -> CoNLL: 'word gold predicted' lines (conlleval's input) for tagged
+    input, 'word predicted' otherwise.
+
+An input with labels (GLUE labels, SQuAD answers, CoNLL tags) is also scored, with the same
+features, batches, decoding and metrics as `finetune` scores its dev set: on the task's dev file
+the metrics are those the run reported for its best epoch.
 """
 
+import functools
 import json
+import os
 from typing import Any
 
 import jax
@@ -19,7 +33,13 @@ from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import metrics
 from bert_jax import model as model_lib
+from bert_jax import ner
+from bert_jax import tasks
 from bert_jax.errors import UserError
+
+# What --input_format may be for each kind of model; the first is what 'auto' picks (GLUE:
+# JSONL for a .jsonl file; NER: text unless the file looks like CoNLL).
+FORMATS = {'glue': ('tsv', 'jsonl'), 'squad': ('squad',), 'ner': ('conll', 'text')}
 
 
 def _jsonl_examples(path: str) -> list[glue.Example]:
@@ -31,6 +51,8 @@ def _jsonl_examples(path: str) -> list[glue.Example]:
       row = json.loads(line)
     except json.JSONDecodeError as e:
       raise UserError(f'{path}:{number}: not valid JSON: {e.msg}') from None
+    if not isinstance(row, dict):
+      raise UserError(f'{path}:{number}: expected a JSON object, got {type(row).__name__}')
     a = next((row[k] for k in ('text_a', 'sentence', 'sentence1', 'question') if k in row), None)
     if not isinstance(a, str):
       raise UserError(f'{path}:{number}: no "text_a" (or "sentence", "sentence1") string')
@@ -41,54 +63,141 @@ def _jsonl_examples(path: str) -> list[glue.Example]:
   return examples
 
 
-def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 64
-            ) -> dict[str, Any]:
-  """Writes the predictions of `input_path` to `output_path`; returns {'examples', 'output'}
-  and, for a labelled input, 'metrics' (computed as `finetune` does on dev)."""
+def _input_format(kind: str, input_path: str, requested: str) -> str:
+  allowed = FORMATS[kind]
+  if requested == 'auto':
+    if kind == 'glue':
+      return 'jsonl' if input_path.endswith('.jsonl') else 'tsv'
+    if kind == 'ner':
+      return 'conll' if ner.looks_like_conll(input_path) else 'text'
+    return allowed[0]
+  if requested not in allowed:
+    raise UserError(f'--input_format={requested} does not fit a {kind} model: expected auto or '
+                    f'one of {", ".join(allowed)}')
+  return requested
+
+
+def _beside(output_path: str, name: str) -> str:
+  """<output without .json>.<name>.json: files that go with a SQuAD predictions file."""
+  stem = output_path[:-len('.json')] if output_path.endswith('.json') else output_path
+  return f'{stem}.{name}.json'
+
+
+def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0,
+            input_format: str = 'auto') -> dict[str, Any]:
+  """Writes the predictions of `input_path` to `output_path` (see the module docstring).
+
+  Args:
+    workdir: a finished `bert-jax finetune` workdir.
+    input_path, output_path: local or gs:// files.
+    batch_size: examples (SQuAD: windows) per batch; 0 = the run's eval.batch_size, which
+      reproduces its dev predictions exactly.
+    input_format: 'auto' or one of FORMATS[kind].
+
+  Returns:
+    {'task', 'examples', 'output'} (+ 'files': the other files written), and 'metrics' for an
+    input with labels.
+  """
   from bert_jax import finetune  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  from bert_jax import squad  # pylint: disable=g-import-not-at-top
+  from bert_jax import train  # pylint: disable=g-import-not-at-top
   task_path = f'{workdir}/task.json'
   if not fileio.exists(task_path):
     raise UserError(f'--workdir={workdir} has no task.json: not a bert_jax fine-tuning workdir')
+  if not fileio.exists(f'{workdir}/metrics.json'):
+    raise UserError(f'--workdir={workdir} has no metrics.json: its fine-tuning run has not '
+                    'finished (rerun its `bert-jax finetune` command to finish it)')
   info = ckpt_lib.read_json(task_path)
-  if info['kind'] != 'glue':
-    raise UserError(f'--workdir={workdir} is a {info["kind"]} model; bert-jax predict handles '
-                    'GLUE-style classification and regression models so far')
-  if not fileio.exists(input_path):
+  run = ckpt_lib.read_json(f'{workdir}/config.json')
+  kind = info['kind']
+  if not fileio.isfile(input_path):
     raise UserError(f'--input={input_path}: no such file')
-  if batch_size < 1:
-    raise UserError(f'--batch_size={batch_size} must be at least 1')
-  config, params, tok, _, _ = finetune.load_checkpoint(workdir, flag='--workdir')
-  labels = info['labels']
-  if input_path.endswith('.jsonl'):
-    examples = _jsonl_examples(input_path)
+  if batch_size < 0:
+    raise UserError(f'--batch_size={batch_size} must be positive (or 0: the run\'s '
+                    'eval.batch_size)')
+  batch_size = batch_size or int(run['eval']['batch_size'])
+  input_format = _input_format(kind, input_path, input_format)
+  bert_config, params, tok, _, lower_case = finetune.load_checkpoint(workdir, flag='--workdir')
+  # The run's compute dtype (its dev predictions used it); portable XLA attention.
+  bert_config = bert_config.replace(dtype=train.compute_dtype(run['model']['dtype']),
+                                    scan_layers=False, attention_impl='xla')
+  max_seq_length = int(info['max_seq_length'])
+  labels = info['labels'] if kind != 'squad' else None
+
+  if kind == 'glue':
+    examples = (_jsonl_examples(input_path) if input_format == 'jsonl'
+                else glue.read_file(info['task'], input_path))
+    features = glue.convert_examples(examples, tok, max_seq_length, labels)
+    regression = labels is None
+    model, head = model_lib.BertForSequenceClassification(
+        bert_config, num_labels=1 if regression else len(labels)), 'sequence'
+    labelled = all(e.label is not None for e in examples)
+  elif kind == 'squad':
+    examples = squad.read_squad(input_path, is_training=False)
+    features = squad.convert_examples(
+        examples, tok, max_seq_length=max_seq_length, doc_stride=int(run['doc_stride']),
+        max_query_length=int(run['max_query_length']), is_training=False)
+    model, head = model_lib.BertForQuestionAnswering(bert_config), 'span'
+    labelled = all(e.answers or e.is_impossible for e in examples)
   else:
-    examples = glue.read_file(info['task'], input_path)
-  features = glue.convert_examples(examples, tok, int(info['max_seq_length']), labels)
-  regression = labels is None
-  model = model_lib.BertForSequenceClassification(
-      config.replace(dtype='float32', scan_layers=False),
-      num_labels=1 if regression else len(labels))
-  apply = jax.jit(model.apply)
-  outputs = []
-  for start in range(0, len(examples), batch_size):
-    rows = slice(start, start + batch_size)
-    outputs.append(np.asarray(apply({'params': params}, features['input_ids'][rows],
-                                    features['input_mask'][rows],
-                                    features['segment_ids'][rows])))
-  logits = np.concatenate(outputs)
-  lines = []
-  if regression:
-    scores = logits[:, 0]
-    lines = [{'index': i, 'score': float(s)} for i, s in enumerate(scores)]
+    examples = (ner.read_conll(input_path, has_tags=_has_tags(input_path))
+                if input_format == 'conll' else ner.read_text_sentences(input_path))
+    features = ner.convert_sentences(examples, tok, max_seq_length, labels)
+    model, head = model_lib.BertForTokenClassification(bert_config,
+                                                       num_labels=len(labels)), 'token'
+    labelled = all(s.tags is not None for s in examples)
+
+  step = jax.jit(functools.partial(finetune.predict_step, model=model, head=head))
+  params = jax.device_put(params)
+  index_key = None if kind == 'glue' else 'feature_index'
+  rows = finetune.predict_rows(lambda batch: step(params, batch),
+                               tasks.subset(features, tasks.INPUTS, index_key),
+                               batch_size, finetune.parse_buckets(run['buckets']))
+  result: dict[str, Any] = {'task': info['task'], 'examples': len(examples),
+                            'output': output_path}
+  scores = None
+  if kind == 'glue':
+    logits = np.stack(rows)
+    if regression:
+      lines = [{'index': i, 'score': float(s)} for i, s in enumerate(logits[:, 0])]
+    else:
+      probs = np.asarray(jax.nn.softmax(logits.astype(np.float32), axis=-1))
+      lines = [{'index': i, 'label': labels[int(np.argmax(p))],
+                'probabilities': {l: float(q) for l, q in zip(labels, p)}}
+               for i, p in enumerate(probs)]
+    fileio.write_text(output_path, ''.join(json.dumps(l) + '\n' for l in lines))
+    if labelled:
+      scores = metrics.glue_metrics(info['task'], logits[:, 0] if regression else logits,
+                                    features['label'])
+  elif kind == 'squad':
+    version_2 = bool(info['version_2'])
+    answers, null_odds, nbest = squad.decode_predictions(
+        examples, features, [r[0] for r in rows], [r[1] for r in rows],
+        n_best_size=int(run['n_best_size']), max_answer_length=int(run['max_answer_length']),
+        version_2=version_2,
+        null_score_diff_threshold=float(run['null_score_diff_threshold']),
+        do_lower_case=lower_case)
+    fileio.write_text(output_path, json.dumps(answers, indent=2, ensure_ascii=False))
+    files = {'nbest': _beside(output_path, 'nbest')}
+    fileio.write_text(files['nbest'], json.dumps(nbest, indent=2, ensure_ascii=False))
+    if version_2:
+      files['null_odds'] = _beside(output_path, 'null_odds')
+      fileio.write_text(files['null_odds'], json.dumps(null_odds, indent=2))
+    result['files'] = files
+    if labelled:
+      scores = metrics.squad_evaluate(squad.gold_answers(examples), answers,
+                                      null_odds if version_2 else None)
   else:
-    probs = np.asarray(jax.nn.softmax(logits, axis=-1))
-    for i, p in enumerate(probs):
-      lines.append({'index': i, 'label': labels[int(np.argmax(p))],
-                    'probabilities': {l: float(q) for l, q in zip(labels, p)}})
-  fileio.write_text(output_path, ''.join(json.dumps(l) + '\n' for l in lines))
-  result: dict[str, Any] = {'examples': len(examples), 'output': output_path}
-  if all(e.label is not None for e in examples):
-    scores = metrics.glue_metrics(info['task'], logits[:, 0] if regression else logits,
-                                  features['label'])
-    result['metrics'] = {k: float(v) for k, v in scores.items()}
+    predicted = ner.reassemble(examples, features, rows, labels)
+    ner.write_conll(output_path, examples, predicted)
+    if labelled:
+      scores = metrics.ner_metrics([s.tags for s in examples], predicted)
+  if scores is not None:
+    result['metrics'] = finetune.json_safe(scores)
   return result
+
+
+def _has_tags(path: str) -> bool:
+  """Whether a CoNLL file has a tag column (more than the word on a line)."""
+  return any(len(line.split()) > 1 and not line.startswith('-DOCSTART-')
+             for line in fileio.read_text(path).split('\n'))

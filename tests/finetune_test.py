@@ -21,6 +21,7 @@ from bert_jax import finetune
 from bert_jax import glue
 from bert_jax import model as model_lib
 from bert_jax import monitor
+from bert_jax import ner
 from bert_jax import predict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,6 +258,30 @@ def test_squad_runs_end_to_end(checkpoints, tmp_path):
   assert all(isinstance(p, str) for p in predictions.values())
   assert os.path.exists(os.path.join(workdir, 'predictions', 'nbest_predictions.json'))
 
+  # `bert-jax predict` on the dev file: the run's answers and dev scores; on the same questions
+  # without answers (new input), the same answers and no scores.
+  dev_file = os.path.join(data_dir, 'dev-v1.1.json')
+  output = str(tmp_path / 'answers.json')
+  summary = predict.predict(workdir, dev_file, output)
+  assert summary['examples'] == 4 and summary['metrics'] == result['dev']
+  with open(output) as f:
+    assert json.load(f) == predictions
+  with open(summary['files']['nbest']) as f:
+    nbest = json.load(f)
+  assert [n[0]['text'] for n in map(nbest.get, qids[16:])] == [predictions[q] for q in qids[16:]]
+  unanswered = {'version': '1.1', 'data': [{'title': 't', 'paragraphs': [
+      dict(p, qas=[{'id': q['id'], 'question': q['question']} for q in p['qas']])
+      for p in paragraphs[16:]]}]}
+  new_input = str(tmp_path / 'questions.json')
+  with open(new_input, 'w') as f:
+    json.dump(unanswered, f)
+  again = predict.predict(workdir, new_input, str(tmp_path / 'new_answers.json'), batch_size=3)
+  assert 'metrics' not in again
+  with open(again['output']) as f:
+    assert json.load(f) == predictions
+  with pytest.raises(errors.UserError, match='--input_format=conll does not fit a squad model'):
+    predict.predict(workdir, new_input, output, input_format='conll')
+
 
 def _conll(rng, n):
   lines = ['-DOCSTART- -X- -X- O', '']
@@ -305,6 +330,27 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
         blocks = f.read().strip().split('\n\n')
       assert len(blocks) == sentences
       assert all(len(line.split()) == 3 for line in blocks[0].splitlines())  # word gold pred
+
+  # `bert-jax predict` with the best run: on the dev file, the run's tags and dev scores; on the
+  # same sentences as plain text (a sentence per line), the same tags.
+  run = summary['best_workdir']
+  with open(os.path.join(run, 'metrics.json')) as f:
+    dev_scores = json.load(f)['dev']
+  output = str(tmp_path / 'dev.conll')
+  tagged = predict.predict(run, os.path.join(data_dir, 'valid.txt'), output)
+  assert tagged['examples'] == 6 and tagged['metrics'] == dev_scores
+  with open(output) as f, open(os.path.join(run, 'predictions', 'dev.conll')) as g:
+    assert f.read() == g.read()
+  sentences = [s.words for s in ner.read_conll(os.path.join(data_dir, 'valid.txt'))]
+  text = _write_lines(str(tmp_path / 'dev.txt'), [' '.join(w) for w in sentences])
+  plain = predict.predict(run, text, str(tmp_path / 'text.conll'))
+  assert 'metrics' not in plain
+  with open(plain['output']) as f:
+    blocks = [b.splitlines() for b in f.read().strip().split('\n\n')]
+  with open(output) as f:
+    gold_blocks = [b.splitlines() for b in f.read().strip().split('\n\n')]
+  assert [[l.split() for l in b] for b in blocks] == [
+      [[l.split()[0], l.split()[2]] for l in b] for b in gold_blocks]
 
 
 def test_length_sort_window_must_be_positive(checkpoints, glue_dir, tmp_path):
@@ -392,3 +438,13 @@ def test_bad_task_files_name_the_file_and_line(checkpoints, tmp_path):
   with pytest.raises(ValueError, match="config.task='squad': expected a GLUE task"):
     finetune.finetune(cli.load_config('finetune_glue.py:squad', {
         'init_checkpoint': checkpoints['bert_jax'], 'max_seq_length': 32}), str(tmp_path / 'f'))
+
+
+def test_predict_needs_a_finished_finetuning_workdir(checkpoints, tmp_path):
+  data = _write_lines(str(tmp_path / 'input.jsonl'), ['{"text_a": "good"}'])
+  for workdir, message in ((checkpoints['bert_jax'], 'has no task.json: not a bert_jax '
+                            'fine-tuning workdir'), (str(tmp_path), 'has no metrics.json')):
+    if workdir == str(tmp_path):
+      ckpt_lib.write_json(str(tmp_path / 'task.json'), {'kind': 'glue'})
+    with pytest.raises(errors.UserError, match=message):
+      predict.predict(workdir, data, str(tmp_path / 'out.jsonl'))

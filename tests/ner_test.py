@@ -145,3 +145,34 @@ def test_unlabelled_sentences_get_word_positions(tok):
   assert ner.reassemble(sentences, f, np.full((1, 8), 2), ner.CONLL_LABELS) == [['I-PER'] * 2]
   with pytest.raises(ValueError, match='leaves no room'):
     ner.convert_sentences(sentences, tok, 2, ner.CONLL_LABELS)
+
+
+@pytest.mark.parametrize('text, conll', [
+    (_CONLL, True),
+    ('EU I-ORG\nrejects O\n\nPeter B-PER\n', True),  # Word and tag, no -DOCSTART-.
+    ('EU\nrejects\n\nPeter\nBlackburn\n', True),  # Words only, sentences between blank lines.
+    ('EU rejects German call.\nPeter Blackburn\n', False),  # A sentence per line.
+    ('EU rejects O\nPeter saw B-PER\n', True),  # Ambiguous (--input_format decides): tags.
+    ('EU\nrejects\nPeter\n', False),  # One word a line, no blank line: three sentences.
+    ('\n\n', False),
+])
+def test_looks_like_conll(tmp_path, text, conll):
+  path = tmp_path / 'input.txt'
+  path.write_text(text)
+  assert ner.looks_like_conll(str(path)) is conll
+
+
+def test_plain_text_splits_words_like_conll_and_keeps_case(tmp_path):
+  path = tmp_path / 'input.txt'
+  path.write_text('EU rejects German call, says (Peter) Blackburn.\n\n  \nJan Mar 12.5\n')
+  sentences = ner.read_text_sentences(str(path))
+  assert [s.words for s in sentences] == [
+      ['EU', 'rejects', 'German', 'call', ',', 'says', '(', 'Peter', ')', 'Blackburn', '.'],
+      ['Jan', 'Mar', '12', '.', '5']]
+  assert [s.line for s in sentences] == [1, 4] and all(s.tags is None for s in sentences)
+  out = tmp_path / 'out.conll'
+  ner.write_conll(str(out), sentences, [['O'] * len(s.words) for s in sentences])
+  assert out.read_text().endswith('\n\nJan O\nMar O\n12 O\n. O\n5 O\n\n')
+  path.write_text(' \n')
+  with pytest.raises(ValueError, match='input.txt: no sentences'):
+    ner.read_text_sentences(str(path))
