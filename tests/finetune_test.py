@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 
@@ -171,6 +172,11 @@ def _dev_rows(workdir):
   return [r for r in rows if r.get('split') == 'dev'], [r['step'] for r in rows if 'loss' in r]
 
 
+def _losses(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [row['loss'] for row in map(json.loads, f) if 'loss' in row]
+
+
 def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, monkeypatch):
   """A run stopped inside an epoch (train.stop_at_step, or SIGTERM) saves where it stopped;
   rerunning the same call continues at that step and ends with exactly the metrics, best epoch
@@ -219,6 +225,98 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
   assert finetune.finetune(config, signalled) == full
   assert _dev_rows(signalled) == (full_dev, full_steps)
+
+
+def _write_sst2(data_dir, seed, sizes=(('train', 64), ('dev', 32))):
+  """A small SST-2 (train and dev) in a local folder that subprocesses can read too."""
+  rng = random.Random(seed)
+  for split, n in sizes:
+    labels = [rng.randint(0, 1) for _ in range(n)]
+    _write_lines(os.path.join(data_dir, 'SST-2', f'{split}.tsv'),
+                 ['sentence\tlabel'] + [f'{_sentence(rng, l)}\t{l}' for l in labels])
+  return data_dir
+
+
+def _subprocess_env(devices, cache_dir):
+  """This checkout importable, `devices` fake CPU devices (set before jax is imported), and a
+  persistent compilation cache that later subprocesses reuse."""
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+             JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  env['PYTHONPATH'] = os.pathsep.join([REPO] + [p for p in [env.get('PYTHONPATH')] if p])
+  return env
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _finetune_processes(workdir, settings, cache_dir, num_processes=2):
+  """`bert-jax finetune` as `num_processes` processes of 2 fake CPU devices each, gloo
+  collectives on loopback; waits for them and fails with their stderr if one fails."""
+  port = _free_port()
+  flags = [f'--config.{k}={v}' for k, v in settings.items()]
+  procs = [subprocess.Popen(
+      [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=finetune_glue:sst2',
+       f'--workdir={workdir}', f'--coordinator_address=127.0.0.1:{port}',
+       f'--num_processes={num_processes}', f'--process_id={i}'] + flags,
+      cwd=REPO, env=_subprocess_env(2, cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True) for i in range(num_processes)]
+  outputs = []
+  for proc in procs:
+    try:
+      outputs.append(proc.communicate(timeout=300))
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      out, err = proc.communicate()
+      pytest.fail(f'fine-tuning process timed out:\n{out}\n{err[-5000:]}')
+  for i, (proc, (_, err)) in enumerate(zip(procs, outputs)):
+    assert proc.returncode == 0, f'process {i}:\n{err[-5000:]}'
+  return [out for out, _ in outputs]
+
+
+def test_two_processes_match_one_and_resume(checkpoints, tmp_path):
+  """`bert-jax finetune` as two processes (2 CPU devices each, gloo on loopback) trains like one
+  process on the same global batches: every process plans the same batches and feeds its own
+  rows of them. The pair first stops at step 3 (inside epoch 1, between checkpoints), then
+  resumes; its losses, dev metrics and metrics.json equal the one-process run's.
+
+  Dropout is on: its bits come from one key folded with the step, drawn for the global batch
+  inside the jitted step, so they do not depend on how the batch is split over processes or
+  devices (the reference runs on this process's 8 devices). Losses agree to float32
+  reduction-order noise (rtol 1e-5; the two processes' rows swapped in the global batch, so
+  meeting other dropout masks, moved them by about 1%); dev predictions are argmaxes of logits
+  that agree to that noise, so the dev metrics agree exactly.
+  """
+  data_dir = _write_sst2(str(tmp_path / 'glue'), seed=4)
+  # 4 steps an epoch, 2 epochs; one length (no buckets): one compiled train step.
+  settings = {'init_checkpoint': checkpoints['bert_jax'], 'data_dir': data_dir,
+              'max_seq_length': 32, 'buckets': '()', 'train.batch_size': 16,
+              'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
+              'checkpoint.every_steps': 3, 'log.every_steps': 1, 'log.progress': False}
+  one = str(tmp_path / 'one')
+  expected = finetune.finetune(cli.load_config(
+      'finetune_glue.py:sst2', dict(settings, buckets=())), one)
+
+  two, cache = str(tmp_path / 'two'), str(tmp_path / 'jax_cache')
+  outputs = _finetune_processes(two, dict(settings, **{'train.stop_at_step': 3}), cache)
+  assert 'stopped at step 3 of 8' in outputs[0] and not os.path.exists(
+      os.path.join(two, 'metrics.json'))
+  assert ckpt_lib.checkpoint_steps(two) == [3]
+  outputs = _finetune_processes(two, settings, cache)
+  assert 'best epoch' in outputs[0] and 'best epoch' not in outputs[1]  # Process 0 reports.
+
+  with open(os.path.join(two, 'metrics.json')) as f:
+    result = json.load(f)
+  assert result == expected
+  assert ckpt_lib.checkpoint_steps(two) == [expected['step']]
+  dev_two, steps_two = _dev_rows(two)
+  dev_one, steps_one = _dev_rows(one)
+  assert steps_two == steps_one == list(range(1, 9))  # Each step logged once.
+  assert dev_two == dev_one and [r['epoch'] for r in dev_one] == [1, 2]
+  np.testing.assert_allclose(_losses(two), _losses(one), rtol=1e-5)
 
 
 def test_squad_runs_end_to_end(checkpoints, tmp_path):
