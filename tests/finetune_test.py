@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -379,6 +380,17 @@ def test_squad_runs_end_to_end(checkpoints, tmp_path):
     assert json.load(f) == predictions
   with pytest.raises(errors.UserError, match='--input_format=conll does not fit a squad model'):
     predict.predict(workdir, new_input, output, input_format='conll')
+
+  # The same weights read as a SQuAD 2.0 model: no-answer odds beside the answers, 2.0 metrics.
+  v2 = str(tmp_path / 'run_v2')
+  shutil.copytree(workdir, v2)
+  ckpt_lib.write_json(os.path.join(v2, 'task.json'),
+                      dict(ckpt_lib.read_json(os.path.join(v2, 'task.json')), version_2=True))
+  summary = predict.predict(v2, dev_file, str(tmp_path / 'answers_v2.json'))
+  with open(summary['files']['null_odds']) as f:
+    assert sorted(json.load(f)) == qids[16:]
+  assert summary['files']['null_odds'].endswith('answers_v2.null_odds.json')
+  assert {'best_exact', 'best_f1'} <= set(summary['metrics'])
 
 
 def _conll(rng, n):
