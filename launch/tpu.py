@@ -161,7 +161,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help='Local config file, e.g. configs/bert_large.py (an optional `:arg` '
                         'suffix is passed on).')
   job.add_argument('--workdir', default='',
-                   help='Checkpoints and logs; must be gs://... on a multi-host slice.')
+                   help='Checkpoints and logs; must be gs://... on a multi-host slice and '
+                        'with watch / --relaunch (new VMs do not keep a local one).')
   job.add_argument('--mode', choices=('pretrain', 'finetune'), default='pretrain',
                    help='bert-jax subcommand.')
   job.add_argument('--env', action='append', default=[],
@@ -277,6 +278,13 @@ def _validate(args: argparse.Namespace) -> None:
       raise LaunchError(
           f'--workdir must be a gs:// path on {args.accelerator_type} ({hosts} hosts): all '
           f'workers write one checkpoint and resume from it; got {args.workdir!r}')
+    if args.relaunch and not args.workdir.startswith('gs://'):
+      # A relaunch deletes the TPU VMs and creates new ones: their disks, and a workdir on
+      # them, are gone, so the rerun would start from scratch instead of resuming.
+      raise LaunchError(
+          f'--workdir must be a gs:// path with `watch` / `run --relaunch`: a relaunch creates '
+          f'new TPU VMs, whose disks do not keep a local workdir to resume from; got '
+          f'{args.workdir!r}')
 
 
 def _config_file(config: str) -> str:

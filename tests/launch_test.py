@@ -150,6 +150,12 @@ def test_local_workdir_on_multi_host_slice_is_an_error():
   args = tpu.parse_args(['run', '--name=a', '--zone=us-central2-b', '--accelerator_type=v4-8',
                          '--config=configs/x.py', '--workdir=/tmp/run'])
   assert args.workdir == '/tmp/run'
+  # But not for a relaunch: the new VM would not have it, so the rerun could not resume.
+  for argv in (['watch'], ['run', '--relaunch']):
+    with pytest.raises(tpu.LaunchError, match=r'--workdir must be a gs:// path with `watch`'):
+      tpu.parse_args([*argv, '--name=a', '--zone=us-central2-b', '--accelerator_type=v4-8',
+                      f'--config={_ROOT}/configs/smoke.py', '--workdir=/tmp/run',
+                      '--install=bert_jax[tpu]'])
 
 
 def test_missing_wheel_is_an_error(configs):
