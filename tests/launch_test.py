@@ -2,7 +2,9 @@
 the GPU scripts with fake SLURM variables and fake scontrol/srun on PATH."""
 
 import importlib.util
+import json
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -393,6 +395,153 @@ def test_watch_from_nothing_creates_and_sets_up_first(fake_gcloud, configs):
   verbs = _verbs(calls)
   assert 'delete' not in verbs
   assert verbs.index('create') < verbs.index('scp') < verbs.index('run')
+
+
+# ---- A preempted fine-tuning run recovered for real ------------------------------------------
+
+
+_FAKE_TPU_VM = r"""#!{python}
+# A gcloud for one single-host TPU VM. The VM's disk is the folder {vm} (created with the TPU,
+# wiped when it is deleted); Cloud Storage is the folder {gcs} (gs://X -> {gcs}/X), which
+# outlives the VM. `ssh` runs the remote command there with bash; installing the package puts
+# the console script pip would install in ~/.local/bin. The first training run is preempted:
+# once it has logged a step, its bert-jax process gets SIGTERM (as a VM shutting down sends),
+# and when it has exited the TPU is SUSPENDED and ssh exits 255.
+import glob, json, os, re, shutil, signal, subprocess, sys, time
+STATE, CALLS, VM, GCS, RUNS = {state!r}, {calls!r}, {vm!r}, {gcs!r}, {runs!r}
+args = sys.argv[1:]
+with open(CALLS, 'a') as f:
+  f.write(' '.join(args) + '\n')
+verb = args[3]
+if verb == 'describe':
+  if not os.path.exists(STATE):
+    sys.exit('ERROR: (gcloud) NOT_FOUND')
+  print(open(STATE).read())
+elif verb == 'create':
+  os.makedirs(VM)
+  open(STATE, 'w').write('ACTIVE')
+elif verb == 'delete':
+  os.remove(STATE)
+  shutil.rmtree(VM)
+elif verb == 'scp':
+  files = [a for a in args[4:] if not a.startswith('--')]
+  for source in files[:-1]:
+    shutil.copy(source, os.path.join(VM, files[-1].split(':', 1)[1]))
+elif verb == 'ssh':
+  remote = args[args.index('--command') + 1]
+  if 'pip install' in remote:
+    os.makedirs(f'{{VM}}/.local/bin', exist_ok=True)
+    with open(f'{{VM}}/.local/bin/bert-jax', 'w') as f:
+      f.write('#!/bin/bash\necho $$ > "$HOME/bert-jax.pid"\n'
+              'PYTHONPATH={repo} exec {python} -m bert_jax.cli "$@"\n')
+    os.chmod(f'{{VM}}/.local/bin/bert-jax', 0o755)
+    sys.exit(0)
+  remote = remote.replace('gs://', GCS + '/')
+  n = len(glob.glob(f'{{RUNS}}/*.log')) + 1 if 'bert-jax' in remote else 0
+  log = open(f'{{RUNS}}/{{n}}.log' if n else os.devnull, 'w')
+  proc = subprocess.Popen(['bash', '-c', remote], cwd=VM, env=dict(os.environ, HOME=VM),
+                          stdout=log, stderr=subprocess.STDOUT)
+  if n != 1:
+    sys.exit(proc.wait())
+  metrics = os.path.join(re.search(r'--workdir=(\S+)', remote).group(1), 'metrics.jsonl')
+  deadline = time.time() + 300
+  while proc.poll() is None and time.time() < deadline and not (
+      os.path.exists(metrics) and '"loss"' in open(metrics).read()):
+    time.sleep(0.05)
+  os.kill(int(open(f'{{VM}}/bert-jax.pid').read()), signal.SIGTERM)
+  json.dump(proc.wait(), open(f'{{RUNS}}/1.status', 'w'))
+  open(STATE, 'w').write('SUSPENDED')
+  sys.exit(255)
+"""
+
+_SST2_WORDS = {1: ['good', 'great', 'fine', 'nice'], 0: ['bad', 'awful', 'poor', 'sad'],
+               None: ['the', 'movie', 'film', 'plot', 'was', 'very', 'quite', 'and', 'it']}
+
+
+def _sst2(path, n, rng):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w') as f:
+    f.write('sentence\tlabel\n')
+    for _ in range(n):
+      label = rng.randint(0, 1)
+      words = rng.choices(_SST2_WORDS[None], k=rng.randint(3, 12))
+      words.insert(rng.randrange(len(words)), rng.choice(_SST2_WORDS[label]))
+      f.write(f'{" ".join(words)}\t{label}\n')
+
+
+def _jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_watch_recovers_a_preempted_finetuning_run(tmp_path):
+  """`watch --mode=finetune` from no TPU: create, set up, run; the run is preempted after its
+  first logged step (SIGTERM: it saves and exits; the TPU is SUSPENDED); watch deletes and
+  recreates the TPU (a fresh disk), sets it up again and reruns, and the rerun resumes from the
+  saved step and ends with exactly the metrics of an uninterrupted run, each step logged once.
+
+  The commands are launch/tpu.py's own, run by bash on a fake VM (see _FAKE_TPU_VM); the
+  workdir, checkpoint and data are on its stand-in for Cloud Storage.
+  """
+  # pylint: disable=g-import-not-at-top  (TensorFlow and JAX: only this test needs them)
+  import random
+  import jax
+  from bert_jax import cli
+  from bert_jax import convert
+  from bert_jax import finetune
+  from bert_jax import model as model_lib
+  gcs, vm, runs = tmp_path / 'gcs', tmp_path / 'vm', tmp_path / 'runs'
+  runs.mkdir()
+  vocab = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + sum(_SST2_WORDS.values(), [])
+  (tmp_path / 'vocab.txt').write_text(''.join(w + '\n' for w in vocab))
+  tiny = model_lib.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, intermediate_size=64,
+                              max_position_embeddings=32)
+  convert.export_bert_jax(tiny, model_lib.init_params(tiny, jax.random.key(0)),
+                          str(gcs / 'bucket' / 'tiny'), vocab_file=str(tmp_path / 'vocab.txt'),
+                          lower_case=True)
+  rng = random.Random(0)
+  _sst2(str(gcs / 'bucket' / 'glue' / 'SST-2' / 'train.tsv'), 64, rng)
+  _sst2(str(gcs / 'bucket' / 'glue' / 'SST-2' / 'dev.tsv'), 32, rng)
+  # 8 steps an epoch, 2 epochs; one sequence length: one compiled train step.
+  overrides = {'init_checkpoint': 'gs://bucket/tiny', 'data_dir': 'gs://bucket/glue',
+               'max_seq_length': 16, 'buckets': '()', 'train.batch_size': 8,
+               'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
+               'log.every_steps': 1, 'log.progress': False}
+  reference = str(tmp_path / 'reference')
+  local = {k: v.replace('gs://', f'{gcs}/') if isinstance(v, str) else v
+           for k, v in dict(overrides, buckets=()).items()}
+  expected = finetune.finetune(cli.load_config('finetune_glue.py:sst2', local), reference)
+
+  state, calls = tmp_path / 'state', tmp_path / 'calls'
+  gcloud = _write_exe(tmp_path / 'gcloud', _FAKE_TPU_VM.format(
+      python=sys.executable, repo=_ROOT, state=str(state), calls=str(calls), vm=str(vm),
+      gcs=str(gcs), runs=str(runs)))
+  status = tpu.main(
+      ['watch', '--mode=finetune', '--name=ft', '--zone=us-central2-b', '--accelerator_type=v4-8',
+       f'--config={_ROOT}/configs/finetune_glue.py:sst2', '--workdir=gs://bucket/sst2',
+       '--install=bert_jax[tpu]', '--poll_seconds=0', f'--gcloud={gcloud}'] +
+      [f'--config.{k}={v}' for k, v in overrides.items()],
+      tpu.Shell(dry_run=False, sleep=lambda s: None))
+  first, second = (runs / '1.log').read_text(), (runs / '2.log').read_text()
+  assert status == 0, second[-5000:]
+  assert _verbs(calls).count('run') == 2 and _verbs(calls).count('delete') == 1
+  assert 'bert-jax finetune --config=configs/finetune_glue.py:sst2' in calls.read_text()
+
+  # The first run saved where SIGTERM stopped it, inside the run; the rerun resumed there.
+  assert json.loads((runs / '1.status').read_text()) == 0, first[-5000:]
+  stopped = re.search(r'stopped at step (\d+) of 16', first)
+  assert stopped, first[-5000:]
+  assert f'Resumed from step {stopped.group(1)} ' in second
+  workdir = gcs / 'bucket' / 'sst2'
+  assert json.loads((workdir / 'metrics.json').read_text()) == expected
+  rows, reference_rows = _jsonl(workdir / 'metrics.jsonl'), _jsonl(
+      os.path.join(reference, 'metrics.jsonl'))
+  assert [r['step'] for r in rows if 'loss' in r] == list(range(1, 17))
+  dev = lambda rows: [r for r in rows if r.get('split') == 'dev']
+  assert dev(rows) == dev(reference_rows)
+  assert [r['loss'] for r in rows if 'loss' in r] == [
+      r['loss'] for r in reference_rows if 'loss' in r]
 
 
 # ---- GPU: SLURM -----------------------------------------------------------------------------
