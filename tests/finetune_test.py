@@ -5,11 +5,14 @@ import glob
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -253,9 +256,10 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _finetune_processes(workdir, settings, cache_dir, num_processes=2):
+def _finetune_processes(workdir, settings, cache_dir, num_processes=2, sigterm_last=False):
   """`bert-jax finetune` as `num_processes` processes of 2 fake CPU devices each, gloo
-  collectives on loopback; waits for them and fails with their stderr if one fails."""
+  collectives on loopback; waits for them and fails with their stderr if one fails.
+  `sigterm_last`: SIGTERM to the last process once a training step is logged."""
   port = _free_port()
   flags = [f'--config.{k}={v}' for k, v in settings.items()]
   procs = [subprocess.Popen(
@@ -264,6 +268,15 @@ def _finetune_processes(workdir, settings, cache_dir, num_processes=2):
        f'--num_processes={num_processes}', f'--process_id={i}'] + flags,
       cwd=REPO, env=_subprocess_env(2, cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True) for i in range(num_processes)]
+
+  def sigterm():
+    while all(p.poll() is None for p in procs):
+      if os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and _losses(workdir):
+        procs[-1].send_signal(signal.SIGTERM)
+        return
+      time.sleep(0.05)
+  if sigterm_last:
+    threading.Thread(target=sigterm, daemon=True).start()
   outputs = []
   for proc in procs:
     try:
@@ -281,8 +294,10 @@ def _finetune_processes(workdir, settings, cache_dir, num_processes=2):
 def test_two_processes_match_one_and_resume(checkpoints, tmp_path):
   """`bert-jax finetune` as two processes (2 CPU devices each, gloo on loopback) trains like one
   process on the same global batches: every process plans the same batches and feeds its own
-  rows of them. The pair first stops at step 3 (inside epoch 1, between checkpoints), then
-  resumes; its losses, dev metrics and metrics.json equal the one-process run's.
+  rows of them. The pair is first stopped by a SIGTERM to process 1 alone (as a scheduler may
+  deliver it to one host): both processes must stop after the same step and save it, or one
+  would enter the collective save while the other trains on. Resumed, the pair ends with the
+  one-process run's losses, dev metrics and metrics.json.
 
   Dropout is on: its bits come from one key folded with the step, drawn for the global batch
   inside the jitted step, so they do not depend on how the batch is split over processes or
@@ -302,10 +317,11 @@ def test_two_processes_match_one_and_resume(checkpoints, tmp_path):
       'finetune_glue.py:sst2', dict(settings, buckets=())), one)
 
   two, cache = str(tmp_path / 'two'), str(tmp_path / 'jax_cache')
-  outputs = _finetune_processes(two, dict(settings, **{'train.stop_at_step': 3}), cache)
-  assert 'stopped at step 3 of 8' in outputs[0] and not os.path.exists(
-      os.path.join(two, 'metrics.json'))
-  assert ckpt_lib.checkpoint_steps(two) == [3]
+  outputs = _finetune_processes(two, settings, cache, sigterm_last=True)
+  stopped = re.search(r'stopped at step (\d+) of 8', outputs[0])
+  assert stopped, f'the run ended before it could be stopped:\n{outputs[0]}'
+  assert not os.path.exists(os.path.join(two, 'metrics.json'))
+  assert max(ckpt_lib.checkpoint_steps(two)) == int(stopped.group(1))
   outputs = _finetune_processes(two, settings, cache)
   assert 'best epoch' in outputs[0] and 'best epoch' not in outputs[1]  # Process 0 reports.
 
@@ -472,8 +488,6 @@ def test_length_sort_window_must_be_positive(checkpoints, glue_dir, tmp_path):
 def test_a_workdir_in_use_is_refused(checkpoints, glue_dir, tmp_path):
   # A live run (this process) holds the workdir: a second fine-tuning run there, which would
   # resume from and overwrite the same checkpoints, is refused before it loads anything.
-  import socket  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path / 'run')
   os.makedirs(workdir)
   lock = os.path.join(workdir, ckpt_lib.LOCK_FILE)
