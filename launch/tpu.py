@@ -6,7 +6,8 @@ nothing):
   create  Create the TPU: a queued resource (--api=queued, the default) or a TPU VM
           (--api=tpu-vm); waits until it is ready.
   setup   Install bert_jax on every worker and copy the config file (and the .py files beside
-          it, since a variant imports its base) to every worker.
+          it, which a user's config may import) to every worker; a shipped config's name
+          (--config=finetune_glue:mrpc) copies nothing.
   run     Run `bert-jax pretrain|finetune` on every worker; output streams back over ssh and is
           also appended to a log file on each worker. --relaunch: see `watch`.
   watch   Same as `run --relaunch`: run, and whenever the TPU is preempted (or missing) delete
@@ -35,8 +36,8 @@ locally, copied to the workers and installed with the `[tpu]` extra; a .whl or .
 copied and installed; anything else is a pip requirement installed as written, for example
 --install='bert_jax[tpu] @ git+https://github.com/ORG/bert_jax@v0.1.0'.
 
-Configs and logs live in --remote_dir (default `bert_jax_run`, under the remote home): the
-config is run as `configs/<file>.py` there, and output is appended to `logs/<mode>.log`.
+Configs and logs live in --remote_dir (default `bert_jax_run`, under the remote home): a config
+file is run as `configs/<file>.py` there, and output is appended to `logs/<mode>.log`.
 Run this launcher inside tmux/screen for long runs: training stops when the ssh session does.
 """
 
@@ -158,8 +159,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help='ssh/scp over internal IPs (launching from a VM in the same VPC).')
   job = common.add_argument_group('job')
   job.add_argument('--config', default='',
-                   help='Local config file, e.g. configs/bert_large.py (an optional `:arg` '
-                        'suffix is passed on).')
+                   help='Local config file, e.g. configs/bert_large.py, copied to the workers, '
+                        'or the name of a shipped config, e.g. finetune_glue (the installed '
+                        'package has it); an optional `:arg` suffix is passed on.')
   job.add_argument('--workdir', default='',
                    help='Checkpoints and logs; must be gs://... on a multi-host slice and '
                         'with watch / --relaunch (new VMs do not keep a local one).')
@@ -263,11 +265,19 @@ def _validate(args: argparse.Namespace) -> None:
       raise LaunchError(f'--config is required for `{args.subcommand}`, e.g. '
                         '--config=configs/bert_base.py')
     config_file = _config_file(args.config)
-    if not config_file.endswith('.py'):
-      raise LaunchError(f'--config: {args.config!r} is not a Python config file (*.py)')
+    if _is_shipped(config_file):
+      shipped = os.path.join(_REPO_ROOT, 'configs')
+      names = sorted(f[:-3] for f in os.listdir(shipped) if f.endswith('.py')
+                     and not f.startswith('_')) if os.path.isdir(shipped) else []
+      if names and config_file not in names:
+        raise LaunchError(f'--config: {config_file!r} is neither a config file nor a shipped '
+                          f'config ({", ".join(names)})')
+    elif not config_file.endswith('.py'):
+      raise LaunchError(f'--config: {args.config!r} is not a Python config file (*.py) nor '
+                        'the name of a shipped config')
     # setup and relaunches copy the config and install the package, so both must exist here.
     if args.subcommand == 'setup' or args.relaunch:
-      if not os.path.isfile(config_file):
+      if not _is_shipped(config_file) and not os.path.isfile(config_file):
         raise LaunchError(f'--config: file {config_file!r} not found')
       _package_kind(args.install)
   if args.subcommand in ('run', 'watch'):
@@ -290,6 +300,12 @@ def _validate(args: argparse.Namespace) -> None:
 def _config_file(config: str) -> str:
   """`configs/x.py:arg` -> `configs/x.py`."""
   return config.split(':', 1)[0]
+
+
+def _is_shipped(config_file: str) -> bool:
+  """A bare name (`finetune_glue`): one of the configs installed with the package, which
+  `bert-jax` finds itself; nothing to copy."""
+  return re.fullmatch(r'[A-Za-z0-9_]+', config_file) is not None
 
 
 _ARCHIVE_SUFFIXES = ('.whl', '.tar.gz', '.zip')
@@ -398,12 +414,14 @@ def expected_wheel(checkout: str) -> str:
 def setup_commands(args: argparse.Namespace, package: str) -> list[list[str]]:
   """Copies `package` (a local wheel/sdist, or a pip requirement) and the configs; installs.
 
-  The config's sibling .py files go too, since a variant config imports its base.
+  The config's sibling .py files go too, since a user's config may import a module beside it.
+  A shipped config's name copies nothing: the installed package has it.
   """
   rd = args.remote_dir
   config_file = _config_file(args.config)
   config_dir = os.path.dirname(config_file) or '.'
-  configs = sorted(set(glob.glob(os.path.join(config_dir, '*.py'))) | {config_file})
+  configs = ([] if _is_shipped(config_file) else
+             sorted(set(glob.glob(os.path.join(config_dir, '*.py'))) | {config_file}))
   commands = [ssh_command(args, f'rm -rf {shlex.quote(rd)}/configs {shlex.quote(rd)}/dist && '
                                 f'mkdir -p {shlex.quote(rd)}/configs {shlex.quote(rd)}/dist '
                                 f'{shlex.quote(rd)}/logs')]
@@ -413,7 +431,8 @@ def setup_commands(args: argparse.Namespace, package: str) -> list[list[str]]:
     commands.append(scp_command(args, [package], f'{rd}/dist/'))
     code = f'dist/{os.path.basename(package)}'
     spec = f'{code}[{args.extras}]' if args.extras else code
-  commands.append(scp_command(args, configs, f'{rd}/configs/'))
+  if configs:
+    commands.append(scp_command(args, configs, f'{rd}/configs/'))
   # The first install brings the dependencies; the second replaces bert_jax even when the
   # version number did not change, so the workers always run the code that was given.
   pip = 'python3 -m pip install'
@@ -426,7 +445,8 @@ def setup_commands(args: argparse.Namespace, package: str) -> list[list[str]]:
 def train_command(args: argparse.Namespace) -> list[str]:
   """The bert-jax command line each worker runs (from --remote_dir)."""
   config_file = _config_file(args.config)
-  remote_config = 'configs/' + os.path.basename(config_file) + args.config[len(config_file):]
+  remote_config = args.config if _is_shipped(config_file) else (
+      'configs/' + os.path.basename(config_file) + args.config[len(config_file):])
   # Cloud TPU: jax.distributed.initialize() finds the other workers itself; no coordinator.
   return ['bert-jax', args.mode, f'--config={remote_config}', f'--workdir={args.workdir}',
           *args.overrides, *args.extra_args]

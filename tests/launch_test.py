@@ -208,6 +208,20 @@ def test_v4_32_setup_copies_configs_and_installs_on_all_workers(configs, tmp_pat
   assert 'mkdir -p' in commands[0][commands[0].index('--command') + 1]
 
 
+def test_shipped_config_name_is_passed_on_and_nothing_is_copied(tmp_path):
+  wheel = tmp_path / 'bert_jax-0.1.0-py3-none-any.whl'
+  wheel.write_bytes(b'PK')
+  argv = [*V4, '--mode=finetune', '--config=finetune_glue:mrpc', '--workdir=gs://b/mrpc',
+          f'--install={wheel}']
+  commands, _ = _dry_run(['setup', *argv])
+  assert not _find(_find(commands, 'scp'), 'bert-large:bert_jax_run/configs/')
+  assert tpu.train_command(tpu.parse_args(['run', *argv]))[:3] == [
+      'bert-jax', 'finetune', '--config=finetune_glue:mrpc']
+  with pytest.raises(tpu.LaunchError, match="'finetune_glu' is neither a config file nor a "
+                     'shipped config'):
+    tpu.parse_args(['run', *V4, '--config=finetune_glu', '--workdir=gs://b/w'])
+
+
 def test_setup_from_checkout_builds_a_wheel_first(configs):
   commands, _ = _dry_run(['setup', *V4, f'--config={configs}/bert_large.py'])
   build = commands[0]
