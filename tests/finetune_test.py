@@ -29,6 +29,8 @@ from bert_jax import monitor
 from bert_jax import ner
 from bert_jax import predict
 
+import processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POSITIVE = ['good', 'great', 'fine', 'nice', 'happy', 'superb', 'lovely', 'brilliant']
 NEGATIVE = ['bad', 'awful', 'poor', 'sad', 'terrible', 'dull', 'boring', 'ugly']
@@ -241,33 +243,18 @@ def _write_sst2(data_dir, seed, sizes=(('train', 64), ('dev', 32))):
   return data_dir
 
 
-def _subprocess_env(devices, cache_dir):
-  """This checkout importable, `devices` fake CPU devices (set before jax is imported), and a
-  persistent compilation cache that later subprocesses reuse."""
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-             JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
-  env['PYTHONPATH'] = os.pathsep.join([REPO] + [p for p in [env.get('PYTHONPATH')] if p])
-  return env
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 def _finetune_processes(workdir, settings, cache_dir, num_processes=2, sigterm_last=False):
   """`bert-jax finetune` as `num_processes` processes of 2 fake CPU devices each, gloo
   collectives on loopback; waits for them and fails with their stderr if one fails.
   `sigterm_last`: SIGTERM to the last process once a training step is logged."""
-  port = _free_port()
+  port = processes.free_port()
   flags = [f'--config.{k}={v}' for k, v in settings.items()]
   procs = [subprocess.Popen(
       [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=finetune_glue:sst2',
        f'--workdir={workdir}', f'--coordinator_address=127.0.0.1:{port}',
        f'--num_processes={num_processes}', f'--process_id={i}'] + flags,
-      cwd=REPO, env=_subprocess_env(2, cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True) for i in range(num_processes)]
+      cwd=REPO, env=processes.env(cache_dir, devices=2), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
 
   def sigterm():
     while all(p.poll() is None for p in procs):

@@ -15,7 +15,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from bert_jax import input_pipeline
 from bert_jax import train
 from bert_jax import train_state
 from bert_jax.errors import UserError
+import processes
 from tolerance import assert_close
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,17 +82,6 @@ def compilation_cache(tmp_path_factory):
   cc.reset_cache()
 
 
-def _env(cache_dir, devices=None):
-  """Environment of a subprocess: this checkout importable, the same JAX settings."""
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join([_ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
-  env['JAX_COMPILATION_CACHE_DIR'] = cache_dir
-  env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
-  if devices is not None:
-    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
-  return env
-
-
 def _flags(overrides):
   return [f'--config.{k}={v}' for k, v in overrides.items()]
 
@@ -138,12 +127,6 @@ def _assert_same_params(a, b):
     assert np.array_equal(x, y), f'{jax.tree_util.keystr(path)} differs'
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 def _communicate(proc, timeout):
   try:
     out, err = proc.communicate(timeout=timeout)
@@ -173,7 +156,7 @@ def cli_run(tmp_path_factory, compilation_cache):
                     'eval.every_steps': 2, 'checkpoint.every_steps': 2})
   proc = subprocess.Popen(
       [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
-      _flags(overrides), cwd=_ROOT, env=_env(compilation_cache), stdout=subprocess.PIPE,
+      _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache), stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True)
   out, err = _communicate(proc, timeout=400)
   return workdir, proc.returncode, out, err
@@ -256,7 +239,7 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, v
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'checkpoint.every_steps': 1000})
   proc = subprocess.Popen(
       [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
-      _flags(overrides), cwd=_ROOT, env=_env(compilation_cache), stdout=subprocess.PIPE,
+      _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache), stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.time() + 300
@@ -300,8 +283,8 @@ def test_eval_command_agrees_with_the_runs_last_evaluation(tmp_path, reference, 
                             'train.stop_at_step': REFERENCE_STEPS})
   proc = subprocess.run(
       [sys.executable, '-m', 'bert_jax.cli', 'eval', f'--checkpoint={reference}'] +
-      _flags(overrides), cwd=_ROOT, env=_env(compilation_cache), capture_output=True, text=True,
-      timeout=400)
+      _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache), capture_output=True,
+      text=True, timeout=400)
   assert proc.returncode == 0, proc.stderr[-5000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   last = _rows(reference)[1][-1]
@@ -417,12 +400,12 @@ def test_two_processes_match_one_and_stop_together(tmp_path, vocab_file, compila
   """
   steps = 4
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'checkpoint.every_steps': 1000})
-  port = _free_port()
+  port = processes.free_port()
   pair_dir, single_dir = str(tmp_path / 'two'), str(tmp_path / 'one')
   pair = [subprocess.Popen(
       [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={pair_dir}',
        f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'] +
-      _flags(overrides), cwd=_ROOT, env=_env(compilation_cache, devices=2),
+      _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache, devices=2),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   interrupted = []
 
@@ -684,7 +667,7 @@ def _faulty_run(tmp_path, workdir, fault, overrides, cache):
   script = tmp_path / 'faulty_run.py'
   script.write_text(_FAULTY_RUN)
   marker = str(tmp_path / f'fault_{fault.replace(":", "_")}')
-  env = dict(_env(cache), BERT_JAX_TEST_FAULT=fault, BERT_JAX_TEST_MARKER=marker)
+  env = dict(processes.env(cache), BERT_JAX_TEST_FAULT=fault, BERT_JAX_TEST_MARKER=marker)
   proc = subprocess.Popen([sys.executable, str(script), f'--workdir={workdir}'] +
                           _flags(overrides), cwd=_ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -710,7 +693,7 @@ def test_sigkill_mid_step_mid_save_mid_eval_resumes_exactly(tmp_path, reference,
     assert os.path.exists(marker), _communicate(proc, 10)[1][-5000:]
     second = subprocess.run(
         [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
-        _flags(overrides), cwd=_ROOT, env=_env(compilation_cache), capture_output=True,
+        _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache), capture_output=True,
         text=True, timeout=300)
     assert second.returncode == 2, second.stderr[-3000:]
     last = second.stderr.strip().splitlines()[-1]
