@@ -8,10 +8,13 @@ A user's mistake (`errors.UserError`, a bad flag or config override) ends as one
 traceback (status 1). `--traceback` or BERT_JAX_TRACEBACK=1 shows the traceback of a mistake too.
 """
 
+import contextlib
 import difflib
+import logging as std_logging
 import os
 import re
 import sys
+import tempfile
 import traceback
 from typing import Callable
 
@@ -506,6 +509,44 @@ def _run_command(name: str, args: list[str]) -> None:
   app.run(run, argv=list(_ARGV), flags_parser=_parse_flags)
 
 
+@contextlib.contextmanager
+def _native_stderr_held_back():
+  """Holds back what native code writes to stderr (file descriptor 2) inside the block, and
+  writes it out only if the block fails.
+
+  TensorFlow's start-up notes (no CUDA driver, oneDNN, cuInit) come from C++ before its log level
+  applies; they would stand above every message of the command, a user's one-line error too.
+  """
+  sys.stderr.flush()
+  try:
+    saved = os.dup(2)
+  except OSError:  # No stderr to hold back (closed by a daemonizing parent).
+    yield
+    return
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    try:
+      yield
+    except BaseException:
+      os.dup2(saved, 2)
+      held.seek(0)
+      sys.stderr.write(held.read().decode('utf-8', 'replace'))
+      raise
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))
+
+
+def _ours_or_a_warning(record: std_logging.LogRecord) -> bool:
+  """Log filter: warnings and errors from anywhere, info lines only from bert_jax (Orbax, for
+  one, logs every handler it creates and closes at info level). --verbosity=1 keeps all."""
+  return (record.levelno >= std_logging.WARNING or logging.get_verbosity() > 0 or
+          os.path.realpath(record.pathname).startswith(_PACKAGE_DIR + os.sep))
+
+
 def main(argv: list[str] | None = None) -> None:
   """Runs `bert-jax <command> [--flags]`; a user's mistake exits with one message, status 2."""
   argv = list(sys.argv if argv is None else argv)
@@ -518,6 +559,14 @@ def main(argv: list[str] | None = None) -> None:
     hint = f' (did you mean {close[0]!r}?)' if close else ''
     print(f'bert-jax: unknown command {name!r}{hint}\n\n{_usage()}', file=sys.stderr)
     sys.exit(2)
+  if not _traceback_wanted(argv[2:]):
+    # Every command reads files through TensorFlow; loading it (and hiding the accelerators
+    # from it, which starts its device platforms) here keeps its notes out of the output. With
+    # --traceback they stay, for a bug report.
+    with _native_stderr_held_back():
+      from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+      input_pipeline.hide_accelerators_from_tf()
+  logging.get_absl_handler().addFilter(_ours_or_a_warning)
   try:
     _run_command(name, argv[2:])
   except Exception as e:  # pylint: disable=broad-except

@@ -130,6 +130,7 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
   Returns: {'lines', 'truncated', 'output'}.
   """
   from bert_jax import finetune  # pylint: disable=g-import-not-at-top  (TensorFlow, training)
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
   from bert_jax import train as train_lib  # pylint: disable=g-import-not-at-top
 
   suffix = os.path.splitext(output)[1]
@@ -141,7 +142,7 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
   if batch_size < 1:
     raise UserError(f'batch_size must be positive, got {batch_size}')
   lines = read_input(input_file)  # Before the (slow) checkpoint: a wrong path fails at once.
-  train_lib.hide_accelerators_from_tf()
+  input_pipeline.hide_accelerators_from_tf()
   config, params, tok, _, _ = finetune.load_checkpoint(init_checkpoint, vocab_file, lower_case,
                                                        flag='--init_checkpoint')
   if not 2 < max_seq_length <= config.max_position_embeddings:

@@ -50,6 +50,7 @@ from bert_jax import checkpoint as ckpt_lib
 from bert_jax import convert
 from bert_jax import errors
 from bert_jax import glue
+from bert_jax import input_pipeline
 from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import monitor
@@ -328,7 +329,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
 
 def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
   # ---- Setup ---------------------------------------------------------------------------------
-  train_lib.hide_accelerators_from_tf()
+  input_pipeline.hide_accelerators_from_tf()
   is_main = jax.process_index() == 0
   if config.train.epochs < 1:
     raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')

@@ -23,7 +23,6 @@ Parameter layout (unscanned; with `scan_layers` the per-layer trees are stacked 
 
 import dataclasses
 import json
-import os
 import re
 from typing import Any, Callable
 

@@ -22,7 +22,6 @@ the metrics are those the run reported for its best epoch.
 
 import functools
 import json
-import os
 from typing import Any
 
 import jax

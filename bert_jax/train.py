@@ -272,7 +272,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   data, phase and batches). A checkpoint without an NSP head (BertForMaskedLM) gets MLM only.
   """
   from bert_jax import convert  # pylint: disable=g-import-not-at-top
-  hide_accelerators_from_tf()
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  input_pipeline.hide_accelerators_from_tf()
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   loaded_config, params = convert.load_pretrained(checkpoint,
@@ -352,16 +353,6 @@ def _init_from_checkpoint(path: str, bert_config: model_lib.BertConfig, fresh: d
   return merged
 
 
-def hide_accelerators_from_tf() -> None:
-  """tf.data must never take GPU/TPU memory from JAX."""
-  import tensorflow as tf
-  for kind in ('GPU', 'TPU'):
-    try:
-      tf.config.set_visible_devices([], kind)
-    except (RuntimeError, ValueError):
-      pass  # Already initialized, or no such device type: nothing to hide.
-
-
 # ---------------------------------------------------------------------------------------------
 # The driver
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +388,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
 
   # ---- Setup ---------------------------------------------------------------------------------
-  hide_accelerators_from_tf()
+  input_pipeline.hide_accelerators_from_tf()
   is_main = jax.process_index() == 0
   use_nsp = config.data.objective != 'none'
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)

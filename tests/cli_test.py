@@ -2,6 +2,7 @@
 directory nor the checkout on sys.path (the console script's situation)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -85,12 +86,27 @@ def _cli(args, env=None, cwd=_ROOT):
                         capture_output=True, text=True, timeout=600)
 
 
+# A log line of absl's format, and the module that wrote it.
+_LOG_LINE = re.compile(r'^[IWEF]\d{4} [\d:.]+ +\d+ (\w+)\.py:\d+\] ')
+_OUR_MODULES = {name[:-3] for name in os.listdir(os.path.join(_ROOT, 'bert_jax'))
+                if name.endswith('.py')}
+
+
 def _assert_user_error(proc, command, *fragments):
-  """Exit status 2, no traceback, and the last line of stderr is the one message."""
-  last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''
+  """Exit status 2, no traceback, and the last line of stderr is the one message. Above it at
+  most bert_jax's own log lines and progress bars: no notes of TensorFlow starting up, no info
+  lines of the libraries."""
+  lines = proc.stderr.strip().splitlines()
+  last = lines[-1] if lines else ''
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
   assert last.startswith(f'bert-jax {command}: error: '), proc.stderr[-3000:]
+  for line in lines[:-1]:
+    logged = _LOG_LINE.match(line)
+    if logged:
+      assert logged.group(1) in _OUR_MODULES, line
+    else:
+      assert not line.strip() or re.search(r'\[\d\d:\d\d', line), line  # tqdm's [00:00, ...]
   for fragment in fragments:
     assert fragment in last, (fragment, last)
   return last
@@ -108,6 +124,10 @@ def _assert_user_error(proc, command, *fragments):
     (['convert', '--output=/tmp/x'], ['missing required flag(s): --input']),
     (['features', '--input=a', '--output=b.jsonl'], ['--init_checkpoint']),
     (['vocab', '--input=a'], ['--output']),
+    (['predict', '--workdir=/no/such/run', '--input=a.tsv', '--output=b.jsonl'],
+     ['--workdir=/no/such/run has no task.json: not a bert_jax fine-tuning workdir']),
+    (['predict', '--workdir=w', '--input=a', '--output=b', '--input_format=xml'],
+     ['--input_format', 'xml']),
     (['compile', '--topology=v5e'], ["--topology='v5e': expected GENERATION:SHAPE"]),
     (['data', '--config.data.max_seq_length=1024'],
      ['data.max_seq_length=1024 exceeds model.max_position_embeddings=512']),
