@@ -10,6 +10,7 @@ traceback (status 1). `--traceback` or BERT_JAX_TRACEBACK=1 shows the traceback 
 
 import contextlib
 import difflib
+import importlib.metadata
 import logging as std_logging
 import os
 import re
@@ -39,14 +40,24 @@ def _command(name: str, help_text: str):
 
 
 def configs_dir() -> str:
-  """The configs/ folder of a checkout (or editable install), else the installed copy."""
+  """The configs/ folder of a checkout (or editable install), else the copy installed with the
+  package: share/bert_jax/configs of whichever scheme pip installed it in (the system, a venv,
+  --user as on TPU VMs, --prefix), which the distribution's file list records."""
   here = os.path.dirname(os.path.realpath(__file__))
-  for candidate in (os.path.join(os.path.dirname(here), 'configs'),
-                    os.path.join(sys.prefix, 'share', 'bert_jax', 'configs')):
+  candidates = [os.path.join(os.path.dirname(here), 'configs')]
+  try:
+    candidates += [os.path.dirname(os.path.realpath(f.locate()))
+                   for f in importlib.metadata.files('bert_jax') or ()
+                   if f.name == 'default.py' and f.parent.name == 'configs']
+  except importlib.metadata.PackageNotFoundError:
+    pass  # Imported from a checkout on PYTHONPATH, not installed.
+  candidates.append(os.path.join(sys.prefix, 'share', 'bert_jax', 'configs'))
+  for candidate in candidates:
     if os.path.isdir(candidate):
       return candidate
-  raise UserError('cannot find the bert_jax configs/ folder (neither in the checkout nor under '
-                  f'{sys.prefix}/share/bert_jax): pass --config=PATH to a config file')
+  raise UserError('cannot find the bert_jax configs/ folder (neither in the checkout nor '
+                  'installed with the package under share/bert_jax/configs): pass '
+                  '--config=PATH to a config file')
 
 
 def resolve_config_path(path: str) -> str:

@@ -3,6 +3,7 @@ directory nor the checkout on sys.path (the console script's situation)."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -55,6 +56,34 @@ def test_configs_load_from_any_directory(tmp_path, config_args):
   assert "No module named" not in proc.stderr, proc.stderr[-3000:]
   assert "--topology='v9:2x2': expected GENERATION:SHAPE" in proc.stderr, proc.stderr[-3000:]
   assert ('user config: small' in proc.stdout) == user, proc.stdout
+
+
+def test_an_installed_wheel_finds_its_shipped_configs_in_any_scheme(tmp_path):
+  """A wheel installed outside sys.prefix (pip --user on a TPU VM, --prefix) puts the configs
+  under that scheme's share/; `--config=NAME` must find them there."""
+  source = tmp_path / 'source'
+  for name in ('setup.cfg', 'pyproject.toml', 'README.md'):
+    (source / name).parent.mkdir(exist_ok=True)
+    shutil.copy(os.path.join(_ROOT, name), source / name)
+  for folder in ('bert_jax', 'configs'):
+    shutil.copytree(os.path.join(_ROOT, folder), source / folder,
+                    ignore=shutil.ignore_patterns('__pycache__'))
+  pip = [sys.executable, '-m', 'pip', '--disable-pip-version-check', '-q']
+  subprocess.run(pip + ['wheel', '--no-deps', '--no-build-isolation', '-w', str(tmp_path / 'dist'),
+                        str(source)], check=True, capture_output=True, timeout=300)
+  wheel, = (tmp_path / 'dist').glob('bert_jax-*.whl')
+  prefix = tmp_path / 'prefix'
+  subprocess.run(pip + ['install', '--no-deps', '--no-index', f'--prefix={prefix}', str(wheel)],
+                 check=True, capture_output=True, timeout=300)
+  site_packages, = prefix.glob('lib/python*/site-packages')
+  code = ('from bert_jax import cli; print(cli.__file__); print(cli.configs_dir()); '
+          "cli.main(['bert-jax', 'compile', '--topology=v9:2x2', '--config=bert_base'])")
+  proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(site_packages)))
+  module, configs = proc.stdout.splitlines()[:2]
+  assert module.startswith(str(site_packages)), proc.stdout
+  assert configs == str(prefix / 'share' / 'bert_jax' / 'configs'), proc.stdout
+  assert "--topology='v9:2x2': expected GENERATION:SHAPE" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_load_config_reads_a_user_file_anywhere(tmp_path):
