@@ -517,7 +517,18 @@ def _run_command(name: str, args: list[str]) -> None:
   except (KeyError, AttributeError):  # A --config.a.b override misspelt (default --config).
     _explain_config_overrides(args)
     raise
-  app.run(run, argv=list(_ARGV), flags_parser=_parse_flags)
+
+  def run_after_tensorflow(argv):
+    if not _traceback_wanted(args):
+      # Every command reads files through TensorFlow; loading it (and hiding the accelerators
+      # from it, which starts its device platforms) here keeps its notes out of the output.
+      # After the flags: --help and flag mistakes do not wait for it. With --traceback the
+      # notes stay, for a bug report.
+      with _native_stderr_held_back():
+        from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+        input_pipeline.hide_accelerators_from_tf()
+    run(argv)
+  app.run(run_after_tensorflow, argv=list(_ARGV), flags_parser=_parse_flags)
 
 
 @contextlib.contextmanager
@@ -527,6 +538,8 @@ def _native_stderr_held_back():
 
   TensorFlow's start-up notes (no CUDA driver, oneDNN, cuInit) come from C++ before its log level
   applies; they would stand above every message of the command, a user's one-line error too.
+  A native crash inside the block (an illegal instruction, an abort) loses what it wrote:
+  --traceback runs without holding anything back.
   """
   sys.stderr.flush()
   try:
@@ -570,13 +583,6 @@ def main(argv: list[str] | None = None) -> None:
     hint = f' (did you mean {close[0]!r}?)' if close else ''
     print(f'bert-jax: unknown command {name!r}{hint}\n\n{_usage()}', file=sys.stderr)
     sys.exit(2)
-  if not _traceback_wanted(argv[2:]):
-    # Every command reads files through TensorFlow; loading it (and hiding the accelerators
-    # from it, which starts its device platforms) here keeps its notes out of the output. With
-    # --traceback they stay, for a bug report.
-    with _native_stderr_held_back():
-      from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
-      input_pipeline.hide_accelerators_from_tf()
   logging.get_absl_handler().addFilter(_ours_or_a_warning)
   try:
     _run_command(name, argv[2:])
