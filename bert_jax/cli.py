@@ -408,7 +408,7 @@ def _predict_flags():
                     'What --input is; auto: by the task, the file name (.jsonl) and, for NER, '
                     'whether the file looks like CoNLL.')
   flags.DEFINE_integer('batch_size', 0, 'Examples (SQuAD: windows) per batch; 0 = the run\'s '
-                       'eval.batch_size, which reproduces its dev predictions exactly.')
+                       'eval.batch_size, the batches of its dev predictions.')
   flags.mark_flags_as_required(['workdir', 'input', 'output'])
 
   def run(argv):

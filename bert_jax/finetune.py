@@ -33,7 +33,7 @@ import itertools
 import math
 import os
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from absl import logging
 import flax.linen as nn
@@ -216,7 +216,8 @@ def predict_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
   return {'outputs': outputs, 'index': batch['index'], 'weight': batch['weight']}
 
 
-def predict_rows(step, features: dict[str, np.ndarray], batch_size: int,
+def predict_rows(step: Callable[[dict[str, np.ndarray]], dict[str, Any]],
+                 features: dict[str, np.ndarray], batch_size: int,
                  buckets: Sequence[int]) -> list[np.ndarray]:
   """Every row's output of `step` (batch -> `predict_step`'s dict) in `features['index']`
   order, over the batches `finetune` evaluates with (padded rows dropped)."""
@@ -304,7 +305,9 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
                                     'tokenizer_class': 'BertTokenizer'},
           'task.json': dict(task.info, kind=task.kind, main_metric=task.main_metric,
                             max_seq_length=config.max_seq_length,
-                            init_checkpoint=config.init_checkpoint)})
+                            init_checkpoint=config.init_checkpoint,
+                            # What dev was evaluated in: `predict` reproduces it.
+                            compute_dtype=train_lib.compute_dtype(config.model.dtype))})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,7 +575,7 @@ def _finished(workdir: str, metrics_path: str, fresh: bool = False) -> dict[str,
   return best
 
 
-def parse_buckets(values) -> tuple[int, ...]:
+def parse_buckets(values: Sequence[Any]) -> tuple[int, ...]:
   """config.buckets as ints (`--config.buckets=` arrives as ('',): an error, not 'none')."""
   try:
     buckets = tuple(int(b) for b in values)

@@ -33,9 +33,19 @@ class Sentence:
   line: int  # 1-based line of the first word in its file (for error messages).
 
 
+def _is_tag(tag: str) -> bool:
+  return tag == 'O' or (tag[:2] in _PREFIXES and len(tag) > 2)
+
+
 def _check_tag(tag: str, where: str) -> None:
-  if tag != 'O' and (tag[:2] not in _PREFIXES or len(tag) < 3):
+  if not _is_tag(tag):
     raise UserError(f'{where}: tag {tag!r} is neither O nor B-/I-/E-/S-<TYPE>')
+
+
+def _lines(path: str) -> list[str]:
+  """The file's lines with universal newlines, as open() reads text (str.splitlines would also
+  split on U+0085)."""
+  return fileio.read_text(path).replace('\r\n', '\n').replace('\r', '\n').split('\n')
 
 
 def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[Sentence]:
@@ -47,6 +57,11 @@ def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[
     has_tags: False for text with only a word column.
     to_iob2: convert IOB1 tags to IOB2 (every chunk starts with B-).
   """
+  return _conll_sentences(_lines(path), path, has_tags, to_iob2)
+
+
+def _conll_sentences(lines: list[str], path: str, has_tags: bool, to_iob2: bool
+                     ) -> list[Sentence]:
   sentences, words, tags = [], [], []
   first_line = columns = None
 
@@ -56,9 +71,7 @@ def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[
       sentences.append(Sentence(words, tags if has_tags else None, first_line))
     words, tags, first_line = [], [], None
 
-  # Universal newlines, as open() reads text (str.splitlines would also split on \x85).
-  text = fileio.read_text(path).replace('\r\n', '\n').replace('\r', '\n')
-  for number, line in enumerate(text.split('\n'), 1):
+  for number, line in enumerate(lines, 1):
     fields = line.split()
     if not fields or fields[0] == '-DOCSTART-':
       flush()
@@ -240,39 +253,59 @@ def write_conll(path: str, sentences: Sequence[Sentence],
   fileio.write_text(path, ''.join(lines))
 
 
-def read_text_sentences(path: str) -> list[Sentence]:
-  """Plain text, one sentence per line, split into words as BERT's BasicTokenizer splits them
-  (whitespace, punctuation, CJK characters; case kept): CoNLL-2003's word boundaries."""
+def sniff_format(lines: Sequence[str]) -> str:
+  """'conll' or 'text' for the lines of a file to tag: CoNLL has -DOCSTART- lines, or a tag last
+  on (nearly) every line, or a word per line in blocks between blank lines; anything else is
+  text, a sentence per line. (One word per line with no blank line reads as text.)"""
+  fields = [line.split() for line in lines if line.strip()]
+  if not fields:
+    return 'text'
+  if any(f[0] == '-DOCSTART-' for f in fields):
+    return 'conll'
+  # 90%: one malformed line must still read as CoNLL, so that its error names the line.
+  if sum(len(f) > 1 and _is_tag(f[-1]) for f in fields) >= 0.9 * len(fields):
+    return 'conll'
+  if all(len(f) == 1 for f in fields):
+    filled = [bool(line.strip()) for line in lines]
+    first, last = filled.index(True), len(filled) - 1 - filled[::-1].index(True)
+    return 'text' if all(filled[first:last + 1]) else 'conll'
+  return 'text'
+
+
+def read_sentences(path: str, input_format: str = 'auto') -> tuple[list[Sentence], str]:
+  """Sentences to tag, and the format read: 'conll' (a word per line, first column; tags read
+  when lines have more columns), 'text' (a sentence per non-blank line, split into words as
+  BERT's basic tokenizer splits them: whitespace, and each punctuation mark and CJK character
+  apart, so `U.S.` is 4 words; case kept), or 'auto' (`sniff_format`)."""
+  lines = _lines(path)
+  if input_format == 'auto':
+    input_format = sniff_format(lines)
+    logging.info('%s: read as %s', path, input_format)
+  if input_format == 'conll':
+    has_tags = any(len(line.split()) > 1 and not line.startswith('-DOCSTART-')
+                   for line in lines)
+    return _conll_sentences(lines, path, has_tags, to_iob2=False), input_format
+  if input_format != 'text':
+    raise ValueError(f'input_format={input_format!r}: expected auto, conll or text')
   from bert_jax import squad  # pylint: disable=g-import-not-at-top  (TensorFlow)
   sentences = []
-  text = fileio.read_text(path).replace('\r\n', '\n').replace('\r', '\n')
-  for number, line in enumerate(text.split('\n'), 1):
+  for number, line in enumerate(lines, 1):
     words = squad.basic_tokenize(line, lower_case=False)
     if words:
       sentences.append(Sentence(words, None, number))
   if not sentences:
     raise UserError(f'{path}: no sentences')
-  return sentences
+  return sentences, input_format
 
 
-def looks_like_conll(path: str) -> bool:
-  """Whether `path` is CoNLL (one word per line, sentences between blank lines): a
-  -DOCSTART- line, or every non-blank line with the same number of columns, the last one a tag
-  when there are several, and blank lines between groups of single words."""
-  lines = fileio.read_text(path).replace('\r', '\n').split('\n')
-  fields = [l.split() for l in lines if l.strip()]
-  if not fields:
-    return False
-  if any(f[0] == '-DOCSTART-' for f in fields):
-    return True
-  columns = {len(f) for f in fields}
-  if len(columns) != 1:
-    return False
-  if columns == {1}:  # A word per line with blank lines between groups; else a sentence each.
-    filled = [bool(l.strip()) for l in lines]
-    first, last = filled.index(True), len(filled) - 1 - filled[::-1].index(True)
-    return not all(filled[first:last + 1])
-  return all(f[-1] == 'O' or (f[-1][:2] in _PREFIXES and len(f[-1]) > 2) for f in fields)
+def tags_and_scores(sentences: Sequence[Sentence], features: dict[str, Any], rows,
+                    label_list: Sequence[str]) -> tuple[list[list[str]], dict | None]:
+  """Every word's predicted tag from the windows' predictions `rows` (see `reassemble`), and
+  entity-level scores when every sentence has gold tags (else None)."""
+  predicted = reassemble(sentences, features, rows, label_list)
+  if any(s.tags is None for s in sentences):
+    return predicted, None
+  return predicted, metrics.ner_metrics([s.tags for s in sentences], predicted)
 
 
 def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig
@@ -293,8 +326,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
     feats = convert_sentences(sentences, tok, config.max_seq_length, label_list)
 
     def evaluate(rows):
-      predicted = reassemble(sentences, feats, rows, label_list)
-      scores = metrics.ner_metrics([s.tags for s in sentences], predicted)
+      predicted, scores = tags_and_scores(sentences, feats, rows, label_list)
       return scores, lambda d: write_conll(os.path.join(d, f'{name}.conll'), sentences,
                                             predicted)
     return tasks.EvalSet(name, tasks.subset(feats, tasks.INPUTS, 'feature_index'), evaluate)

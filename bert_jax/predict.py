@@ -11,13 +11,16 @@ epoch's weights. Inputs and outputs by task:
     script's input), and beside it <output>.nbest.json (the n best answers with probabilities)
     and, for SQuAD 2.0, <output>.null_odds.json (no-answer score minus best-span score).
   NER: CoNLL (a word per line, first column; blank lines between sentences; tags in the last
-    column if any) or plain text (a sentence per line, split into words as BERT's basic
-    tokenizer splits them) -> CoNLL: 'word gold predicted' lines (conlleval's input) for tagged
-    input, 'word predicted' otherwise.
+    column if any) or plain text (a sentence per non-blank line, split into words as BERT's
+    basic tokenizer splits them: punctuation apart, so `U.S.` is 4 words) -> CoNLL: 'word gold
+    predicted' lines (conlleval's input) for tagged input, 'word predicted' otherwise; a block
+    per sentence (blank input lines have none).
 
 An input with labels (GLUE labels, SQuAD answers, CoNLL tags) is also scored, with the same
-features, batches, decoding and metrics as `finetune` scores its dev set: on the task's dev file
-the metrics are those the run reported for its best epoch.
+features, batches, decoding and metrics as `finetune` scores its dev set, in the dtype the run
+evaluated in: on the task's dev file the metrics are those the run reported for its best epoch
+(exactly on the kind of machine the run evaluated on, where XLA computes the same logits; the
+model runs on one device with XLA attention).
 """
 
 import functools
@@ -25,6 +28,7 @@ import json
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 
 from bert_jax import checkpoint as ckpt_lib
@@ -63,13 +67,12 @@ def _jsonl_examples(path: str) -> list[glue.Example]:
 
 
 def _input_format(kind: str, input_path: str, requested: str) -> str:
+  """The format to read; NER's 'auto' is decided by `ner.read_sentences` from the content."""
   allowed = FORMATS[kind]
   if requested == 'auto':
     if kind == 'glue':
       return 'jsonl' if input_path.endswith('.jsonl') else 'tsv'
-    if kind == 'ner':
-      return 'conll' if ner.looks_like_conll(input_path) else 'text'
-    return allowed[0]
+    return 'auto' if kind == 'ner' else allowed[0]
   if requested not in allowed:
     raise UserError(f'--input_format={requested} does not fit a {kind} model: expected auto or '
                     f'one of {", ".join(allowed)}')
@@ -89,17 +92,19 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
   Args:
     workdir: a finished `bert-jax finetune` workdir.
     input_path, output_path: local or gs:// files.
-    batch_size: examples (SQuAD: windows) per batch; 0 = the run's eval.batch_size, which
-      reproduces its dev predictions exactly.
+    batch_size: examples (SQuAD: windows) per batch; 0 = the run's eval.batch_size, the
+      batches its dev predictions were made in.
     input_format: 'auto' or one of FORMATS[kind].
 
   Returns:
-    {'task', 'examples', 'output'} (+ 'files': the other files written), and 'metrics' for an
-    input with labels.
+    {'task', 'input_format' (as read), 'examples', 'output'} (+ 'files': the other files
+    written), and 'metrics' for an input with labels.
   """
   from bert_jax import finetune  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
   from bert_jax import squad  # pylint: disable=g-import-not-at-top
   from bert_jax import train  # pylint: disable=g-import-not-at-top
+  input_pipeline.hide_accelerators_from_tf()
   task_path = f'{workdir}/task.json'
   if not fileio.exists(task_path):
     raise UserError(f'--workdir={workdir} has no task.json: not a bert_jax fine-tuning workdir')
@@ -107,19 +112,21 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
     raise UserError(f'--workdir={workdir} has no metrics.json: its fine-tuning run has not '
                     'finished (rerun its `bert-jax finetune` command to finish it)')
   info = ckpt_lib.read_json(task_path)
-  run = ckpt_lib.read_json(f'{workdir}/config.json')
+  run = ml_collections.ConfigDict(ckpt_lib.read_json(f'{workdir}/config.json'))
   kind = info['kind']
   if not fileio.isfile(input_path):
     raise UserError(f'--input={input_path}: no such file')
   if batch_size < 0:
     raise UserError(f'--batch_size={batch_size} must be positive (or 0: the run\'s '
                     'eval.batch_size)')
-  batch_size = batch_size or int(run['eval']['batch_size'])
+  batch_size = batch_size or int(run.eval.batch_size)
   input_format = _input_format(kind, input_path, input_format)
   bert_config, params, tok, _, lower_case = finetune.load_checkpoint(workdir, flag='--workdir')
-  # The run's compute dtype (its dev predictions used it); portable XLA attention.
-  bert_config = bert_config.replace(dtype=train.compute_dtype(run['model']['dtype']),
-                                    scan_layers=False, attention_impl='xla')
+  # The dtype the run evaluated in (workdirs written before task.json recorded it: the config's,
+  # resolved here); XLA attention, which runs anywhere.
+  dtype = (info['compute_dtype'] if 'compute_dtype' in info
+           else train.compute_dtype(run.model.dtype))
+  bert_config = bert_config.replace(dtype=dtype, scan_layers=False, attention_impl='xla')
   max_seq_length = int(info['max_seq_length'])
   labels = info['labels'] if kind != 'squad' else None
 
@@ -130,30 +137,26 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
     regression = labels is None
     model, head = model_lib.BertForSequenceClassification(
         bert_config, num_labels=1 if regression else len(labels)), 'sequence'
-    labelled = all(e.label is not None for e in examples)
   elif kind == 'squad':
     examples = squad.read_squad(input_path, is_training=False)
     features = squad.convert_examples(
-        examples, tok, max_seq_length=max_seq_length, doc_stride=int(run['doc_stride']),
-        max_query_length=int(run['max_query_length']), is_training=False)
+        examples, tok, max_seq_length=max_seq_length, doc_stride=run.doc_stride,
+        max_query_length=run.max_query_length, is_training=False)
     model, head = model_lib.BertForQuestionAnswering(bert_config), 'span'
-    labelled = all(e.answers or e.is_impossible for e in examples)
   else:
-    examples = (ner.read_conll(input_path, has_tags=_has_tags(input_path))
-                if input_format == 'conll' else ner.read_text_sentences(input_path))
+    examples, input_format = ner.read_sentences(input_path, input_format)
     features = ner.convert_sentences(examples, tok, max_seq_length, labels)
     model, head = model_lib.BertForTokenClassification(bert_config,
                                                        num_labels=len(labels)), 'token'
-    labelled = all(s.tags is not None for s in examples)
 
   step = jax.jit(functools.partial(finetune.predict_step, model=model, head=head))
   params = jax.device_put(params)
   index_key = None if kind == 'glue' else 'feature_index'
   rows = finetune.predict_rows(lambda batch: step(params, batch),
                                tasks.subset(features, tasks.INPUTS, index_key),
-                               batch_size, finetune.parse_buckets(run['buckets']))
-  result: dict[str, Any] = {'task': info['task'], 'examples': len(examples),
-                            'output': output_path}
+                               batch_size, finetune.parse_buckets(run.buckets))
+  result: dict[str, Any] = {'task': info['task'], 'input_format': input_format,
+                            'examples': len(examples), 'output': output_path}
   scores = None
   if kind == 'glue':
     logits = np.stack(rows)
@@ -165,38 +168,22 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
                 'probabilities': {l: float(q) for l, q in zip(labels, p)}}
                for i, p in enumerate(probs)]
     fileio.write_text(output_path, ''.join(json.dumps(l) + '\n' for l in lines))
-    if labelled:
+    if all(e.label is not None for e in examples):
       scores = metrics.glue_metrics(info['task'], logits[:, 0] if regression else logits,
                                     features['label'])
   elif kind == 'squad':
-    version_2 = bool(info['version_2'])
-    answers, null_odds, nbest = squad.decode_predictions(
-        examples, features, [r[0] for r in rows], [r[1] for r in rows],
-        n_best_size=int(run['n_best_size']), max_answer_length=int(run['max_answer_length']),
-        version_2=version_2,
-        null_score_diff_threshold=float(run['null_score_diff_threshold']),
-        do_lower_case=lower_case)
+    scores, answers, null_odds, nbest = squad.answers_and_scores(
+        examples, features, rows, run, bool(info['version_2']), lower_case)
     fileio.write_text(output_path, json.dumps(answers, indent=2, ensure_ascii=False))
     files = {'nbest': _beside(output_path, 'nbest')}
     fileio.write_text(files['nbest'], json.dumps(nbest, indent=2, ensure_ascii=False))
-    if version_2:
+    if null_odds is not None:
       files['null_odds'] = _beside(output_path, 'null_odds')
       fileio.write_text(files['null_odds'], json.dumps(null_odds, indent=2))
     result['files'] = files
-    if labelled:
-      scores = metrics.squad_evaluate(squad.gold_answers(examples), answers,
-                                      null_odds if version_2 else None)
   else:
-    predicted = ner.reassemble(examples, features, rows, labels)
+    predicted, scores = ner.tags_and_scores(examples, features, rows, labels)
     ner.write_conll(output_path, examples, predicted)
-    if labelled:
-      scores = metrics.ner_metrics([s.tags for s in examples], predicted)
   if scores is not None:
     result['metrics'] = finetune.json_safe(scores)
   return result
-
-
-def _has_tags(path: str) -> bool:
-  """Whether a CoNLL file has a tag column (more than the word on a line)."""
-  return any(len(line.split()) > 1 and not line.startswith('-DOCSTART-')
-             for line in fileio.read_text(path).split('\n'))

@@ -459,6 +459,27 @@ def gold_answers(examples: Sequence[SquadExample]) -> dict[str, list[str]]:
   return {e.qas_id: ([] if e.is_impossible else list(e.answers)) or [''] for e in examples}
 
 
+def answers_and_scores(examples: Sequence[SquadExample], features: Mapping[str, Any], rows,
+                       config: ml_collections.ConfigDict, version_2: bool, lower_case: bool
+                       ) -> tuple[dict | None, dict[str, str], dict[str, float] | None, dict]:
+  """Decodes per-window outputs `rows` ([2, L'] start and end logits each) with `config`'s
+  n_best_size, max_answer_length and null_score_diff_threshold.
+
+  Returns (official scores, or None when some question has neither answers nor is_impossible;
+  qid -> answer; qid -> no-answer odds, v2 only; qid -> n-best list).
+  """
+  answers, null_odds, nbest = decode_predictions(
+      examples, features, [r[0] for r in rows], [r[1] for r in rows],
+      n_best_size=config.n_best_size, max_answer_length=config.max_answer_length,
+      version_2=version_2, null_score_diff_threshold=config.null_score_diff_threshold,
+      do_lower_case=lower_case)
+  null_odds = null_odds if version_2 else None
+  scores = None
+  if all(e.answers or e.is_impossible for e in examples):
+    scores = metrics.squad_evaluate(gold_answers(examples), answers, null_odds)
+  return scores, answers, null_odds, nbest
+
+
 def write_predictions(output_dir: str, predictions: Mapping[str, str],
                       null_odds: Mapping[str, float] | None = None,
                       nbest: Mapping[str, list] | None = None) -> dict[str, str]:
@@ -496,18 +517,18 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   train_examples = _read_squad(train_file, True, 'config.train_file')
   train = convert_examples(train_examples, tok, is_training=True, **convert_args)
   dev_examples = _read_squad(predict_file, False, 'config.predict_file')
+  unanswered = [e.qas_id for e in dev_examples if not (e.answers or e.is_impossible)]
+  if unanswered:
+    raise UserError(f'config.predict_file={predict_file}: {len(unanswered)} questions have no '
+                    f'answers and are not is_impossible (e.g. {unanswered[:3]}), but it is the '
+                    'dev set scored after each epoch: give the dev file (bert-jax predict '
+                    'answers new questions)')
   dev_features = convert_examples(dev_examples, tok, is_training=False, **convert_args)
-  gold = gold_answers(dev_examples)
 
   def evaluate(rows):
-    predictions, null_odds, nbest = decode_predictions(
-        dev_examples, dev_features, [r[0] for r in rows], [r[1] for r in rows],
-        n_best_size=config.n_best_size, max_answer_length=config.max_answer_length,
-        version_2=version_2, null_score_diff_threshold=config.null_score_diff_threshold,
-        do_lower_case=lower_case)
-    scores = metrics.squad_evaluate(gold, predictions, null_odds if version_2 else None)
-    return scores, lambda d: write_predictions(d, predictions,
-                                               null_odds if version_2 else None, nbest)
+    scores, predictions, null_odds, nbest = answers_and_scores(
+        dev_examples, dev_features, rows, config, version_2, lower_case)
+    return scores, lambda d: write_predictions(d, predictions, null_odds, nbest)
 
   names = ('exact', 'f1', 'best_exact', 'best_f1') if version_2 else ('exact', 'f1')
   return tasks.Task(

@@ -153,19 +153,26 @@ def test_unlabelled_sentences_get_word_positions(tok):
     ('EU\nrejects\n\nPeter\nBlackburn\n', True),  # Words only, sentences between blank lines.
     ('EU rejects German call.\nPeter Blackburn\n', False),  # A sentence per line.
     ('EU rejects O\nPeter saw B-PER\n', True),  # Ambiguous (--input_format decides): tags.
-    ('EU\nrejects\nPeter\n', False),  # One word a line, no blank line: three sentences.
-    ('\n\n', False),
+    ('EU\r\nrejects\r\nPeter\r\n', False),  # One word a line, no blank line (CRLF): text.
+    ('EU\r\nrejects\r\n\r\nPeter\r\n', True),
 ])
-def test_looks_like_conll(tmp_path, text, conll):
+def test_the_input_format_is_sniffed(tmp_path, text, conll):
   path = tmp_path / 'input.txt'
-  path.write_text(text)
-  assert ner.looks_like_conll(str(path)) is conll
+  path.write_bytes(text.encode())
+  assert ner.read_sentences(str(path))[1] == ('conll' if conll else 'text')
 
 
-def test_plain_text_splits_words_like_conll_and_keeps_case(tmp_path):
+def test_sniff_format_of_nothing_and_of_one_bad_line():
+  assert ner.sniff_format(['', '']) == 'text'
+  # One malformed line in 10 still reads as CoNLL, so that read_conll names it.
+  assert ner.sniff_format([f'w{i} O' for i in range(9)] + ['w9 x y O']) == 'conll'
+
+
+def test_plain_text_splits_words_like_bert_and_keeps_case(tmp_path):
   path = tmp_path / 'input.txt'
   path.write_text('EU rejects German call, says (Peter) Blackburn.\n\n  \nJan Mar 12.5\n')
-  sentences = ner.read_text_sentences(str(path))
+  sentences, read_as = ner.read_sentences(str(path))
+  assert read_as == 'text'
   assert [s.words for s in sentences] == [
       ['EU', 'rejects', 'German', 'call', ',', 'says', '(', 'Peter', ')', 'Blackburn', '.'],
       ['Jan', 'Mar', '12', '.', '5']]
@@ -175,4 +182,18 @@ def test_plain_text_splits_words_like_conll_and_keeps_case(tmp_path):
   assert out.read_text().endswith('\n\nJan O\nMar O\n12 O\n. O\n5 O\n\n')
   path.write_text(' \n')
   with pytest.raises(ValueError, match='input.txt: no sentences'):
-    ner.read_text_sentences(str(path))
+    ner.read_sentences(str(path), 'text')
+
+
+def test_conll_input_with_and_without_tags(tmp_path):
+  path = tmp_path / 'input.conll'
+  path.write_text('EU NNP B-ORG\nrejects VBZ O\n\nPeter NNP B-PER\n')
+  sentences, read_as = ner.read_sentences(str(path))
+  assert read_as == 'conll' and [s.tags for s in sentences] == [['B-ORG', 'O'], ['B-PER']]
+  path.write_text('EU\nrejects\n\nPeter\n')
+  sentences, read_as = ner.read_sentences(str(path), 'conll')
+  assert [s.words for s in sentences] == [['EU', 'rejects'], ['Peter']]
+  assert all(s.tags is None for s in sentences)
+  path.write_text(''.join(f'w{i} O\n' for i in range(9)) + 'w9 x y O\n')
+  with pytest.raises(ValueError, match=r'input.conll:10: 4 columns where earlier lines have 2'):
+    ner.read_sentences(str(path))

@@ -4,13 +4,17 @@ import json
 import logging
 import string
 
+import ml_collections
 import numpy as np
 import pytest
 
+from bert_jax import cli
 from bert_jax import glue
 from bert_jax import metrics
+from bert_jax import model as model_lib
 from bert_jax import squad
 from bert_jax import tokenization
+from bert_jax.errors import UserError
 
 # 40 distinct one-token words for window arithmetic.
 _W = [f'w{i:02d}' for i in range(40)]
@@ -274,3 +278,40 @@ def test_bad_input_and_bucketing(tok, caplog):
   f = squad.convert_examples(examples, tok, 128, 32, 64)
   batches = list(glue.bucket_batches(f, 4, buckets=(32, 64, 128)))
   assert batches[0]['input_ids'].shape == (1, 128) and 'tokens' not in batches[0]
+
+
+def test_answers_and_scores_scores_only_answered_questions(tok):
+  context = ' '.join(_W[:30])
+  data = _dataset(context, [_qa('no', 'who', [], impossible=True),
+                            _qa('yes', 'who', [(_W[2], context.index(_W[2]))], False)])
+  examples = squad.read_squad(data, is_training=False)
+  f = squad.convert_examples(examples, tok, 20, 8, 8)
+  rows = np.zeros((len(f['input_ids']), 2, 20))
+  rows[f['example_index'] == 0, :, 0] = 5.0  # [CLS]: no answer.
+  rows[np.flatnonzero(f['example_index'] == 1)[0], :, 3 + 2] = 4.0
+  settings = ml_collections.ConfigDict(dict(n_best_size=20, max_answer_length=30,
+                                            null_score_diff_threshold=0.0))
+  scores, answers, odds, nbest = squad.answers_and_scores(examples, f, list(rows), settings,
+                                                          version_2=True, lower_case=True)
+  assert answers == {'no': '', 'yes': _W[2]} and set(odds) == set(nbest) == {'no', 'yes'}
+  assert scores['exact'] == 100.0 and 'best_f1' in scores
+  # New questions (no answers, not marked impossible): answers, no scores; v1: no odds.
+  data['data'][0]['paragraphs'][0]['qas'] = [
+      {'id': q['id'], 'question': q['question']} for q in data['data'][0]['paragraphs'][0]['qas']]
+  unanswered = squad.read_squad(data, is_training=False)
+  scores, answers, odds, _ = squad.answers_and_scores(unanswered, f, list(rows), settings,
+                                                      version_2=False, lower_case=True)
+  assert scores is None and odds is None and answers['yes'] == _W[2]
+
+
+def test_dev_file_without_answers_is_refused(tok, tmp_path):
+  context = ' '.join(_W[:30])
+  answered = _dataset(context, [_qa('q', 'who', [(_W[2], context.index(_W[2]))])])
+  unanswered = _dataset(context, [{'id': 'q', 'question': 'who'}])
+  for name, data in (('train-v1.1.json', answered), ('dev-v1.1.json', unanswered)):
+    (tmp_path / name).write_text(json.dumps(data))
+  config = cli.load_config('finetune_squad.py:v1', {'data_dir': str(tmp_path),
+                                                    'max_seq_length': 32})
+  with pytest.raises(UserError, match=r'dev-v1.1.json: 1 questions have no answers .* dev set'):
+    squad.make_task(config, tok, model_lib.BertConfig(vocab_size=tok.vocab_size),
+                    lower_case=True)
