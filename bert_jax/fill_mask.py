@@ -45,6 +45,8 @@ def fill_mask(checkpoint: str, texts: Sequence[str], top_k: int = 5, vocab_file:
   transformers' BertForMaskedLM / fill-mask pipeline), computed in float32.
   """
   from bert_jax import finetune  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  input_pipeline.hide_accelerators_from_tf()
   if not texts:
     raise UserError('fill-mask: no text given')
   if top_k < 1:

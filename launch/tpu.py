@@ -165,6 +165,10 @@ def _build_parser() -> argparse.ArgumentParser:
   job.add_argument('--workdir', default='',
                    help='Checkpoints and logs; must be gs://... on a multi-host slice and '
                         'with watch / --relaunch (new VMs do not keep a local one).')
+  job.add_argument('--shared_workdir', action='store_true',
+                   help='--workdir is a path every worker sees and that outlives the VMs (a '
+                        'gcsfuse, Filestore or NFS mount set up on each worker): allowed where '
+                        'a gs:// workdir is otherwise required.')
   job.add_argument('--mode', choices=('pretrain', 'finetune'), default='pretrain',
                    help='bert-jax subcommand.')
   job.add_argument('--env', action='append', default=[],
@@ -284,17 +288,19 @@ def _validate(args: argparse.Namespace) -> None:
     if not args.workdir:
       raise LaunchError('--workdir is required, e.g. --workdir=gs://my-bucket/run1')
     hosts = num_hosts(args.accelerator_type)
-    if hosts > 1 and not args.workdir.startswith('gs://'):
+    shared = args.workdir.startswith('gs://') or args.shared_workdir
+    if hosts > 1 and not shared:
       raise LaunchError(
           f'--workdir must be a gs:// path on {args.accelerator_type} ({hosts} hosts): all '
-          f'workers write one checkpoint and resume from it; got {args.workdir!r}')
-    if args.relaunch and not args.workdir.startswith('gs://'):
+          f'workers write one checkpoint and resume from it; got {args.workdir!r} (a mount '
+          'that every worker shares: add --shared_workdir)')
+    if args.relaunch and not shared:
       # A relaunch deletes the TPU VMs and creates new ones: their disks, and a workdir on
       # them, are gone, so the rerun would start from scratch instead of resuming.
       raise LaunchError(
           f'--workdir must be a gs:// path with `watch` / `run --relaunch`: a relaunch creates '
           f'new TPU VMs, whose disks do not keep a local workdir to resume from; got '
-          f'{args.workdir!r}')
+          f'{args.workdir!r} (a mount that outlives the VMs: add --shared_workdir)')
 
 
 def _config_file(config: str) -> str:

@@ -249,12 +249,16 @@ def _finetune_processes(workdir, settings, cache_dir, num_processes=2, sigterm_l
   `sigterm_last`: SIGTERM to the last process once a training step is logged."""
   port = processes.free_port()
   flags = [f'--config.{k}={v}' for k, v in settings.items()]
+  # Output goes to files: a process blocked on a full pipe would stall the collective steps of
+  # the others while this test waits for one at a time.
+  logs = [[open(f'{workdir}.{i}.{kind}', 'w+', encoding='utf-8') for kind in ('out', 'err')]
+          for i in range(num_processes)]
   procs = [subprocess.Popen(
       [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=finetune_glue:sst2',
        f'--workdir={workdir}', f'--coordinator_address=127.0.0.1:{port}',
        f'--num_processes={num_processes}', f'--process_id={i}'] + flags,
-      cwd=REPO, env=processes.env(cache_dir, devices=2), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
+      cwd=REPO, env=processes.env(cache_dir, devices=2), stdout=out, stderr=err, text=True)
+      for i, (out, err) in enumerate(logs)]
 
   def sigterm():
     while all(p.poll() is None for p in procs):
@@ -264,15 +268,22 @@ def _finetune_processes(workdir, settings, cache_dir, num_processes=2, sigterm_l
       time.sleep(0.05)
   if sigterm_last:
     threading.Thread(target=sigterm, daemon=True).start()
-  outputs = []
-  for proc in procs:
+  outputs, timed_out = [], False
+  for proc, files in zip(procs, logs):
     try:
-      outputs.append(proc.communicate(timeout=300))
+      proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
+      timed_out = True
       for p in procs:
         p.kill()
-      out, err = proc.communicate()
-      pytest.fail(f'fine-tuning process timed out:\n{out}\n{err[-5000:]}')
+      proc.wait()
+    for f in files:
+      f.seek(0)
+    outputs.append(tuple(f.read() for f in files))
+    for f in files:
+      f.close()
+  if timed_out:
+    pytest.fail('fine-tuning processes timed out:\n' + '\n'.join(e[-5000:] for _, e in outputs))
   for i, (proc, (_, err)) in enumerate(zip(procs, outputs)):
     assert proc.returncode == 0, f'process {i}:\n{err[-5000:]}'
   return [out for out, _ in outputs]

@@ -158,6 +158,12 @@ def test_local_workdir_on_multi_host_slice_is_an_error():
       tpu.parse_args([*argv, '--name=a', '--zone=us-central2-b', '--accelerator_type=v4-8',
                       f'--config={_ROOT}/configs/smoke.py', '--workdir=/tmp/run',
                       '--install=bert_jax[tpu]'])
+  # A mount every worker shares and that outlives the VMs (Filestore, gcsfuse) is fine for both.
+  args = tpu.parse_args(['watch', *V4, f'--config={_ROOT}/configs/smoke.py',
+                         '--workdir=/mnt/filestore/run', '--shared_workdir',
+                         '--install=bert_jax[tpu]'])
+  assert tpu.train_command(args)[3] == '--workdir=/mnt/filestore/run'
+  assert '--shared_workdir' not in tpu.train_command(args)
 
 
 def test_missing_wheel_is_an_error(configs):
@@ -462,7 +468,8 @@ elif verb == 'ssh':
   while proc.poll() is None and time.time() < deadline and not (
       os.path.exists(metrics) and '"loss"' in open(metrics).read()):
     time.sleep(0.05)
-  os.kill(int(open(f'{{VM}}/bert-jax.pid').read()), signal.SIGTERM)
+  if proc.poll() is None:  # Else it ended first: 1.status says so, and the test fails on it.
+    os.kill(int(open(f'{{VM}}/bert-jax.pid').read()), signal.SIGTERM)
   json.dump(proc.wait(), open(f'{{RUNS}}/1.status', 'w'))
   open(STATE, 'w').write('SUSPENDED')
   sys.exit(255)
