@@ -7,28 +7,23 @@ Ahead-of-time check of the compiled step for a slice (on any machine):
 
   bert-jax compile --config=configs/bert_base_tpu_speed.py --topology=v5e:4x4
 
-Differs from bert_base.py in two choices: rows packed with whole sequences instead of padding
-(data.packing), and no attention dropout (model.attention_probs_dropout_prob=0, as RoBERTa-era
-recipes and MosaicBERT train), because the fused kernel has none; hidden dropout stays 0.1.
-Attention then runs as Pallas splash attention (model.attention_impl='splash'), each packed
-sequence its own segment, never materializing the [batch, heads, T, T] scores.
+bert_base.py (the file beside this one) with two choices changed: rows packed with whole
+sequences instead of padding (data.packing), and no attention dropout
+(model.attention_probs_dropout_prob=0, as RoBERTa-era recipes and MosaicBERT train), because the
+fused kernel has none; hidden dropout stays 0.1. Attention then runs as Pallas splash attention
+(model.attention_impl='splash'), each packed sequence its own segment, never materializing the
+[batch, heads, T, T] scores.
 """
 
-from bert_jax import defaults
+import os
+
+from bert_jax import cli
 
 
 def get_config():
-  config = defaults.pretrain()
-  # bert_base.py's schedule: 1M steps of 256 sequences, 90% at 128 tokens, 10% at 512.
-  config.model.size = 'base'
-  config.data.input = ''  # Required: the pre-training corpus (see the docstring).
-  config.data.max_seq_length = 128
-  config.data.max_predictions_per_seq = 20
-  config.train.steps = 1_000_000
-  config.train.batch_size = 256
-  config.train.learning_rate = 1e-4
-  config.train.warmup_steps = 10_000
-  config.train.phases = '0.9:128:20,0.1:512:80'
+  # The schedule and model of bert_base.py: 1M steps of 256 sequences, 90% at 128 tokens.
+  config = cli.load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        'bert_base.py'))
   # Several whole sequences per row instead of padding (README, "Packing").
   config.data.packing = True
   # The fused kernel has no attention dropout (README, "Attention").
