@@ -200,7 +200,7 @@ def main():
   unknown = sorted(set(args.seq_lens) - set(SETTINGS))
   if unknown:
     parser.error(f'--seq_lens: {unknown} not in {sorted(SETTINGS)}')
-  train_lib.hide_accelerators_from_tf()
+  input_pipeline.hide_accelerators_from_tf()
   dict(padding=padding, speed=speed, learning=learning)[args.what](args)
 
 

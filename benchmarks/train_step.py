@@ -20,7 +20,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # pylint: disable=g-import-not-at-top
-import jax.numpy as jnp
 import numpy as np
 
 from bert_jax import cli  # pylint: disable=g-import-not-at-top
@@ -62,7 +61,7 @@ def setup_jax(args, config):
   bsh = sharding_lib.batch_sharding(mesh)
   if args.real_data:
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
-    train_lib.hide_accelerators_from_tf()
+    input_pipeline.hide_accelerators_from_tf()
     vocab = input_pipeline.resolve_vocab(config.data, '/tmp/bert_jax/bench')
     ds = input_pipeline.make_pretraining_dataset(
         config.data, batch_size=args.batch_size, seq_len=args.seq_len,
