@@ -12,8 +12,9 @@ its longest sentence is 66 tokens. The timed loop is `finetune`'s: `finetune.bat
 uniform random batches or, with --length_sort_window=N, sorted by length within windows of N
 batches as config.train.length_sort_window does; weight-0 filler rows) feeding the jitted
 `train_state.build_train_step` with `finetune.loss_fn` of BertForSequenceClassification with
-AdamW. Every bucket's step is compiled (and that compile time reported) before timing; then whole epochs are timed in
-alternating rounds (fixed, bucketed, fixed, ...) and the best of each setting is reported.
+AdamW. Every bucket's step is compiled (and that compile time reported) before timing; then
+whole epochs are timed in alternating rounds (fixed, bucketed, fixed, ...) and the best of each
+setting is reported.
 """
 
 import argparse

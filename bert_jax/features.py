@@ -10,8 +10,9 @@ truncated lines is logged (raise `max_seq_length`, up to the model's 512, to kee
 
 Layers: index i >= 0 is hidden state i (0 = the embedding output, i = encoder layer i);
 negative indices count from the top as Python indexes that list (-1 = the last encoder layer,
-the original's convention; -(L+1) = the embeddings). Sentence vectors: 'cls' = the pooler output ([CLS] -> dense -> tanh), 'mean' = the
-mean of the chosen layers' token features over the real tokens.
+the original's convention; -(L+1) = the embeddings). Sentence vectors: 'cls' = the pooler
+output ([CLS] -> dense -> tanh), 'mean' = the mean of the chosen layers' token features over the
+real tokens.
 
 Output, by the suffix of `output`:
   .jsonl  one JSON object per input line, in input order, floats rounded to `decimals`:
@@ -177,7 +178,8 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
           if suffix != '.jsonl' else None}
   cls = np.zeros((n, config.hidden_size), np.float32)
   mean = np.zeros((n, len(chosen), config.hidden_size), np.float32)
-  out_file = open(output, 'w', encoding='utf-8') if suffix == '.jsonl' else None  # pylint: disable=consider-using-with
+  # pylint: disable-next=consider-using-with  (closed in the finally below)
+  out_file = open(output, 'w', encoding='utf-8') if suffix == '.jsonl' else None
   try:
     for part in _chunks(n, batch_size * _CHUNK_BATCHES):
       arrays = {k: encoded[k][part] for k in ('input_ids', 'input_mask', 'segment_ids')}

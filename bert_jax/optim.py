@@ -10,7 +10,8 @@ from bert_jax.errors import UserError
 _NO_DECAY = ('bias', 'scale', 'output_bias')
 
 
-def make_schedule(train: ml_collections.ConfigDict, total_steps: int | None = None) -> optax.Schedule:
+def make_schedule(train: ml_collections.ConfigDict,
+                  total_steps: int | None = None) -> optax.Schedule:
   """Linear warmup from 0 to the peak over `warmup_steps`, then linear decay to 0 at the end.
 
   As the paper states it: the peak is reached exactly at `warmup_steps` (1e-4 at step 10,000 of

@@ -109,7 +109,8 @@ def test_bfloat16_compute_stays_close_to_float32():
   scale = np.abs(np.asarray(ref[0])).max()
   assert np.abs(np.asarray(out[0]) - np.asarray(ref[0])).max() < 0.05 * scale
   # Parameters stay float32 whatever the compute dtype.
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(model_lib.init_params(bf, jax.random.key(0))))
+  params = model_lib.init_params(bf, jax.random.key(0))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
 
 
 def test_dropout_only_when_not_deterministic():
@@ -147,9 +148,10 @@ def test_every_parameter_has_logical_axes():
 def test_finetuning_heads_shapes():
   params_rng = jax.random.key(6)
   ids, mask, seg, _ = _batch()
-  for cls, kwargs, shape in ((model_lib.BertForSequenceClassification, dict(num_labels=3), (3, 3)),
-                             (model_lib.BertForSequenceClassification, dict(num_labels=1), (3, 1)),
-                             (model_lib.BertForTokenClassification, dict(num_labels=5), (3, 12, 5))):
+  heads = ((model_lib.BertForSequenceClassification, dict(num_labels=3), (3, 3)),
+           (model_lib.BertForSequenceClassification, dict(num_labels=1), (3, 1)),
+           (model_lib.BertForTokenClassification, dict(num_labels=5), (3, 12, 5)))
+  for cls, kwargs, shape in heads:
     m = cls(TINY, **kwargs)
     variables = m.init(params_rng, ids, mask, seg)
     assert m.apply(variables, ids, mask, seg).shape == shape
