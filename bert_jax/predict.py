@@ -40,8 +40,8 @@ from bert_jax import ner
 from bert_jax import tasks
 from bert_jax.errors import UserError
 
-# What --input_format may be for each kind of model; the first is what 'auto' picks (GLUE:
-# JSONL for a .jsonl file; NER: text unless the file looks like CoNLL).
+# What --input_format may be for each kind of model. 'auto' picks: GLUE: JSONL for a .jsonl
+# file, else TSV; NER: by the content (ner.sniff_format).
 FORMATS = {'glue': ('tsv', 'jsonl'), 'squad': ('squad',), 'ner': ('conll', 'text')}
 
 
