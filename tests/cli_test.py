@@ -73,7 +73,10 @@ def test_an_installed_wheel_finds_its_shipped_configs_in_any_scheme(tmp_path):
                         str(source)], check=True, capture_output=True, timeout=300)
   wheel, = (tmp_path / 'dist').glob('bert_jax-*.whl')
   prefix = tmp_path / 'prefix'
-  subprocess.run(pip + ['install', '--no-deps', '--no-index', f'--prefix={prefix}', str(wheel)],
+  # --ignore-installed: without it pip would first uninstall this environment's bert_jax (the
+  # one the other tests and the notebooks' kernels import).
+  subprocess.run(pip + ['install', '--no-deps', '--no-index', '--ignore-installed',
+                        f'--prefix={prefix}', str(wheel)],
                  check=True, capture_output=True, timeout=300)
   site_packages, = prefix.glob('lib/python*/site-packages')
   code = ('from bert_jax import cli; print(cli.__file__); print(cli.configs_dir()); '
