@@ -57,9 +57,7 @@ def fill_mask(checkpoint: str, texts: Sequence[str], top_k: int = 5, vocab_file:
     raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
                     'fine-tuned model cannot fill in masks; use a pre-trained checkpoint')
   config = config.replace(dtype='float32', scan_layers=False)
-  if 'nsp' not in params:  # A BertForMaskedLM checkpoint: its NSP output is not used here.
-    params = dict(params, nsp={'kernel': np.zeros((config.hidden_size, 2), np.float32),
-                               'bias': np.zeros(2, np.float32)})
+  params = model_lib.with_nsp_head(params, config.hidden_size)  # Its output is not used here.
   packed = [encode_masked(tok, t, config.max_position_embeddings) for t in texts]
   length = max(len(ids) for ids, _ in packed)
   num_masks = max(len(p) for _, p in packed)

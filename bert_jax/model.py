@@ -625,6 +625,15 @@ def match_layout(config: BertConfig, params: dict) -> dict:
   return unstack_layers(params, config.num_hidden_layers)
 
 
+def with_nsp_head(params: dict, hidden_size: int) -> dict:
+  """`params` with an all-zero NSP head if it has none (a BertForMaskedLM checkpoint), so that
+  BertForPreTraining applies to it; the NSP outputs are then meaningless and must not be used."""
+  if 'nsp' in params:
+    return params
+  return dict(params, nsp={'kernel': np.zeros((hidden_size, 2), np.float32),
+                           'bias': np.zeros(2, np.float32)})
+
+
 def count_params(params) -> int:
   return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
 

@@ -290,9 +290,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
       dtype=compute_dtype(m.dtype), scan_layers=m.scan_layers, remat_policy=m.remat_policy,
       attention_impl=m.attention_impl)
   use_nsp = config.data.objective != 'none' and 'nsp' in params
-  if 'nsp' not in params:  # Its outputs are not reported.
-    params = dict(params, nsp={'kernel': np.zeros((bert_config.hidden_size, 2), np.float32),
-                               'bias': np.zeros(2, np.float32)})
+  params = model_lib.with_nsp_head(params, bert_config.hidden_size)  # Not reported without.
   # The phase of the last step: a workdir's latest checkpoint, else where the run would end.
   phases = parse_phases(config)
   steps = ckpt_lib.checkpoint_steps(checkpoint) if ckpt_lib.gfile().isdir(checkpoint) else []
