@@ -22,6 +22,8 @@ from bert_jax import packing
 from bert_jax import tokenization
 from bert_jax.errors import UserError
 
+import records
+
 SPECIALS = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]']
 PAD, UNK, CLS, SEP, MASK = range(5)
 # Word pieces for whole-word masking: 'abcdef' -> ab ##cd ##ef, 'ijkl' -> ij ##kl.
@@ -386,19 +388,13 @@ def test_tfrecords(tmp_path):
   path = str(tmp_path / 'data.tfrecord')
   rng = np.random.RandomState(0)
   written = []
-  with tf.io.TFRecordWriter(path) as writer:
-    for _ in range(10):
-      f = {k: rng.randint(0, 50, 16) for k in ('input_ids', 'input_mask', 'segment_ids')}
-      f.update({k: rng.randint(0, 50, 3) for k in ('masked_lm_positions', 'masked_lm_ids')})
-      f['next_sentence_labels'] = rng.randint(0, 2, 1)
-      feature = {k: tf.train.Feature(int64_list=tf.train.Int64List(value=v))
-                 for k, v in f.items()}
-      f['masked_lm_weights'] = np.array([1.0, 1.0, 0.0], np.float32)
-      feature['masked_lm_weights'] = tf.train.Feature(
-          float_list=tf.train.FloatList(value=f['masked_lm_weights']))
-      writer.write(tf.train.Example(features=tf.train.Features(feature=feature))
-                   .SerializeToString())
-      written.append(f)
+  for _ in range(10):
+    f = {k: rng.randint(0, 50, 16) for k in ('input_ids', 'input_mask', 'segment_ids')}
+    f.update({k: rng.randint(0, 50, 3) for k in ('masked_lm_positions', 'masked_lm_ids')})
+    f['next_sentence_labels'] = rng.randint(0, 2, 1)
+    f['masked_lm_weights'] = np.array([1.0, 1.0, 0.0], np.float32)
+    written.append(f)
+  records.write_pretraining_records(path, written)
   data = defaults.pretrain().data
   data.input = str(tmp_path / '*.tfrecord')
   data.eval_input = path
@@ -682,22 +678,16 @@ def test_packed_tfrecords_keep_their_static_masks(tmp_path):
   path = str(tmp_path / 'data.tfrecord')
   rng = np.random.RandomState(1)
   written = []
-  with tf.io.TFRecordWriter(path) as writer:
-    for i in range(30):
-      length = rng.randint(5, 17)
-      f = {'input_ids': np.r_[CLS, 1000 * i + np.arange(1, length - 1), SEP,
-                              np.zeros(16 - length, int)],
-           'input_mask': np.r_[np.ones(length, int), np.zeros(16 - length, int)],
-           'segment_ids': np.zeros(16, int), 'masked_lm_positions': np.array([1, 2, 0]),
-           'masked_lm_ids': np.array([7, 8, 0]), 'next_sentence_labels': [i % 2]}
-      feature = {k: tf.train.Feature(int64_list=tf.train.Int64List(value=v))
-                 for k, v in f.items()}
-      f['masked_lm_weights'] = np.array([1.0, 1.0, 0.0], np.float32)
-      feature['masked_lm_weights'] = tf.train.Feature(
-          float_list=tf.train.FloatList(value=f['masked_lm_weights']))
-      writer.write(tf.train.Example(features=tf.train.Features(feature=feature))
-                   .SerializeToString())
-      written.append(f)
+  for i in range(30):
+    length = rng.randint(5, 17)
+    written.append({
+        'input_ids': np.r_[CLS, 1000 * i + np.arange(1, length - 1), SEP,
+                           np.zeros(16 - length, int)],
+        'input_mask': np.r_[np.ones(length, int), np.zeros(16 - length, int)],
+        'segment_ids': np.zeros(16, int), 'masked_lm_positions': np.array([1, 2, 0]),
+        'masked_lm_ids': np.array([7, 8, 0]), 'next_sentence_labels': [i % 2],
+        'masked_lm_weights': np.array([1.0, 1.0, 0.0], np.float32)})
+  records.write_pretraining_records(path, written)
   data = defaults.pretrain().data
   data.input = data.eval_input = path
   data.vocab_file = ''

@@ -31,6 +31,7 @@ from bert_jax import train
 from bert_jax import train_state
 from bert_jax.errors import UserError
 import processes
+import records
 from tolerance import assert_close
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -493,21 +494,13 @@ def test_packed_run_resumes_exactly_and_counts_real_tokens(tmp_path, vocab_file)
 
 def _write_records(path, n, seq_len, preds, seed):
   """n examples in create_pretraining_data.py's format (ids inside the 1,000-token vocab)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(seed)
-  with tf.io.TFRecordWriter(path) as writer:
-    for _ in range(n):
-      ints = dict(input_ids=rng.randint(5, 1000, seq_len), input_mask=np.ones(seq_len, int),
-                  segment_ids=(np.arange(seq_len) >= seq_len // 2).astype(int),
-                  masked_lm_positions=np.sort(rng.choice(np.arange(1, seq_len), preds, False)),
-                  masked_lm_ids=rng.randint(5, 1000, preds),
-                  next_sentence_labels=rng.randint(0, 2, 1))
-      feature = {k: tf.train.Feature(int64_list=tf.train.Int64List(value=v))
-                 for k, v in ints.items()}
-      feature['masked_lm_weights'] = tf.train.Feature(
-          float_list=tf.train.FloatList(value=np.ones(preds)))
-      writer.write(tf.train.Example(features=tf.train.Features(feature=feature))
-                   .SerializeToString())
+  records.write_pretraining_records(path, [dict(
+      input_ids=rng.randint(5, 1000, seq_len), input_mask=np.ones(seq_len, int),
+      segment_ids=(np.arange(seq_len) >= seq_len // 2).astype(int),
+      masked_lm_positions=np.sort(rng.choice(np.arange(1, seq_len), preds, False)),
+      masked_lm_ids=rng.randint(5, 1000, preds), next_sentence_labels=rng.randint(0, 2, 1),
+      masked_lm_weights=np.ones(preds)) for _ in range(n)])
 
 
 def test_tfrecord_phases_take_their_own_records(tmp_path, vocab_file):
