@@ -272,6 +272,13 @@ def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
   return nn.with_logical_constraint(x, axes)
 
 
+def _one_hot_lookup(table: Array, ids: Array, dtype) -> Array:
+  """table[ids] as one_hot(ids) @ table: exactly the rows (HIGHEST precision: no TF32), with a
+  matmul for a gradient. Out-of-range ids give zeros, never another row."""
+  one_hot = jax.nn.one_hot(ids, table.shape[0], dtype=dtype)
+  return jnp.dot(one_hot, table.astype(dtype), precision=jax.lax.Precision.HIGHEST)
+
+
 class Embeddings(nn.Module):
   """Word + learned position + token type embeddings, LayerNorm, dropout."""
   config: BertConfig
@@ -296,10 +303,18 @@ class Embeddings(nn.Module):
     if seq_len > self.config.max_position_embeddings:
       raise UserError(f'sequence length {seq_len} exceeds max_position_embeddings '
                       f'{self.config.max_position_embeddings}')
-    # Packed rows give each sequence positions from 0; otherwise the row's positions.
-    positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
-    x = (self.word_embeddings(input_ids) + self.position_embeddings(positions) +
-         self.token_type_embeddings(segment_ids))
+    # Small tables are read by one-hot matmuls rather than gathers (the original BERT does the
+    # same for token types): the same values, but the gradient of a gather is a scatter-add,
+    # and on GPUs 256 x 128 tokens adding into 2 token-type rows took 31 ms of a 154 ms
+    # BERT-base step (atomics on a few addresses; README "Performance"). Unpacked rows read the
+    # first seq_len positions, whose gradient is a sum over the batch.
+    dtype = self.config.compute_dtype
+    if position_ids is None:
+      positions = self.position_embeddings.embedding[None, :seq_len].astype(dtype)
+    else:  # Packed rows give each sequence positions from 0.
+      positions = _one_hot_lookup(self.position_embeddings.embedding, position_ids, dtype)
+    token_types = _one_hot_lookup(self.token_type_embeddings.embedding, segment_ids, dtype)
+    x = self.word_embeddings(input_ids) + positions + token_types
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     return self.dropout(self.layer_norm(x), deterministic=deterministic)
 
@@ -351,9 +366,12 @@ class EncoderLayer(nn.Module):
   """The paper's post-LN Transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x))."""
   config: BertConfig
   deterministic: bool = True
+  # Return the output a second time (a scan's per-layer outputs: the hidden states); without,
+  # a scan would still stack [layers, B, T, H] of them.
+  hidden_states: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, sequence_ids: Array) -> tuple[Array, Array]:
+  def __call__(self, x: Array, sequence_ids: Array) -> tuple[Array, Array | None]:
     c = self.config
     drop = nn.Dropout(c.hidden_dropout_prob, deterministic=self.deterministic)
     attn = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
@@ -363,7 +381,7 @@ class EncoderLayer(nn.Module):
     x = _layer_norm(c, 'output_layer_norm')(x + drop(y))
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     # Returned twice: as the scan carry and as the per-layer output (hidden states).
-    return x, x
+    return x, (x if self.hidden_states else None)
 
 
 class Encoder(nn.Module):
@@ -383,7 +401,8 @@ class Encoder(nn.Module):
                         split_rngs={'params': True, 'dropout': True},
                         in_axes=(nn.broadcast,), length=c.num_hidden_layers,
                         metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, stacked = scanned(c, deterministic, name='layers')(x, sequence_ids)
+      x, stacked = scanned(c, deterministic, return_hidden_states, name='layers')(
+          x, sequence_ids)
       hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
     else:
       hidden = []

@@ -212,3 +212,42 @@ def test_padding_rows_do_not_count_for_nsp():
   np.testing.assert_allclose(metrics['nsp_loss'][0], -(logp[0, 0] + logp[1, 1]), rtol=1e-6)
   correct = (np.argmax(nsp[:2], -1) == [0, 1]).sum()
   assert float(metrics['nsp_accuracy'][0]) == correct
+
+
+def _embeddings_by_gather(params, ids, segments, position_ids=None):
+  """The embeddings as gathers (the straightforward way), before LayerNorm."""
+  e = params['bert']['embeddings']
+  positions = (np.arange(ids.shape[1])[None] if position_ids is None else position_ids)
+  return (e['word_embeddings']['embedding'][ids] + e['position_embeddings']['embedding'][positions]
+          + e['token_type_embeddings']['embedding'][segments])
+
+
+@pytest.mark.parametrize('packed', [False, True])
+def test_embedding_lookups_match_gathers_and_scatter_only_words(packed):
+  """Token types and packed positions are read as one-hot matmuls and unpacked positions as a
+  slice: the same values and gradients as gathers, and the backward pass scatters into the
+  word embeddings only (a scatter-add into a table of 2 token types took 31 ms of a 154 ms
+  BERT-base step on an H100)."""
+  params = model_lib.init_params(TINY, jax.random.key(3))
+  ids, mask, seg, _ = _batch(seed=4)
+  position_ids = None
+  if packed:  # Two sequences in each row, positions restarting at the second.
+    position_ids = np.concatenate([np.arange(7), np.arange(5)])[None].repeat(3, 0)
+
+  def emb(p):
+    return model_lib.Embeddings(TINY).apply({'params': p['bert']['embeddings']}, ids, seg, True,
+                                            position_ids)
+
+  cot = jax.random.normal(jax.random.key(5), (3, 12, TINY.hidden_size))
+  grads = jax.grad(lambda p: jnp.sum(emb(p) * cot))(params)
+  ref_fn = lambda p: model_lib.Embeddings(TINY).apply(
+      {'params': p['bert']['embeddings']}, _embeddings_by_gather(p, ids, seg, position_ids),
+      method=lambda m, x: m.layer_norm(x))
+  ref_grads = jax.grad(lambda p: jnp.sum(ref_fn(p) * cot))(params)
+  np.testing.assert_allclose(emb(params), ref_fn(params), rtol=0, atol=1e-6)
+  for table in ('word_embeddings', 'position_embeddings', 'token_type_embeddings'):
+    np.testing.assert_allclose(grads['bert']['embeddings'][table]['embedding'],
+                               ref_grads['bert']['embeddings'][table]['embedding'],
+                               rtol=1e-5, atol=1e-6, err_msg=table)
+  hlo = jax.jit(jax.grad(lambda p: jnp.sum(emb(p) * cot))).lower(params).as_text()
+  assert hlo.count('scatter(') + hlo.count('"stablehlo.scatter"') == 1, 'one scatter: words'
