@@ -1,0 +1,726 @@
+"""BERT pre-training steps on one NVIDIA GPU: bert_jax vs transformers, one JSON file.
+
+  python benchmarks/gpu.py --output=/tmp/gpu_bench      # the whole matrix, < 9 min on an H100
+
+The matrix: BERT-base and BERT-large, 128 and 512 tokens, bf16, padded and packed rows, `xla`
+and `cudnn` attention (bert_jax), and transformers' PyTorch `BertForPreTraining` (bf16
+autocast, SDPA attention, fused AdamW) on the same padded batches. Every case reports
+sequences/s, real (non-padding) tokens/s, MFU, step time, memory, and the top ops of one
+profiled step; the attention kernels are also checked against each other on packed rows.
+
+Runs on a stock GPU image without TensorFlow, ml_collections' flag parsing or clu: batches are
+synthetic (numpy), and nothing on this path imports TensorFlow. Besides jax (CUDA), flax,
+optax, orbax-checkpoint, numpy, torch and transformers it needs the pure-Python ml_collections
+(and absl-py, PyYAML), which can be carried as wheels.
+
+How the numbers are made:
+- Rows: padded rows hold one sequence each; packed rows several (first-fit decreasing, at most
+  16 sequences and max_predictions + 8 masked-LM slots per row, as `data.packing` packs).
+  Sequence lengths are drawn so that padded rows are --padded_fill real tokens on average
+  (default: the sample corpus's, 65% at 128 tokens and 23% at 512; README "Packing"); packed,
+  those lengths fill 88% of a row of 128 tokens and 99.8% of 512 (the real pipeline on the
+  sample corpus: 99.7% and 96.2%). Real tokens/s counts the non-padding tokens of the batches
+  actually fed. Step times do not depend on the data: the shapes are fixed.
+- Dropout: hidden 0.1 (the paper's); attention dropout 0 for every case, since the fused
+  kernels have none (README "Attention"); --attention_dropout_case adds the paper's exact
+  recipe (xla, attention dropout 0.1) at base/128 to show what it costs.
+- MFU: useful model FLOPs (each real sequence at its own length, the MLM decoder at the
+  masked positions only; `flops.py`) per second over the GPU's dense bf16 peak, the same count
+  for both frameworks; `hardware_mfu` counts the FLOPs of whole rows as bert_jax computes them.
+- Timing: each case is compiled first (all of them, a few at a time), then warmed up and timed
+  in --rounds rounds of --steps steps; the step time is the median round's. The batches live on
+  the device already: this is the step, not the input pipeline.
+- Memory: bert_jax's from XLA's memory analysis of the compiled step (arguments + outputs +
+  temporaries - donated), PyTorch's from its allocator's peak.
+"""
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+PACK_MAX_SEQUENCES = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic batches (numpy only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _lengths(rng, n: int, seq_len: int, fill: float) -> np.ndarray:
+  """n sequence lengths in [8, seq_len] with mean about fill * seq_len (a scaled Beta(2, b))."""
+  b = 2.0 * (1.0 - fill) / fill
+  return np.clip(np.round(seq_len * rng.beta(2.0, b, size=n)), 8, seq_len).astype(np.int32)
+
+
+def _predictions(length: int, max_predictions: int) -> int:
+  return int(min(max_predictions, max(1, round(0.15 * (length - 3)))))
+
+
+def _fill_sequence(rng, row: dict, r: int, start: int, length: int, slot: int, pred_start: int,
+                   max_predictions: int, vocab_size: int) -> int:
+  """Writes one [CLS] A [SEP] B [SEP]-shaped sequence into row r; returns its predictions."""
+  end = start + length
+  row['input_ids'][r, start:end] = rng.randint(5, vocab_size, size=length)
+  row['input_mask'][r, start:end] = 1
+  row['segment_ids'][r, start + length // 2:end] = 1
+  n = _predictions(length, max_predictions)
+  pos = np.sort(rng.choice(np.arange(start + 1, end), n, replace=False))
+  row['masked_lm_positions'][r, pred_start:pred_start + n] = pos
+  row['masked_lm_ids'][r, pred_start:pred_start + n] = row['input_ids'][r, pos]
+  row['masked_lm_weights'][r, pred_start:pred_start + n] = 1.0
+  if 'sequence_ids' in row:
+    row['sequence_ids'][r, start:end] = slot + 1
+    row['position_ids'][r, start:end] = np.arange(length)
+    row['next_sentence_positions'][r, slot] = start
+    row['next_sentence_labels'][r, slot] = rng.randint(2)
+    row['next_sentence_weights'][r, slot] = 1.0
+  return n
+
+
+def padded_batch(rows: int, seq_len: int, max_predictions: int, vocab_size: int, fill: float,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+  """Rows of one sequence each, padded to seq_len: the paper's batches."""
+  rng = np.random.RandomState(seed)
+  z = lambda shape, dtype=np.int32: np.zeros(shape, dtype)
+  b = dict(input_ids=z((rows, seq_len)), input_mask=z((rows, seq_len)),
+           segment_ids=z((rows, seq_len)), masked_lm_positions=z((rows, max_predictions)),
+           masked_lm_ids=z((rows, max_predictions)),
+           masked_lm_weights=z((rows, max_predictions), np.float32),
+           next_sentence_labels=rng.randint(0, 2, size=rows).astype(np.int32))
+  for r, length in enumerate(_lengths(rng, rows, seq_len, fill)):
+    _fill_sequence(rng, b, r, 0, int(length), 0, 0, max_predictions, vocab_size)
+  return b
+
+
+def packed_batch(rows: int, seq_len: int, max_predictions: int, vocab_size: int, fill: float,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+  """Rows of several sequences (first-fit decreasing), the features `packing.py` makes."""
+  rng = np.random.RandomState(seed)
+  slots = min(seq_len, max_predictions + PACK_MAX_SEQUENCES // 2)
+  s = PACK_MAX_SEQUENCES
+  # Enough sequences for the rows (each row ~ all but a few tokens full), then a margin: the
+  # last rows of a window are part-full, so they are not used.
+  lengths = _lengths(rng, int(rows * seq_len / (fill * seq_len) * 1.3) + 8, seq_len, fill)
+  lengths = np.sort(lengths)[::-1]
+  used = []  # Per open row: [tokens, sequences, predictions, [lengths]].
+  for length in lengths:
+    p = _predictions(int(length), max_predictions)
+    for row in used:
+      if row[0] + length <= seq_len and row[1] < s and row[2] + p <= slots:
+        row[0] += length; row[1] += 1; row[2] += p; row[3].append(int(length))
+        break
+    else:
+      used.append([int(length), 1, p, [int(length)]])
+  if len(used) < rows + 2:
+    raise ValueError(f'packed_batch: {len(used)} rows packed, {rows} needed')
+  chosen = [used[i] for i in rng.permutation(len(used) - 2)[:rows]]
+  z = lambda shape, dtype=np.int32: np.zeros(shape, dtype)
+  b = dict(input_ids=z((rows, seq_len)), input_mask=z((rows, seq_len)),
+           segment_ids=z((rows, seq_len)), position_ids=z((rows, seq_len)),
+           sequence_ids=z((rows, seq_len)), masked_lm_positions=z((rows, slots)),
+           masked_lm_ids=z((rows, slots)), masked_lm_weights=z((rows, slots), np.float32),
+           next_sentence_positions=z((rows, s)), next_sentence_labels=z((rows, s)),
+           next_sentence_weights=z((rows, s), np.float32))
+  for r, (_, _, _, seq_lengths) in enumerate(chosen):
+    start = pred = 0
+    for slot, length in enumerate(seq_lengths):
+      pred += _fill_sequence(rng, b, r, start, length, slot, pred, max_predictions, vocab_size)
+      start += length
+  return b
+
+
+def sequence_lengths(batch: dict[str, np.ndarray]) -> list[int]:
+  """Lengths of every real sequence in a padded or packed batch."""
+  if 'sequence_ids' not in batch:
+    return [int(n) for n in batch['input_mask'].sum(1)]
+  ids = batch['sequence_ids']
+  return [int(n) for r in range(ids.shape[0]) for n in np.bincount(ids[r])[1:] if n]
+
+
+def useful_flops(bert_config, batch: dict[str, np.ndarray]) -> float:
+  """Train FLOPs of the real sequences, each at its own length (`flops.py`)."""
+  from bert_jax import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  total = 0.0
+  weights = batch['masked_lm_weights']
+  predictions = float(weights.sum())
+  lengths = sequence_lengths(batch)
+  for length in lengths:
+    total += flops_lib.train_flops_per_sequence(bert_config, length, 0)
+  # The MLM transform and decoder at each real prediction (the per-sequence count above had 0).
+  per_prediction = (flops_lib.train_flops_per_sequence(bert_config, 1, 1) -
+                    flops_lib.train_flops_per_sequence(bert_config, 1, 0))
+  return total + predictions * per_prediction
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile summary
+# ---------------------------------------------------------------------------------------------
+
+
+def summarize_trace(trace_dir: str, top: int = 12) -> dict:
+  """Top device ops and kernels by total time in a jax.profiler trace."""
+  import glob  # pylint: disable=g-import-not-at-top
+  from jax._src.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  files = sorted(glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True))
+  if not files:
+    return dict(error=f'no trace written under {trace_dir}')
+  data = ProfileData.from_file(files[-1])
+  ops, kernels, detail = {}, {}, {}
+  device_planes = [p for p in data.planes if p.name.startswith('/device:GPU')]
+  for plane in device_planes:
+    for line in plane.lines:
+      into = ops if line.name == 'XLA Ops' else kernels if line.name.startswith('Stream') \
+          else None
+      if into is None:
+        continue
+      for e in line.events:
+        t, n = into.get(e.name, (0.0, 0))
+        into[e.name] = (t + e.duration_ns, n + 1)
+        if into is ops and e.name not in detail:
+          # What the op is (its HLO text, category): op names alone say little.
+          detail[e.name] = {k: str(v)[:240] for k, v in e.stats
+                            if k in ('long_name', 'hlo_category', 'tf_op', 'source')}
+  if not device_planes:  # CPU (tests): the XLA threads' events.
+    for plane in data.planes:
+      for line in plane.lines:
+        if 'XLA' not in line.name or 'Compiler' in line.name:
+          continue
+        for e in line.events:
+          if 'ThreadpoolListener' in e.name:
+            continue
+          t, n = ops.get(e.name, (0.0, 0))
+          ops[e.name] = (t + e.duration_ns, n + 1)
+
+  def table(d):
+    total = sum(t for t, _ in d.values()) or 1.0
+    rows = sorted(d.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(total_ms=total / 1e6, top=[dict(name=k[:160], ms=t / 1e6, share=t / total,
+                                                 count=n, **detail.get(k, {}))
+                                            for k, (t, n) in rows])
+  out = dict(ops=table(ops))
+  if kernels:
+    out['kernels'] = table(kernels)
+    names = {k.lower(): t for k, (t, _) in kernels.items()}
+    total = sum(names.values()) or 1.0
+    groups = dict(
+        matmul=('gemm', 'xmma', 'cutlass', 'cublas', 'gemv', 'triton_gemm', 'wgmma'),
+        attention=('sdpa', 'flash', 'fmha', 'cudnn', 'attention'))
+    shares = {g: sum(t for k, t in names.items() if any(w in k for w in words)) / total
+              for g, words in groups.items()}
+    shares['other'] = max(0.0, 1.0 - sum(shares.values()))
+    out['kernel_time_shares'] = shares
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# bert_jax
+# ---------------------------------------------------------------------------------------------
+
+
+def _bert_jax_config(args, size: str, seq_len: int, rows: int, preds: int, packing: bool,
+                     impl: str, attention_dropout: float, scan_layers: bool):
+  from bert_jax import defaults  # pylint: disable=g-import-not-at-top
+  config = defaults.pretrain()
+  config.model.size = size
+  config.model.vocab_size = args.vocab_size
+  config.model.dtype = args.dtype
+  config.model.remat_policy = args.remat
+  config.model.scan_layers = scan_layers
+  config.model.attention_impl = impl
+  config.model.attention_probs_dropout_prob = attention_dropout
+  config.data.max_seq_length = seq_len
+  config.data.max_predictions_per_seq = preds
+  config.data.packing = packing
+  config.train.batch_size = rows
+  config.train.phases = ''
+  config.train.warmup_steps = 0
+  config.train.steps = 1000
+  config.train.decay = 'constant'
+  return config
+
+
+class JaxCase:
+  """One bert_jax case: its config, batches, and (after `lower`/`compile`) its step."""
+
+  def __init__(self, args, spec: dict):
+    self.args, self.spec = args, dict(spec)
+    self.result = dict(framework='bert_jax', **spec)
+
+  def build(self, rows: int):
+    import jax  # pylint: disable=g-import-not-at-top
+    from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+    from bert_jax import optim, sharding as sharding_lib, train as train_lib
+    from bert_jax import train_state as state_lib
+    s, a = self.spec, self.args
+    self.rows = rows
+    self.config = _bert_jax_config(a, s['size'], s['seq_len'], rows, s['max_predictions'],
+                                   s['packing'], s['attention_impl'], s['attention_dropout'],
+                                   s['scan_layers'])
+    self.bert_config = train_lib.model_config(self.config, a.vocab_size)
+    train_lib.check_attention(self.config, jax.default_backend())
+    self.mesh = sharding_lib.make_mesh(self.config.mesh)
+    self.rules = sharding_lib.rules_from_config(self.config.mesh)
+    model = model_lib.BertForPreTraining(self.bert_config)
+    tx, _ = optim.make_optimizer(self.config.train)
+    self.abstract, self.shardings, self.init = train_lib.abstract_state_and_shardings(
+        model, tx, self.mesh, self.rules)
+    self.step = train_lib.build_train_step(model, tx, self.mesh, self.rules, self.shardings,
+                                           state_lib.dropout_rng(self.config.train), 1, True)
+    make = packed_batch if s['packing'] else padded_batch
+    self.host_batches = [make(rows, s['seq_len'], s['max_predictions'], a.vocab_size,
+                              s['fill'], seed=i) for i in range(2)]
+    bsh = sharding_lib.batch_sharding(self.mesh)
+    spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh)
+            for k, v in self.host_batches[0].items()}
+    with sharding_lib.activate(self.mesh, self.rules):
+      self.lowered = self.step.jitted.lower(self.abstract, spec)
+
+  def compile(self):
+    t = time.perf_counter()
+    self.compiled = self.lowered.compile()
+    self.result['compile_seconds'] = time.perf_counter() - t
+    mem = self.compiled.memory_analysis()
+    self.bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes +
+                  mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    if self.name() in self.args.dump_hlo:
+      with open(os.path.join(self.args.output, self.name() + '.hlo.txt'), 'w') as f:
+        f.write(self.compiled.as_text())
+    self.result['memory'] = dict(
+        total_gib=self.bytes / 2**30, temporaries_gib=mem.temp_size_in_bytes / 2**30,
+        arguments_gib=mem.argument_size_in_bytes / 2**30)
+    return self
+
+  def run(self, state):
+    """Times the compiled step from `state`; returns the state it ends with."""
+    import jax  # pylint: disable=g-import-not-at-top
+    from bert_jax import flops as flops_lib, sharding as sharding_lib
+    a = self.args
+    bsh = sharding_lib.batch_sharding(self.mesh)
+    batches = [sharding_lib.make_global_batch(b, bsh) for b in self.host_batches]
+    metrics = None
+    for i in range(a.warmup):
+      state, metrics = self.compiled(state, batches[i % 2])
+    jax.block_until_ready(metrics)
+    round_times = []
+    for _ in range(a.rounds):
+      t = time.perf_counter()
+      for i in range(a.steps):
+        state, metrics = self.compiled(state, batches[i % 2])
+      jax.block_until_ready(metrics)
+      round_times.append((time.perf_counter() - t) / a.steps)
+    step = float(np.median(round_times))
+    if a.profile:
+      trace_dir = os.path.join(a.trace_dir or os.path.join(a.output, 'traces'), self.name())
+      jax.profiler.start_trace(trace_dir)
+      state, metrics = self.compiled(state, batches[0])
+      jax.block_until_ready(metrics)
+      jax.profiler.stop_trace()
+      self.result['profile'] = summarize_trace(trace_dir)
+    self.result.update(_rates(self.bert_config, self.host_batches, self.rows, step,
+                              round_times, flops_lib.peak_flops_per_device()))
+    self.result.update(rows=self.rows, loss=float(metrics['loss']),
+                       device=jax.devices()[0].device_kind)
+    return state
+
+  def name(self) -> str:
+    s = self.spec
+    return (f"{s['size']}_{s['seq_len']}_{'packed' if s['packing'] else 'padded'}_"
+            f"{s['attention_impl']}" + ('_attndrop' if s['attention_dropout'] else '') +
+            ('' if s['scan_layers'] else '_unscanned'))
+
+
+def _rates(bert_config, host_batches, rows, step, round_times, peak) -> dict:
+  from bert_jax import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  b = host_batches[0]
+  seq_len = b['input_ids'].shape[1]
+  real = float(np.mean([hb['input_mask'].sum() for hb in host_batches]))
+  sequences = float(np.mean([len(sequence_lengths(hb)) for hb in host_batches]))
+  useful = float(np.mean([useful_flops(bert_config, hb) for hb in host_batches]))
+  hardware = rows * flops_lib.train_flops_per_sequence(bert_config, seq_len,
+                                                       b['masked_lm_positions'].shape[1])
+  return dict(step_seconds=step, step_seconds_rounds=round_times,
+              rows_per_second=rows / step, sequences_per_second=sequences / step,
+              real_tokens_per_second=real / step, real_token_fraction=real / (rows * seq_len),
+              sequences_per_row=sequences / rows,
+              useful_tflops_per_second=useful / step / 1e12,
+              mfu=useful / step / peak if peak else None,
+              hardware_mfu=hardware / step / peak if peak else None)
+
+
+def run_bert_jax(args, specs: list[dict], deadline: float, log, save) -> list[dict]:
+  import jax  # pylint: disable=g-import-not-at-top
+  from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  limit = _device_bytes(jax)
+  cases = [JaxCase(args, s) for s in specs]
+  results = []
+  # Lower in this thread (tracing holds the GIL), compile a few at a time (XLA releases it).
+  with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
+    futures = []
+    for c in cases:
+      try:
+        c.build(c.spec['rows'])
+        futures.append(pool.submit(c.compile))
+      except Exception as e:  # pylint: disable=broad-except
+        c.result['error'] = _error(e)
+        futures.append(None)
+    for c, f in zip(cases, futures):
+      if f is None:
+        continue
+      try:
+        f.result(timeout=max(1.0, deadline - time.time()))
+      except concurrent.futures.TimeoutError:
+        c.result['skipped'] = 'time budget (--time_budget_s) spent while compiling'
+        f.cancel()
+      except Exception as e:  # pylint: disable=broad-except
+        c.result['error'] = _error(e)
+  log(f'compiled {len(cases)} bert_jax cases')
+  state, state_size = None, None  # One state per model layout, reused by its cases.
+  for c in cases:
+    if 'error' in c.result or 'skipped' in c.result:
+      results.append(c.result)
+      continue
+    if time.time() > deadline:
+      results.append(dict(c.result, skipped='time budget (--time_budget_s) spent'))
+      continue
+    try:
+      # Too big for the GPU: halve the rows until it fits (recompiling), as a user would.
+      while limit and c.bytes > 0.95 * limit and c.rows > 8:
+        c.result.setdefault('halved_from_rows', c.rows)
+        c.build(c.rows // 2)
+        c.compile()
+      if state_size != (c.spec['size'], c.spec['scan_layers']):
+        state = None
+        with sharding_lib.activate(c.mesh, c.rules):
+          state = jax.jit(c.init, out_shardings=c.shardings)(jax.random.key(0))
+        state_size = (c.spec['size'], c.spec['scan_layers'])
+      state = c.run(state)
+    except Exception as e:  # pylint: disable=broad-except
+      c.result['error'] = _error(e)
+      state, state_size = None, None
+    results.append(c.result)
+    log(_line(c.result))
+    save(results)
+    c.lowered = c.compiled = None
+  return results
+
+
+def _device_bytes(jax) -> int | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get('bytes_limit')
+
+
+def _error(e: Exception) -> str:
+  return f'{type(e).__name__}: ' + (str(e).strip().splitlines() or [''])[0][:400]
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers (PyTorch), in a child process so that neither framework holds the other's memory
+# ---------------------------------------------------------------------------------------------
+
+
+def run_torch_cases(args, specs: list[dict]) -> list[dict]:
+  """transformers' BertForPreTraining on the padded batches: bf16 autocast, SDPA, fused AdamW."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  device = 'cuda' if torch.cuda.is_available() else 'cpu'
+  results = []
+  for s in specs:
+    r = dict(framework='transformers', torch=torch.__version__,
+             transformers=transformers.__version__, **s)
+    try:
+      bert_config = model_lib.config_for_size(s['size'], vocab_size=args.vocab_size,
+                                              attention_probs_dropout_prob=0.0)
+      hf = transformers.BertConfig(**bert_config.to_original_dict(), attn_implementation='sdpa')
+      model = transformers.BertForPreTraining(hf).to(device).train()
+      no_decay = lambda n: n.endswith('bias') or 'LayerNorm' in n
+      groups = [{'params': [p for n, p in model.named_parameters() if not no_decay(n)],
+                 'weight_decay': 0.01},
+                {'params': [p for n, p in model.named_parameters() if no_decay(n)],
+                 'weight_decay': 0.0}]
+      opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.999), eps=1e-6,
+                              fused=device == 'cuda')
+      host = [padded_batch(s['rows'], s['seq_len'], s['max_predictions'], args.vocab_size,
+                           s['fill'], seed=i) for i in range(2)]
+      inputs = [_torch_inputs(torch, b, device) for b in host]
+
+      def step(i):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=args.dtype != 'float32'):
+          loss = model(**inputs[i % 2]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+      sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
+      for i in range(args.warmup):
+        loss = step(i)
+      sync()
+      if device == 'cuda':
+        torch.cuda.reset_peak_memory_stats()
+      round_times = []
+      for _ in range(args.rounds):
+        t = time.perf_counter()
+        for i in range(args.steps):
+          loss = step(i)
+        sync()
+        round_times.append((time.perf_counter() - t) / args.steps)
+      step_s = float(np.median(round_times))
+      if args.profile:
+        r['profile'] = _torch_profile(torch, step, device)
+      peak = _peak_flops_torch(torch, device)
+      r.update(_rates(bert_config, host, s['rows'], step_s, round_times, peak))
+      r.update(rows=s['rows'], loss=float(loss), device=torch.cuda.get_device_name()
+               if device == 'cuda' else 'cpu')
+      if device == 'cuda':
+        r['memory'] = dict(total_gib=torch.cuda.max_memory_allocated() / 2**30)
+      # Hardware FLOPs of HF's model: the MLM decoder runs at every position, not the masked.
+      del model, opt
+      if device == 'cuda':
+        torch.cuda.empty_cache()
+    except Exception as e:  # pylint: disable=broad-except
+      r['error'] = _error(e)
+    results.append(r)
+    print(json.dumps(r), flush=True)
+  return results
+
+
+def _torch_inputs(torch, b, device):
+  labels = np.full(b['input_ids'].shape, -100, np.int64)
+  for r in range(labels.shape[0]):
+    w = b['masked_lm_weights'][r] > 0
+    labels[r, b['masked_lm_positions'][r][w]] = b['masked_lm_ids'][r][w]
+  t = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype, device=device)
+  return dict(input_ids=t(b['input_ids']), attention_mask=t(b['input_mask']),
+              token_type_ids=t(b['segment_ids']), labels=t(labels),
+              next_sentence_label=t(b['next_sentence_labels']))
+
+
+def _torch_profile(torch, step, device, top: int = 12) -> dict:
+  activities = [torch.profiler.ProfilerActivity.CPU]
+  if device == 'cuda':
+    activities.append(torch.profiler.ProfilerActivity.CUDA)
+  with torch.profiler.profile(activities=activities) as prof:
+    step(0)
+    if device == 'cuda':
+      torch.cuda.synchronize()
+  key = 'device_time_total' if device == 'cuda' else 'cpu_time_total'
+  events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+  if device == 'cuda':  # Kernels only: operators' device time double-counts their kernels.
+    events = [e for e in events if getattr(e, 'device_type', None) ==
+              torch.autograd.DeviceType.CUDA] or events
+  total = sum(getattr(e, key) for e in events) or 1.0
+  events.sort(key=lambda e: -getattr(e, key))
+  return dict(kernels=dict(total_ms=total / 1e3, top=[
+      dict(name=e.key[:160], ms=getattr(e, key) / 1e3, share=getattr(e, key) / total,
+           count=e.count) for e in events[:top]]))
+
+
+def _peak_flops_torch(torch, device) -> float | None:
+  from bert_jax import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  if device != 'cuda':
+    return None
+  kind = torch.cuda.get_device_name().lower()
+  return next((p for k, p in flops_lib.PEAK_FLOPS if k in kind), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention kernels against each other
+# ---------------------------------------------------------------------------------------------
+
+
+def check_attention(args) -> dict:
+  """cudnn vs xla on packed rows (bf16): outputs and q/k/v gradients at real tokens, relative
+  to a float32 xla reference."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from bert_jax import attention  # pylint: disable=g-import-not-at-top
+  impls = ['xla'] + (['cudnn'] if jax.default_backend() == 'gpu' else [])
+  out = {}
+  for seq_len in args.seq_lens:
+    b = packed_batch(8, seq_len, 20, 100, args.fill[seq_len], seed=7)
+    ids = jnp.asarray(b['sequence_ids'])
+    real = (ids > 0)[:, :, None, None]
+    rng = np.random.RandomState(seq_len)
+    q, k, v, g = (jnp.asarray(rng.randn(8, seq_len, 12, 64).astype(np.float32))
+                  for _ in range(4))
+
+    def f(q, k, v, impl, dtype):
+      o = attention.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype),
+                                          ids, impl=impl)
+      return jnp.sum(jnp.where(real, o.astype(jnp.float32) * g, 0.0)), o
+
+    ref_grad, ref_out = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v, 'xla',
+                                                                     jnp.float32)
+    rel = lambda x, y: float(jnp.linalg.norm(jnp.where(real, x - y, 0)) /
+                             jnp.linalg.norm(jnp.where(real, y, 0)))
+    for impl in impls:
+      grads, o = jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True),
+                         static_argnums=(3, 4))(q, k, v, impl, jnp.bfloat16)
+      out[f'{impl}_{seq_len}'] = dict(
+          output_rel_error=rel(o.astype(jnp.float32), ref_out),
+          grad_rel_error=max(rel(a.astype(jnp.float32), r) for a, r in zip(grads, ref_grad)),
+          finite=bool(jnp.all(jnp.isfinite(o.astype(jnp.float32)))))
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+
+def _line(r: dict) -> str:
+  if 'error' in r or 'skipped' in r:
+    return f"{_case(r)}: {r.get('error') or r.get('skipped')}"
+  mem = r.get('memory', {}).get('total_gib')
+  return (f"{_case(r)}: {r['step_seconds'] * 1e3:7.1f} ms/step  {r['rows']:4d} rows  "
+          f"{r['sequences_per_second']:8.0f} seq/s  {r['real_tokens_per_second']:9.0f} real "
+          f"tok/s  MFU {(r['mfu'] or 0):.1%}  " + (f'{mem:.1f} GiB' if mem else ''))
+
+
+def _case(r: dict) -> str:
+  return (f"{r['framework']:12s} {r['size']:5s} {r['seq_len']:4d} "
+          f"{'packed' if r['packing'] else 'padded'} {r['attention_impl']:6s}"
+          + (' attn-dropout' if r.get('attention_dropout') else '')
+          + (' unscanned' if r.get('scan_layers') is False else ''))
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--output', required=True, help='folder for gpu_benchmark.json (and traces)')
+  p.add_argument('--sizes', default='base,large')
+  p.add_argument('--seq_lens', default='128,512')
+  p.add_argument('--rows', default='128:256,512:64',
+                 help='batch rows per sequence length (halved while a step does not fit)')
+  p.add_argument('--predictions', default='128:20,512:80', help='max_predictions_per_seq')
+  p.add_argument('--padded_fill', default='128:0.65,512:0.23',
+                 help='mean real-token share of a padded row (sample corpus: README Packing)')
+  p.add_argument('--attention', default='xla,cudnn')
+  p.add_argument('--packing', default='false,true')
+  p.add_argument('--frameworks', default='bert_jax,transformers')
+  p.add_argument('--attention_dropout_case', action=argparse.BooleanOptionalAction,
+                 default=True)
+  p.add_argument('--vocab_size', type=int, default=30522)
+  p.add_argument('--dtype', default='bfloat16')
+  p.add_argument('--remat', default='none', choices=['none', 'full', 'dots'])
+  p.add_argument('--scan_layers', default='true',
+                 help='model.scan_layers: true, false or both (true,false)')
+  p.add_argument('--dump_hlo', default='',
+                 help="write the optimized HLO of these cases (names as in the traces, "
+                      "comma separated) to OUTPUT/NAME.hlo.txt")
+  p.add_argument('--warmup', type=int, default=3)
+  p.add_argument('--steps', type=int, default=10)
+  p.add_argument('--rounds', type=int, default=3)
+  p.add_argument('--attention_check', action=argparse.BooleanOptionalAction, default=True,
+                 help='cudnn against xla on packed rows before the cases')
+  p.add_argument('--profile', action=argparse.BooleanOptionalAction, default=True)
+  p.add_argument('--trace_dir', default='', help='where profiles go; default OUTPUT/traces')
+  p.add_argument('--compile_workers', type=int, default=4)
+  p.add_argument('--time_budget_s', type=float, default=500,
+                 help='cases not started by then are skipped (and listed as such)')
+  p.add_argument('--torch_worker', default='', help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  pairs = lambda s, cast: {int(k): cast(v) for k, v in (x.split(':') for x in s.split(','))}
+  args.sizes = [x for x in args.sizes.split(',') if x]
+  args.seq_lens = [int(x) for x in args.seq_lens.split(',')]
+  args.rows, args.predictions = pairs(args.rows, int), pairs(args.predictions, int)
+  args.fill = pairs(args.padded_fill, float)
+  args.attention = args.attention.split(',')
+  args.packing = [x.lower() == 'true' for x in args.packing.split(',')]
+  args.scan_layers = [x.lower() == 'true' for x in args.scan_layers.split(',')]
+  args.dump_hlo = [x for x in args.dump_hlo.split(',') if x]
+  args.frameworks = args.frameworks.split(',')
+  return args
+
+
+def case_specs(args) -> tuple[list[dict], list[dict]]:
+  jax_specs, torch_specs = [], []
+  for size in args.sizes:
+    for seq_len in args.seq_lens:
+      base = dict(size=size, seq_len=seq_len, rows=args.rows[seq_len],
+                  max_predictions=args.predictions[seq_len], fill=args.fill[seq_len],
+                  attention_dropout=0.0)
+      for scan in args.scan_layers:
+        for packing in args.packing:
+          for impl in args.attention:
+            jax_specs.append(dict(base, packing=packing, attention_impl=impl, scan_layers=scan))
+      if args.attention_dropout_case and size == args.sizes[0] and seq_len == args.seq_lens[0]:
+        jax_specs.append(dict(base, packing=False, attention_impl='xla', attention_dropout=0.1,
+                              scan_layers=args.scan_layers[0]))
+      torch_specs.append(dict(base, packing=False, attention_impl='sdpa'))
+  return jax_specs, torch_specs
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.torch_worker:
+    run_torch_cases(args, json.loads(args.torch_worker))
+    return
+  # JAX takes 75% of the GPU's memory by default; a benchmark that fills the GPU wants more.
+  os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.92')
+  start = time.time()
+  deadline = start + args.time_budget_s
+  os.makedirs(args.output, exist_ok=True)
+  log = lambda msg: print(f'[{time.time() - start:6.1f} s] {msg}', flush=True)
+  jax_specs, torch_specs = case_specs(args)
+  report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+                command=' '.join([os.path.basename(sys.executable)] + sys.argv),
+                settings={k: v for k, v in vars(args).items() if k != 'torch_worker'},
+                results=[])
+  results = report['results']
+
+  def save(rep):
+    path = os.path.join(args.output, 'gpu_benchmark.json')
+    with open(path + '.tmp', 'w') as f:
+      json.dump(rep, f, indent=1)
+    os.replace(path + '.tmp', path)
+    return path
+  if 'transformers' in args.frameworks:
+    # First, before this process's JAX takes the GPU's memory.
+    cmd = [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]),
+           '--torch_worker', json.dumps(torch_specs)]
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                            timeout=args.time_budget_s * 0.35)
+      stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+      stdout, stderr, code = e.stdout or '', e.stderr or '', 'timeout'
+      stdout, stderr = [x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr)]
+    lines = [json.loads(x) for x in stdout.splitlines() if x.startswith('{')]
+    if code or len(lines) != len(torch_specs):
+      results.append(dict(framework='transformers', error=f'worker exit {code}: '
+                          + stderr.strip()[-2000:]))
+    results.extend(lines)
+    for r in lines:
+      log(_line(r))
+  if 'bert_jax' in args.frameworks:
+    import jax  # pylint: disable=g-import-not-at-top
+    report.update(jax=jax.__version__, backend=jax.default_backend(),
+                  device=jax.devices()[0].device_kind)
+    try:
+      if args.attention_check:
+        report['attention_check'] = check_attention(args)
+        log(f"attention check: {json.dumps(report['attention_check'])}")
+    except Exception as e:  # pylint: disable=broad-except
+      report['attention_check'] = dict(error=_error(e))
+    done = list(results)
+    # Written after every case, so that a run stopped from outside keeps what it measured.
+    results.extend(run_bert_jax(args, jax_specs, deadline, log,
+                                lambda rs: save(dict(report, results=done + rs))))
+  report['seconds'] = time.time() - start
+  path = save(report)
+  print('\n'.join(['', f'{path} ({report["seconds"]:.0f} s):'] + [_line(r) for r in results]))
+
+
+if __name__ == '__main__':
+  main()
