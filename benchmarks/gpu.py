@@ -613,7 +613,7 @@ def parse_args(argv=None):
   p.add_argument('--vocab_size', type=int, default=30522)
   p.add_argument('--dtype', default='bfloat16')
   p.add_argument('--remat', default='none', choices=['none', 'full', 'dots'])
-  p.add_argument('--scan_layers', default='true',
+  p.add_argument('--scan_layers', default='false',
                  help='model.scan_layers: true, false or both (true,false)')
   p.add_argument('--dump_hlo', default='',
                  help="write the optimized HLO of these cases (names as in the traces, "
@@ -625,7 +625,7 @@ def parse_args(argv=None):
                  help='cudnn against xla on packed rows before the cases')
   p.add_argument('--profile', action=argparse.BooleanOptionalAction, default=True)
   p.add_argument('--trace_dir', default='', help='where profiles go; default OUTPUT/traces')
-  p.add_argument('--compile_workers', type=int, default=4)
+  p.add_argument('--compile_workers', type=int, default=8)
   p.add_argument('--time_budget_s', type=float, default=500,
                  help='cases not started by then are skipped (and listed as such)')
   p.add_argument('--torch_worker', default='', help=argparse.SUPPRESS)

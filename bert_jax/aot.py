@@ -1,15 +1,23 @@
-"""Ahead-of-time compilation of the train step for a Cloud TPU slice, on any machine.
+"""Ahead-of-time compilation of the train step for a Cloud TPU slice or NVIDIA GPUs, anywhere.
 
 `bert-jax compile --config=configs/bert_large.py --topology=v5e:16x16` lowers and compiles the
 exact sharded train step of `train.py` against libtpu's description of the slice, then reports
 per-chip memory against HBM and a roofline bound on the step time from XLA's cost analysis.
+`--topology=h100:8` (h100, h200, a100, b200; `:N` GPUs on one host, `:HxN` on H hosts) does the
+same for NVIDIA GPUs without one: XLA compiles for a description of the GPU (`_gpu_target`)
+from a CPU-only machine, given the CUDA compiler wheels of the `gpu_aot` extra. The fused
+attention kernel follows the target (`attention.lowering_for`), so `model.attention_impl=cudnn`
+compiles from a CPU host and its cuDNN calls appear in the program.
 
-Two caveats of XLA's numbers are handled here: `optimal_seconds` is not usable (it comes back
-negative), so the bound is computed from FLOPs and bytes; and the cost analysis counts the body
-of a `lax.scan` once, so when the config scans its layers the costs come from a second compile
-with the layers unrolled (same math, exact counts).
+Caveats of XLA's numbers, handled here: `optimal_seconds` is not usable (it comes back
+negative), so the bound is computed from FLOPs and bytes; the cost analysis counts the body of
+a `lax.scan` once, so when the config scans its layers the costs come from a second compile with
+the layers unrolled (same math, exact counts); it does not see into fused kernels (cuDNN,
+Pallas), whose analytic FLOPs are added; and for GPU targets `cost_analysis()` is empty, so
+the compiled module is costed by XLA's HLO cost analysis on the host.
 """
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -19,6 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 from jax.experimental import topologies
 
+from bert_jax import attention
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
 from bert_jax import optim
@@ -32,14 +41,75 @@ _GENERATIONS = {'v4': ('v4', 'v4'), 'v5e': ('v5e', 'v5e'), 'v5litepod': ('v5e', 
                 'v5p': ('v5p', 'v5p'), 'v6e': ('v6e', 'v6e')}
 
 
-def parse_topology(name: str) -> tuple[str, str]:
-  """'v5e:16x16' -> ('v5e:16x16', 'v5e'); errors name the flag."""
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What `--topology` names: a TPU slice or a set of NVIDIA GPUs."""
+  platform: str      # 'tpu' or 'gpu' (attention.check_config's names).
+  chip: str          # Key of flops.TPU_CHIPS or flops.GPU_CHIPS.
+  topology: str      # The name jax.experimental.topologies takes.
+
+
+def parse_topology(name: str) -> Target:
+  """'v5e:16x16' -> a TPU slice; 'h100', 'h100:8', 'h100:2x8' -> 1, 8, 2 hosts x 8 GPUs."""
   gen, sep, shape = name.partition(':')
-  if not sep or gen not in _GENERATIONS or not all(p.isdigit() for p in shape.split('x')):
-    raise UserError(f'--topology={name!r}: expected GENERATION:SHAPE such as v5e:16x16, '
-                    f'v4:2x2x4, v5p:4x4x4 or v6e:8x8 (generations: {sorted(_GENERATIONS)})')
+  dims = shape.split('x') if sep else []
+  if gen in flops_lib.GPU_CHIPS:
+    if dims and (len(dims) > 2 or not all(d.isdigit() and int(d) > 0 for d in dims)):
+      raise UserError(f'--topology={name!r}: expected {gen}, {gen}:GPUS or {gen}:HOSTSxGPUS '
+                      f'(e.g. {gen}:8 or {gen}:2x8)')
+    hosts, gpus = ([1] + [int(d) for d in dims])[-2:] if dims else (1, 1)
+    return Target('gpu', gen, f'1x{hosts}x{gpus}')
+  if not sep or gen not in _GENERATIONS or not all(p.isdigit() for p in dims):
+    raise UserError(f'--topology={name!r}: expected a TPU slice GENERATION:SHAPE such as '
+                    f'v5e:16x16, v4:2x2x4, v5p:4x4x4 or v6e:8x8 (generations: '
+                    f'{sorted(_GENERATIONS)}), or NVIDIA GPUs such as h100, h100:8 or h100:2x8 '
+                    f'(GPUs: {sorted(flops_lib.GPU_CHIPS)})')
   prefix, chip = _GENERATIONS[gen]
-  return f'{prefix}:{shape}', chip
+  return Target('tpu', chip, f'{prefix}:{shape}')
+
+
+def _gpu_target(chip: str) -> str:
+  """XLA's description of an NVIDIA GPU (a stream_executor.GpuTargetConfigProto, text): what
+  it compiles for when no GPU is present."""
+  c = flops_lib.GPU_CHIPS[chip]
+  major, minor = c['compute_capability']
+  return '\n'.join([
+      'gpu_device_info {',
+      '  threads_per_block_limit: 1024', '  threads_per_warp: 32',
+      '  shared_memory_per_block: 49152',
+      f"  shared_memory_per_core: {c['shared_memory_per_core']}",
+      '  threads_per_core_limit: 2048', f"  core_count: {c['cores']}",
+      f"  fpus_per_core: {c['fpus_per_core']}",
+      '  block_dim_limit_x: 2147483647', '  block_dim_limit_y: 65535',
+      '  block_dim_limit_z: 65535',
+      f"  memory_bandwidth: {int(c['hbm_bandwidth'])}", f"  l2_cache_size: {c['l2_bytes']}",
+      f"  clock_rate_ghz: {c['clock_ghz']}", f"  device_memory_size: {c['hbm_bytes']}",
+      f"  shared_memory_per_block_optin: {c['shared_memory_per_block_optin']}",
+      f'  cuda_compute_capability {{ major: {major} minor: {minor} }}',
+      '  registers_per_core_limit: 65536', '  registers_per_block_limit: 65536',
+      '}',
+      'platform_name: "CUDA"',
+      # The cuDNN the compiled program will meet; 9.x has the fused attention kernels.
+      'dnn_version_info { major: 9 minor: 8 patch: 0 }',
+      f"device_description_str: \"{c['name']}\"",
+  ])
+
+
+def _devices(target: Target) -> list:
+  if target.platform == 'tpu':
+    # Only compiling, never running: other processes with libtpu loaded (tests, a second
+    # compile) are no contention, so skip libtpu's one-process lock.
+    os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+    return topologies.get_topology_desc(platform='tpu', topology_name=target.topology).devices
+  try:
+    return topologies.get_topology_desc(platform='cuda', target_config=_gpu_target(target.chip),
+                                        topology=target.topology).devices
+  except Exception as e:  # pylint: disable=broad-except
+    if 'cuda' not in str(e).lower() and 'not found' not in str(e).lower():
+      raise
+    raise UserError('compiling for NVIDIA GPUs needs the CUDA compiler of the gpu_aot extra: '
+                    "pip install 'bert_jax[gpu_aot]' (JAX's CUDA plugin, ptxas, cuDNN; no GPU "
+                    f'or driver needed); JAX said: {str(e).splitlines()[0][:200]}') from None
 
 
 def _row_predictions(config: ml_collections.ConfigDict, seq_len: int, preds: int) -> int:
@@ -86,33 +156,49 @@ def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfi
                                     config.train.grad_accum_steps,
                                     config.data.objective != 'none')
   batch = _abstract_batch(config, seq_len, preds, sharding_lib.batch_sharding(mesh))
-  with sharding_lib.activate(mesh, rules):
+  platform = 'gpu' if devices[0].platform in ('gpu', 'cuda') else devices[0].platform
+  with sharding_lib.activate(mesh, rules), attention.lowering_for(platform):
     lowered = step.jitted.lower(abstract, batch)
   return lowered.compile(), model_lib.count_params(abstract.params)
+
+
+def _cost(compiled, platform: str) -> dict[str, float]:
+  """XLA's cost analysis of the compiled program of one device."""
+  if platform == 'gpu':
+    # Empty for a GPU target compiled without one: cost the optimized module on the host.
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+    module = compiled.runtime_executable().hlo_modules()[0]
+    return _jax.hlo_module_cost_analysis(xla_bridge.get_backend('cpu'), module)
+  cost = compiled.cost_analysis()
+  return cost[0] if isinstance(cost, (list, tuple)) else cost
 
 
 def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                          vocab_size: int = 30522) -> list[dict[str, Any]]:
   """Compiles the train step of every phase of `config` for `topology`; one report each."""
-  topo_name, chip = parse_topology(topology)
-  # Only compiling, never running: other processes with libtpu loaded (tests, a second
-  # compile) are no contention, so skip libtpu's one-process lock.
-  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
-  devices = topologies.get_topology_desc(platform='tpu', topology_name=topo_name).devices
-  # Some descriptions (v4) list each TensorCore of a chip as a device: split the chip's HBM,
-  # bandwidth and peak between them.
-  chips = len({tuple(getattr(d, 'coords', (i,))) for i, d in enumerate(devices)})
-  per_chip = len(devices) // max(chips, 1)
-  hw = {k: v / per_chip for k, v in flops_lib.TPU_CHIPS[chip].items()}
+  target = parse_topology(topology)
+  chip = target.chip
+  train_lib.check_attention(config, target.platform)
+  devices = _devices(target)
+  if target.platform == 'gpu':
+    hw = {k: flops_lib.GPU_CHIPS[chip][k] for k in ('peak_flops', 'hbm_bytes', 'hbm_bandwidth')}
+    chips = len(devices)
+  else:
+    # Some descriptions (v4) list each TensorCore of a chip as a device: split the chip's HBM,
+    # bandwidth and peak between them.
+    chips = len({tuple(getattr(d, 'coords', (i,))) for i, d in enumerate(devices)})
+    per_chip = len(devices) // max(chips, 1)
+    hw = {k: v / per_chip for k, v in flops_lib.TPU_CHIPS[chip].items()}
   dtype = 'bfloat16' if config.model.dtype == 'auto' else config.model.dtype
-  train_lib.check_attention(config, 'tpu')
   bert_config = train_lib.model_config(config, config.model.vocab_size or vocab_size)
   bert_config = bert_config.replace(dtype=dtype)
   reports = []
   mesh_sizes = dict(zip(sharding_lib.MESH_AXES,
                         sharding_lib.mesh_shape(config.mesh, len(devices))))
   for phase in train_lib.parse_phases(config):
-    header = dict(topology=topology, chips=chips, devices=len(devices), chip=chip,
+    header = dict(topology=topology, platform=target.platform, chips=chips,
+                  devices=len(devices), chip=chip,
                   model=config.model.size, dtype=dtype, batch_size=config.train.batch_size,
                   seq_len=phase.seq_len, max_predictions=phase.max_predictions,
                   mesh=mesh_sizes, attention_impl=bert_config.attention_impl)
@@ -132,8 +218,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                            phase.seq_len, phase.max_predictions)
     else:
       costed = compiled
-    cost = costed.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    cost = _cost(costed, target.platform)
     n = len(devices)
     xla_flops = float(cost['flops'])  # The partitioned program of one device.
     xla_bytes = float(cost.get('bytes accessed', 0.0))
@@ -142,9 +227,17 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
         _row_predictions(config, phase.seq_len, phase.max_predictions)) * config.train.batch_size
     per_chip_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes +
                       mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    text = costed.as_text()
     # XLA's cost analysis does not see inside a Pallas kernel (splash attention): the bound
     # then counts at least the analytic FLOPs, so that it stays a lower bound.
-    pallas_calls = costed.as_text().count('custom_call_target="tpu_custom_call"')
+    pallas_calls = text.count('custom_call_target="tpu_custom_call"')
+    # Nor inside cuDNN's fused attention, whose calls it counts as 0 FLOPs: theirs are added.
+    cudnn_calls = {'forward': text.count('custom_call_target="__cudnn$fmhaScaleBiasSoftmax"'),
+                   'backward': text.count(
+                       'custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward"')}
+    if cudnn_calls['forward']:
+      xla_flops += flops_lib.attention_flops_per_sequence(
+          bert_config, phase.seq_len) * config.train.batch_size / n
     t_compute = max(xla_flops, analytic / n) / hw['peak_flops']
     t_memory = xla_bytes / hw['hbm_bandwidth']
     t_bound = max(t_compute, t_memory)
@@ -163,7 +256,9 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                     fits=per_chip_bytes <= hw['hbm_bytes']),
         flops=dict(xla_per_chip=xla_flops, xla_total=xla_flops * n, analytic_total=analytic,
                    xla_over_analytic=xla_flops * n / analytic,
-                   counted_unrolled=bert_config.scan_layers, pallas_kernel_calls=pallas_calls),
+                   counted_unrolled=bert_config.scan_layers, pallas_kernel_calls=pallas_calls,
+                   cudnn_attention_calls=cudnn_calls,
+                   cudnn_attention_flops_added=bool(cudnn_calls['forward'])),
         bytes_accessed_per_chip=xla_bytes,
         roofline_bound=dict(
             note='a lower bound on step time: max(FLOPs / peak, bytes / HBM bandwidth)',
@@ -177,8 +272,9 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
 
 def format_report(report: dict[str, Any]) -> str:
   m = report['memory']
-  title = (f"{report['model']} on {report['topology']} ({report['chips']} chips, "
-           f"{report['devices']} devices), batch {report['batch_size']} x "
+  where = (f"{report['chips']} GPUs" if report.get('platform') == 'gpu' else
+           f"{report['chips']} chips, {report['devices']} devices")
+  title = (f"{report['model']} on {report['topology']} ({where}), batch {report['batch_size']} x "
            f"{report['seq_len']} tokens, {report['dtype']}, mesh {report['mesh']}, "
            f"{report['attention_impl']} attention")
   if 'error' in m:
@@ -194,13 +290,19 @@ def format_report(report: dict[str, Any]) -> str:
   return '\n'.join([
       title,
       f"  memory per device: {m['total_gib']:.2f} GiB of {m['hbm_gib']:.0f} GiB HBM "
-      f"({'fits' if m['fits'] else 'DOES NOT FIT'}): arguments {m['arguments_gib']:.2f}, "
+      f"({'fits' if m['fits'] else 'DOES NOT FIT'}"
+      + ('' if report.get('platform') != 'gpu' else
+         "; JAX takes 75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more")
+      + f"): arguments {m['arguments_gib']:.2f}, "
       f"outputs {m['outputs_gib']:.2f}, temporaries {m['temporaries_gib']:.2f}, "
       f"donated {m['aliased_gib']:.2f}",
       f"  FLOPs per step: XLA {f['xla_total']:.4g}, analytic {f['analytic_total']:.4g} "
       f"(ratio {f['xla_over_analytic']:.3f}"
       + (f"; {f['pallas_kernel_calls']} Pallas kernel calls XLA cannot count inside"
-         if f['pallas_kernel_calls'] else '') + ')',
+         if f['pallas_kernel_calls'] else '')
+      + ("; cuDNN attention: {forward} forward and {backward} backward calls, their analytic "
+         'FLOPs added'.format(**f['cudnn_attention_calls'])
+         if f.get('cudnn_attention_flops_added') else '') + ')',
       f"  roofline bound (not a measurement): step >= {r['step_seconds'] * 1e3:.1f} ms "
       f"(compute {r['compute_seconds'] * 1e3:.1f} ms, memory {r['memory_seconds'] * 1e3:.1f} "
       f"ms), <= {r['sequences_per_second']:.0f} {rows}, "

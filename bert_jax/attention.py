@@ -26,8 +26,10 @@ and splash has none. Training with one of them therefore needs
 for a fused kernel with attention dropout is an error, never a silent fall back to xla.
 """
 
+import contextlib
+import contextvars
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -50,6 +52,27 @@ _NO_DROPOUT = ("the fused {impl} kernel applies no attention dropout in JAX (the
                "seed at compile time, so the same mask would repeat every step). Train with "
                "--config.model.attention_probs_dropout_prob=0 (as RoBERTa-era recipes and "
                "MosaicBERT do) to use it, or keep model.attention_impl='xla'")
+
+
+# The platform a program is being lowered for when that is not this process's backend: an
+# ahead-of-time compile for GPUs from a CPU host (`aot.py`). The fused kernel follows the target.
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    'bert_jax_attention_target_platform', default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str) -> Iterator[None]:
+  """Within it, attention is traced for `platform` ('gpu', 'tpu') whatever the backend."""
+  token = _TARGET_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+
+
+def target_platform() -> str:
+  """The platform being lowered for: `lowering_for`'s, else this process's backend."""
+  return _TARGET_PLATFORM.get() or jax.default_backend()
 
 
 def check_config(impl: str, attention_dropout: float, platform: str,
@@ -99,9 +122,16 @@ def dot_product_attention(q: Array, k: Array, v: Array, sequence_ids: Array, *, 
     return splash_attention(q, k, v, sequence_ids)
   mask = block_diagonal_mask(sequence_ids)
   if impl == 'cudnn':
-    if jax.default_backend() != 'gpu':
+    if target_platform() != 'gpu':
       raise UserError(f"model.attention_impl='cudnn' needs an NVIDIA GPU; this backend is "
-                      f"{jax.default_backend()!r}: use model.attention_impl='xla'")
+                      f"{target_platform()!r}: use model.attention_impl='xla'")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 8 or q.shape[-1] > 128:
+      # cuDNN's fused attention takes 16-bit inputs and heads of at most 128 in steps of 8;
+      # said here rather than by cuDNN on the cluster.
+      raise UserError(f"model.attention_impl='cudnn' needs bfloat16 or float16 compute and a "
+                      f'head size that is a multiple of 8 up to 128; got {q.dtype} and '
+                      f'{q.shape[-1]} (model.dtype, hidden_size / num_attention_heads): use '
+                      "model.dtype=bfloat16 or model.attention_impl='xla'")
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
   if impl != 'xla':
     raise UserError(f'model.attention_impl={impl!r} is not one of {IMPLEMENTATIONS}')

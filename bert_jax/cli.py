@@ -288,11 +288,13 @@ def _vocab_flags():
   return run
 
 
-@_command('compile', 'Compile the train step ahead of time for a Cloud TPU slice; report '
-          'memory and a roofline bound.')
+@_command('compile', 'Compile the train step ahead of time for a Cloud TPU slice or NVIDIA '
+          'GPUs (no accelerator needed); report memory and a roofline bound.')
 def _compile_flags():
   _define_config_flag(os.path.join(configs_dir(), 'bert_large.py'))
-  flags.DEFINE_string('topology', 'v5e:16x16', 'TPU slice, e.g. v5e:16x16, v4:4x4x4, v5p:4x4x4.')
+  flags.DEFINE_string('topology', 'v5e:16x16', 'TPU slice, e.g. v5e:16x16, v4:4x4x4, v5p:4x4x4, '
+                      'or NVIDIA GPUs: h100, h100:8 (one host), h100:2x8 (2 hosts); h200, a100, '
+                      "b200 (needs the gpu_aot extra).")
   flags.DEFINE_integer('vocab_size', 30522, 'Vocabulary size when model.vocab_size is 0.')
 
   def run(argv):

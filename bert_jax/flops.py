@@ -22,6 +22,32 @@ TPU_CHIPS = {
     'v6e': dict(peak_flops=918e12, hbm_bytes=32 * 2**30, hbm_bandwidth=1.64e12),
 }
 
+# NVIDIA GPUs for `bert-jax compile --topology=h100:8`: dense bf16 peak (no sparsity) and HBM
+# bandwidth from NVIDIA's datasheets (H100 SXM5 and H200 SXM: 989 TFLOP/s; A100 SXM4 80GB: 312;
+# B200 (HGX, 1,000 W): 2,250), then what XLA needs to compile for the chip without one:
+# compute capability, multiprocessors, shared memory per multiprocessor and the most a block
+# may opt into, L2, clock, and the device memory CUDA reports as total (a little under the
+# nominal 80/141/80/180 GB). The H100's multiprocessors and L2 were read off one here (132, 50
+# MiB); the rest is from NVIDIA's architecture whitepapers and XLA's GPU target specs.
+GPU_CHIPS = {
+    'h100': dict(name='NVIDIA H100 80GB HBM3', peak_flops=989e12, hbm_bandwidth=3.35e12,
+                 hbm_bytes=84_942_979_072, compute_capability=(9, 0), cores=132,
+                 shared_memory_per_core=228 * 2**10, shared_memory_per_block_optin=227 * 2**10,
+                 l2_bytes=50 * 2**20, clock_ghz=1.98, fpus_per_core=128),
+    'h200': dict(name='NVIDIA H200', peak_flops=989e12, hbm_bandwidth=4.8e12,
+                 hbm_bytes=151_397_597_184, compute_capability=(9, 0), cores=132,
+                 shared_memory_per_core=228 * 2**10, shared_memory_per_block_optin=227 * 2**10,
+                 l2_bytes=50 * 2**20, clock_ghz=1.98, fpus_per_core=128),
+    'a100': dict(name='NVIDIA A100-SXM4-80GB', peak_flops=312e12, hbm_bandwidth=2.039e12,
+                 hbm_bytes=85_100_068_864, compute_capability=(8, 0), cores=108,
+                 shared_memory_per_core=164 * 2**10, shared_memory_per_block_optin=163 * 2**10,
+                 l2_bytes=40 * 2**20, clock_ghz=1.41, fpus_per_core=64),
+    'b200': dict(name='NVIDIA B200', peak_flops=2250e12, hbm_bandwidth=8.0e12,
+                 hbm_bytes=191_514_411_008, compute_capability=(10, 0), cores=148,
+                 shared_memory_per_core=228 * 2**10, shared_memory_per_block_optin=227 * 2**10,
+                 l2_bytes=126 * 2**20, clock_ghz=1.965, fpus_per_core=128),
+}
+
 
 def forward_flops_per_sequence(config: model_lib.BertConfig, seq_len: int,
                                num_predictions: int, with_nsp: bool = True) -> float:
@@ -38,6 +64,12 @@ def forward_flops_per_sequence(config: model_lib.BertConfig, seq_len: int,
   if with_nsp:
     flops += 2 * h * 2
   return float(flops)
+
+
+def attention_flops_per_sequence(config: model_lib.BertConfig, seq_len: int) -> float:
+  """Forward + backward FLOPs of the attention scores and weighted sums alone (what a fused
+  attention kernel does, which XLA's cost analysis does not see into)."""
+  return 3.0 * config.num_hidden_layers * 2 * seq_len * seq_len * config.hidden_size * 2
 
 
 def train_flops_per_sequence(config: model_lib.BertConfig, seq_len: int,

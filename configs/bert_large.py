@@ -17,8 +17,8 @@ def get_config():
   config.data.input = ''  # Required: the pre-training corpus (see the docstring).
   # Keep the matmul outputs, recompute the rest in the backward pass: without it the step of
   # the paper's batch (16 sequences per chip on v5e:4x4) needs ~30 GiB of temporaries per
-  # 16 GiB chip; with it 6.7 GiB at 128 tokens (XLA FLOPs 1.03x the analytic count) and
-  # 13.6 GiB at 512 (1.19x: attention is recomputed). On chips with room (v5p, H100) set
+  # 16 GiB chip; with it 5.95 GiB per chip at 128 tokens (XLA FLOPs 1.03x the analytic count)
+  # and 15.6 GiB at 512 (1.19x: attention is recomputed). On chips with room (v5p, H100) set
   # model.remat_policy=none.
   config.model.remat_policy = 'dots'
   return config

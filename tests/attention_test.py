@@ -145,10 +145,13 @@ def test_cudnn_branch_passes_the_block_diagonal_mask(monkeypatch):
                                         implementation='xla')
 
   monkeypatch.setattr(jax_nn, 'cudnn_dot_product_attention', fake_cudnn)
-  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
-  q, k, v = _qkv(seed=4)
+  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(seed=4))
   ids = jnp.asarray(_packed_ids())
-  out = attention.dot_product_attention(q, k, v, ids, impl='cudnn')
+  with attention.lowering_for('gpu'):  # As `bert-jax compile --topology=h100` lowers it.
+    out = attention.dot_product_attention(q, k, v, ids, impl='cudnn')
+    # cuDNN takes 16-bit inputs only: float32 compute is the user's setting to change.
+    with pytest.raises(UserError, match='model.dtype'):
+      attention.dot_product_attention(*_qkv(seed=4), ids, impl='cudnn')
   (call,) = calls
   assert call['bias'] is None and call['q_seqlen'] is None and call['kv_seqlen'] is None
   assert call['mask_type'] == 'NO_MASK' and call['scale'] == pytest.approx(1 / np.sqrt(32))
