@@ -60,7 +60,7 @@ def parse_topology(name: str) -> Target:
     hosts, gpus = ([1] + [int(d) for d in dims])[-2:] if dims else (1, 1)
     return Target('gpu', gen, f'1x{hosts}x{gpus}')
   if not sep or gen not in _GENERATIONS or not all(p.isdigit() for p in dims):
-    raise UserError(f'--topology={name!r}: expected a TPU slice GENERATION:SHAPE such as '
+    raise UserError(f'--topology={name!r}: expected GENERATION:SHAPE for a TPU slice, such as '
                     f'v5e:16x16, v4:2x2x4, v5p:4x4x4 or v6e:8x8 (generations: '
                     f'{sorted(_GENERATIONS)}), or NVIDIA GPUs such as h100, h100:8 or h100:2x8 '
                     f'(GPUs: {sorted(flops_lib.GPU_CHIPS)})')
