@@ -8,7 +8,7 @@ buckets vs. every batch padded to max_seq_length. Prints one JSON line.
 Sequences are synthetic with SST-2's length distribution: the token count of a packed
 '[CLS] sentence [SEP]' (WordPiece, uncased) is log-normal with median 11 and sigma 0.6 (mean
 ~13, 99th percentile ~45), clipped to [3, 66] -- SST-2's training phrases are mostly short,
-its longest sentence is 66 tokens. The timed loop is `finetune`'s: `finetune.batches` (shuffled,
+its longest sentence is 66 tokens. The timed loop is `finetune`'s: `batching.batches` (shuffled,
 uniform random batches or, with --length_sort_window=N, sorted by length within windows of N
 batches as config.train.length_sort_window does; weight-0 filler rows) feeding the jitted
 `train_state.build_train_step` with `finetune.loss_fn` of BertForSequenceClassification with
@@ -31,13 +31,12 @@ import ml_collections
 import numpy as np
 
 from bert_jax import defaults  # pylint: disable=g-import-not-at-top
+from bert_jax import batching
 from bert_jax import finetune
-from bert_jax import glue
 from bert_jax import model as model_lib
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import tasks
-from bert_jax import train as train_lib
 from bert_jax import train_state as state_lib
 
 
@@ -61,7 +60,7 @@ def prepare(features, buckets, args, model, tx, mesh, rules):
   batch_sharding = sharding_lib.batch_sharding(mesh)
   step = state_lib.build_train_step(finetune.loss_fn(model, tasks.classification_loss), tx,
                                     mesh, rules, shardings, jax.random.key(1))
-  plan = list(finetune.batches(features, args.batch_size, buckets, shuffle=True, seed=1,
+  plan = list(batching.batches(features, args.batch_size, buckets, shuffle=True, seed=1,
                                window_batches=args.length_sort_window))
   params = model_lib.init_params(model.config, jax.random.key(0), type(model), num_labels=2)
   with sharding_lib.activate(mesh, rules):
@@ -108,7 +107,7 @@ def main():
   buckets = tuple(int(b) for b in args.buckets.split(','))
 
   config = model_lib.config_for_size(args.size, vocab_size=args.vocab_size,
-                                     dtype=train_lib.compute_dtype(args.dtype))
+                                     dtype=model_lib.resolve_dtype(args.dtype))
   model = model_lib.BertForSequenceClassification(config, num_labels=2)
   features = sst2_like_features(args.num_examples, args.max_seq_length, args.vocab_size)
   steps = -(-args.num_examples // args.batch_size)
@@ -137,7 +136,7 @@ def main():
       'batch_size': args.batch_size, 'max_seq_length': args.max_seq_length,
       'lengths': {'mean': round(float(lengths.mean()), 2), 'median': float(np.median(lengths)),
                   'p99': float(np.percentile(lengths, 99)), 'max': int(lengths.max())},
-      'padding': {k: round(v, 4) for k, v in glue.padding_savings(
+      'padding': {k: round(v, 4) for k, v in batching.padding_savings(
           features, args.batch_size, buckets,
           window_batches=args.length_sort_window).items()},
       'length_sort_window': args.length_sort_window,

@@ -54,15 +54,6 @@ LOCK_STALE_SECONDS = 300
 _LOCK_HEARTBEAT_SECONDS = 60
 
 
-gfile = fileio.gfile
-
-
-def workdir_path(path: str) -> str:
-  """A workdir as runs use it: local paths absolute (with ~ expanded), gs:// and other
-  filesystems' paths as given."""
-  return path if '://' in path else os.path.abspath(os.path.expanduser(path))
-
-
 def _registry(replica_parallel: bool):
   """Orbax's type handlers; without replica-parallel saving when not `replica_parallel`: that
   compiles a slicing program per distinct parameter shape on the first save (tens of seconds on
@@ -102,7 +93,7 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   try:
     if data_iterator is not None:
       path = _data_state_path(workdir, step)
-      gfile().makedirs(os.path.dirname(path))
+      fileio.gfile().makedirs(os.path.dirname(path))
       data_iterator.save(path)
     manager.save(step, force=True, args=ocp.args.Composite(
         params=ocp.args.PyTreeSave(state.params),
@@ -145,13 +136,13 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
   """Removes what failed saves left behind, then raises (a UserError for a storage problem)."""
   ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
   partial = []
-  if jax.process_index() == 0 and gfile().isdir(ckpt_dir):
-    for name in gfile().listdir(ckpt_dir):
+  if jax.process_index() == 0 and fileio.gfile().isdir(ckpt_dir):
+    for name in fileio.gfile().listdir(ckpt_dir):
       name = name.rstrip('/')
       if re.fullmatch(r'\d+\.orbax-checkpoint-tmp.*', name):
         partial.append(name)
         try:
-          gfile().rmtree(os.path.join(ckpt_dir, name))
+          fileio.gfile().rmtree(os.path.join(ckpt_dir, name))
         except Exception as e:  # pylint: disable=broad-except  (the error below matters more)
           logging.warning('Could not remove the failed save %s: %s', name, e)
   manager.reload()
@@ -170,14 +161,14 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
 
 def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: int) -> None:
   root = os.path.join(workdir, DATA_STATE_DIR)
-  if jax.process_index() != 0 or not gfile().isdir(root):
+  if jax.process_index() != 0 or not fileio.gfile().isdir(root):
     return
   live = set(manager.all_steps()) | {keep_step}
-  for name in gfile().listdir(root):
+  for name in fileio.gfile().listdir(root):
     name = name.rstrip('/')  # gfile lists Cloud Storage folders with a trailing slash.
     if name.isdigit() and int(name) not in live and int(name) < keep_step:
       try:
-        gfile().rmtree(os.path.join(root, name))
+        fileio.gfile().rmtree(os.path.join(root, name))
       except Exception as e:  # pylint: disable=broad-except  (a leftover is harmless)
         logging.warning('Could not remove %s: %s', os.path.join(root, name), e)
 
@@ -247,9 +238,9 @@ def _move_aside(ckpt_dir: str, step: int) -> None:
   if jax.process_index() == 0:
     src = os.path.join(ckpt_dir, str(step))
     dst = f'{src}.corrupt'
-    if gfile().exists(dst):
+    if fileio.gfile().exists(dst):
       dst = f'{src}.corrupt-{int(time.time())}'
-    gfile().rename(src, dst)
+    fileio.gfile().rename(src, dst)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices(f'bert_jax_move_aside_{step}')
@@ -260,7 +251,7 @@ def _move_aside(ckpt_dir: str, step: int) -> None:
 
 def _read_lock(path: str) -> dict | None:
   try:
-    with gfile().GFile(path) as f:
+    with fileio.gfile().GFile(path) as f:
       return json.loads(f.read() or 'null')
   except Exception:  # pylint: disable=broad-except  (gone meanwhile, or half written)
     return None
@@ -291,7 +282,7 @@ def _write_lock(path: str, record: dict, exclusive: bool) -> bool:
     with os.fdopen(fd, 'w') as f:
       f.write(text)
     return True
-  write_json(path, record)  # Replaced whole: a reader never sees half a lock.
+  fileio.write_json(path, record)  # Replaced whole: a reader never sees half a lock.
   return True
 
 
@@ -309,21 +300,21 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   token = uuid.uuid4().hex
   refusal = ''
   if jax.process_index() == 0:
-    gfile().makedirs(workdir)
+    fileio.gfile().makedirs(workdir)
     record = dict(pid=os.getpid(), host=socket.gethostname(), token=token,
                   started=time.strftime('%Y-%m-%d %H:%M:%S %Z'), heartbeat=time.time())
     for _ in range(3):
-      holder = _read_lock(path) if gfile().exists(path) else None
+      holder = _read_lock(path) if fileio.gfile().exists(path) else None
       if holder is not None and _holder_alive(holder):
         refusal = (f'--workdir={workdir} is in use by another run (pid {holder.get("pid")} on '
                    f'{holder.get("host")}, started {holder.get("started")}; lock file {path}). '
                    'Wait for it to end or stop it, or use another --workdir; if no such run is '
                    f'alive, delete {path}.')
         break
-      if holder is not None or gfile().exists(path):
+      if holder is not None or fileio.gfile().exists(path):
         logging.warning('Taking over the stale lock %s of a run that is gone: %s', path, holder)
         try:
-          gfile().remove(path)
+          fileio.gfile().remove(path)
         except Exception:  # pylint: disable=broad-except  (another starter removed it)
           pass
       try:
@@ -366,7 +357,7 @@ def workdir_lock(workdir: str) -> Iterator[None]:
     if beat is not None:
       beat.join()
       if (_read_lock(path) or {}).get('token') == token:
-        gfile().remove(path)
+        fileio.gfile().remove(path)
 
 
 def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:
@@ -400,7 +391,7 @@ def restore_data_state(workdir: str, step: int, data_iterator: Any) -> bool:
   path = _data_state_path(workdir, step)
   # tf.train.Checkpoint writes <path>.index and <path>.data-*; process_1 must not match
   # process_10's files.
-  if not gfile().exists(path + '.index'):
+  if not fileio.gfile().exists(path + '.index'):
     return False
   data_iterator.restore(path)
   return True
@@ -412,7 +403,7 @@ def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertC
   workdir (process 0 only)."""
   if jax.process_index() != 0:
     return
-  fs = gfile()
+  fs = fileio.gfile()
   fs.makedirs(workdir)
   with fs.GFile(os.path.join(workdir, 'config.json'), 'w') as f:
     f.write(config_json)
@@ -424,20 +415,7 @@ def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertC
     if same(vocab_file) != same(dst):
       fs.copy(vocab_file, dst, overwrite=True)
   for name, value in (extra or {}).items():
-    write_json(os.path.join(workdir, name), value)
-
-
-def write_json(path: str, value: Any) -> None:
-  """`value` as indented JSON, replacing `path` whole (a reader never sees half a file)."""
-  tmp = path + '.tmp'
-  with gfile().GFile(tmp, 'w') as f:
-    f.write(json.dumps(value, indent=2) + '\n')
-  gfile().rename(tmp, path, overwrite=True)
-
-
-def read_json(path: str) -> Any:
-  with gfile().GFile(path) as f:
-    return json.load(f)
+    fileio.write_json(os.path.join(workdir, name), value)
 
 
 def load_pretrained_from_workdir(path: str, step: int | None = None
@@ -447,9 +425,9 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   Parameters come back as float32 numpy arrays in the unscanned layout.
   """
   config_path = os.path.join(path, 'bert_config.json')
-  if not gfile().exists(config_path):
+  if not fileio.gfile().exists(config_path):
     raise UserError(f'{path} has no bert_config.json: not a bert_jax training workdir')
-  with gfile().GFile(config_path) as f:
+  with fileio.gfile().GFile(config_path) as f:
     try:
       config = model_lib.BertConfig.from_dict(json.load(f), source=config_path)
     except json.JSONDecodeError as e:
@@ -479,14 +457,15 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
 def checkpoint_steps(workdir: str) -> list[int]:
   """Committed checkpoint steps of a workdir (ascending)."""
   d = os.path.join(workdir, CHECKPOINT_DIR)
-  if not gfile().isdir(d):
+  if not fileio.gfile().isdir(d):
     return []
-  return sorted(int(n.rstrip('/')) for n in gfile().listdir(d) if re.fullmatch(r'\d+/?', n))
+  return sorted(int(n.rstrip('/')) for n in fileio.gfile().listdir(d)
+                if re.fullmatch(r'\d+/?', n))
 
 
 def read_run_config(workdir: str) -> dict | None:
   p = os.path.join(workdir, 'config.json')
-  if not gfile().exists(p):
+  if not fileio.gfile().exists(p):
     return None
-  with gfile().GFile(p) as f:
+  with fileio.gfile().GFile(p) as f:
     return json.load(f)

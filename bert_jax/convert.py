@@ -23,7 +23,6 @@ The three layouts' names come from one table (`_names`); kernels are [in, out] h
 
 import collections
 import functools
-import glob
 import json
 import math
 import os
@@ -40,6 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import safetensors.numpy
 
+from bert_jax import fileio
 from bert_jax import model
 from bert_jax.errors import UserError
 
@@ -445,44 +445,8 @@ def _read_hf(path: str) -> tuple[dict[str, np.ndarray], str]:
   return tensors, file
 
 
-def _import_tf():
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (only the Google format needs it)
-  try:
-    # TensorFlow must not take accelerator memory from JAX.
-    tf.config.set_visible_devices([], 'GPU')
-    tf.config.set_visible_devices([], 'TPU')
-  except (RuntimeError, ValueError):
-    pass  # Devices were initialized already, by an earlier call.
-  return tf
-
-
-# Local paths go through os (no TensorFlow import); remote ones (gs://...) through tf.io.gfile.
-def _remote(path: str) -> bool:
-  return '://' in path
-
-
-def _exists(path: str) -> bool:
-  return _import_tf().io.gfile.exists(path) if _remote(path) else os.path.exists(path)
-
-
-def _isdir(path: str) -> bool:
-  return _import_tf().io.gfile.isdir(path) if _remote(path) else os.path.isdir(path)
-
-
-def _glob(pattern: str) -> list[str]:
-  return sorted(_import_tf().io.gfile.glob(pattern) if _remote(pattern) else glob.glob(pattern))
-
-
-def _read_text(path: str) -> str:
-  if _remote(path):
-    with _import_tf().io.gfile.GFile(path, 'rb') as f:
-      return f.read().decode('utf-8')
-  with open(path, encoding='utf-8') as f:
-    return f.read()
-
-
 def _read_google(prefix: str) -> dict[str, np.ndarray]:
-  tf = _import_tf()
+  tf = fileio.tensorflow()
   try:
     reader = tf.train.load_checkpoint(prefix)
   except Exception as e:  # TF raises several types for a bad or missing checkpoint.
@@ -498,14 +462,14 @@ def _read_google(prefix: str) -> dict[str, np.ndarray]:
 
 def _google_prefix(path: str) -> str | None:
   """The checkpoint prefix in directory `path`, None if it holds no TF checkpoint."""
-  if _exists(os.path.join(path, 'bert_model.ckpt.index')):
+  if fileio.exists(os.path.join(path, 'bert_model.ckpt.index')):
     return os.path.join(path, 'bert_model.ckpt')
   state = os.path.join(path, 'checkpoint')
-  if _exists(state):
-    latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', _read_text(state), re.M)
+  if fileio.exists(state):
+    latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', fileio.read_text(state), re.M)
     if latest:
       return os.path.join(path, latest[1])
-  indexes = _glob(os.path.join(path, '*.index'))
+  indexes = fileio.glob(os.path.join(path, '*.index'))
   if len(indexes) > 1:
     raise UserError(f'{path}: several TF checkpoints ({_preview(map(os.path.basename, indexes))})'
                     '; pass the prefix of one')
@@ -513,10 +477,10 @@ def _google_prefix(path: str) -> str | None:
 
 
 def _read_config(path: str) -> model.BertConfig:
-  if not _exists(path):
+  if not fileio.exists(path):
     raise UserError(f'{path}: no such config file')
   try:
-    d = json.loads(_read_text(path))
+    d = json.loads(fileio.read_text(path))
   except json.JSONDecodeError as e:
     raise UserError(f'{path}: not valid JSON: {e}') from e
   # HF configs carry their own `dtype` (and could carry others): how to run is ours to say.
@@ -544,11 +508,11 @@ def _detect(path: str) -> tuple[str, str]:
 
   Training workdirs and Google checkpoints may be remote (gs://...); the others must be local.
   """
-  path = path.rstrip('/') if _remote(path) else path
-  if _isdir(path):
-    if _isdir(os.path.join(path, 'checkpoints')):
+  path = path.rstrip('/') if fileio.is_remote(path) else path
+  if fileio.isdir(path):
+    if fileio.isdir(os.path.join(path, 'checkpoints')):
       return 'workdir', path
-    if _remote(path):
+    if fileio.is_remote(path):
       prefix = _google_prefix(path)
       if prefix:
         return 'google', prefix
@@ -568,21 +532,21 @@ def _detect(path: str) -> tuple[str, str]:
         f'bert_model.ckpt.index (Google) or checkpoints/ (a training workdir); it holds '
         f'{_preview(os.listdir(path)) or "nothing"}')
   prefix = path[:-len('.index')] if path.endswith('.index') else path
-  if _exists(prefix + '.index'):
+  if fileio.exists(prefix + '.index'):
     return 'google', prefix
   raise UserError(f'{path}: no such directory or TF checkpoint ({prefix}.index)')
 
 
 def find_vocab(path: str) -> str | None:
   """The vocab.txt belonging to a checkpoint directory or TF checkpoint prefix, if any."""
-  folder = path if _isdir(path) else os.path.dirname(path)
+  folder = path if fileio.isdir(path) else os.path.dirname(path)
   vocab = os.path.join(folder, 'vocab.txt')
-  return vocab if _exists(vocab) and not _isdir(vocab) else None
+  return vocab if fileio.exists(vocab) and not fileio.isdir(vocab) else None
 
 
 def _read_vocab(vocab_file: str) -> list[str]:
   # One token per '\n'-terminated line; str.splitlines would also split on \x85 and \u2028.
-  lines = _read_text(vocab_file).split('\n')
+  lines = fileio.read_text(vocab_file).split('\n')
   if lines and not lines[-1]:
     lines.pop()
   return [line.strip() for line in lines]
@@ -668,6 +632,41 @@ def load_pretrained(path: str, *, dtype: str = 'float32',
   return config, model.match_layout(config, params)
 
 
+def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = None,
+                    scan_layers: bool = False, flag: str = 'init_checkpoint'):
+  """(BertConfig, params, tokenizer, vocab file, lower_case) of any checkpoint format: what a
+  command that feeds text to a checkpoint needs.
+
+  The vocabulary is `vocab_file` or the checkpoint's vocab.txt; casing is `lower_case` or what
+  the checkpoint records. A vocabulary with more tokens than the embedding matrix has rows is
+  an error: the tokenizer would produce ids the model cannot embed. `flag` is how the user named
+  `path` (the key or flag errors mention).
+  """
+  from bert_jax import tokenization  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  if not path:
+    raise UserError(f'{flag} is empty: name a pre-trained checkpoint (bert_jax, Hugging Face, '
+                    'Google TF, or a training workdir)')
+  bert_config, params = load_pretrained(path, scan_layers=scan_layers)
+  vocab = vocab_file or find_vocab(path)
+  if not vocab:
+    raise UserError(f'{flag}={path} has no vocab.txt next to it; set the vocab_file')
+  if lower_case is None:
+    lower_case = read_metadata(path).get('lower_case')
+    if lower_case is None:
+      raise UserError(f'{flag}={path} does not say whether it is cased; set lower_case')
+  tok = tokenization.load_tokenizer(vocab, lower_case=lower_case)
+  if tok.vocab_size > bert_config.vocab_size:
+    raise UserError(
+        f'{vocab} has {tok.vocab_size} tokens but {flag}={path} has vocab_size '
+        f'{bert_config.vocab_size} (bert/embeddings/word_embeddings/embedding is '
+        f'[{bert_config.vocab_size}, {bert_config.hidden_size}]): use the vocabulary the '
+        'checkpoint was trained with')
+  logging.info('Checkpoint %s: %d layers, hidden %d, vocab %s (%d tokens, %s)', path,
+               bert_config.num_hidden_layers, bert_config.hidden_size, vocab, tok.vocab_size,
+               'uncased' if lower_case else 'cased')
+  return bert_config, params, tok, vocab, bool(lower_case)
+
+
 # ---------------------------------------------------------------------------------------------
 # Export
 # ---------------------------------------------------------------------------------------------
@@ -691,8 +690,8 @@ def _empty_dir(out_dir: str) -> str:
 def _copy_vocab(config: model.BertConfig, vocab_file: str | None, out_dir: str) -> None:
   if vocab_file:
     _check_vocab(config, vocab_file)
-    if _remote(vocab_file):
-      _import_tf().io.gfile.copy(vocab_file, os.path.join(out_dir, 'vocab.txt'), overwrite=True)
+    if fileio.is_remote(vocab_file):
+      fileio.gfile().copy(vocab_file, os.path.join(out_dir, 'vocab.txt'), overwrite=True)
     else:
       shutil.copyfile(vocab_file, os.path.join(out_dir, 'vocab.txt'))
 
@@ -749,7 +748,7 @@ def export_google(config: model.BertConfig, params: dict, out_dir: str,
   flat, _ = _export_tree(config, params)
   _empty_dir(out_dir)
   tensors = _to_source(flat, 'google')
-  tf = _import_tf()
+  tf = fileio.tensorflow()
   names = sorted(tensors)
   with tf.device('/cpu:0'):
     tf.raw_ops.SaveV2(prefix=os.path.join(out_dir, 'bert_model.ckpt'), tensor_names=names,

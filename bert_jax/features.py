@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bert_jax import batching
+from bert_jax import convert
 from bert_jax import glue
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
@@ -82,9 +84,9 @@ def resolve_layers(layers: Sequence[int], num_layers: int) -> list[int]:
 
 def _encode(tok, lines, max_seq_length: int) -> dict[str, Any]:
   """Packed, padded features of the lines, and which were truncated."""
-  ids_a = glue.encode_in_chunks(tok, [a for _, a, _ in lines])
+  ids_a = batching.encode_in_chunks(tok, [a for _, a, _ in lines])
   pairs = [i for i, (_, _, b) in enumerate(lines) if b is not None]
-  ids_b = dict(zip(pairs, glue.encode_in_chunks(tok, [lines[i][2] for i in pairs])))
+  ids_b = dict(zip(pairs, batching.encode_in_chunks(tok, [lines[i][2] for i in pairs])))
   packed = [glue.pack_pair(ids_a[i], ids_b.get(i), tok, max_seq_length)
             for i in range(len(lines))]
   longest = max(len(ids) for ids, _, _ in packed)
@@ -130,9 +132,7 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
 
   Returns: {'lines', 'truncated', 'output'}.
   """
-  from bert_jax import finetune  # pylint: disable=g-import-not-at-top  (TensorFlow, training)
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
-  from bert_jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
 
   suffix = os.path.splitext(output)[1]
   if suffix not in ('.jsonl', '.npz', '.npy'):
@@ -144,12 +144,12 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
     raise UserError(f'batch_size must be positive, got {batch_size}')
   lines = read_input(input_file)  # Before the (slow) checkpoint: a wrong path fails at once.
   input_pipeline.hide_accelerators_from_tf()
-  config, params, tok, _, _ = finetune.load_checkpoint(init_checkpoint, vocab_file, lower_case,
-                                                       flag='--init_checkpoint')
+  config, params, tok, _, _ = convert.load_checkpoint(init_checkpoint, vocab_file, lower_case,
+                                                      flag='--init_checkpoint')
   if not 2 < max_seq_length <= config.max_position_embeddings:
     raise UserError(f'--max_seq_length={max_seq_length} must be in [3, '
                     f'{config.max_position_embeddings}] (the model\'s max_position_embeddings)')
-  config = config.replace(dtype=train_lib.compute_dtype(dtype), scan_layers=False)
+  config = config.replace(dtype=model_lib.resolve_dtype(dtype), scan_layers=False)
   chosen = resolve_layers(layers, config.num_hidden_layers)
   encoded = _encode(tok, lines, max_seq_length)
   num_truncated = int(encoded['truncated'].sum())
@@ -185,7 +185,7 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
       arrays = {k: encoded[k][part] for k in ('input_ids', 'input_mask', 'segment_ids')}
       arrays['index'] = np.arange(part.start, part.stop, dtype=np.int32)
       chunk_feats: dict[int, np.ndarray] = {}
-      for batch in glue.bucket_batches(arrays, batch_size, _buckets(longest)):
+      for batch in batching.bucket_batches(arrays, batch_size, _buckets(longest)):
         rows = len(batch['index'])
         padded = {k: np.concatenate([v, np.zeros((batch_size - rows,) + v.shape[1:], v.dtype)])
                   for k, v in batch.items()}

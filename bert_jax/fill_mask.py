@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from bert_jax import convert
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
 
@@ -44,15 +45,14 @@ def fill_mask(checkpoint: str, texts: Sequence[str], top_k: int = 5, vocab_file:
   Probabilities are the softmax of the MLM head's logits over the whole vocabulary (as
   transformers' BertForMaskedLM / fill-mask pipeline), computed in float32.
   """
-  from bert_jax import finetune  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   input_pipeline.hide_accelerators_from_tf()
   if not texts:
     raise UserError('fill-mask: no text given')
   if top_k < 1:
     raise UserError(f'fill-mask: --top_k={top_k} must be at least 1')
-  config, params, tok, _, _ = finetune.load_checkpoint(checkpoint, vocab_file, lower_case,
-                                                       flag='--checkpoint')
+  config, params, tok, _, _ = convert.load_checkpoint(checkpoint, vocab_file, lower_case,
+                                                      flag='--checkpoint')
   if 'mlm' not in params:
     raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
                     'fine-tuned model cannot fill in masks; use a pre-trained checkpoint')

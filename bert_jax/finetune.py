@@ -5,7 +5,7 @@ task data -> model & optimizer -> abstract init & shardings -> init (pre-trained
 head) -> steps -> loop over epochs (train, evaluate on dev, keep the best) -> test predictions.
 `sweep` repeats it over the paper's learning rates.
 
-Batches are cut to length buckets (`glue.bucket_batches`): short GLUE sentences do not pay for
+Batches are cut to length buckets (`batching.bucket_batches`): short GLUE sentences do not pay for
 128 tokens, and the jitted step compiles once per bucket. Every global batch is planned the same
 way on every process; each process feeds its own rows of it. Partial batches are padded with
 rows of weight 0, so every example counts exactly once per epoch and shapes stay fixed.
@@ -33,7 +33,7 @@ import itertools
 import math
 import os
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 from absl import logging
 import flax.linen as nn
@@ -46,9 +46,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from bert_jax import attention
+from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import convert
 from bert_jax import errors
+from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import input_pipeline
 from bert_jax import metrics
@@ -59,49 +61,10 @@ from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import squad
 from bert_jax import tasks
-from bert_jax import train as train_lib
 from bert_jax import train_state as state_lib
 from bert_jax.errors import UserError
 
 PREDICTIONS_DIR = 'predictions'
-
-# ---------------------------------------------------------------------------------------------
-# Pre-trained encoder and tokenizer
-# ---------------------------------------------------------------------------------------------
-
-
-def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = None,
-                    scan_layers: bool = False, flag: str = 'init_checkpoint'):
-  """(BertConfig, params, tokenizer, vocab file, lower_case) of any checkpoint format.
-
-  The vocabulary is `vocab_file` or the checkpoint's vocab.txt; casing is `lower_case` or what
-  the checkpoint records. A vocabulary with more tokens than the embedding matrix has rows is
-  an error: the tokenizer would produce ids the model cannot embed.
-  """
-  from bert_jax import tokenization  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  if not path:
-    raise UserError(f'{flag} is empty: name a pre-trained checkpoint (bert_jax, Hugging Face, '
-                    'Google TF, or a training workdir)')
-  bert_config, params = convert.load_pretrained(path, scan_layers=scan_layers)
-  vocab = vocab_file or convert.find_vocab(path)
-  if not vocab:
-    raise UserError(f'{flag}={path} has no vocab.txt next to it; set the vocab_file')
-  if lower_case is None:
-    lower_case = convert.read_metadata(path).get('lower_case')
-    if lower_case is None:
-      raise UserError(f'{flag}={path} does not say whether it is cased; set lower_case')
-  tok = tokenization.load_tokenizer(vocab, lower_case=lower_case)
-  if tok.vocab_size > bert_config.vocab_size:
-    raise UserError(
-        f'{vocab} has {tok.vocab_size} tokens but {flag}={path} has vocab_size '
-        f'{bert_config.vocab_size} (bert/embeddings/word_embeddings/embedding is '
-        f'[{bert_config.vocab_size}, {bert_config.hidden_size}]): use the vocabulary the '
-        'checkpoint was trained with')
-  logging.info('Checkpoint %s: %d layers, hidden %d, vocab %s (%d tokens, %s)', path,
-               bert_config.num_hidden_layers, bert_config.hidden_size, vocab, tok.vocab_size,
-               'uncased' if lower_case else 'cased')
-  return bert_config, params, tok, vocab, bool(lower_case)
-
 
 # ---------------------------------------------------------------------------------------------
 # Tasks
@@ -142,55 +105,8 @@ def build_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Be
 
 
 # ---------------------------------------------------------------------------------------------
-# Batches
-# ---------------------------------------------------------------------------------------------
-
-
-def _pad_rows(batch: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
-  """Pads a partial batch to `batch_size` rows of weight 0 (a lone [CLS]-sized row each, so
-  attention never sees an all-masked row)."""
-  n = len(batch['weight'])
-  if n == batch_size:
-    return batch
-  out = {}
-  for k, v in batch.items():
-    fill = -1 if k == 'labels' else 0
-    out[k] = np.concatenate([v, np.full((batch_size - n,) + v.shape[1:], fill, v.dtype)])
-  out['input_mask'][n:, 0] = 1
-  return out
-
-
-def batches(features: dict[str, np.ndarray], batch_size: int, buckets: Sequence[int],
-            shuffle: bool = False, seed: int = 0,
-            window_batches: int = 50) -> Iterator[dict[str, np.ndarray]]:
-  """Global batches of `batch_size` rows, cut to length buckets, with a `weight` per row.
-
-  Rows are sorted by length within windows of `window_batches` batches; 1 keeps each batch a
-  uniform random draw (see config.train.length_sort_window).
-  """
-  features = dict(features, weight=np.ones(len(features['input_ids']), np.float32))
-  for batch in glue.bucket_batches(features, batch_size, tuple(buckets), shuffle=shuffle,
-                                   seed=seed, window_batches=window_batches):
-    yield _pad_rows(batch, batch_size)
-
-
-def _local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """This process's share of a global batch (every process plans the same global batches)."""
-  count, index = jax.process_count(), jax.process_index()
-  if count == 1:
-    return batch
-  rows = len(batch['weight']) // count
-  return {k: v[index * rows:(index + 1) * rows] for k, v in batch.items()}
-
-
-# ---------------------------------------------------------------------------------------------
 # Pure steps
 # ---------------------------------------------------------------------------------------------
-
-
-def _apply(model, params, batch, deterministic, rngs=None):
-  return model.apply({'params': params}, *(batch[k] for k in tasks.INPUTS),
-                     deterministic=deterministic, rngs=rngs)
 
 
 def loss_fn(model: nn.Module, task_loss) -> state_lib.LossFn:
@@ -198,36 +114,10 @@ def loss_fn(model: nn.Module, task_loss) -> state_lib.LossFn:
   `train_state.train_step`; padded rows weigh nothing)."""
 
   def fn(params, micro, rng, batch):
-    outputs = _apply(model, params, micro, False, {'dropout': rng})
+    outputs = tasks.apply(model, params, micro, False, {'dropout': rng})
     total, _, step_metrics = task_loss(outputs, micro)
     return total / jnp.maximum(tasks.label_count(batch), 1.0), step_metrics
   return fn
-
-
-def predict_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
-                 head: str) -> dict[str, jax.Array]:
-  """Outputs per row: logits [B, C] ('sequence'), tag ids [B, L] ('token'), or start and end
-  logits [B, 2, L] ('span'); with the row's index and weight."""
-  outputs = _apply(model, params, batch, True)
-  if head == 'span':
-    outputs = jnp.stack(outputs, axis=1)
-  elif head == 'token':
-    outputs = jnp.argmax(outputs, axis=-1).astype(jnp.int32)
-  return {'outputs': outputs, 'index': batch['index'], 'weight': batch['weight']}
-
-
-def predict_rows(step: Callable[[dict[str, np.ndarray]], dict[str, Any]],
-                 features: dict[str, np.ndarray], batch_size: int,
-                 buckets: Sequence[int]) -> list[np.ndarray]:
-  """Every row's output of `step` (batch -> `predict_step`'s dict) in `features['index']`
-  order, over the batches `finetune` evaluates with (padded rows dropped)."""
-  rows: list[Any] = [None] * len(features['index'])
-  for batch in batches(features, batch_size, buckets):
-    out = jax.device_get(step(batch))
-    for o, i, w in zip(out['outputs'], out['index'], out['weight']):
-      if w:
-        rows[i] = o
-  return rows
 
 
 def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformation,
@@ -288,15 +178,6 @@ def _scalars(d: dict) -> dict[str, float]:
           if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
 
 
-def json_safe(d: Any) -> Any:
-  """`d` (nested dicts of numbers) with NumPy scalars as Python numbers, for JSON."""
-  if isinstance(d, dict):
-    return {k: json_safe(v) for k, v in d.items()}
-  if isinstance(d, (np.integer, np.floating)):
-    return d.item()
-  return d
-
-
 def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> None:
   """Makes the workdir a loadable checkpoint folder (with its vocab and casing) + the config."""
   ckpt_lib.write_run_files(
@@ -307,7 +188,7 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
                             max_seq_length=config.max_seq_length,
                             init_checkpoint=config.init_checkpoint,
                             # What dev was evaluated in: `predict` reproduces it.
-                            compute_dtype=train_lib.compute_dtype(config.model.dtype))})
+                            compute_dtype=model_lib.resolve_dtype(config.model.dtype))})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +206,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   same call continues it. One run at a time per workdir, as in pre-training: a second one is
   refused while this one holds the workdir's lock.
   """
-  workdir = ckpt_lib.workdir_path(workdir)
+  workdir = fileio.workdir_path(workdir)
   with ckpt_lib.workdir_lock(workdir):
     return _finetune(config, workdir)
 
@@ -337,9 +218,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   if config.train.epochs < 1:
     raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')
   metrics_path = os.path.join(workdir, 'metrics.json')
-  if ckpt_lib.gfile().exists(metrics_path):
+  if fileio.gfile().exists(metrics_path):
     return _finished(workdir, metrics_path)
-  ckpt_lib.gfile().makedirs(workdir)
+  fileio.gfile().makedirs(workdir)
 
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
@@ -350,21 +231,21 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   state_lib.check_accumulation(batch_size, config.train.grad_accum_steps, mesh)
 
   # ---- Pre-trained encoder, tokenizer and task data ------------------------------------------
-  pre_config, pretrained, tok, vocab_file, lower_case = load_checkpoint(
+  pre_config, pretrained, tok, vocab_file, lower_case = convert.load_checkpoint(
       config.init_checkpoint, config.vocab_file, config.lower_case, config.model.scan_layers,
       flag='config.init_checkpoint')
   if config.max_seq_length > pre_config.max_position_embeddings:
     raise UserError(f'config.max_seq_length={config.max_seq_length} exceeds the checkpoint\'s '
                     f'max_position_embeddings={pre_config.max_position_embeddings}')
   bert_config = pre_config.replace(
-      dtype=train_lib.compute_dtype(config.model.dtype),
+      dtype=model_lib.resolve_dtype(config.model.dtype),
       hidden_dropout_prob=config.model.hidden_dropout_prob,
       attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
       scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy,
       attention_impl=config.model.attention_impl)
   task = build_task(config, tok, bert_config, lower_case)
   num_train = len(task.train['input_ids'])
-  buckets = parse_buckets(config.buckets)
+  buckets = batching.parse_buckets(config.buckets)
   sort_window = int(config.train.length_sort_window)
   if sort_window < 1:
     raise errors.UserError(f'config.train.length_sort_window={sort_window}: expected 1 (uniformly '
@@ -372,8 +253,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   attention.check_config(config.model.attention_impl,
                          config.model.attention_probs_dropout_prob, jax.default_backend(),
                          tuple(buckets or ()) + (config.max_seq_length,))
-  savings = glue.padding_savings(task.train, batch_size, buckets or (config.max_seq_length,),
-                                 window_batches=sort_window)
+  savings = batching.padding_savings(task.train, batch_size,
+                                     buckets or (config.max_seq_length,),
+                                     window_batches=sort_window)
   logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '
                'fixed %d-token batches', config.task, num_train, buckets,
                100 * (1 - savings['tokens_saved_share']), config.max_seq_length)
@@ -427,17 +309,17 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   train_step = state_lib.build_train_step(
       loss_fn(task.model, task.loss_fn), tx, mesh, rules, shardings,
       state_lib.dropout_rng(config.train), config.train.grad_accum_steps)
-  jit_predict = jax.jit(functools.partial(predict_step, model=task.model, head=task.head),
+  jit_predict = jax.jit(functools.partial(tasks.predict_step, model=task.model, head=task.head),
                         in_shardings=(shardings.params, batch_sharding),
                         out_shardings=NamedSharding(mesh, P()))
 
   def to_device(batch):
-    return sharding_lib.make_global_batch(_local_rows(batch), batch_sharding)
+    return sharding_lib.make_global_batch(batching.local_rows(batch), batch_sharding)
 
   def predict(params, eval_set: tasks.EvalSet) -> list[np.ndarray]:
     with sharding_lib.activate(mesh, rules):
-      return predict_rows(lambda batch: jit_predict(params, to_device(batch)),
-                          eval_set.features, eval_batch_size, buckets)
+      return batching.predict_rows(lambda batch: jit_predict(params, to_device(batch)),
+                                   eval_set.features, eval_batch_size, buckets)
 
   def save() -> None:
     ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed))
@@ -466,7 +348,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
       epoch_end = epoch * steps_per_epoch
       # The epoch's batches are planned from its seed alone, so a resumed run skips exactly
       # the ones it had trained on.
-      plan = batches(task.train, batch_size, buckets, shuffle=True,
+      plan = batching.batches(task.train, batch_size, buckets, shuffle=True,
                      seed=config.train.seed * 1_000_003 + epoch, window_batches=sort_window)
       history, sequences, tokens, t0 = [], 0.0, 0, time.time()
       for batch in itertools.islice(plan, step - (epoch - 1) * steps_per_epoch, None):
@@ -477,7 +359,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
         tokens += batch['input_ids'].size
         bar.update(1)
         if step % config.log.every_steps == 0 or step == epoch_end or step == stop_at:
-          summary = train_lib.summarize(jax.device_get(history), use_nsp=True)
+          summary = monitor.summarize(jax.device_get(history))
           if not math.isfinite(summary['loss']):
             raise UserError(f'loss is {summary["loss"]} at step {step}: lower '
                             'config.train.learning_rate')
@@ -501,7 +383,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
       results, writers = {}, {}
       for eval_set in task.dev:
         scores, writers[eval_set.name] = eval_set.evaluate(predict(state.params, eval_set))
-        results[eval_set.name] = json_safe(scores)
+        results[eval_set.name] = fileio.json_safe(scores)
         log.eval(step, _scalars(scores), eval_set.name, split=eval_set.name, epoch=epoch)
       score = float(results[task.dev[0].name][task.main_metric])
       logging.info('Epoch %d (step %d): %s', epoch, step,
@@ -535,7 +417,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
       for eval_set in task.test:
         scores, write = eval_set.evaluate(predict(params, eval_set))
         if scores is not None:
-          best[eval_set.name] = json_safe(scores)
+          best[eval_set.name] = fileio.json_safe(scores)
           log.eval(best['step'], _scalars(scores), eval_set.name, split=eval_set.name,
                    epoch=best['epoch'])
         if write and is_main:
@@ -550,7 +432,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
 
   # metrics.json marks the run finished; then only the best epoch's checkpoint is kept.
   if is_main:
-    ckpt_lib.write_json(metrics_path, best)
+    fileio.write_json(metrics_path, best)
   return _finished(workdir, metrics_path, fresh=True)
 
 
@@ -559,7 +441,7 @@ def _finished(workdir: str, metrics_path: str, fresh: bool = False) -> dict[str,
   a stop between metrics.json and that clean-up finishes it)."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices('bert_jax finetune: metrics.json written')
-  best = ckpt_lib.read_json(metrics_path)
+  best = fileio.read_json(metrics_path)
   manager = ckpt_lib.make_manager(workdir, keep=None, async_save=False, replica_parallel=False)
   for step in manager.all_steps():
     if step != best['step']:
@@ -575,18 +457,6 @@ def _finished(workdir: str, metrics_path: str, fresh: bool = False) -> dict[str,
   return best
 
 
-def parse_buckets(values: Sequence[Any]) -> tuple[int, ...]:
-  """config.buckets as ints (`--config.buckets=` arrives as ('',): an error, not 'none')."""
-  try:
-    buckets = tuple(int(b) for b in values)
-  except (TypeError, ValueError):
-    buckets = None
-  if buckets is None or any(b < 1 for b in buckets):
-    raise UserError(f'config.buckets={tuple(values)!r}: expected positive sequence lengths, '
-                    "e.g. --config.buckets=32,64,128, or --config.buckets='()' for none")
-  return buckets
-
-
 def sweep(config: ml_collections.ConfigDict, workdir: str,
           learning_rates: Sequence[float] = (5e-5, 4e-5, 3e-5, 2e-5)) -> dict[str, Any] | None:
   """The paper's search: one fine-tuning run per learning rate in `workdir/lr_<lr>`; the best
@@ -594,7 +464,7 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
   rerunning the sweep skips the finished runs and resumes that one."""
   if not learning_rates:
     raise UserError('sweep: no learning rates')
-  workdir = ckpt_lib.workdir_path(workdir)
+  workdir = fileio.workdir_path(workdir)
   runs = {}
   for lr in learning_rates:
     run_config = copy.deepcopy(config)
@@ -611,7 +481,7 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
       'runs': {lr: {'score': r['score'], 'epoch': r['epoch']} for lr, r in runs.items()},
   }
   if jax.process_index() == 0:
-    ckpt_lib.write_json(os.path.join(workdir, 'sweep.json'), result)
+    fileio.write_json(os.path.join(workdir, 'sweep.json'), result)
   logging.info('Sweep: best %s %.4f at learning rate %s', result['main_metric'],
                result['best_score'], best_lr)
   return result

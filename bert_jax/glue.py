@@ -6,18 +6,19 @@ The data layout is that of GLUE's `download_glue_data.py` (`<data_dir>/CoLA/trai
 run_classifier.py (and GLUE's for the tasks it does not cover); STS-B is a regression.
 
 Features are fixed-length int32 numpy arrays `input_ids`, `input_mask`, `segment_ids` [N, L],
-`label` [N] and `example_index` [N]; `bucket_batches` cuts each batch to the smallest length
-bucket that holds it, since most GLUE sentences are far shorter than 128 tokens.
+`label` [N] and `example_index` [N]; `batching.bucket_batches` cuts each batch to the smallest
+length bucket that holds it, since most GLUE sentences are far shorter than 128 tokens.
 """
 
 import dataclasses
 import os
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from absl import logging
 import ml_collections
 import numpy as np
 
+from bert_jax import batching
 from bert_jax import fileio
 from bert_jax import metrics
 from bert_jax import model as model_lib
@@ -267,15 +268,6 @@ def read_tfds(task: str, split: str, data_dir: str | None = None) -> list[Exampl
 # ---------------------------------------------------------------------------------------------
 
 
-def encode_in_chunks(tok, texts: Sequence[str], chunk_size: int = 50_000) -> list[list[int]]:
-  """`tok.encode` over many texts: few calls (each has a fixed cost of milliseconds) of bounded
-  size (peak memory)."""
-  ids = []
-  for start in range(0, len(texts), chunk_size):
-    ids.extend(tok.encode(list(texts[start:start + chunk_size])))
-  return ids
-
-
 def truncate_seq_pair(tokens_a: list, tokens_b: list, max_length: int) -> bool:
   """Pops from the end of the longer list until both fit; True if anything was cut.
 
@@ -318,10 +310,10 @@ def convert_examples(examples: Sequence[Example], tok, max_seq_length: int,
     raise UserError(f'max_seq_length={max_seq_length} leaves no room for text')
   label_map = None if label_list is None else {l: i for i, l in enumerate(label_list)}
   n = len(examples)
-  encoded_a = encode_in_chunks(tok, [e.text_a for e in examples])
+  encoded_a = batching.encode_in_chunks(tok, [e.text_a for e in examples])
   pair_indices = [i for i, e in enumerate(examples) if e.text_b is not None]
   encoded_b = dict(zip(pair_indices,
-                       encode_in_chunks(tok, [examples[i].text_b for i in pair_indices])))
+                       batching.encode_in_chunks(tok, [examples[i].text_b for i in pair_indices])))
 
   input_ids = np.full((n, max_seq_length), tok.pad_id, np.int32)
   segment_ids = np.zeros((n, max_seq_length), np.int32)
@@ -347,86 +339,6 @@ def convert_examples(examples: Sequence[Example], tok, max_seq_length: int,
                     num_truncated, n, max_seq_length)
   return {'input_ids': input_ids, 'input_mask': input_mask, 'segment_ids': segment_ids,
           'label': labels, 'example_index': np.arange(n, dtype=np.int32)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Length bucketing
-# ---------------------------------------------------------------------------------------------
-
-
-def _batchable(features: dict[str, Any]) -> tuple[dict[str, np.ndarray], int, int]:
-  """The numeric arrays among `features` (bookkeeping such as lists is left out); N and L."""
-  arrays = {k: v for k, v in features.items()
-            if isinstance(v, np.ndarray) and v.dtype != object}
-  if 'input_mask' not in arrays:
-    raise ValueError('features need an input_mask array to be bucketed')
-  n, length = arrays['input_mask'].shape
-  for k, v in arrays.items():
-    if v.shape[0] != n:
-      raise ValueError(f'feature {k!r} has {v.shape[0]} rows, input_mask has {n}')
-  return arrays, n, length
-
-
-def _bucket_plan(features, batch_size, buckets, shuffle, seed, window_batches, drop_remainder
-                 ) -> tuple[dict[str, np.ndarray], list[tuple[np.ndarray, int]]]:
-  arrays, n, length = _batchable(features)
-  if batch_size < 1:
-    raise UserError(f'batch_size must be positive, got {batch_size}')
-  sizes = sorted({min(int(b), length) for b in buckets} | {length})
-  lengths = arrays['input_mask'].sum(1)
-  rng = np.random.default_rng(seed)
-  order = rng.permutation(n) if shuffle else np.arange(n)
-  window = batch_size * window_batches
-  batches = []
-  for start in range(0, n, window):
-    chunk = order[start:start + window]
-    # Sorting only inside a window keeps batches random across the epoch (when shuffled) while
-    # grouping similar lengths together.
-    chunk = chunk[np.argsort(lengths[chunk], kind='stable')]
-    for b in range(0, len(chunk), batch_size):
-      idx = chunk[b:b + batch_size]
-      if len(idx) < batch_size and drop_remainder:
-        continue
-      longest = int(lengths[idx].max())
-      batches.append((idx, next(s for s in sizes if s >= longest)))
-  if shuffle:
-    batches = [batches[i] for i in rng.permutation(len(batches))]
-  return arrays, batches
-
-
-def bucket_batches(features: dict[str, Any], batch_size: int,
-                   buckets: Sequence[int] = (32, 64, 128), shuffle: bool = False,
-                   seed: int = 0, window_batches: int = 50,
-                   drop_remainder: bool = False) -> Iterator[dict[str, np.ndarray]]:
-  """Batches whose sequence axis is cut to the smallest bucket that holds their longest example.
-
-  Examples are (optionally) shuffled, sorted by length within windows of `window_batches`
-  batches, cut into batches, and the batch order is shuffled. Every example appears exactly
-  once per epoch (the last batch may be smaller unless `drop_remainder`). Arrays of shape
-  [N, L, ...] are cut to the bucket; [N] arrays (labels, indices) are gathered; non-array
-  entries are left out. Use `example_index`/`feature_index` to map results back.
-  """
-  arrays, batches = _bucket_plan(features, batch_size, buckets, shuffle, seed, window_batches,
-                                 drop_remainder)
-  length = arrays['input_mask'].shape[1]
-  for idx, size in batches:
-    yield {k: (v[idx, :size] if v.ndim >= 2 and v.shape[1] == length else v[idx])
-           for k, v in arrays.items()}
-
-
-def padding_savings(features: dict[str, Any], batch_size: int,
-                    buckets: Sequence[int] = (32, 64, 128), seed: int = 0,
-                    window_batches: int = 50) -> dict[str, float]:
-  """Share of padded tokens with fixed-length batches vs bucketed ones (one shuffled epoch)."""
-  arrays, batches = _bucket_plan(features, batch_size, buckets, True, seed, window_batches,
-                                 False)
-  n, length = arrays['input_mask'].shape
-  real = int(arrays['input_mask'].sum())
-  bucketed = sum(len(idx) * size for idx, size in batches)
-  return {'real_tokens': real, 'fixed_tokens': n * length, 'bucketed_tokens': bucketed,
-          'fixed_pad_share': 1 - real / (n * length),
-          'bucketed_pad_share': 1 - real / bucketed,
-          'tokens_saved_share': 1 - bucketed / (n * length)}
 
 
 # ---------------------------------------------------------------------------------------------

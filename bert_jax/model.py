@@ -171,6 +171,13 @@ def config_for_size(size: str, **overrides) -> BertConfig:
                     intermediate_size=4 * hidden, **overrides)
 
 
+def resolve_dtype(name: str) -> str:
+  """A config's `model.dtype`: 'auto' is bfloat16 on GPUs and TPUs, float32 on CPUs."""
+  if name == 'auto':
+    return 'bfloat16' if jax.default_backend() in ('gpu', 'tpu') else 'float32'
+  return name
+
+
 def check_seq_len(seq_len: int, max_position_embeddings: int,
                   key: str = 'data.max_seq_length') -> None:
   """Refuses sequences longer than the model has position embeddings, before any work."""

@@ -1,5 +1,6 @@
 """What a training run reports and listens to: metrics, progress, preemption.
 
+- `summarize`: the (sum, count) pairs of steps or batches as averages.
 - `MetricsLog`: metrics.jsonl + TensorBoard on process 0, one tag scheme for every run:
   `train/<name>` for training metrics, `eval/<name>` for evaluations (a run with several
   evaluation sets: `eval/<set>/<name>`).
@@ -14,11 +15,28 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 
-from bert_jax import checkpoint as ckpt_lib
+from bert_jax import fileio
 
 METRICS_FILE = 'metrics.jsonl'
+
+
+def summarize(metrics: list[dict[str, Any]]) -> dict[str, float]:
+  """Averages of a run of steps' or batches' metrics (host values): (sum, count) pairs are
+  summed and divided, so padded rows and uneven batches count exactly; plain scalars are
+  averaged."""
+  out = {}
+  for key in metrics[0]:
+    vals = [m[key] for m in metrics]
+    if isinstance(vals[0], (tuple, list)):
+      total = sum(float(v[0]) for v in vals)
+      count = sum(float(v[1]) for v in vals)
+      out[key] = total / max(count, 1e-9)
+    else:
+      out[key] = float(np.mean([float(v) for v in vals]))
+  return out
 
 
 class MetricsLog:
@@ -45,7 +63,7 @@ class MetricsLog:
       return
     self.writer.write_scalars(step, {prefix + k: v for k, v in scalars.items() if v is not None})
     # gfile appends on Cloud Storage too (it rewrites the object).
-    with ckpt_lib.gfile().GFile(self.path, 'a') as f:
+    with fileio.gfile().GFile(self.path, 'a') as f:
       f.write(json.dumps(dict(step=step, **extra, **scalars)) + '\n')
 
   def close(self) -> None:
@@ -57,7 +75,7 @@ def truncate_metrics(workdir: str, after_step: int | None) -> None:
   """Drops rows of metrics.jsonl past `after_step` (all of them for None): a resumed run
   writes those steps again, and its log must read like an uninterrupted run's."""
   path = os.path.join(workdir, METRICS_FILE)
-  fs = ckpt_lib.gfile()
+  fs = fileio.gfile()
   if jax.process_index() != 0 or not fs.exists(path):
     return
   with fs.GFile(path) as f:

@@ -14,8 +14,8 @@ from absl import logging
 import ml_collections
 import numpy as np
 
+from bert_jax import batching
 from bert_jax import fileio
-from bert_jax import glue
 from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import tasks
@@ -137,7 +137,7 @@ def convert_sentences(sentences: Sequence[Sentence], tok, max_seq_length: int,
   if room < 1:
     raise UserError(f'max_seq_length={max_seq_length} leaves no room for words')
   label_map = {l: i for i, l in enumerate(label_list)}
-  flat = glue.encode_in_chunks(tok, [w for s in sentences for w in s.words])
+  flat = batching.encode_in_chunks(tok, [w for s in sentences for w in s.words])
   num_empty = num_long = 0
   windows = []  # (sentence index, first word, pieces of each word in the window)
   position = 0

@@ -31,7 +31,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from bert_jax import checkpoint as ckpt_lib
+from bert_jax import batching
+from bert_jax import convert
 from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import metrics
@@ -100,10 +101,8 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
     {'task', 'input_format' (as read), 'examples', 'output'} (+ 'files': the other files
     written), and 'metrics' for an input with labels.
   """
-  from bert_jax import finetune  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   from bert_jax import squad  # pylint: disable=g-import-not-at-top
-  from bert_jax import train  # pylint: disable=g-import-not-at-top
   input_pipeline.hide_accelerators_from_tf()
   task_path = f'{workdir}/task.json'
   if not fileio.exists(task_path):
@@ -111,8 +110,8 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
   if not fileio.exists(f'{workdir}/metrics.json'):
     raise UserError(f'--workdir={workdir} has no metrics.json: its fine-tuning run has not '
                     'finished (rerun its `bert-jax finetune` command to finish it)')
-  info = ckpt_lib.read_json(task_path)
-  run = ml_collections.ConfigDict(ckpt_lib.read_json(f'{workdir}/config.json'))
+  info = fileio.read_json(task_path)
+  run = ml_collections.ConfigDict(fileio.read_json(f'{workdir}/config.json'))
   kind = info['kind']
   if not fileio.isfile(input_path):
     raise UserError(f'--input={input_path}: no such file')
@@ -121,11 +120,11 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
                     'eval.batch_size)')
   batch_size = batch_size or int(run.eval.batch_size)
   input_format = _input_format(kind, input_path, input_format)
-  bert_config, params, tok, _, lower_case = finetune.load_checkpoint(workdir, flag='--workdir')
+  bert_config, params, tok, _, lower_case = convert.load_checkpoint(workdir, flag='--workdir')
   # The dtype the run evaluated in (workdirs written before task.json recorded it: the config's,
   # resolved here); XLA attention, which runs anywhere.
   dtype = (info['compute_dtype'] if 'compute_dtype' in info
-           else train.compute_dtype(run.model.dtype))
+           else model_lib.resolve_dtype(run.model.dtype))
   bert_config = bert_config.replace(dtype=dtype, scan_layers=False, attention_impl='xla')
   max_seq_length = int(info['max_seq_length'])
   labels = info['labels'] if kind != 'squad' else None
@@ -149,12 +148,12 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
     model, head = model_lib.BertForTokenClassification(bert_config,
                                                        num_labels=len(labels)), 'token'
 
-  step = jax.jit(functools.partial(finetune.predict_step, model=model, head=head))
+  step = jax.jit(functools.partial(tasks.predict_step, model=model, head=head))
   params = jax.device_put(params)
   index_key = None if kind == 'glue' else 'feature_index'
-  rows = finetune.predict_rows(lambda batch: step(params, batch),
+  rows = batching.predict_rows(lambda batch: step(params, batch),
                                tasks.subset(features, tasks.INPUTS, index_key),
-                               batch_size, finetune.parse_buckets(run.buckets))
+                               batch_size, batching.parse_buckets(run.buckets))
   result: dict[str, Any] = {'task': info['task'], 'input_format': input_format,
                             'examples': len(examples), 'output': output_path}
   scores = None
@@ -185,5 +184,5 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
     predicted, scores = ner.tags_and_scores(examples, features, rows, labels)
     ner.write_conll(output_path, examples, predicted)
   if scores is not None:
-    result['metrics'] = finetune.json_safe(scores)
+    result['metrics'] = fileio.json_safe(scores)
   return result

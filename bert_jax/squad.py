@@ -20,8 +20,8 @@ from absl import logging
 import ml_collections
 import numpy as np
 
+from bert_jax import batching
 from bert_jax import fileio
-from bert_jax import glue
 from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import tasks
@@ -194,7 +194,7 @@ def convert_examples(examples: Sequence[SquadExample], tok, max_seq_length: int 
     raise ValueError('convert_examples: no SQuAD examples')
   # Every tokenizer call has a fixed cost of milliseconds: tokenize all questions, paragraphs
   # (shared by their questions) and answers in a few large calls.
-  queries = glue.encode_in_chunks(tok, [e.question_text for e in examples])
+  queries = batching.encode_in_chunks(tok, [e.question_text for e in examples])
   max_doc_tokens = max_seq_length - min(max_query_length, max(map(len, queries))) - 3
   if max_doc_tokens < 1:
     raise UserError(f'max_seq_length={max_seq_length} leaves no room for the document with '
@@ -202,7 +202,7 @@ def convert_examples(examples: Sequence[SquadExample], tok, max_seq_length: int 
   if doc_stride < 1:
     raise UserError(f'doc_stride must be positive, got {doc_stride}')
   docs = list({id(e.doc_tokens): e.doc_tokens for e in examples}.items())
-  flat = glue.encode_in_chunks(tok, [w for _, words in docs for w in words])
+  flat = batching.encode_in_chunks(tok, [w for _, words in docs for w in words])
   doc_cache, position = {}, 0
   for key, words in docs:
     pieces = flat[position:position + len(words)]
@@ -214,7 +214,7 @@ def convert_examples(examples: Sequence[SquadExample], tok, max_seq_length: int 
   if answered and examples[answered[0]].start_position is None:
     raise ValueError('training features need answer positions: read the examples with '
                      'read_squad(..., is_training=True)')
-  answer_ids = dict(zip(answered, glue.encode_in_chunks(
+  answer_ids = dict(zip(answered, batching.encode_in_chunks(
       tok, [examples[i].orig_answer_text for i in answered])))
 
   rows = collections.defaultdict(list)

@@ -6,7 +6,7 @@ counts, so padded rows and uneven batches average exactly.
 """
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -39,6 +39,25 @@ class Task:
   main_metric: str
   metric_names: tuple[str, ...]
   info: dict
+
+
+def apply(model: nn.Module, params: Any, batch: dict[str, jax.Array], deterministic: bool,
+          rngs: dict[str, jax.Array] | None = None):
+  """A task model on a batch's `INPUTS`."""
+  return model.apply({'params': params}, *(batch[k] for k in INPUTS),
+                     deterministic=deterministic, rngs=rngs)
+
+
+def predict_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
+                 head: str) -> dict[str, jax.Array]:
+  """Outputs per row: logits [B, C] ('sequence'), tag ids [B, L] ('token'), or start and end
+  logits [B, 2, L] ('span'); with the row's index and weight."""
+  outputs = apply(model, params, batch, True)
+  if head == 'span':
+    outputs = jnp.stack(outputs, axis=1)
+  elif head == 'token':
+    outputs = jnp.argmax(outputs, axis=-1).astype(jnp.int32)
+  return {'outputs': outputs, 'index': batch['index'], 'weight': batch['weight']}
 
 
 def subset(features: dict, keys: Sequence[str], index_key: str | None = None) -> dict:

@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 
 from bert_jax import attention
 from bert_jax import checkpoint as ckpt_lib
+from bert_jax import fileio
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
 from bert_jax import monitor
@@ -49,12 +50,6 @@ class Phase:
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_dtype(name: str) -> str:
-  if name == 'auto':
-    return 'bfloat16' if jax.default_backend() in ('gpu', 'tpu') else 'float32'
-  return name
-
-
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_lib.BertConfig:
   """The BertConfig of `config.model`, with the vocabulary size of the tokenizer."""
   m = config.model
@@ -66,8 +61,8 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_li
       max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size,
       hidden_dropout_prob=m.hidden_dropout_prob,
       attention_probs_dropout_prob=m.attention_probs_dropout_prob,
-      dtype=compute_dtype(m.dtype), scan_layers=m.scan_layers, remat_policy=m.remat_policy,
-      attention_impl=m.attention_impl)
+      dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
+      remat_policy=m.remat_policy, attention_impl=m.attention_impl)
 
 
 def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
@@ -200,16 +195,8 @@ def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module) -> 
 
 
 def summarize(metrics: list[dict[str, Any]], use_nsp: bool) -> dict[str, float]:
-  """Sums (sum, count) pairs over steps/batches into averages; averages plain scalars."""
-  out = {}
-  for key in metrics[0]:
-    vals = [m[key] for m in metrics]
-    if isinstance(vals[0], (tuple, list)):
-      total = sum(float(v[0]) for v in vals)
-      count = sum(float(v[1]) for v in vals)
-      out[key] = total / max(count, 1e-9)
-    else:
-      out[key] = float(np.mean([float(v) for v in vals]))
+  """`monitor.summarize`, without the sentence head's metrics when the objective has none."""
+  out = monitor.summarize(metrics)
   if not use_nsp:
     for k in ('nsp_loss', 'nsp_accuracy'):
       out.pop(k, None)
@@ -287,13 +274,13 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
                     'fine-tuned model has no pre-training metrics')
   m = config.model
   bert_config = loaded_config.replace(
-      dtype=compute_dtype(m.dtype), scan_layers=m.scan_layers, remat_policy=m.remat_policy,
-      attention_impl=m.attention_impl)
+      dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
+      remat_policy=m.remat_policy, attention_impl=m.attention_impl)
   use_nsp = config.data.objective != 'none' and 'nsp' in params
   params = model_lib.with_nsp_head(params, bert_config.hidden_size)  # Not reported without.
   # The phase of the last step: a workdir's latest checkpoint, else where the run would end.
   phases = parse_phases(config)
-  steps = ckpt_lib.checkpoint_steps(checkpoint) if ckpt_lib.gfile().isdir(checkpoint) else []
+  steps = ckpt_lib.checkpoint_steps(checkpoint) if fileio.isdir(checkpoint) else []
   last = steps[-1] if steps else (int(config.train.stop_at_step) or int(config.train.steps))
   phase = phase_at(phases, last - 1)
   model = model_lib.BertForPreTraining(bert_config)
@@ -374,7 +361,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   One run at a time per workdir: a second one is refused while this one holds its lock.
   """
-  workdir = ckpt_lib.workdir_path(workdir)
+  workdir = fileio.workdir_path(workdir)
   with ckpt_lib.workdir_lock(workdir):
     return _train_and_evaluate(config, workdir)
 

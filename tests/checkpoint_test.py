@@ -12,6 +12,7 @@ import tensorflow as tf
 from clu import data as clu_data
 
 from bert_jax import checkpoint
+from bert_jax import fileio
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
 
@@ -38,7 +39,7 @@ def test_data_state_on_a_non_local_filesystem():
     next(it)
   for step in (10, 20):
     path = checkpoint._data_state_path(workdir, step)
-    checkpoint.gfile().makedirs(os.path.dirname(path))
+    fileio.gfile().makedirs(os.path.dirname(path))
     it.save(path)
   resumed = _iterator()
   assert checkpoint.restore_data_state(workdir, 20, resumed)
@@ -46,7 +47,7 @@ def test_data_state_on_a_non_local_filesystem():
   assert not checkpoint.restore_data_state(workdir, 30, _iterator())
   # Step 10 is no longer a committed checkpoint: its data state goes.
   checkpoint._clean_data_states(_Manager([20]), workdir, keep_step=20)
-  assert sorted(checkpoint.gfile().listdir(os.path.join(workdir, 'data_state'))) == ['20']
+  assert sorted(fileio.gfile().listdir(os.path.join(workdir, 'data_state'))) == ['20']
 
 
 def test_process_1_does_not_take_process_10s_state(monkeypatch):
@@ -54,7 +55,7 @@ def test_process_1_does_not_take_process_10s_state(monkeypatch):
   it = _iterator()
   monkeypatch.setattr(checkpoint.jax, 'process_index', lambda: 10)
   path = checkpoint._data_state_path(workdir, 5)
-  checkpoint.gfile().makedirs(os.path.dirname(path))
+  fileio.gfile().makedirs(os.path.dirname(path))
   it.save(path)
   monkeypatch.setattr(checkpoint.jax, 'process_index', lambda: 1)
   assert not checkpoint.restore_data_state(workdir, 5, _iterator())
@@ -67,7 +68,7 @@ def test_run_files_on_a_non_local_filesystem(tmp_path):
   config = model_lib.BertConfig(vocab_size=2, hidden_size=8, num_hidden_layers=1,
                                 num_attention_heads=2, intermediate_size=16)
   checkpoint.write_run_files(workdir, '{"a": 1}', config, str(vocab))
-  fs = checkpoint.gfile()
+  fs = fileio.gfile()
   assert json.loads(fs.GFile(os.path.join(workdir, 'config.json')).read()) == {'a': 1}
   written = json.loads(fs.GFile(os.path.join(workdir, 'bert_config.json')).read())
   assert written == config.to_original_dict()

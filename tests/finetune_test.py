@@ -18,10 +18,12 @@ import jax
 import numpy as np
 import pytest
 
+from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import cli
 from bert_jax import convert
 from bert_jax import errors
+from bert_jax import fileio
 from bert_jax import finetune
 from bert_jax import glue
 from bert_jax import model as model_lib
@@ -105,13 +107,13 @@ def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints
   config = _glue_config(checkpoints['hf'], data_dir, predict_test=True,
                         **{'train.learning_rate': 3e-3, 'train.epochs': 4})
   planned = []
-  bucket_batches = glue.bucket_batches
+  bucket_batches = batching.bucket_batches
 
   def spy(features, batch_size, buckets, shuffle=False, **kw):
     planned.append((shuffle, kw.get('window_batches', 50)))
     return bucket_batches(features, batch_size, buckets, shuffle=shuffle, **kw)
 
-  monkeypatch.setattr(glue, 'bucket_batches', spy)
+  monkeypatch.setattr(batching, 'bucket_batches', spy)
   result = finetune.finetune(config, workdir)
   # Training batches are uniform random draws by default, as in the recipe's reference
   # implementations (run_classifier.py, transformers' Trainer); evaluation may sort.
@@ -192,8 +194,8 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   rng = random.Random(3)
   for split, n in (('train', 64), ('dev', 32)):
     labels = [rng.randint(0, 1) for _ in range(n)]
-    ckpt_lib.gfile().makedirs(f'{data_dir}/SST-2')
-    with ckpt_lib.gfile().GFile(f'{data_dir}/SST-2/{split}.tsv', 'w') as f:
+    fileio.gfile().makedirs(f'{data_dir}/SST-2')
+    with fileio.gfile().GFile(f'{data_dir}/SST-2/{split}.tsv', 'w') as f:
       f.write('sentence\tlabel\n' + ''.join(f'{_sentence(rng, l)}\t{l}\n' for l in labels))
   # 4 steps an epoch; a checkpoint every 3 steps as well as after each epoch. One length (no
   # buckets): one compiled step per run.
@@ -398,8 +400,8 @@ def test_squad_runs_end_to_end(checkpoints, tmp_path):
   # The same weights read as a SQuAD 2.0 model: no-answer odds beside the answers, 2.0 metrics.
   v2 = str(tmp_path / 'run_v2')
   shutil.copytree(workdir, v2)
-  ckpt_lib.write_json(os.path.join(v2, 'task.json'),
-                      dict(ckpt_lib.read_json(os.path.join(v2, 'task.json')), version_2=True))
+  fileio.write_json(os.path.join(v2, 'task.json'),
+                      dict(fileio.read_json(os.path.join(v2, 'task.json')), version_2=True))
   summary = predict.predict(v2, dev_file, str(tmp_path / 'answers_v2.json'))
   with open(summary['files']['null_odds']) as f:
     assert sorted(json.load(f)) == qids[16:]
@@ -567,6 +569,6 @@ def test_predict_needs_a_finished_finetuning_workdir(checkpoints, tmp_path):
   for workdir, message in ((checkpoints['bert_jax'], 'has no task.json: not a bert_jax '
                             'fine-tuning workdir'), (str(tmp_path), 'has no metrics.json')):
     if workdir == str(tmp_path):
-      ckpt_lib.write_json(str(tmp_path / 'task.json'), {'kind': 'glue'})
+      fileio.write_json(str(tmp_path / 'task.json'), {'kind': 'glue'})
     with pytest.raises(errors.UserError, match=message):
       predict.predict(workdir, data, str(tmp_path / 'out.jsonl'))

@@ -7,6 +7,7 @@ import string
 import numpy as np
 import pytest
 
+from bert_jax import batching
 from bert_jax import glue
 from bert_jax import tokenization
 from bert_jax.errors import UserError
@@ -202,7 +203,7 @@ def test_bucket_batches_cover_every_example_once_at_the_smallest_bucket():
   features = _random_features(1000, 128)
   seen = []
   shapes = set()
-  for batch in glue.bucket_batches(features, 32, (32, 64, 128), shuffle=True, seed=3,
+  for batch in batching.bucket_batches(features, 32, (32, 64, 128), shuffle=True, seed=3,
                                    window_batches=4):
     assert 'notes' not in batch
     length = batch['input_ids'].shape[1]
@@ -222,7 +223,7 @@ def test_bucket_batches_shuffle_is_seeded_and_drop_remainder():
   features = _random_features(200, 64)
 
   def order(**kw):
-    return np.concatenate([b['example_index'] for b in glue.bucket_batches(features, 16, **kw)])
+    return np.concatenate([b['example_index'] for b in batching.bucket_batches(features, 16, **kw)])
 
   np.testing.assert_array_equal(order(shuffle=True, seed=1), order(shuffle=True, seed=1))
   assert not np.array_equal(order(shuffle=True, seed=1), order(shuffle=True, seed=2))
@@ -230,7 +231,7 @@ def test_bucket_batches_shuffle_is_seeded_and_drop_remainder():
   plain = order(shuffle=False, window_batches=100)
   lengths = features['input_mask'].sum(1)[plain]
   assert np.all(np.diff(lengths) >= 0)
-  dropped = list(glue.bucket_batches(features, 16, shuffle=True, drop_remainder=True))
+  dropped = list(batching.bucket_batches(features, 16, shuffle=True, drop_remainder=True))
   assert all(len(b['label']) == 16 for b in dropped) and len(dropped) == 200 // 16
 
 
@@ -242,7 +243,7 @@ def test_window_of_one_batch_keeps_batches_uniform_draws():
   base_rate = features['label'].mean()
 
   def label_shares(window):
-    return np.array([b['label'].mean() for b in glue.bucket_batches(
+    return np.array([b['label'].mean() for b in batching.bucket_batches(
         features, 32, shuffle=True, seed=5, window_batches=window)])
 
   sorted_shares, uniform_shares = label_shares(50), label_shares(1)
@@ -252,14 +253,14 @@ def test_window_of_one_batch_keeps_batches_uniform_draws():
   binomial_std = np.sqrt(base_rate * (1 - base_rate) / 32)
   assert np.std(uniform_shares) < 1.5 * binomial_std < np.std(sorted_shares)
   # Still bucketed: no batch is longer than the bucket its longest row needs.
-  report = glue.padding_savings(features, 32, window_batches=1)
+  report = batching.padding_savings(features, 32, window_batches=1)
   assert report['bucketed_tokens'] < report['fixed_tokens']
-  assert report['bucketed_tokens'] > glue.padding_savings(features, 32)['bucketed_tokens']
+  assert report['bucketed_tokens'] > batching.padding_savings(features, 32)['bucketed_tokens']
 
 
 def test_padding_savings_report():
   features = _random_features(2000, 128)
-  report = glue.padding_savings(features, 32)
+  report = batching.padding_savings(features, 32)
   real = int(features['input_mask'].sum())
   assert report['real_tokens'] == real and report['fixed_tokens'] == 2000 * 128
   assert real <= report['bucketed_tokens'] < report['fixed_tokens']

@@ -8,8 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
+from bert_jax import batching
 from bert_jax import cli
-from bert_jax import glue
 from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import squad
@@ -273,10 +273,10 @@ def test_bad_input_and_bucketing(tok, caplog):
     squad.decode_predictions(examples, train, np.zeros((1, 128)), np.zeros((1, 128)))
   with pytest.raises(ValueError, match='leaves no room'):
     squad.convert_examples(examples, tok, 10, 4, 8)
-  batches = list(glue.bucket_batches(f, 4, buckets=(32, 64, 128)))  # Strings are left out.
+  batches = list(batching.bucket_batches(f, 4, buckets=(32, 64, 128)))  # Strings are left out.
   assert batches[0]['input_ids'].shape == (1, 128) and 'tokens' not in batches[0]
   f = squad.convert_examples(examples, tok, 128, 32, 64)
-  batches = list(glue.bucket_batches(f, 4, buckets=(32, 64, 128)))
+  batches = list(batching.bucket_batches(f, 4, buckets=(32, 64, 128)))
   assert batches[0]['input_ids'].shape == (1, 128) and 'tokens' not in batches[0]
 
 

@@ -1,0 +1,64 @@
+"""The package's import graph: drivers on top, libraries below, the CLI above all.
+
+Read from the source (every import, module-level or inside a function), so no module needs to
+be imported to check it: a library that reached up into a driver would fail here, not in a
+review.
+"""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, 'bert_jax')
+# The drivers: one straight function each, from a config to a trained model.
+DRIVERS = {'train', 'finetune'}
+# What may import a driver: the command line, and the ahead-of-time compiler, which compiles
+# the driver's exact train step (as MaxText's train_compile.py reuses train.py's).
+DRIVER_USERS = {'cli', 'aot'}
+
+
+def _imports(path: str) -> set[str]:
+  """The bert_jax modules that the Python file at `path` imports, anywhere in it."""
+  with open(path, encoding='utf-8') as f:
+    tree = ast.parse(f.read(), path)
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      found |= {a.name.split('.')[1] for a in node.names if a.name.startswith('bert_jax.')}
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      if node.module == 'bert_jax':
+        found |= {a.name for a in node.names}
+      elif node.module.startswith('bert_jax.'):
+        found.add(node.module.split('.')[1])
+  return found
+
+
+def _graph() -> dict[str, set[str]]:
+  return {name[:-3]: _imports(os.path.join(PACKAGE, name))
+          for name in sorted(os.listdir(PACKAGE)) if name.endswith('.py')}
+
+
+def test_the_graph_is_read():
+  graph = _graph()
+  # What the checks below rely on: every module found, and imports of both kinds seen.
+  assert DRIVERS | DRIVER_USERS <= set(graph)
+  assert 'model' in graph['train'] and 'input_pipeline' in graph['train']  # One inside a def.
+  assert 'train' in graph['cli'] and 'finetune' in graph['cli']
+
+
+def test_only_the_cli_and_aot_import_a_driver():
+  edges = sorted(f'{user} imports {driver}' for user, imported in _graph().items()
+                 for driver in imported & DRIVERS if user not in DRIVER_USERS)
+  assert not edges, ('libraries must not import a driver: move what they take into the '
+                     f'library whose concern it is: {edges}')
+
+
+def test_drivers_import_libraries_only():
+  edges = sorted(f'{driver} imports {other}' for driver in DRIVERS
+                 for other in _graph()[driver] & (DRIVERS | DRIVER_USERS) - {driver})
+  assert not edges, f'a driver imports another driver or the CLI: {edges}'
+
+
+def test_nothing_imports_the_cli():
+  users = sorted(user for user, imported in _graph().items() if 'cli' in imported)
+  assert not users, f'{users} import the CLI; config files load through config_files'
