@@ -29,7 +29,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from bert_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-from bert_jax import cli
+from bert_jax import config_files
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import optim
@@ -42,7 +42,7 @@ SETTINGS = {128: (128, 20, 32), 512: (512, 80, 8)}
 
 
 def _config(args, seq_len: int, preds: int, batch: int, packing: bool):
-  return cli.load_config('smoke', {
+  return config_files.load_config('smoke', {
       'model.size': args.size, 'data.max_seq_length': seq_len,
       'data.max_predictions_per_seq': preds, 'train.batch_size': batch,
       'data.packing': packing, 'data.input': args.input, 'data.vocab_file': args.vocab_file})

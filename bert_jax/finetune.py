@@ -49,6 +49,7 @@ from bert_jax import attention
 from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import convert
+from bert_jax import defaults
 from bert_jax import errors
 from bert_jax import fileio
 from bert_jax import glue
@@ -185,8 +186,8 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
           'tokenizer_config.json': {'do_lower_case': lower_case,
                                     'tokenizer_class': 'BertTokenizer'},
           'task.json': dict(task.info, kind=task.kind, main_metric=task.main_metric,
-                            max_seq_length=config.max_seq_length,
-                            init_checkpoint=config.init_checkpoint,
+                            max_seq_length=config.data.max_seq_length,
+                            init_checkpoint=config.train.init_checkpoint,
                             # What dev was evaluated in: `predict` reproduces it.
                             compute_dtype=model_lib.resolve_dtype(config.model.dtype))})
 
@@ -197,7 +198,7 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
 
 
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
-  """Fine-tunes `config.init_checkpoint` on `config.task`; returns the best epoch's metrics.
+  """Fine-tunes `config.train.init_checkpoint` on `config.task`; returns the best epoch's metrics.
 
   The result (also in <workdir>/metrics.json): task, main_metric, score (the main metric on
   the first dev set), epoch, step, learning_rate, and one dict of metrics per dev set ('dev';
@@ -206,6 +207,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   same call continues it. One run at a time per workdir, as in pre-training: a second one is
   refused while this one holds the workdir's lock.
   """
+  defaults.check_moved_keys(config)
   workdir = fileio.workdir_path(workdir)
   with ckpt_lib.workdir_lock(workdir):
     return _finetune(config, workdir)
@@ -232,11 +234,12 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
 
   # ---- Pre-trained encoder, tokenizer and task data ------------------------------------------
   pre_config, pretrained, tok, vocab_file, lower_case = convert.load_checkpoint(
-      config.init_checkpoint, config.vocab_file, config.lower_case, config.model.scan_layers,
-      flag='config.init_checkpoint')
-  if config.max_seq_length > pre_config.max_position_embeddings:
-    raise UserError(f'config.max_seq_length={config.max_seq_length} exceeds the checkpoint\'s '
-                    f'max_position_embeddings={pre_config.max_position_embeddings}')
+      config.train.init_checkpoint, config.data.vocab_file, config.data.lower_case,
+      config.model.scan_layers, flag='config.train.init_checkpoint')
+  if config.data.max_seq_length > pre_config.max_position_embeddings:
+    raise UserError(f'config.data.max_seq_length={config.data.max_seq_length} exceeds the '
+                    'checkpoint\'s max_position_embeddings='
+                    f'{pre_config.max_position_embeddings}')
   bert_config = pre_config.replace(
       dtype=model_lib.resolve_dtype(config.model.dtype),
       hidden_dropout_prob=config.model.hidden_dropout_prob,
@@ -252,13 +255,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
                            'random batches) or more batches to sort by length together')
   attention.check_config(config.model.attention_impl,
                          config.model.attention_probs_dropout_prob, jax.default_backend(),
-                         tuple(buckets or ()) + (config.max_seq_length,))
+                         tuple(buckets or ()) + (config.data.max_seq_length,))
   savings = batching.padding_savings(task.train, batch_size,
-                                     buckets or (config.max_seq_length,),
+                                     buckets or (config.data.max_seq_length,),
                                      window_batches=sort_window)
   logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '
                'fixed %d-token batches', config.task, num_train, buckets,
-               100 * (1 - savings['tokens_saved_share']), config.max_seq_length)
+               100 * (1 - savings['tokens_saved_share']), config.data.max_seq_length)
 
   # ---- Model and optimizer -------------------------------------------------------------------
   steps_per_epoch = math.ceil(num_train / batch_size)
@@ -268,17 +271,14 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
     raise UserError(f'config.train.stop_at_step={config.train.stop_at_step} must lie in '
                     f'[1, {total_steps}] ({config.train.epochs} epochs x {steps_per_epoch} '
                     'steps; 0 = run to the end)')
-  train_cfg = ml_collections.ConfigDict(dict(
-      optimizer=config.train.optimizer, learning_rate=config.train.learning_rate,
-      warmup_steps=int(config.train.warmup_proportion * total_steps), decay=config.train.decay,
-      beta1=config.train.beta1, beta2=config.train.beta2, eps=config.train.eps,
-      weight_decay=config.train.weight_decay, max_grad_norm=config.train.max_grad_norm))
-  tx, schedule = optim.make_optimizer(train_cfg, total_steps)
+  warmup_steps = int(config.train.warmup_proportion * total_steps)
+  tx, schedule = optim.make_optimizer(config.train, total_steps, warmup_steps)
   _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
 
   # ---- Abstract init and shardings -----------------------------------------------------------
   abstract, shardings = abstract_state_and_shardings(task.model, tx, mesh, rules)
-  _check_same_tree(pretrained['bert'], abstract.params['bert'], config.init_checkpoint)
+  _check_same_tree(pretrained['bert'], abstract.params['bert'],
+                   config.train.init_checkpoint)
 
   # ---- Restore, or init: pre-trained encoder, fresh head --------------------------------------
   # Every save keeps the train state (for resume) and, in `meta`, the best epoch so far, whose
@@ -295,7 +295,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
                        config.train.seed)
     params['bert'] = state_lib.put_sharded(pretrained['bert'], shardings.params['bert'])
     ignored = sorted(set(pretrained) - {'bert'})
-    logging.info('Encoder from %s; fresh head %s%s', config.init_checkpoint,
+    logging.info('Encoder from %s; fresh head %s%s', config.train.init_checkpoint,
                  sorted(set(params) - {'bert'}),
                  f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')
     with sharding_lib.activate(mesh, rules):
@@ -338,7 +338,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   # ---- Loop ----------------------------------------------------------------------------------
   logging.info('%s: %d epochs x %d steps of %d sequences, peak lr %g, %d warmup steps',
                config.task, config.train.epochs, steps_per_epoch, batch_size,
-               config.train.learning_rate, train_cfg.warmup_steps)
+               config.train.learning_rate, warmup_steps)
   bar = monitor.progress(total_steps, step, is_main and config.log.progress)
   every = int(config.checkpoint.every_steps)
   stopped = False

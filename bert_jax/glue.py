@@ -415,12 +415,13 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       raise UserError('config.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
     read = lambda task, split: read_task(task, config.data_dir, split)
   elif config.data_source == 'tfds':
-    read = lambda task, split: read_tfds(task, split, config.tfds_data_dir or None)
+    read = lambda task, split: read_tfds(task, split, config.data.tfds_data_dir or None)
   else:
     raise UserError(f"config.data_source={config.data_source!r}: expected 'tsv' or 'tfds'")
 
   def convert_split(task, split):
-    return convert_examples(read(task, split), tok, config.max_seq_length, label_list)
+    return convert_examples(read(task, split), tok, config.data.max_seq_length,
+                            label_list)
 
   regression = label_list is None
 
@@ -435,7 +436,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
 
   def test_set(task, split):
     examples = read(task, split)
-    feats = convert_examples(examples, tok, config.max_seq_length, label_list)
+    feats = convert_examples(examples, tok, config.data.max_seq_length, label_list)
     ids = [e.guid.split('-', 1)[1] for e in examples]
     indices = [int(i) for i in ids] if all(i.isdigit() for i in ids) else None
 

@@ -323,7 +323,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
 
   def eval_set(name, path):
     sentences = read_conll(path)
-    feats = convert_sentences(sentences, tok, config.max_seq_length, label_list)
+    feats = convert_sentences(sentences, tok, config.data.max_seq_length, label_list)
 
     def evaluate(rows):
       predicted, scores = tags_and_scores(sentences, feats, rows, label_list)
@@ -335,7 +335,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   test = []
   if config.predict_test:
     test = [eval_set('test', _conll_file(config.data_dir, ['test.txt'], 'test'))]
-  train = convert_sentences(train_sentences, tok, config.max_seq_length, label_list)
+  train = convert_sentences(train_sentences, tok, config.data.max_seq_length, label_list)
   return tasks.Task(
       kind='ner', head='token',
       model=model_lib.BertForTokenClassification(bert_config, num_labels=len(label_list)),

@@ -512,8 +512,8 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   suffix = 'v2.0' if version_2 else 'v1.1'
   train_file = config.train_file or os.path.join(config.data_dir, f'train-{suffix}.json')
   predict_file = config.predict_file or os.path.join(config.data_dir, f'dev-{suffix}.json')
-  convert_args = dict(max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
-                      max_query_length=config.max_query_length)
+  convert_args = dict(max_seq_length=config.data.max_seq_length,
+                      doc_stride=config.doc_stride, max_query_length=config.max_query_length)
   train_examples = _read_squad(train_file, True, 'config.train_file')
   train = convert_examples(train_examples, tok, is_training=True, **convert_args)
   dev_examples = _read_squad(predict_file, False, 'config.predict_file')
