@@ -57,7 +57,7 @@ def setup_jax(args, config):
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
   step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
                                     state_lib.dropout_rng(config.train),
-                                    config.train.grad_accum_steps, True)
+                                    config.train.grad_accum_steps, 'nsp')
   bsh = sharding_lib.batch_sharding(mesh)
   if args.real_data:
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top

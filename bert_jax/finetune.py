@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -52,15 +51,12 @@ from bert_jax import convert
 from bert_jax import defaults
 from bert_jax import errors
 from bert_jax import fileio
-from bert_jax import glue
 from bert_jax import input_pipeline
-from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import monitor
-from bert_jax import ner
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
-from bert_jax import squad
+from bert_jax import task_table
 from bert_jax import tasks
 from bert_jax import train_state as state_lib
 from bert_jax.errors import UserError
@@ -68,67 +64,8 @@ from bert_jax.errors import UserError
 PREDICTIONS_DIR = 'predictions'
 
 # ---------------------------------------------------------------------------------------------
-# Tasks
-# ---------------------------------------------------------------------------------------------
-
-
-def task_kind(task: str) -> str:
-  """'glue', 'squad' or 'ner' of a config.task (unknown names are an error)."""
-  name = task.lower().replace('-', '_').replace('.', '')
-  if name in ('squad_v1', 'squad_v11', 'squad_v2', 'squad_v20'):
-    return 'squad'
-  if name in ('ner', 'conll2003'):
-    return 'ner'
-  try:
-    metrics.canonical_task(task)
-  except ValueError:
-    raise UserError(f'config.task={task!r}: expected a GLUE task, squad_v1, squad_v2 or '
-                    'ner') from None
-  return 'glue'
-
-
-def build_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
-               lower_case: bool) -> tasks.Task:
-  """The task's data (tokenized), model, loss and scoring from `config` (see tasks.py)."""
-  kind = task_kind(config.task)
-  if kind == 'glue':
-    task = glue.make_task(config, tok, bert_config)
-  elif kind == 'squad':
-    task = squad.make_task(config, tok, bert_config, lower_case)
-  else:
-    task = ner.make_task(config, tok, bert_config)
-  if config.eval.main_metric:
-    if config.eval.main_metric not in task.metric_names:
-      raise UserError(f'config.eval.main_metric={config.eval.main_metric!r} is not a metric of '
-                      f'{config.task}: {list(task.metric_names)}')
-    task.main_metric = config.eval.main_metric
-  return task
-
-
-# ---------------------------------------------------------------------------------------------
 # Pure steps
 # ---------------------------------------------------------------------------------------------
-
-
-def loss_fn(model: nn.Module, task_loss) -> state_lib.LossFn:
-  """The task's mean loss over the whole batch's labels, dropout on (for
-  `train_state.train_step`; padded rows weigh nothing)."""
-
-  def fn(params, micro, rng, batch):
-    outputs = tasks.apply(model, params, micro, False, {'dropout': rng})
-    total, _, step_metrics = task_loss(outputs, micro)
-    return total / jnp.maximum(tasks.label_count(batch), 1.0), step_metrics
-  return fn
-
-
-def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformation,
-                                 mesh: jax.sharding.Mesh, rules):
-  """(abstract TrainState, its NamedShardings) of a fine-tuning model, allocating nothing."""
-  ids = jnp.zeros((1, 8), jnp.int32)
-  abstract, shardings, _ = state_lib.abstract_state(
-      lambda rng: model.init({'params': rng}, ids, ids, ids, deterministic=True)['params'],
-      tx, mesh, rules)
-  return abstract, shardings
 
 
 def init_head(abstract_params: dict, shardings: dict, initializer_range: float,
@@ -246,7 +183,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
       attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
       scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy,
       attention_impl=config.model.attention_impl)
-  task = build_task(config, tok, bert_config, lower_case)
+  task = task_table.make_task(config, tok, bert_config, lower_case)
   num_train = len(task.train['input_ids'])
   buckets = batching.parse_buckets(config.buckets)
   sort_window = int(config.train.length_sort_window)
@@ -276,7 +213,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
 
   # ---- Abstract init and shardings -----------------------------------------------------------
-  abstract, shardings = abstract_state_and_shardings(task.model, tx, mesh, rules)
+  abstract, shardings, _ = state_lib.abstract_state(tasks.init_fn(task.model), tx, mesh,
+                                                    rules)
   _check_same_tree(pretrained['bert'], abstract.params['bert'],
                    config.train.init_checkpoint)
 
@@ -306,8 +244,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
 
   # ---- Steps ---------------------------------------------------------------------------------
   batch_sharding = sharding_lib.batch_sharding(mesh)
-  train_step = state_lib.build_train_step(
-      loss_fn(task.model, task.loss_fn), tx, mesh, rules, shardings,
+  train_step = state_lib.jit_step(
+      tasks.train_apply(task.model), task.loss_fn, tx, mesh, rules, shardings,
       state_lib.dropout_rng(config.train), config.train.grad_accum_steps)
   jit_predict = jax.jit(functools.partial(tasks.predict_step, model=task.model, head=task.head),
                         in_shardings=(shardings.params, batch_sharding),
