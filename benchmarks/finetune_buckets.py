@@ -11,7 +11,7 @@ Sequences are synthetic with SST-2's length distribution: the token count of a p
 its longest sentence is 66 tokens. The timed loop is `finetune`'s: `batching.batches` (shuffled,
 uniform random batches or, with --length_sort_window=N, sorted by length within windows of N
 batches as config.train.length_sort_window does; weight-0 filler rows) feeding the jitted
-`train_state.build_train_step` with `finetune.loss_fn` of BertForSequenceClassification with
+`train_state.jit_step` with `tasks.classification_loss` of BertForSequenceClassification with
 AdamW. Every bucket's step is compiled (and that compile time reported) before timing; then
 whole epochs are timed in alternating rounds (fixed, bucketed, fixed, ...) and the best of each
 setting is reported.
@@ -32,7 +32,6 @@ import numpy as np
 
 from bert_jax import defaults  # pylint: disable=g-import-not-at-top
 from bert_jax import batching
-from bert_jax import finetune
 from bert_jax import model as model_lib
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
@@ -56,10 +55,10 @@ def sst2_like_features(num_examples: int, max_seq_length: int, vocab_size: int,
 def prepare(features, buckets, args, model, tx, mesh, rules):
   """(one timed epoch -> seconds, compile seconds, the epoch's batches) of a bucket setting;
   the step is compiled for every bucket here, before any timing."""
-  _, shardings = finetune.abstract_state_and_shardings(model, tx, mesh, rules)
+  _, shardings, _ = state_lib.abstract_state(tasks.init_fn(model), tx, mesh, rules)
   batch_sharding = sharding_lib.batch_sharding(mesh)
-  step = state_lib.build_train_step(finetune.loss_fn(model, tasks.classification_loss), tx,
-                                    mesh, rules, shardings, jax.random.key(1))
+  step = state_lib.jit_step(tasks.train_apply(model), tasks.classification_loss, tx, mesh,
+                            rules, shardings, jax.random.key(1))
   plan = list(batching.batches(features, args.batch_size, buckets, shuffle=True, seed=1,
                                window_batches=args.length_sort_window))
   params = model_lib.init_params(model.config, jax.random.key(0), type(model), num_labels=2)

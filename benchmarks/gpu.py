@@ -274,7 +274,7 @@ class JaxCase:
     self.abstract, self.shardings, self.init = train_lib.abstract_state_and_shardings(
         model, tx, self.mesh, self.rules)
     self.step = train_lib.build_train_step(model, tx, self.mesh, self.rules, self.shardings,
-                                           state_lib.dropout_rng(self.config.train), 1, True)
+                                           state_lib.dropout_rng(self.config.train), 1, 'nsp')
     make = packed_batch if s['packing'] else padded_batch
     self.host_batches = [make(rows, s['seq_len'], s['max_predictions'], a.vocab_size,
                               s['fill'], seed=i) for i in range(2)]

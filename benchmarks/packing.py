@@ -29,9 +29,10 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from bert_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-from bert_jax import cli
+from bert_jax import config_files
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
+from bert_jax import monitor
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train as train_lib
@@ -42,7 +43,7 @@ SETTINGS = {128: (128, 20, 32), 512: (512, 80, 8)}
 
 
 def _config(args, seq_len: int, preds: int, batch: int, packing: bool):
-  return cli.load_config('smoke', {
+  return config_files.load_config('smoke', {
       'model.size': args.size, 'data.max_seq_length': seq_len,
       'data.max_predictions_per_seq': preds, 'train.batch_size': batch,
       'data.packing': packing, 'data.input': args.input, 'data.vocab_file': args.vocab_file})
@@ -82,7 +83,7 @@ def _stepper(config, batches):
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
   step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
                                     state_lib.dropout_rng(config.train), 1,
-                                    config.data.objective != 'none')
+                                    config.data.objective)
   bsh = sharding_lib.batch_sharding(mesh)
   placed = [sharding_lib.make_global_batch(b, bsh) for b in batches]
   real = [int(b['input_mask'].sum()) for b in batches]
@@ -165,14 +166,13 @@ def learning(args):
   config = _config(args, seq_len, preds, batch, False)
   bert_config = train_lib.model_config(config, len(open(vocab).read().splitlines()))
   model = model_lib.BertForPreTraining(bert_config)
-  step = jax.jit(lambda p, b: train_lib.eval_step(p, b, model=model))
+  step = jax.jit(lambda p, b: train_lib.eval_step(p, b, model=model, objective='nsp'))
   ds = input_pipeline.make_pretraining_dataset(config.data, batch_size=batch, seq_len=seq_len,
                                                max_predictions=preds, train=False,
                                                vocab_file=vocab)
   batches = list(ds.take(args.eval_batches).as_numpy_iterator())
   for packing in (False, True):
-    metrics = train_lib.summarize([jax.device_get(step(params[packing], b)) for b in batches],
-                                  use_nsp=True)
+    metrics = monitor.summarize([jax.device_get(step(params[packing], b)) for b in batches])
     name = 'packed' if packing else 'padded'
     out[f'{name}_eval_mlm_accuracy'] = round(metrics['mlm_accuracy'], 4)
     out[f'{name}_eval_mlm_loss'] = round(metrics['mlm_loss'], 4)

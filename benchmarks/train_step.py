@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from bert_jax import cli  # pylint: disable=g-import-not-at-top
+from bert_jax import config_files  # pylint: disable=g-import-not-at-top
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
 from bert_jax import optim
@@ -57,7 +57,7 @@ def setup_jax(args, config):
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
   step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
                                     state_lib.dropout_rng(config.train),
-                                    config.train.grad_accum_steps, True)
+                                    config.train.grad_accum_steps, 'nsp')
   bsh = sharding_lib.batch_sharding(mesh)
   if args.real_data:
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
@@ -180,7 +180,7 @@ def main():
   parser.add_argument('--compare_torch', action='store_true')
   args = parser.parse_args()
   args.max_predictions = args.max_predictions or max(1, round(args.seq_len * 20 / 128))
-  config = cli.load_config('configs/smoke.py', {
+  config = config_files.load_config('configs/smoke.py', {
       'model.size': args.size, 'model.dtype': args.dtype, 'model.attention_impl':
       args.attention_impl, 'model.remat_policy': args.remat, 'model.scan_layers':
       args.scan_layers, 'model.hidden_dropout_prob': args.dropout,

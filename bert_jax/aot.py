@@ -154,7 +154,7 @@ def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfi
   step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
                                     state_lib.dropout_rng(config.train),
                                     config.train.grad_accum_steps,
-                                    config.data.objective != 'none')
+                                    config.data.objective)
   batch = _abstract_batch(config, seq_len, preds, sharding_lib.batch_sharding(mesh))
   platform = 'gpu' if devices[0].platform in ('gpu', 'cuda') else devices[0].platform
   with sharding_lib.activate(mesh, rules), attention.lowering_for(platform):

@@ -10,7 +10,6 @@ traceback (status 1). `--traceback` or BERT_JAX_TRACEBACK=1 shows the traceback 
 
 import contextlib
 import difflib
-import importlib.metadata
 import logging as std_logging
 import os
 import re
@@ -23,6 +22,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from bert_jax import config_files
+from bert_jax.config_files import configs_dir  # Where each command's default config is.
 from bert_jax.errors import UserError
 
 FLAGS = flags.FLAGS
@@ -37,74 +38,6 @@ def _command(name: str, help_text: str):
 
 
 # ---- Config files ----------------------------------------------------------------------------
-
-
-def configs_dir() -> str:
-  """The configs/ folder of a checkout (or editable install), else the copy installed with the
-  package: share/bert_jax/configs of whichever scheme pip installed it in (the system, a venv,
-  --user as on TPU VMs, --prefix), which the distribution's file list records."""
-  here = os.path.dirname(os.path.realpath(__file__))
-  candidates = [os.path.join(os.path.dirname(here), 'configs')]
-  try:
-    candidates += [os.path.dirname(os.path.realpath(f.locate()))
-                   for f in importlib.metadata.files('bert_jax') or ()
-                   if f.name == 'default.py' and f.parent.name == 'configs']
-  except importlib.metadata.PackageNotFoundError:
-    pass  # Imported from a checkout on PYTHONPATH, not installed.
-  candidates.append(os.path.join(sys.prefix, 'share', 'bert_jax', 'configs'))
-  for candidate in candidates:
-    if os.path.isdir(candidate):
-      return candidate
-  raise UserError('cannot find the bert_jax configs/ folder (neither in the checkout nor '
-                  'installed with the package under share/bert_jax/configs): pass '
-                  '--config=PATH to a config file')
-
-
-def resolve_config_path(path: str) -> str:
-  """A config path as given, or a name of the shipped configs ('smoke', 'bert_base.py')."""
-  if os.path.exists(path.split(':')[0]):
-    return path
-  name, _, arg = path.partition(':')
-  name = os.path.basename(name)
-  shipped = os.path.join(configs_dir(), name if name.endswith('.py') else name + '.py')
-  if not os.path.exists(shipped):
-    shipped_names = sorted(f[:-3] for f in os.listdir(os.path.dirname(shipped))
-                           if f.endswith('.py') and not f.startswith('_'))
-    raise UserError(f'--config={path}: no such file (nor {shipped}); give the path of a config '
-                    f'file or one of the shipped names: {", ".join(shipped_names)}')
-  return shipped + (':' + arg if arg else '')
-
-
-def _config_file_parser():
-  """ml_collections' parser of config files, which also takes the shipped names.
-
-  A config file imports only the installed package (`from bert_jax import defaults`), so a
-  shipped one, a file given by path and a user's own file anywhere load the same way, without
-  sys.path or the command line being rewritten.
-  """
-  # The module that defines DEFINE_config_file; its package does not re-export the parser.
-  from ml_collections.config_flags import config_flags  # pylint: disable=g-import-not-at-top
-
-  class Parser(config_flags.ConfigFileFlagParser):
-
-    def parse(self, path):
-      return super().parse(resolve_config_path(path))
-  return Parser(name='config', lock_config=True)
-
-
-def load_config(path: str, overrides: dict | None = None):
-  """Loads a config file (as the CLI does: a path or a shipped name, with ':arg') and applies
-  {'train.steps': 10, ...} overrides."""
-  config = _config_file_parser().parse(path)
-  for key, value in (overrides or {}).items():
-    node = config
-    *parents, leaf = key.split('.')
-    for p in parents:
-      node = node[p]
-    if leaf not in node:
-      raise KeyError(f'config has no key {key!r}')
-    node[leaf] = value
-  return config
 
 
 # The command line being parsed: config_flags reads the --config.a.b overrides from it (not from
@@ -122,7 +55,7 @@ def _define_config_flag(default: str) -> None:
                                   '--config.a.b=value.', lock_config=True, sys_argv=_ARGV)
   # DEFINE_config_file takes no parser; the flag's own (public) parser is replaced so that
   # --config=smoke finds the shipped file. The default is a full path, parsed already.
-  FLAGS['config'].parser = _config_file_parser()
+  FLAGS['config'].parser = config_files.file_parser()
 
 
 def _explain_config_overrides(args: list[str]) -> None:
@@ -131,7 +64,6 @@ def _explain_config_overrides(args: list[str]) -> None:
   ml_collections reports a misspelt key as a KeyError deep in flag parsing; this names the flag,
   the closest key ("did you mean") and the keys that exist. Returns if every override is a key.
   """
-  from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
   path = (_DEFAULT_CONFIG or [''])[0]
   for i, arg in enumerate(args):
     if arg.startswith('--config='):
@@ -140,27 +72,13 @@ def _explain_config_overrides(args: list[str]) -> None:
       path = args[i + 1]
   if not path:
     return
-  config = load_config(path)
+  config = config_files.load_config(path)
   for arg in args:
     flag = arg.split('=', 1)[0]
     key = flag[len('--noconfig.'):] if flag.startswith('--noconfig.') else (
         flag[len('--config.'):] if flag.startswith('--config.') else None)
-    if key is None:
-      continue
-    node, parts = config, key.split('.')
-    for i, part in enumerate(parts):
-      if isinstance(node, config_dict.ConfigDict) and part in node:
-        node = node[part]
-        continue
-      where = '.'.join(['config'] + parts[:i])
-      if not isinstance(node, config_dict.ConfigDict):
-        raise UserError(f'{flag}: {where} is a value ({node!r}), not a group of keys; '
-                        f'set it with --{where}=VALUE')
-      keys = sorted(node.keys())
-      close = difflib.get_close_matches(part, keys, n=1)
-      hint = (f'did you mean --{where}.{close[0]}?' if close else
-              f'the keys of {where} are: {", ".join(keys)}')
-      raise UserError(f'{flag}: the config ({path}) has no key {where}.{part}; {hint}')
+    if key is not None:
+      config_files.check_key(config, key, path, flag)
 
 
 def _define_distributed_flags() -> None:

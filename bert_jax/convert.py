@@ -41,11 +41,12 @@ import safetensors.numpy
 
 from bert_jax import fileio
 from bert_jax import model
+from bert_jax import objectives
+from bert_jax import tasks
 from bert_jax.errors import UserError
 
 FORMAT_VERSION = 1
 FORMATS = ('bert_jax', 'hf', 'google')
-HEADS = ('mlm', 'nsp', 'classifier', 'qa_outputs')
 
 # ---------------------------------------------------------------------------------------------
 # Names: our parameter paths -> Hugging Face and Google names
@@ -71,15 +72,12 @@ _MODULES = {
                                               'bert/embeddings/token_type_embeddings'),
     'bert/embeddings/layer_norm': ('bert.embeddings.LayerNorm', 'bert/embeddings/LayerNorm'),
     'bert/pooler': ('bert.pooler.dense', 'bert/pooler/dense'),
-    'mlm/transform': ('cls.predictions.transform.dense', 'cls/predictions/transform/dense'),
-    'mlm/layer_norm': ('cls.predictions.transform.LayerNorm',
-                       'cls/predictions/transform/LayerNorm'),
-    'mlm': ('cls.predictions', 'cls/predictions'),
-    'nsp': ('cls.seq_relationship', 'cls/seq_relationship'),
-    # The original's run_classifier.py and run_squad.py names.
-    'classifier': ('classifier', ''),
-    'qa_outputs': ('qa_outputs', 'cls/squad'),
+    # The heads: pre-training's (objectives.py) and fine-tuning's (tasks.py) say their names.
+    **objectives.HEAD_NAMES,
+    **tasks.HEAD_NAMES,
 }
+# The heads a checkpoint may hold, each as a whole.
+HEADS = tuple(name for name in {**objectives.HEAD_NAMES, **tasks.HEAD_NAMES} if '/' not in name)
 # Output layers the original stores as `output_weights` [out, in] and `output_bias`.
 _TF_OUTPUT_LAYERS = ('nsp', 'classifier', 'qa_outputs')
 

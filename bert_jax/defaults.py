@@ -15,6 +15,8 @@ and override; they import only the installed package, so any of them loads the s
 
 import ml_collections
 
+from bert_jax.errors import UserError
+
 
 def _adamw_terms(train: ml_collections.ConfigDict) -> None:
   """The paper's AdamW terms, the same for pre-training and fine-tuning."""
@@ -179,26 +181,25 @@ def pretrain() -> ml_collections.ConfigDict:
 
 def finetune(task: str) -> ml_collections.ConfigDict:
   """The keys every fine-tuning task has, commented, with the GLUE recipe's values; each task's
-  config adds its own keys."""
+  config adds its own keys. Settings that pre-training has too are where pre-training has them
+  (`data.vocab_file`, `data.max_seq_length`, `train.init_checkpoint`, the optimizer's)."""
   config = ml_collections.ConfigDict()
   # GLUE task name, 'squad_v1' / 'squad_v2', or 'ner'.
   config.task = task
-  # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a
-  # Hugging Face directory or an original Google TF checkpoint. Only its encoder is used; the
-  # task head starts fresh (truncated normal, stddev 0.02).
-  config.init_checkpoint = ''
-  # WordPiece vocab.txt; '' = the checkpoint's own vocab.txt (which it must then have).
-  config.vocab_file = ''
-  # Lower-case the text; None = what the checkpoint says (bert_jax.json, tokenizer_config.json,
-  # or guessed from its vocabulary: an uncased one has no upper-case letters).
-  config.lower_case = ml_collections.config_dict.placeholder(bool)
   # Directory of the task's files (see each config's docstring).
   config.data_dir = ''
-  config.max_seq_length = 128
   # Sequence-length buckets: each batch is cut to the smallest one that holds its longest
-  # example (one compiled step per bucket). () = every batch padded to max_seq_length
+  # example (one compiled step per bucket). () = every batch padded to data.max_seq_length
   # (on the command line: --config.buckets=16,32,64,128 or --config.buckets='()').
   config.buckets = (32, 64, 128)
+
+  config.data = ml_collections.ConfigDict()
+  # WordPiece vocab.txt; '' = the checkpoint's own vocab.txt (which it must then have).
+  config.data.vocab_file = ''
+  # Lower-case the text; None = what the checkpoint says (bert_jax.json, tokenizer_config.json,
+  # or guessed from its vocabulary: an uncased one has no upper-case letters).
+  config.data.lower_case = ml_collections.config_dict.placeholder(bool)
+  config.data.max_seq_length = 128
 
   config.model = ml_collections.ConfigDict()
   # Compute dtype: 'auto' = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
@@ -212,6 +213,10 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.model.attention_impl = 'xla'
 
   config.train = ml_collections.ConfigDict()
+  # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a
+  # Hugging Face directory or an original Google TF checkpoint. Only its encoder is used; the
+  # task head starts fresh (truncated normal, stddev 0.02).
+  config.train.init_checkpoint = ''
   config.train.epochs = 3
   # Stop (with a checkpoint) at this step, for jobs with a time limit; rerunning the same
   # command resumes. 0 = run to the end.
@@ -260,3 +265,19 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.log.every_steps = 50
   config.log.progress = True
   return config
+
+
+# Keys that fine-tuning configs had at the top level before they took the places pre-training
+# has them: a config or override that still sets one is an error naming the new key.
+MOVED_KEYS = {'init_checkpoint': 'train.init_checkpoint', 'vocab_file': 'data.vocab_file',
+              'lower_case': 'data.lower_case', 'max_seq_length': 'data.max_seq_length',
+              'tfds_data_dir': 'data.tfds_data_dir'}
+
+
+def check_moved_keys(config: ml_collections.ConfigDict) -> None:
+  """Refuses a fine-tuning config that sets a key at its old place (a config file written for
+  an earlier bert_jax would otherwise have that setting ignored)."""
+  for old, new in MOVED_KEYS.items():
+    if old in config:
+      raise UserError(f'config.{old} is now config.{new} (where pre-training has it): set '
+                      f'config.{new} instead (--config.{new}=... on the command line)')

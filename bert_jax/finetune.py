@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -49,17 +48,15 @@ from bert_jax import attention
 from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import convert
+from bert_jax import defaults
 from bert_jax import errors
 from bert_jax import fileio
-from bert_jax import glue
 from bert_jax import input_pipeline
-from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import monitor
-from bert_jax import ner
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
-from bert_jax import squad
+from bert_jax import task_table
 from bert_jax import tasks
 from bert_jax import train_state as state_lib
 from bert_jax.errors import UserError
@@ -67,67 +64,8 @@ from bert_jax.errors import UserError
 PREDICTIONS_DIR = 'predictions'
 
 # ---------------------------------------------------------------------------------------------
-# Tasks
-# ---------------------------------------------------------------------------------------------
-
-
-def task_kind(task: str) -> str:
-  """'glue', 'squad' or 'ner' of a config.task (unknown names are an error)."""
-  name = task.lower().replace('-', '_').replace('.', '')
-  if name in ('squad_v1', 'squad_v11', 'squad_v2', 'squad_v20'):
-    return 'squad'
-  if name in ('ner', 'conll2003'):
-    return 'ner'
-  try:
-    metrics.canonical_task(task)
-  except ValueError:
-    raise UserError(f'config.task={task!r}: expected a GLUE task, squad_v1, squad_v2 or '
-                    'ner') from None
-  return 'glue'
-
-
-def build_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
-               lower_case: bool) -> tasks.Task:
-  """The task's data (tokenized), model, loss and scoring from `config` (see tasks.py)."""
-  kind = task_kind(config.task)
-  if kind == 'glue':
-    task = glue.make_task(config, tok, bert_config)
-  elif kind == 'squad':
-    task = squad.make_task(config, tok, bert_config, lower_case)
-  else:
-    task = ner.make_task(config, tok, bert_config)
-  if config.eval.main_metric:
-    if config.eval.main_metric not in task.metric_names:
-      raise UserError(f'config.eval.main_metric={config.eval.main_metric!r} is not a metric of '
-                      f'{config.task}: {list(task.metric_names)}')
-    task.main_metric = config.eval.main_metric
-  return task
-
-
-# ---------------------------------------------------------------------------------------------
 # Pure steps
 # ---------------------------------------------------------------------------------------------
-
-
-def loss_fn(model: nn.Module, task_loss) -> state_lib.LossFn:
-  """The task's mean loss over the whole batch's labels, dropout on (for
-  `train_state.train_step`; padded rows weigh nothing)."""
-
-  def fn(params, micro, rng, batch):
-    outputs = tasks.apply(model, params, micro, False, {'dropout': rng})
-    total, _, step_metrics = task_loss(outputs, micro)
-    return total / jnp.maximum(tasks.label_count(batch), 1.0), step_metrics
-  return fn
-
-
-def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformation,
-                                 mesh: jax.sharding.Mesh, rules):
-  """(abstract TrainState, its NamedShardings) of a fine-tuning model, allocating nothing."""
-  ids = jnp.zeros((1, 8), jnp.int32)
-  abstract, shardings, _ = state_lib.abstract_state(
-      lambda rng: model.init({'params': rng}, ids, ids, ids, deterministic=True)['params'],
-      tx, mesh, rules)
-  return abstract, shardings
 
 
 def init_head(abstract_params: dict, shardings: dict, initializer_range: float,
@@ -185,8 +123,8 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
           'tokenizer_config.json': {'do_lower_case': lower_case,
                                     'tokenizer_class': 'BertTokenizer'},
           'task.json': dict(task.info, kind=task.kind, main_metric=task.main_metric,
-                            max_seq_length=config.max_seq_length,
-                            init_checkpoint=config.init_checkpoint,
+                            max_seq_length=config.data.max_seq_length,
+                            init_checkpoint=config.train.init_checkpoint,
                             # What dev was evaluated in: `predict` reproduces it.
                             compute_dtype=model_lib.resolve_dtype(config.model.dtype))})
 
@@ -197,7 +135,7 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
 
 
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
-  """Fine-tunes `config.init_checkpoint` on `config.task`; returns the best epoch's metrics.
+  """Fine-tunes `config.train.init_checkpoint` on `config.task`; returns the best epoch's metrics.
 
   The result (also in <workdir>/metrics.json): task, main_metric, score (the main metric on
   the first dev set), epoch, step, learning_rate, and one dict of metrics per dev set ('dev';
@@ -206,6 +144,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   same call continues it. One run at a time per workdir, as in pre-training: a second one is
   refused while this one holds the workdir's lock.
   """
+  defaults.check_moved_keys(config)
   workdir = fileio.workdir_path(workdir)
   with ckpt_lib.workdir_lock(workdir):
     return _finetune(config, workdir)
@@ -232,18 +171,19 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
 
   # ---- Pre-trained encoder, tokenizer and task data ------------------------------------------
   pre_config, pretrained, tok, vocab_file, lower_case = convert.load_checkpoint(
-      config.init_checkpoint, config.vocab_file, config.lower_case, config.model.scan_layers,
-      flag='config.init_checkpoint')
-  if config.max_seq_length > pre_config.max_position_embeddings:
-    raise UserError(f'config.max_seq_length={config.max_seq_length} exceeds the checkpoint\'s '
-                    f'max_position_embeddings={pre_config.max_position_embeddings}')
+      config.train.init_checkpoint, config.data.vocab_file, config.data.lower_case,
+      config.model.scan_layers, flag='config.train.init_checkpoint')
+  if config.data.max_seq_length > pre_config.max_position_embeddings:
+    raise UserError(f'config.data.max_seq_length={config.data.max_seq_length} exceeds the '
+                    'checkpoint\'s max_position_embeddings='
+                    f'{pre_config.max_position_embeddings}')
   bert_config = pre_config.replace(
       dtype=model_lib.resolve_dtype(config.model.dtype),
       hidden_dropout_prob=config.model.hidden_dropout_prob,
       attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
       scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy,
       attention_impl=config.model.attention_impl)
-  task = build_task(config, tok, bert_config, lower_case)
+  task = task_table.make_task(config, tok, bert_config, lower_case)
   num_train = len(task.train['input_ids'])
   buckets = batching.parse_buckets(config.buckets)
   sort_window = int(config.train.length_sort_window)
@@ -252,13 +192,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
                            'random batches) or more batches to sort by length together')
   attention.check_config(config.model.attention_impl,
                          config.model.attention_probs_dropout_prob, jax.default_backend(),
-                         tuple(buckets or ()) + (config.max_seq_length,))
+                         tuple(buckets or ()) + (config.data.max_seq_length,))
   savings = batching.padding_savings(task.train, batch_size,
-                                     buckets or (config.max_seq_length,),
+                                     buckets or (config.data.max_seq_length,),
                                      window_batches=sort_window)
   logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '
                'fixed %d-token batches', config.task, num_train, buckets,
-               100 * (1 - savings['tokens_saved_share']), config.max_seq_length)
+               100 * (1 - savings['tokens_saved_share']), config.data.max_seq_length)
 
   # ---- Model and optimizer -------------------------------------------------------------------
   steps_per_epoch = math.ceil(num_train / batch_size)
@@ -268,17 +208,15 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
     raise UserError(f'config.train.stop_at_step={config.train.stop_at_step} must lie in '
                     f'[1, {total_steps}] ({config.train.epochs} epochs x {steps_per_epoch} '
                     'steps; 0 = run to the end)')
-  train_cfg = ml_collections.ConfigDict(dict(
-      optimizer=config.train.optimizer, learning_rate=config.train.learning_rate,
-      warmup_steps=int(config.train.warmup_proportion * total_steps), decay=config.train.decay,
-      beta1=config.train.beta1, beta2=config.train.beta2, eps=config.train.eps,
-      weight_decay=config.train.weight_decay, max_grad_norm=config.train.max_grad_norm))
-  tx, schedule = optim.make_optimizer(train_cfg, total_steps)
+  warmup_steps = int(config.train.warmup_proportion * total_steps)
+  tx, schedule = optim.make_optimizer(config.train, total_steps, warmup_steps)
   _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
 
   # ---- Abstract init and shardings -----------------------------------------------------------
-  abstract, shardings = abstract_state_and_shardings(task.model, tx, mesh, rules)
-  _check_same_tree(pretrained['bert'], abstract.params['bert'], config.init_checkpoint)
+  abstract, shardings, _ = state_lib.abstract_state(tasks.init_fn(task.model), tx, mesh,
+                                                    rules)
+  _check_same_tree(pretrained['bert'], abstract.params['bert'],
+                   config.train.init_checkpoint)
 
   # ---- Restore, or init: pre-trained encoder, fresh head --------------------------------------
   # Every save keeps the train state (for resume) and, in `meta`, the best epoch so far, whose
@@ -295,7 +233,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
                        config.train.seed)
     params['bert'] = state_lib.put_sharded(pretrained['bert'], shardings.params['bert'])
     ignored = sorted(set(pretrained) - {'bert'})
-    logging.info('Encoder from %s; fresh head %s%s', config.init_checkpoint,
+    logging.info('Encoder from %s; fresh head %s%s', config.train.init_checkpoint,
                  sorted(set(params) - {'bert'}),
                  f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')
     with sharding_lib.activate(mesh, rules):
@@ -306,8 +244,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
 
   # ---- Steps ---------------------------------------------------------------------------------
   batch_sharding = sharding_lib.batch_sharding(mesh)
-  train_step = state_lib.build_train_step(
-      loss_fn(task.model, task.loss_fn), tx, mesh, rules, shardings,
+  train_step = state_lib.jit_step(
+      tasks.train_apply(task.model), task.loss_fn, tx, mesh, rules, shardings,
       state_lib.dropout_rng(config.train), config.train.grad_accum_steps)
   jit_predict = jax.jit(functools.partial(tasks.predict_step, model=task.model, head=task.head),
                         in_shardings=(shardings.params, batch_sharding),
@@ -338,7 +276,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   # ---- Loop ----------------------------------------------------------------------------------
   logging.info('%s: %d epochs x %d steps of %d sequences, peak lr %g, %d warmup steps',
                config.task, config.train.epochs, steps_per_epoch, batch_size,
-               config.train.learning_rate, train_cfg.warmup_steps)
+               config.train.learning_rate, warmup_steps)
   bar = monitor.progress(total_steps, step, is_main and config.log.progress)
   every = int(config.checkpoint.every_steps)
   stopped = False

@@ -11,10 +11,12 @@ length bucket that holds it, since most GLUE sentences are far shorter than 128 
 """
 
 import dataclasses
+import json
 import os
 from typing import Iterator, Sequence
 
 from absl import logging
+import jax
 import ml_collections
 import numpy as np
 
@@ -24,6 +26,10 @@ from bert_jax import metrics
 from bert_jax import model as model_lib
 from bert_jax import tasks
 from bert_jax.errors import UserError
+
+# How `task_table` knows this module: config.task names, and what `bert-jax predict` reads.
+DESCRIPTION = 'a GLUE task'
+PREDICT_FORMATS = ('tsv', 'jsonl')
 
 # ---------------------------------------------------------------------------------------------
 # Tasks
@@ -400,9 +406,19 @@ def write_predictions(task: str, predictions, output_dir: str, split: str = 'tes
 MAIN_METRIC = {'cola': 'mcc', 'stsb': 'spearman', 'mrpc': 'f1', 'qqp': 'f1'}
 
 
-def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig
-              ) -> tasks.Task:
+def accepts(task: str) -> bool:
+  """Whether config.task names a GLUE task."""
+  try:
+    metrics.canonical_task(task)
+  except ValueError:
+    return False
+  return True
+
+
+def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
+              lower_case: bool) -> tasks.Task:
   """The GLUE task `config.task` (finetune_glue.py's keys): data, classifier, loss, scoring."""
+  del lower_case  # The tokenizer's.
   name = metrics.canonical_task(config.task)
   if name in ('mnli_matched', 'mnli_mismatched'):
     name = 'mnli'
@@ -415,12 +431,13 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       raise UserError('config.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
     read = lambda task, split: read_task(task, config.data_dir, split)
   elif config.data_source == 'tfds':
-    read = lambda task, split: read_tfds(task, split, config.tfds_data_dir or None)
+    read = lambda task, split: read_tfds(task, split, config.data.tfds_data_dir or None)
   else:
     raise UserError(f"config.data_source={config.data_source!r}: expected 'tsv' or 'tfds'")
 
   def convert_split(task, split):
-    return convert_examples(read(task, split), tok, config.max_seq_length, label_list)
+    return convert_examples(read(task, split), tok, config.data.max_seq_length,
+                            label_list)
 
   regression = label_list is None
 
@@ -435,7 +452,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
 
   def test_set(task, split):
     examples = read(task, split)
-    feats = convert_examples(examples, tok, config.max_seq_length, label_list)
+    feats = convert_examples(examples, tok, config.data.max_seq_length, label_list)
     ids = [e.guid.split('-', 1)[1] for e in examples]
     indices = [int(i) for i in ids] if all(i.isdigit() for i in ids) else None
 
@@ -467,3 +484,66 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       train=tasks.subset(train, tasks.INPUTS + ('label',)), dev=dev, test=test,
       main_metric=MAIN_METRIC.get(name, 'accuracy'), metric_names=metric_names,
       info={'task': name, 'labels': label_list})
+
+
+# ---------------------------------------------------------------------------------------------
+# New inputs (`bert-jax predict`)
+# ---------------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: str) -> list[Example]:
+  """Unlabelled examples of a JSONL file: {"text_a", "text_b"} per line (also "sentence",
+  "sentence1", "question" for the first text and "sentence2" for the second)."""
+  examples = []
+  for number, line in enumerate(fileio.read_text(path).split('\n'), 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise UserError(f'{path}:{number}: not valid JSON: {e.msg}') from None
+    if not isinstance(row, dict):
+      raise UserError(f'{path}:{number}: expected a JSON object, got {type(row).__name__}')
+    a = next((row[k] for k in ('text_a', 'sentence', 'sentence1', 'question') if k in row), None)
+    if not isinstance(a, str):
+      raise UserError(f'{path}:{number}: no "text_a" (or "sentence", "sentence1") string')
+    b = next((row[k] for k in ('text_b', 'sentence2') if k in row), None)
+    examples.append(Example(f'input-{len(examples)}', a, b, None))
+  if not examples:
+    raise UserError(f'{path}: no examples')
+  return examples
+
+
+def prediction(input_path: str, input_format: str, tok, bert_config: model_lib.BertConfig,
+               info: dict, run: ml_collections.ConfigDict, lower_case: bool) -> tasks.Prediction:
+  """`bert-jax predict` on a TSV in the layout of the task's dev or test file, or JSONL
+  (`read_jsonl`; 'auto': by the .jsonl suffix): JSONL out, a row's label and every label's
+  probability (STS-B: its score); GLUE's metrics when every row has a label."""
+  del run, lower_case
+  if input_format == 'auto':
+    input_format = 'jsonl' if input_path.endswith('.jsonl') else 'tsv'
+  examples = (read_jsonl(input_path) if input_format == 'jsonl'
+              else read_file(info['task'], input_path))
+  labels = info['labels']
+  features = convert_examples(examples, tok, int(info['max_seq_length']), labels)
+  regression = labels is None
+
+  def finish(rows, output_path):
+    logits = np.stack(rows)
+    if regression:
+      lines = [{'index': i, 'score': float(s)} for i, s in enumerate(logits[:, 0])]
+    else:
+      probs = np.asarray(jax.nn.softmax(logits.astype(np.float32), axis=-1))
+      lines = [{'index': i, 'label': labels[int(np.argmax(p))],
+                'probabilities': {l: float(q) for l, q in zip(labels, p)}}
+               for i, p in enumerate(probs)]
+    fileio.write_text(output_path, ''.join(json.dumps(l) + '\n' for l in lines))
+    scores = None
+    if all(e.label is not None for e in examples):
+      scores = metrics.glue_metrics(info['task'], logits[:, 0] if regression else logits,
+                                    features['label'])
+    return scores, {}
+  model = model_lib.BertForSequenceClassification(
+      bert_config, num_labels=1 if regression else len(labels))
+  return tasks.Prediction(input_format, len(examples), model, 'sequence',
+                          tasks.subset(features, tasks.INPUTS), finish)

@@ -39,15 +39,14 @@ import tensorflow as tf
 
 from bert_jax import documents
 from bert_jax import masking
+from bert_jax import objectives
 from bert_jax import packing
 from bert_jax import pairing
 from bert_jax import sample_corpus
 from bert_jax import tokenization
 from bert_jax.errors import UserError
 
-FEATURES = ('input_ids', 'input_mask', 'segment_ids', 'masked_lm_positions', 'masked_lm_ids',
-            'masked_lm_weights', 'next_sentence_labels')
-OBJECTIVES = ('nsp', 'sop', 'none')
+FEATURES = tuple(objectives.RECORD_FEATURES)
 # How many characters of text a vocabulary is trained on at most (data.vocab_file empty).
 _VOCAB_TRAINING_CHARS = 200_000_000
 
@@ -290,12 +289,10 @@ def _packed_batches(windows: tf.data.Dataset, data, *, batch_size, seq_len, max_
 
 
 def _record_spec(seq_len: int, max_predictions: int) -> dict[str, tuple[int, tf.DType]]:
-  return {
-      'input_ids': (seq_len, tf.int64), 'input_mask': (seq_len, tf.int64),
-      'segment_ids': (seq_len, tf.int64), 'masked_lm_positions': (max_predictions, tf.int64),
-      'masked_lm_ids': (max_predictions, tf.int64),
-      'masked_lm_weights': (max_predictions, tf.float32), 'next_sentence_labels': (1, tf.int64),
-  }
+  """{feature: (length, dtype)} of a record (`objectives.RECORD_FEATURES`)."""
+  lengths = {'seq_len': seq_len, 'max_predictions': max_predictions, 1: 1}
+  return {name: (lengths[length], tf.as_dtype(dtype))
+          for name, (length, dtype) in objectives.RECORD_FEATURES.items()}
 
 
 def _compression(path: str) -> str:
@@ -427,8 +424,7 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
     raise UserError(f'batch_size={batch_size} must be positive')
   if not 0 <= process_index < process_count:
     raise ValueError(f'process_index={process_index} is not in [0, {process_count})')
-  if data.objective not in OBJECTIVES:
-    raise UserError(f'data.objective={data.objective!r} is not one of {OBJECTIVES}')
+  objectives.get(data.objective)  # A clear error for an unknown one.
   if data.packing:
     check_packing(data)
   seed = int(data.seed if seed is None else seed)
@@ -549,8 +545,7 @@ def show_examples(data: ml_collections.ConfigDict, num: int = 3, *,
                                 vocab_file=vocab_file)
   batch = next(ds.as_numpy_iterator())
   vocab = tokenizer.vocab
-  label_names = {0: 'IsNext', 1: 'NotNext'} if data.objective == 'nsp' else {
-      0: 'in order', 1: 'swapped'}
+  label_names = objectives.get(data.objective).label_names
   lines = []
   for i in range(num):
     ids = batch['input_ids'][i]

@@ -554,51 +554,6 @@ class BertForQuestionAnswering(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Losses and metrics
-# ---------------------------------------------------------------------------------------------
-
-
-def pretraining_loss(mlm_logits: Array, nsp_logits: Array, batch: dict[str, Array],
-                     use_nsp: bool = True) -> tuple[Array, dict[str, Array]]:
-  """Total loss and metrics. MLM cross-entropy is weighted by `masked_lm_weights`.
-
-  NSP is per sequence: one per row, or with packed rows ([B, S, 2] logits) one per entry of
-  `next_sentence_weights` [B, S]. Metrics come as (sum, count) pairs so that they average
-  exactly over devices, micro-batches and evaluation batches.
-  """
-  weights = batch['masked_lm_weights'].astype(jnp.float32)
-  labels = batch['masked_lm_ids']
-  logp = jax.nn.log_softmax(mlm_logits.astype(jnp.float32), axis=-1)
-  mlm_nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-  mlm_sum, mlm_count = jnp.sum(mlm_nll * weights), jnp.sum(weights)
-  mlm_correct = jnp.sum((jnp.argmax(mlm_logits, -1) == labels) * weights)
-  nsp_labels = batch['next_sentence_labels'].reshape(-1)
-  nsp_logits = nsp_logits.reshape(-1, nsp_logits.shape[-1])
-  nsp_logp = jax.nn.log_softmax(nsp_logits.astype(jnp.float32), axis=-1)
-  nsp_nll = -jnp.take_along_axis(nsp_logp, nsp_labels[:, None], axis=-1)[:, 0]
-  if 'next_sentence_weights' in batch:  # Packed rows: their sequences, not their slots.
-    real = batch['next_sentence_weights'].reshape(-1).astype(jnp.float32)
-  elif 'input_mask' in batch:
-    # Rows that fill up the last evaluation batch have no tokens ([CLS] is always unmasked in
-    # a real example): they count for neither loss nor accuracy.
-    real = batch['input_mask'][:, 0].astype(jnp.float32)
-  else:
-    real = jnp.ones(nsp_labels.shape, jnp.float32)
-  n = jnp.sum(real)
-  nsp_sum = jnp.sum(nsp_nll * real)
-  nsp_correct = jnp.sum((jnp.argmax(nsp_logits, -1) == nsp_labels) * real)
-  # The original divides by sum(weights) + 1e-5 so that an all-padding batch gives 0, not NaN.
-  loss = mlm_sum / (mlm_count + 1e-5)
-  if use_nsp:
-    loss = loss + nsp_sum / jnp.maximum(n, 1.0)
-  metrics = {
-      'mlm_loss': (mlm_sum, mlm_count), 'mlm_accuracy': (mlm_correct, mlm_count),
-      'nsp_loss': (nsp_sum, n), 'nsp_accuracy': (nsp_correct, n),
-  }
-  return loss, metrics
-
-
-# ---------------------------------------------------------------------------------------------
 # Parameter layout helpers and the public encode function
 # ---------------------------------------------------------------------------------------------
 

@@ -21,6 +21,10 @@ from bert_jax import model as model_lib
 from bert_jax import tasks
 from bert_jax.errors import UserError
 
+# How `task_table` knows this module: config.task names, and what `bert-jax predict` reads.
+DESCRIPTION = 'ner'
+PREDICT_FORMATS = ('conll', 'text')
+
 # The CoNLL-2003 tag set (IOB1 and IOB2 use the same tags, only their placement differs).
 CONLL_LABELS = ('O', 'B-PER', 'I-PER', 'B-ORG', 'I-ORG', 'B-LOC', 'I-LOC', 'B-MISC', 'I-MISC')
 _PREFIXES = ('B-', 'I-', 'E-', 'S-')
@@ -308,9 +312,15 @@ def tags_and_scores(sentences: Sequence[Sentence], features: dict[str, Any], row
   return predicted, metrics.ner_metrics([s.tags for s in sentences], predicted)
 
 
-def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig
-              ) -> tasks.Task:
+def accepts(task: str) -> bool:
+  """Whether config.task names this task."""
+  return task.lower().replace('-', '_').replace('.', '') in ('ner', 'conll2003')
+
+
+def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
+              lower_case: bool) -> tasks.Task:
   """The NER task of `config` (finetune_ner.py's keys): CoNLL files, token head, span F1."""
+  del lower_case  # Words are tagged as the tokenizer splits them, cased or not.
   if not config.data_dir:
     raise UserError('config.data_dir is empty: the folder of train.txt, valid.txt, test.txt')
   train_sentences = read_conll(_conll_file(config.data_dir, ['train.txt'], 'training'))
@@ -323,7 +333,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
 
   def eval_set(name, path):
     sentences = read_conll(path)
-    feats = convert_sentences(sentences, tok, config.max_seq_length, label_list)
+    feats = convert_sentences(sentences, tok, config.data.max_seq_length, label_list)
 
     def evaluate(rows):
       predicted, scores = tags_and_scores(sentences, feats, rows, label_list)
@@ -335,7 +345,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   test = []
   if config.predict_test:
     test = [eval_set('test', _conll_file(config.data_dir, ['test.txt'], 'test'))]
-  train = convert_sentences(train_sentences, tok, config.max_seq_length, label_list)
+  train = convert_sentences(train_sentences, tok, config.data.max_seq_length, label_list)
   return tasks.Task(
       kind='ner', head='token',
       model=model_lib.BertForTokenClassification(bert_config, num_labels=len(label_list)),
@@ -343,3 +353,22 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       train=tasks.subset(train, tasks.INPUTS + ('labels',)), dev=dev, test=test,
       main_metric='f1', metric_names=('precision', 'recall', 'f1', 'accuracy'),
       info={'task': 'ner', 'labels': label_list})
+
+
+def prediction(input_path: str, input_format: str, tok, bert_config: model_lib.BertConfig,
+               info: dict, run: ml_collections.ConfigDict, lower_case: bool) -> tasks.Prediction:
+  """`bert-jax predict` on CoNLL or text (`read_sentences`): CoNLL lines 'word [gold]
+  predicted' out, entity-level scores for tagged input."""
+  del run, lower_case
+  sentences, input_format = read_sentences(input_path, input_format)
+  labels = info['labels']
+  features = convert_sentences(sentences, tok, int(info['max_seq_length']), labels)
+
+  def finish(rows, output_path):
+    predicted, scores = tags_and_scores(sentences, features, rows, labels)
+    write_conll(output_path, sentences, predicted)
+    return scores, {}
+  return tasks.Prediction(
+      input_format, len(sentences),
+      model_lib.BertForTokenClassification(bert_config, num_labels=len(labels)), 'token',
+      tasks.subset(features, tasks.INPUTS, 'feature_index'), finish)

@@ -10,15 +10,16 @@ from bert_jax.errors import UserError
 _NO_DECAY = ('bias', 'scale', 'output_bias')
 
 
-def make_schedule(train: ml_collections.ConfigDict,
-                  total_steps: int | None = None) -> optax.Schedule:
+def make_schedule(train: ml_collections.ConfigDict, total_steps: int | None = None,
+                  warmup_steps: int | None = None) -> optax.Schedule:
   """Linear warmup from 0 to the peak over `warmup_steps`, then linear decay to 0 at the end.
 
   As the paper states it: the peak is reached exactly at `warmup_steps` (1e-4 at step 10,000 of
-  BERT-base) and the rate is 0 at `total_steps` (1,000,000).
+  BERT-base) and the rate is 0 at `total_steps` (1,000,000). `total_steps` and `warmup_steps`
+  default to train.steps and train.warmup_steps (fine-tuning counts them from its epochs).
   """
   total = int(total_steps or train.steps)
-  warmup = int(train.warmup_steps)
+  warmup = int(train.warmup_steps if warmup_steps is None else warmup_steps)
   peak = float(train.learning_rate)
   if warmup < 0 or warmup > total:
     raise UserError(f'train.warmup_steps={warmup} must lie in [0, train.steps={total}]')
@@ -55,11 +56,12 @@ def _trust_ratio_where(mask) -> optax.GradientTransformation:
   return optax.GradientTransformation(inner.init, update)
 
 
-def make_optimizer(train: ml_collections.ConfigDict,
-                   total_steps: int | None = None) -> tuple[optax.GradientTransformation,
-                                                           optax.Schedule]:
-  """Global-norm clipping, then AdamW or LAMB with decoupled weight decay and the schedule."""
-  schedule = make_schedule(train, total_steps)
+def make_optimizer(train: ml_collections.ConfigDict, total_steps: int | None = None,
+                   warmup_steps: int | None = None
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """Global-norm clipping, then AdamW or LAMB with decoupled weight decay and the schedule
+  (`make_schedule`'s)."""
+  schedule = make_schedule(train, total_steps, warmup_steps)
   if train.optimizer == 'adamw':
     opt = optax.adamw(schedule, b1=train.beta1, b2=train.beta2, eps=train.eps,
                       weight_decay=train.weight_decay, mask=decay_mask)

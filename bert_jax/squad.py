@@ -28,6 +28,10 @@ from bert_jax import tasks
 from bert_jax import tokenization
 from bert_jax.errors import UserError
 
+# How `task_table` knows this module: config.task names, and what `bert-jax predict` reads.
+DESCRIPTION = 'squad_v1, squad_v2'
+PREDICT_FORMATS = ('squad',)
+
 
 @dataclasses.dataclass
 class SquadExample:
@@ -505,15 +509,26 @@ def _read_squad(path: str, is_training: bool, flag: str) -> list[SquadExample]:
   return read_squad(path, is_training)
 
 
+def _version(task: str) -> int | None:
+  """1 or 2 for the names of SQuAD v1.1 and v2.0 (squad_v1, squad-v1.1, ...); else None."""
+  return {'squad_v1': 1, 'squad_v11': 1, 'squad_v2': 2, 'squad_v20': 2}.get(
+      task.lower().replace('-', '_').replace('.', ''))
+
+
+def accepts(task: str) -> bool:
+  """Whether config.task names this task."""
+  return _version(task) is not None
+
+
 def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
               lower_case: bool) -> tasks.Task:
   """The SQuAD task of `config` (finetune_squad.py's keys): windows, span head, decoding."""
-  version_2 = config.task.lower().replace('.', '').replace('-', '_') in ('squad_v2', 'squad_v20')
+  version_2 = _version(config.task) == 2
   suffix = 'v2.0' if version_2 else 'v1.1'
   train_file = config.train_file or os.path.join(config.data_dir, f'train-{suffix}.json')
   predict_file = config.predict_file or os.path.join(config.data_dir, f'dev-{suffix}.json')
-  convert_args = dict(max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
-                      max_query_length=config.max_query_length)
+  convert_args = dict(max_seq_length=config.data.max_seq_length,
+                      doc_stride=config.doc_stride, max_query_length=config.max_query_length)
   train_examples = _read_squad(train_file, True, 'config.train_file')
   train = convert_examples(train_examples, tok, is_training=True, **convert_args)
   dev_examples = _read_squad(predict_file, False, 'config.predict_file')
@@ -540,3 +555,36 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       test=[],
       main_metric='f1', metric_names=names,
       info={'task': f'squad_{suffix}', 'version_2': version_2})
+
+
+def _beside(output_path: str, name: str) -> str:
+  """<output without .json>.<name>.json: files that go with a predictions file."""
+  stem = output_path[:-len('.json')] if output_path.endswith('.json') else output_path
+  return f'{stem}.{name}.json'
+
+
+def prediction(input_path: str, input_format: str, tok, bert_config: model_lib.BertConfig,
+               info: dict, run: ml_collections.ConfigDict, lower_case: bool) -> tasks.Prediction:
+  """`bert-jax predict` on a SQuAD-format file: {question id: answer} out (the official
+  evaluation script's input) and, beside it, the n-best answers and (v2.0) the no-answer odds;
+  official scores for questions with answers. `run` is the fine-tuning run's config (its
+  windows and decoding)."""
+  del input_format  # Only 'squad'.
+  examples = read_squad(input_path, is_training=False)
+  features = convert_examples(
+      examples, tok, max_seq_length=int(info['max_seq_length']), doc_stride=run.doc_stride,
+      max_query_length=run.max_query_length, is_training=False)
+
+  def finish(rows, output_path):
+    scores, answers, null_odds, nbest = answers_and_scores(
+        examples, features, rows, run, bool(info['version_2']), lower_case)
+    fileio.write_text(output_path, json.dumps(answers, indent=2, ensure_ascii=False))
+    files = {'nbest': _beside(output_path, 'nbest')}
+    fileio.write_text(files['nbest'], json.dumps(nbest, indent=2, ensure_ascii=False))
+    if null_odds is not None:
+      files['null_odds'] = _beside(output_path, 'null_odds')
+      fileio.write_text(files['null_odds'], json.dumps(null_odds, indent=2))
+    return scores, files
+  return tasks.Prediction(
+      'squad', len(examples), model_lib.BertForQuestionAnswering(bert_config), 'span',
+      tasks.subset(features, tasks.INPUTS, 'feature_index'), finish)

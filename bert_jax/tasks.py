@@ -1,8 +1,10 @@
 """What a fine-tuning task is: its data, model head, loss and scoring.
 
-Each task module (glue.py, squad.py, ner.py) builds its `Task` from a fine-tuning config with
-`make_task`; `finetune.py` trains and evaluates any `Task` the same way. Losses return sums and
-counts, so padded rows and uneven batches average exactly.
+Each task module (glue.py, squad.py, ner.py; task_table.py lists them) builds its `Task` from a
+fine-tuning config with `make_task`, and a `Prediction` of new inputs with `prediction`;
+`finetune.py` trains and evaluates any `Task` the same way, `predict.py` runs any `Prediction`.
+Losses return sums and counts (`train_state.Loss`), so padded rows and uneven batches average
+exactly. The heads ('sequence', 'token', 'span') say what a prediction step returns per row.
 """
 
 import dataclasses
@@ -16,6 +18,11 @@ import numpy as np
 # Model inputs of every task, in the order the models take them.
 INPUTS = ('input_ids', 'input_mask', 'segment_ids')
 
+# Heads of fine-tuning (model.py): our parameter group -> its (Hugging Face, Google) names, the
+# latter those of the original's run_classifier.py (its output layer has no scope) and
+# run_squad.py.
+HEAD_NAMES = {'classifier': ('classifier', ''), 'qa_outputs': ('qa_outputs', 'cls/squad')}
+
 
 @dataclasses.dataclass
 class EvalSet:
@@ -27,8 +34,21 @@ class EvalSet:
 
 
 @dataclasses.dataclass
+class Prediction:
+  """New inputs of `bert-jax predict`: model inputs (+ `index`), and what to do with outputs."""
+  input_format: str  # The format read.
+  examples: int
+  model: nn.Module
+  head: str
+  features: dict[str, np.ndarray]
+  # (Outputs of every row in `index` order, output path) -> (metrics, None when the input has
+  # no labels; {name: path} of the files written beside the output).
+  finish: Callable[[list[np.ndarray], str], tuple[dict | None, dict[str, str]]]
+
+
+@dataclasses.dataclass
 class Task:
-  kind: str  # 'glue', 'squad', 'ner'
+  kind: str  # A key of task_table.KINDS: 'glue', 'squad', 'ner'.
   head: str  # 'sequence', 'token', 'span': what the prediction step returns per row.
   model: nn.Module
   loss_fn: Callable
@@ -46,6 +66,17 @@ def apply(model: nn.Module, params: Any, batch: dict[str, jax.Array], determinis
   """A task model on a batch's `INPUTS`."""
   return model.apply({'params': params}, *(batch[k] for k in INPUTS),
                      deterministic=deterministic, rngs=rngs)
+
+
+def init_fn(model: nn.Module) -> Callable[[jax.Array], Any]:
+  """rng -> the (boxed) parameters of a task model, for `train_state.abstract_state`."""
+  ids = jnp.zeros((1, 8), jnp.int32)
+  return lambda rng: model.init({'params': rng}, ids, ids, ids, deterministic=True)['params']
+
+
+def train_apply(model: nn.Module):
+  """A task model in training mode (dropout on), as `train_state.step` applies it."""
+  return lambda params, batch, rng: apply(model, params, batch, False, {'dropout': rng})
 
 
 def predict_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
@@ -69,7 +100,9 @@ def subset(features: dict, keys: Sequence[str], index_key: str | None = None) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# Losses: (sum, count, metrics as (sum, count) pairs)
+# Losses, in the convention of every objective and task (`train_state.Loss`): (sums, counts,
+# metrics); each reports its own 'loss' as a (sum, count) pair, so that a log period averages it
+# over labels exactly.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -79,18 +112,21 @@ def _nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def classification_loss(logits, batch):
+  """Cross-entropy of each row's label, over the real rows (weight 1)."""
   w = batch['weight']
   n = jnp.sum(w)
   nll = jnp.sum(_nll(logits, batch['label']) * w)
   correct = jnp.sum((jnp.argmax(logits, -1) == batch['label']) * w)
-  return nll, n, {'loss': (nll, n), 'accuracy': (correct, n)}
+  return ({'classification': nll}, {'classification': jnp.maximum(n, 1.0)},
+          {'loss': (nll, n), 'accuracy': (correct, n)})
 
 
 def regression_loss(logits, batch):
+  """Squared error of each row's score (STS-B), over the real rows."""
   w = batch['weight']
   n = jnp.sum(w)
   se = jnp.sum(jnp.square(logits[:, 0] - batch['label']) * w)
-  return se, n, {'loss': (se, n)}
+  return {'regression': se}, {'regression': jnp.maximum(n, 1.0)}, {'loss': (se, n)}
 
 
 def token_loss(logits, batch):
@@ -99,7 +135,8 @@ def token_loss(logits, batch):
   n = jnp.sum(w)
   nll = jnp.sum(_nll(logits, batch['labels']) * w)
   correct = jnp.sum((jnp.argmax(logits, -1) == batch['labels']) * w)
-  return nll, n, {'loss': (nll, n), 'accuracy': (correct, n)}
+  return ({'token': nll}, {'token': jnp.maximum(n, 1.0)},
+          {'loss': (nll, n), 'accuracy': (correct, n)})
 
 
 def span_loss(outputs, batch):
@@ -117,11 +154,4 @@ def span_loss(outputs, batch):
   n = jnp.sum(w)
   total = jnp.sum((_nll(start, batch['start_positions']) +
                    _nll(end, batch['end_positions'])) * w) / 2
-  return total, n, {'loss': (total, n)}
-
-
-def label_count(batch: dict[str, jax.Array]) -> jax.Array:
-  """How many labels a batch's loss averages over: labelled tokens (token tasks) or real rows."""
-  if 'labels' in batch:
-    return jnp.sum((batch['labels'] >= 0) * batch['weight'][:, None])
-  return jnp.sum(batch['weight'])
+  return {'span': total}, {'span': jnp.maximum(n, 1.0)}, {'loss': (total, n)}

@@ -29,6 +29,7 @@ from bert_jax import fileio
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
 from bert_jax import monitor
+from bert_jax import objectives
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train_state as state_lib
@@ -148,33 +149,28 @@ def apply_model(model: nn.Module, params: Any, batch: dict[str, jax.Array], **kw
                      batch['segment_ids'], batch['masked_lm_positions'], **packed, **kwargs)
 
 
-def pretraining_loss_fn(model: nn.Module, use_nsp: bool) -> state_lib.LossFn:
-  """MLM (+ NSP) loss of a micro-batch, normalized by the whole batch's masked-token and
-  sequence counts (see `train_state.train_step`)."""
+def pretraining_apply(model: nn.Module) -> state_lib.Apply:
+  """BertForPreTraining in training mode (dropout on): (MLM logits, sentence logits)."""
+  return lambda params, batch, rng: apply_model(model, params, batch, deterministic=False,
+                                                rngs={'dropout': rng})
 
-  def loss_fn(params, micro, rng, batch):
-    mlm_logits, nsp_logits = apply_model(model, params, micro, deterministic=False,
-                                         rngs={'dropout': rng})
-    _, metrics = model_lib.pretraining_loss(mlm_logits, nsp_logits, micro)
-    mlm_norm = jnp.sum(batch['masked_lm_weights'].astype(jnp.float32)) + 1e-5
-    loss = metrics['mlm_loss'][0] / mlm_norm
-    if use_nsp:
-      loss = loss + metrics['nsp_loss'][0] / _sequences(batch)
-    # Real tokens and sequences per row, for the rates in metrics.jsonl: (sum, rows) pairs add
-    # up over micro-batches.
-    rows = jnp.float32(micro['input_ids'].shape[0])
-    return loss, dict(metrics, loss=loss,
-                      real_tokens_per_row=(jnp.sum(micro['input_mask'].astype(jnp.float32)),
-                                           rows),
-                      sequences_per_row=(_sequences(micro), rows))
-  return loss_fn
+
+def pretraining_loss(objective: objectives.Objective) -> state_lib.Loss:
+  """The objective's loss (`objectives.loss`), plus the real tokens and sequences per row that
+  the rates in metrics.jsonl need ((sum, rows) pairs add up over micro-batches)."""
+
+  def loss(outputs, batch):
+    sums, counts, metrics = objectives.loss(objective, outputs, batch)
+    rows = jnp.float32(batch['input_ids'].shape[0])
+    metrics.update(
+        real_tokens_per_row=(jnp.sum(batch['input_mask'].astype(jnp.float32)), rows),
+        sequences_per_row=(_sequences(batch), rows))
+    return sums, counts, metrics
+  return loss
 
 
 def _sequences(batch: dict[str, jax.Array]) -> jax.Array:
-  """The batch's sequences: its rows, or with packed rows their sequences (at least 1).
-
-  Normalizing NSP by it makes the same sequences packed or one per row give the same loss and
-  gradient."""
+  """The batch's sequences: its rows, or with packed rows their sequences (at least 1)."""
   if 'next_sentence_weights' in batch:
     return jnp.maximum(jnp.sum(batch['next_sentence_weights'].astype(jnp.float32)), 1.0)
   return jnp.asarray(batch['input_ids'].shape[0], jnp.float32)
@@ -182,25 +178,28 @@ def _sequences(batch: dict[str, jax.Array]) -> jax.Array:
 
 def train_step(state: state_lib.TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
                tx: optax.GradientTransformation, base_rng: jax.Array, accum_steps: int,
-               use_nsp: bool) -> tuple[state_lib.TrainState, dict[str, Any]]:
-  """One pre-training optimizer step over the global batch (see `train_state.train_step`)."""
-  return state_lib.train_step(state, batch, loss_fn=pretraining_loss_fn(model, use_nsp), tx=tx,
-                              base_rng=base_rng, accum_steps=accum_steps)
+               objective: str) -> tuple[state_lib.TrainState, dict[str, Any]]:
+  """One pre-training optimizer step over the global batch (`train_state.step` with the
+  objective's loss)."""
+  return state_lib.step(state, batch, apply=pretraining_apply(model),
+                        loss=pretraining_loss(objectives.get(objective)), tx=tx,
+                        base_rng=base_rng, accum_steps=accum_steps)
 
 
-def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module) -> dict[str, Any]:
-  mlm_logits, nsp_logits = apply_model(model, params, batch, deterministic=True)
-  _, metrics = model_lib.pretraining_loss(mlm_logits, nsp_logits, batch)
+def build_train_step(model, tx, mesh, rules, state_shardings, base_rng, accum_steps,
+                     objective: str):
+  """The jitted, sharded, state-donating pre-training step (`train_state.jit_step`)."""
+  return state_lib.jit_step(pretraining_apply(model),
+                            pretraining_loss(objectives.get(objective)), tx, mesh, rules,
+                            state_shardings, base_rng, accum_steps)
+
+
+def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
+              objective: str) -> dict[str, Any]:
+  """The objective's metrics ((sum, count) pairs) of a held-out batch, dropout off."""
+  outputs = apply_model(model, params, batch, deterministic=True)
+  _, _, metrics = objectives.loss(objectives.get(objective), outputs, batch)
   return metrics
-
-
-def summarize(metrics: list[dict[str, Any]], use_nsp: bool) -> dict[str, float]:
-  """`monitor.summarize`, without the sentence head's metrics when the objective has none."""
-  out = monitor.summarize(metrics)
-  if not use_nsp:
-    for k in ('nsp_loss', 'nsp_accuracy'):
-      out.pop(k, None)
-  return out
 
 
 def eval_batches(it, steps: int, padding: dict[str, Any],
@@ -227,8 +226,8 @@ def _max_over_processes(n: int) -> int:
 
 
 def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any,
-                    p_eval_step: Callable, mesh: jax.sharding.Mesh, rules, vocab_file: str,
-                    use_nsp: bool) -> dict[str, float]:
+                    p_eval_step: Callable, mesh: jax.sharding.Mesh, rules,
+                    vocab_file: str) -> dict[str, float]:
   """MLM (and NSP) metrics of `params` on eval.steps batches of the phase's held-out data."""
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   eval_local = config.eval.batch_size // jax.process_count()
@@ -247,7 +246,7 @@ def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any
   with sharding_lib.activate(mesh, rules):
     for local in batches:
       results.append(p_eval_step(params, sharding_lib.make_global_batch(local, batch_sharding)))
-  return summarize(jax.device_get(results), use_nsp)
+  return monitor.summarize(jax.device_get(results))
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> dict[str, Any]:
@@ -276,7 +275,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   bert_config = loaded_config.replace(
       dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
       remat_policy=m.remat_policy, attention_impl=m.attention_impl)
-  use_nsp = config.data.objective != 'none' and 'nsp' in params
+  # A checkpoint without the sentence head (BertForMaskedLM) is scored on MLM alone.
+  objective = config.data.objective if 'nsp' in params else 'none'
   params = model_lib.with_nsp_head(params, bert_config.hidden_size)  # Not reported without.
   # The phase of the last step: a workdir's latest checkpoint, else where the run would end.
   phases = parse_phases(config)
@@ -287,10 +287,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   _, shardings, _ = abstract_state_and_shardings(model, optax.identity(), mesh, rules)
   params = state_lib.put_sharded({k: params[k] for k in shardings.params},
                                  shardings.params)
-  p_eval_step = jax.jit(functools.partial(eval_step, model=model),
+  p_eval_step = jax.jit(functools.partial(eval_step, model=model, objective=objective),
                         in_shardings=(shardings.params, sharding_lib.batch_sharding(mesh)))
-  metrics = evaluate_params(config, phase, params, p_eval_step, mesh, rules, vocab_file,
-                            use_nsp)
+  metrics = evaluate_params(config, phase, params, p_eval_step, mesh, rules, vocab_file)
   return dict(metrics, checkpoint=checkpoint, step=steps[-1] if steps else None,
               seq_len=phase.seq_len)
 
@@ -308,12 +307,6 @@ def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformat
   return state_lib.abstract_state(
       lambda rng: model.init({'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32),
                              deterministic=True)['params'], tx, mesh, rules)
-
-
-def build_train_step(model, tx, mesh, rules, state_shardings, base_rng, accum_steps, use_nsp):
-  """The jitted, sharded, state-donating pre-training step."""
-  return state_lib.build_train_step(pretraining_loss_fn(model, use_nsp), tx, mesh, rules,
-                                    state_shardings, base_rng, accum_steps)
 
 
 def _init_from_checkpoint(path: str, bert_config: model_lib.BertConfig, fresh: dict) -> dict:
@@ -375,7 +368,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
   is_main = jax.process_index() == 0
-  use_nsp = config.data.objective != 'none'
+  objective = objectives.get(config.data.objective).name
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)
   if not 0 < stop_at <= config.train.steps:
     raise UserError(f'train.stop_at_step={config.train.stop_at_step} must lie in '
@@ -469,8 +462,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   # ---- Steps ---------------------------------------------------------------------------------
   base_rng = state_lib.dropout_rng(config.train)
   p_train_step = build_train_step(model, tx, mesh, rules, state_shardings, base_rng,
-                                  config.train.grad_accum_steps, use_nsp)
-  p_eval_step = jax.jit(functools.partial(eval_step, model=model),
+                                  config.train.grad_accum_steps, objective)
+  p_eval_step = jax.jit(functools.partial(eval_step, model=model, objective=objective),
                         in_shardings=(state_shardings.params,
                                       sharding_lib.batch_sharding(mesh)))
   batch_sharding = sharding_lib.batch_sharding(mesh)
@@ -478,8 +471,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   preemption = monitor.Preemption()
 
   def evaluate(phase: Phase) -> dict[str, float]:
-    return evaluate_params(config, phase, state.params, p_eval_step, mesh, rules, vocab_file,
-                           use_nsp)
+    return evaluate_params(config, phase, state.params, p_eval_step, mesh, rules, vocab_file)
 
   def save(phase: Phase, data_it) -> None:
     ckpt_lib.save(manager, workdir, step, state,
@@ -531,7 +523,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         bar.update(1)
 
         if step % config.log.every_steps == 0 or step == stop_at:
-          summary = summarize(jax.device_get(history), use_nsp)
+          summary = monitor.summarize(jax.device_get(history))
           if not math.isfinite(summary['loss']):
             raise UserError(
                 f'loss is {summary["loss"]} at step {step}: stopping; {last_good()}. Lower '

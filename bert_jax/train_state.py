@@ -3,9 +3,10 @@
 - `abstract_state`: the sharded abstract `TrainState` of a model, built with `jax.eval_shape`,
   so nothing is ever allocated whole on one device.
 - `put_sharded` / `state_from_params`: a state from host parameters (pre-trained weights).
-- `train_step` / `build_train_step`: one optimizer step over the global batch, optionally as
-  micro-batches whose gradients are accumulated, jitted with explicit shardings and the state
-  donated. The loss comes from the caller (pre-training's MLM + NSP, a fine-tuning head's).
+- `step` / `jit_step`: one optimizer step over the global batch, optionally as micro-batches
+  whose gradients are accumulated, jitted with explicit shardings and the state donated. The
+  model and the loss come from the caller (a pre-training objective's, a fine-tuning task's),
+  and every loss is normalized the same way (`Loss`, `normalize`).
 """
 
 import functools
@@ -103,19 +104,58 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
   return nn.with_logical_constraint(y, (None, 'batch') + (None,) * (x.ndim - 1))
 
 
-# loss_fn(params, micro_batch, rng, whole_batch) -> (loss, metrics). The loss is the
-# micro-batch's share of the whole batch's loss: normalized by counts over `whole_batch`, so
-# that k accumulated micro-batches give exactly the gradient of one big batch. `metrics` must
-# hold 'loss', and sums (or (sum, count) pairs) that add up over micro-batches.
-LossFn = Callable[[Any, dict, jax.Array, dict], tuple[jax.Array, dict]]
+# The loss of a pre-training objective or a fine-tuning task: loss(outputs, batch) -> (sums,
+# counts, metrics).
+# - sums: {term: the term's loss summed over the batch's labelled items (masked tokens, pairs,
+#   examples)};
+# - counts: {term: what that sum averages over}, from the batch alone (its labels and weights,
+#   never the outputs) and positive even for a batch with nothing to count;
+# - metrics: {name: (sum, count)} pairs, which add up over micro-batches, devices and batches
+#   (`monitor.summarize` divides them), and may hold the loss as the task reports it ('loss').
+# Every loss is normalized here, in one way (`normalize`), with the counts of the whole global
+# batch: k accumulated micro-batches give exactly the gradient of one big batch, and padded
+# rows (weight 0) count for nothing.
+Loss = Callable[[Any, dict], tuple[dict, dict, dict]]
+# apply(params, batch, rng) -> the outputs a Loss takes (the model in training mode: dropout).
+Apply = Callable[[Any, dict, jax.Array], Any]
 
 
-def train_step(state: TrainState, batch: dict[str, jax.Array], *, loss_fn: LossFn,
-               tx: optax.GradientTransformation, base_rng: jax.Array, accum_steps: int = 1
-               ) -> tuple[TrainState, dict[str, Any]]:
-  """One optimizer step over the global batch (optionally as `accum_steps` micro-batches)."""
+def normalize(sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> jax.Array:
+  """The training loss: the sum over terms of each term's mean, sums[t] / counts[t]."""
+  total = None
+  for term, value in sums.items():
+    mean = value / counts[term]
+    total = mean if total is None else total + mean
+  return total
+
+
+def _counts(apply: Apply, loss: Loss, params: Any, batch: dict, rng: jax.Array) -> dict:
+  """The counts of `loss` over `batch`. Counts do not depend on the outputs: the loss runs on
+  zeros of the outputs' shapes, and all but the counts is dead code to XLA."""
+  shapes = jax.eval_shape(apply, params, batch, rng)
+  _, counts, _ = loss(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), batch)
+  return counts
+
+
+def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: Loss,
+         tx: optax.GradientTransformation, base_rng: jax.Array, accum_steps: int = 1
+         ) -> tuple[TrainState, dict[str, Any]]:
+  """One optimizer step over the global batch (optionally as `accum_steps` micro-batches).
+
+  Metrics: the loss's, 'loss' (the normalized training loss, unless the loss reports its own),
+  and 'grad_norm'.
+  """
   rng = jax.random.fold_in(base_rng, state.step)
-  grad_fn = jax.value_and_grad(lambda p, mb, r: loss_fn(p, mb, r, batch), has_aux=True)
+  # One batch: the counts come with its loss. Micro-batches: each is normalized by the whole
+  # batch's counts, so their gradients add up to the batch's.
+  counts = _counts(apply, loss, state.params, batch, rng) if accum_steps > 1 else None
+
+  def micro_loss(params, micro, micro_rng):
+    sums, micro_counts, metrics = loss(apply(params, micro, micro_rng), micro)
+    total = normalize(sums, micro_counts if counts is None else counts)
+    return total, dict({'loss': total}, **metrics)
+
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
   if accum_steps == 1:
     (_, metrics), grads = grad_fn(state.params, batch, rng)
   else:
@@ -136,12 +176,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, loss_fn: LossF
   return new_state, dict(metrics, grad_norm=optax.tree.norm(grads))
 
 
-def build_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
-                     rules, state_shardings: TrainState, base_rng: jax.Array,
-                     accum_steps: int = 1) -> Callable:
-  """`train_step` jitted over the mesh: sharded state (donated) and batch in, state and
-  replicated metrics out. `.jitted` is the jitted function (for AOT lowering)."""
-  step_fn = functools.partial(train_step, loss_fn=loss_fn, tx=tx, base_rng=base_rng,
+def jit_step(apply: Apply, loss: Loss, tx: optax.GradientTransformation,
+             mesh: jax.sharding.Mesh, rules, state_shardings: TrainState, base_rng: jax.Array,
+             accum_steps: int = 1) -> Callable:
+  """`step` jitted over the mesh: sharded state (donated) and batch in, state and replicated
+  metrics out. `.jitted` is the jitted function (for AOT lowering)."""
+  step_fn = functools.partial(step, apply=apply, loss=loss, tx=tx, base_rng=base_rng,
                               accum_steps=accum_steps)
   jitted = jax.jit(step_fn, in_shardings=(state_shardings, sharding_lib.batch_sharding(mesh)),
                    out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)

@@ -17,13 +17,13 @@ fused kernel has none; hidden dropout stays 0.1. Attention then runs as Pallas s
 
 import os
 
-from bert_jax import cli
+from bert_jax import config_files
 
 
 def get_config():
   # The schedule and model of bert_base.py: 1M steps of 256 sequences, 90% at 128 tokens.
-  config = cli.load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                        'bert_base.py'))
+  config = config_files.load_config(
+      os.path.join(os.path.dirname(os.path.abspath(__file__)), 'bert_base.py'))
   # Several whole sequences per row instead of padding (README, "Packing").
   config.data.packing = True
   # The fused kernel has no attention dropout (README, "Attention").

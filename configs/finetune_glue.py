@@ -2,7 +2,7 @@
 commented in `bert_jax.defaults.finetune`; the GLUE-only ones here.
 
   bert-jax finetune --config=configs/finetune_glue.py:mrpc \
-      --config.init_checkpoint=/ckpt/uncased_L-12_H-768_A-12 --config.data_dir=/data/glue \
+      --config.train.init_checkpoint=/ckpt/uncased_L-12_H-768_A-12 --config.data_dir=/data/glue \
       --workdir=/tmp/mrpc
 
   # The paper's learning-rate search (5e-5, 4e-5, 3e-5, 2e-5; --learning_rates=... for
@@ -26,5 +26,5 @@ def get_config(task: str = 'mrpc') -> ml_collections.ConfigDict:
   # 'tfds': the prepared TFDS datasets glue/<task> (never downloaded here).
   config.data_source = 'tsv'
   # TFDS data directory; '' = TFDS's default.
-  config.tfds_data_dir = ''
+  config.data.tfds_data_dir = ''
   return config

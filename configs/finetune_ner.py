@@ -1,7 +1,7 @@
 """Fine-tuning for named-entity recognition on CoNLL-2003 (token classification).
 
   bert-jax finetune --config=configs/finetune_ner.py \
-      --config.init_checkpoint=/ckpt/cased_L-12_H-768_A-12 --config.data_dir=/data/conll2003 \
+      --config.train.init_checkpoint=/ckpt/cased_L-12_H-768_A-12 --config.data_dir=/data/conll2003 \
       --workdir=/tmp/ner
 
 data_dir holds train.txt, valid.txt (or dev.txt) and, for --config.predict_test, test.txt: one
@@ -22,7 +22,7 @@ def get_config():
   config.train.epochs = 3
   config.train.learning_rate = 5e-5
   config.train.batch_size = 32
-  config.max_seq_length = 128
+  config.data.max_seq_length = 128
   # Tags in id order; () = the CoNLL-2003 tags when the data uses only those, else the tags
   # found in train.txt ('O' first, then by type).
   config.label_list = ()

@@ -1,7 +1,7 @@
 """Fine-tuning on SQuAD v1.1 (`:v1`) or v2.0 (`:v2`) with the paper's settings.
 
   bert-jax finetune --config=configs/finetune_squad.py:v1 \
-      --config.init_checkpoint=/ckpt/uncased_L-12_H-768_A-12 --config.data_dir=/data/squad \
+      --config.train.init_checkpoint=/ckpt/uncased_L-12_H-768_A-12 --config.data_dir=/data/squad \
       --workdir=/tmp/squad_v1
 
 data_dir holds the official files train-v1.1.json and dev-v1.1.json (v2: train-v2.0.json and
@@ -30,7 +30,7 @@ def get_config(version: str = 'v1'):
   config.train.learning_rate = lr
   config.train.batch_size = batch
   config.eval.batch_size = 64
-  config.max_seq_length = 384
+  config.data.max_seq_length = 384
   config.buckets = (128, 256, 384)
   # Official JSON files; '' = <data_dir>/train-v1.1.json, dev-v1.1.json (v2: -v2.0).
   config.train_file = ''

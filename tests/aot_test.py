@@ -3,7 +3,7 @@
 import pytest
 
 from bert_jax import aot
-from bert_jax import cli
+from bert_jax import config_files
 from bert_jax import flops
 from bert_jax.errors import UserError
 
@@ -15,7 +15,7 @@ def _config(path='configs/bert_base.py', **overrides):
           'train.phases': '', 'data.max_seq_length': 64, 'data.max_predictions_per_seq': 10,
           'mesh.data': -1}
   base.update(overrides)
-  return cli.load_config(path, base)
+  return config_files.load_config(path, base)
 
 
 def test_compile_reports_memory_flops_and_a_roofline_bound():

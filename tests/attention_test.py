@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bert_jax import attention
-from bert_jax import cli
+from bert_jax import config_files
 from bert_jax import model as model_lib
 from bert_jax import sharding as sharding_lib
 from bert_jax import train
@@ -121,7 +121,7 @@ def test_bert_with_splash_matches_xla_on_packed_rows_on_a_mesh():
   params = model_lib.init_params(xla, jax.random.key(0), seq_len=T)
   batch = _pretraining_batch()
   reference = _loss_and_grads(xla, params, batch, deterministic=False)
-  config = cli.load_config('configs/smoke.py', {'mesh.data': 2, 'mesh.fsdp': 2,
+  config = config_files.load_config('configs/smoke.py', {'mesh.data': 2, 'mesh.fsdp': 2,
                                                 'mesh.tensor': 2})
   mesh = sharding_lib.make_mesh(config.mesh, jax.devices()[:8])
   with sharding_lib.activate(mesh, sharding_lib.rules_from_config(config.mesh)):
@@ -186,7 +186,7 @@ def test_fused_kernels_refuse_attention_dropout_and_the_wrong_backend():
 
 
 def test_pretraining_checks_the_attention_config_before_reading_data(tmp_path):
-  config = cli.load_config('configs/smoke.py', {'model.attention_impl': 'splash',
+  config = config_files.load_config('configs/smoke.py', {'model.attention_impl': 'splash',
                                                 'model.attention_probs_dropout_prob': 0.0})
   with pytest.raises(UserError, match="model.attention_impl='splash' runs on TPUs only"):
     train.train_and_evaluate(config, str(tmp_path))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bert_jax import cli
+from bert_jax import config_files
 from bert_jax.errors import UserError
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +79,8 @@ def test_an_installed_wheel_finds_its_shipped_configs_in_any_scheme(tmp_path):
                         f'--prefix={prefix}', str(wheel)],
                  check=True, capture_output=True, timeout=300)
   site_packages, = prefix.glob('lib/python*/site-packages')
-  code = ('from bert_jax import cli; print(cli.__file__); print(cli.configs_dir()); '
+  code = ('from bert_jax import cli, config_files; print(cli.__file__); '
+          'print(config_files.configs_dir()); '
           "cli.main(['bert-jax', 'compile', '--topology=v9:2x2', '--config=bert_base'])")
   proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, capture_output=True,
                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(site_packages)))
@@ -92,18 +93,18 @@ def test_an_installed_wheel_finds_its_shipped_configs_in_any_scheme(tmp_path):
 def test_load_config_reads_a_user_file_anywhere(tmp_path):
   path = tmp_path / 'my_config.py'
   path.write_text(_USER_CONFIG)
-  config = cli.load_config(str(path), {'train.steps': 7})
+  config = config_files.load_config(str(path), {'train.steps': 7})
   assert (config.model.size, config.train.steps) == ('mini', 7)
-  assert cli.load_config(f'{path}:large').model.size == 'large'
+  assert config_files.load_config(f'{path}:large').model.size == 'large'
   # The same keys as the shipped default: a user's file starts from the package's defaults.
-  assert config.to_dict().keys() == cli.load_config('default').to_dict().keys()
+  assert config.to_dict().keys() == config_files.load_config('default').to_dict().keys()
 
 
 def test_config_names_resolve_to_the_shipped_files():
-  assert cli.resolve_config_path('smoke') == os.path.join(cli.configs_dir(), 'smoke.py')
-  assert cli.resolve_config_path('finetune_glue:mrpc').endswith('finetune_glue.py:mrpc')
+  assert config_files.resolve_config_path('smoke') == os.path.join(config_files.configs_dir(), 'smoke.py')
+  assert config_files.resolve_config_path('finetune_glue:mrpc').endswith('finetune_glue.py:mrpc')
   with pytest.raises(UserError, match='--config=nope.py: no such file'):
-    cli.resolve_config_path('nope.py')
+    config_files.resolve_config_path('nope.py')
 
 
 # ---- User mistakes end in one message and exit status 2; bugs keep their traceback ----------
@@ -149,6 +150,8 @@ def _assert_user_error(proc, command, *fragments):
      ['--config.train.setps:', 'no key config.train.setps', 'did you mean --config.train.steps?']),
     (['finetune', '--config=finetune_glue:mrpc', '--config.trian.epochs=1'],
      ['no key config.trian', 'did you mean --config.train?']),
+    (['finetune', '--config.init_checkpoint=/ckpt'],
+     ['--config.init_checkpoint:', 'is now config.train.init_checkpoint']),
     (['data', '--config=no_such_config'],
      ['--config=no_such_config: no such file', 'shipped names: bert_base']),
     (['pretrain', '--config.train.steps=ten'], ['--config.train.steps=ten']),
@@ -227,7 +230,7 @@ def files(tmp_path_factory):
 
 def _finetune(config, files, *args):
   root, ckpt = files
-  return _cli(['finetune', f'--config={config}', f'--config.init_checkpoint={ckpt}',
+  return _cli(['finetune', f'--config={config}', f'--config.train.init_checkpoint={ckpt}',
                f'--workdir={root}/finetune_{len(args)}_{config.replace(":", "_")}'] + list(args))
 
 
@@ -249,8 +252,9 @@ def test_malformed_conll_file_is_named_with_its_line(files):
 
 def test_vocabulary_larger_than_the_checkpoint_is_refused(files):
   proc = _finetune('finetune_glue:sst2', files, f'--config.data_dir={files[0]}',
-                   f'--config.vocab_file={files[0]}/big_vocab.txt')
-  _assert_user_error(proc, 'finetune', 'big_vocab.txt has 14 tokens but config.init_checkpoint=',
+                   f'--config.data.vocab_file={files[0]}/big_vocab.txt')
+  _assert_user_error(proc, 'finetune', 'big_vocab.txt has 14 tokens but '
+                     'config.train.init_checkpoint=',
                      'use the vocabulary the checkpoint was trained with')
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bert_jax import cli
+from bert_jax import config_files
 
 PRETRAINING = ['default.py', 'bert_base.py', 'bert_large.py', 'bert_base_tpu_speed.py',
                'smoke.py', 'lamb_large_batch.py:phase1', 'lamb_large_batch.py:phase2']
@@ -10,7 +10,7 @@ PRETRAINING = ['default.py', 'bert_base.py', 'bert_large.py', 'bert_base_tpu_spe
 
 @pytest.mark.parametrize('name', PRETRAINING)
 def test_checkpoints_and_evaluations_happen_within_the_run(name):
-  config = cli.load_config('configs/' + name)
+  config = config_files.load_config('configs/' + name)
   steps = config.train.steps
   # At least two checkpoints per run, so that a preemption-free crash loses a fraction of it.
   assert config.checkpoint.every_steps <= steps // 2, name
@@ -33,7 +33,7 @@ def test_the_code_reads_only_keys_the_config_defines():
   import os  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
   root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bert_jax')
-  defined = _keys(cli.load_config('configs/default.py'))
+  defined = _keys(config_files.load_config('configs/default.py'))
   read, gets = set(), []
   for module in ('train.py', 'input_pipeline.py', 'documents.py', 'optim.py', 'sharding.py',
                  'aot.py', 'cli.py', 'checkpoint.py', 'train_state.py', 'monitor.py'):
@@ -56,4 +56,4 @@ def test_the_code_reads_only_keys_the_config_defines():
 
 def test_multi_host_settings_are_flags_not_keys():
   # The launch decides the process layout (--coordinator_address etc.); no config key pretends.
-  assert 'distributed' not in cli.load_config('configs/default.py')
+  assert 'distributed' not in config_files.load_config('configs/default.py')

@@ -20,7 +20,7 @@ import pytest
 
 from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
-from bert_jax import cli
+from bert_jax import config_files
 from bert_jax import convert
 from bert_jax import errors
 from bert_jax import fileio
@@ -93,11 +93,11 @@ def glue_dir(tmp_path_factory):
 
 
 def _glue_config(init_checkpoint, data_dir, **overrides):
-  values = {'init_checkpoint': init_checkpoint, 'data_dir': data_dir, 'max_seq_length': 32,
-            'buckets': (16, 32), 'train.batch_size': 16, 'eval.batch_size': 32,
-            'log.progress': False}
+  values = {'train.init_checkpoint': init_checkpoint, 'data_dir': data_dir,
+            'data.max_seq_length': 32, 'buckets': (16, 32), 'train.batch_size': 16,
+            'eval.batch_size': 32, 'log.progress': False}
   values.update(overrides)
-  return cli.load_config('finetune_glue.py:sst2', values)
+  return config_files.load_config('finetune_glue.py:sst2', values)
 
 
 def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints, glue_dir,
@@ -308,12 +308,12 @@ def test_two_processes_match_one_and_resume(checkpoints, tmp_path):
   """
   data_dir = _write_sst2(str(tmp_path / 'glue'), seed=4)
   # 4 steps an epoch, 2 epochs; one length (no buckets): one compiled train step.
-  settings = {'init_checkpoint': checkpoints['bert_jax'], 'data_dir': data_dir,
-              'max_seq_length': 32, 'buckets': '()', 'train.batch_size': 16,
+  settings = {'train.init_checkpoint': checkpoints['bert_jax'], 'data_dir': data_dir,
+              'data.max_seq_length': 32, 'buckets': '()', 'train.batch_size': 16,
               'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
               'checkpoint.every_steps': 3, 'log.every_steps': 1, 'log.progress': False}
   one = str(tmp_path / 'one')
-  expected = finetune.finetune(cli.load_config(
+  expected = finetune.finetune(config_files.load_config(
       'finetune_glue.py:sst2', dict(settings, buckets=())), one)
 
   two, cache = str(tmp_path / 'two'), str(tmp_path / 'jax_cache')
@@ -353,8 +353,9 @@ def test_squad_runs_end_to_end(checkpoints, tmp_path):
   for name, part in (('train-v1.1.json', paragraphs[:16]), ('dev-v1.1.json', paragraphs[16:])):
     with open(os.path.join(data_dir, name), 'w') as f:
       json.dump({'version': '1.1', 'data': [{'title': 't', 'paragraphs': part}]}, f)
-  config = cli.load_config('finetune_squad.py:v1', {
-      'init_checkpoint': checkpoints['bert_jax'], 'data_dir': data_dir, 'max_seq_length': 64,
+  config = config_files.load_config('finetune_squad.py:v1', {
+      'train.init_checkpoint': checkpoints['bert_jax'], 'data_dir': data_dir,
+      'data.max_seq_length': 64,
       'buckets': (), 'doc_stride': 32, 'max_query_length': 16, 'train.epochs': 1,
       'train.batch_size': 8, 'eval.batch_size': 8, 'log.progress': False,
       # No dropout: its random bits double the step's compile time, and this run only has to
@@ -429,8 +430,8 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
     _write_lines(os.path.join(data_dir, name), _conll(rng, n))
   workdir = str(tmp_path / 'ner')
   cmd = [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=configs/finetune_ner.py',
-         f'--config.init_checkpoint={checkpoints["bert_jax"]}', f'--config.data_dir={data_dir}',
-         '--config.train.epochs=1', '--config.train.batch_size=8', '--config.max_seq_length=16',
+         f'--config.train.init_checkpoint={checkpoints["bert_jax"]}', f'--config.data_dir={data_dir}',
+         '--config.train.epochs=1', '--config.train.batch_size=8', '--config.data.max_seq_length=16',
          '--config.buckets=()', '--config.predict_test=True', '--config.log.progress=False',
          '--config.model.hidden_dropout_prob=0', '--config.model.attention_probs_dropout_prob=0',
          f'--workdir={workdir}', '--sweep', '--learning_rates=1e-3,5e-4']
@@ -509,9 +510,9 @@ def test_a_workdir_in_use_is_refused(checkpoints, glue_dir, tmp_path):
 def test_vocab_that_does_not_match_the_checkpoint(checkpoints, glue_dir, tmp_path):
   data_dir, _ = glue_dir
   bigger = _write_lines(str(tmp_path / 'vocab.txt'), VOCAB + [f'extra{i}' for i in range(9)])
-  config = _glue_config(checkpoints['bert_jax'], data_dir, vocab_file=bigger)
+  config = _glue_config(checkpoints['bert_jax'], data_dir, **{'data.vocab_file': bigger})
   with pytest.raises(ValueError, match=rf'has {len(VOCAB) + 9} tokens but '
-                     rf'config.init_checkpoint=.* has vocab_size {len(VOCAB)} .*use the '
+                     rf'config.train.init_checkpoint=.* has vocab_size {len(VOCAB)} .*use the '
                      'vocabulary the checkpoint was trained with'):
     finetune.finetune(config, str(tmp_path / 'a'))
   # A checkpoint folder whose own vocab.txt is not the model's.
@@ -543,8 +544,9 @@ def test_bad_task_files_name_the_file_and_line(checkpoints, tmp_path):
   squad_dir = str(tmp_path / 'squad')
   _write_lines(os.path.join(squad_dir, 'train-v1.1.json'),
                ['{"data": [', '  {"title": "t" "paragraphs": []}', ']}'])
-  squad_config = cli.load_config('finetune_squad.py:v1', {
-      'init_checkpoint': checkpoints['bert_jax'], 'data_dir': squad_dir, 'max_seq_length': 64})
+  squad_config = config_files.load_config('finetune_squad.py:v1', {
+      'train.init_checkpoint': checkpoints['bert_jax'], 'data_dir': squad_dir,
+      'data.max_seq_length': 64})
   with pytest.raises(ValueError, match=r'train-v1.1.json:2:17: not valid JSON'):
     finetune.finetune(squad_config, str(tmp_path / 'c'))
   _write_lines(os.path.join(squad_dir, 'train-v1.1.json'), [json.dumps({'data': [
@@ -555,13 +557,15 @@ def test_bad_task_files_name_the_file_and_line(checkpoints, tmp_path):
 
   conll_dir = str(tmp_path / 'conll')
   _write_lines(os.path.join(conll_dir, 'train.txt'), ['alice B-PER', 'was O', 'dull'])
-  ner_config = cli.load_config('finetune_ner.py', {
-      'init_checkpoint': checkpoints['bert_jax'], 'data_dir': conll_dir, 'max_seq_length': 32})
+  ner_config = config_files.load_config('finetune_ner.py', {
+      'train.init_checkpoint': checkpoints['bert_jax'], 'data_dir': conll_dir,
+      'data.max_seq_length': 32})
   with pytest.raises(ValueError, match=r'train.txt:3: 1 columns where earlier lines have 2'):
     finetune.finetune(ner_config, str(tmp_path / 'e'))
   with pytest.raises(ValueError, match="config.task='squad': expected a GLUE task"):
-    finetune.finetune(cli.load_config('finetune_glue.py:squad', {
-        'init_checkpoint': checkpoints['bert_jax'], 'max_seq_length': 32}), str(tmp_path / 'f'))
+    finetune.finetune(config_files.load_config('finetune_glue.py:squad', {
+        'train.init_checkpoint': checkpoints['bert_jax'], 'data.max_seq_length': 32}),
+        str(tmp_path / 'f'))
 
 
 def test_predict_needs_a_finished_finetuning_workdir(checkpoints, tmp_path):

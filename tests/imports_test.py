@@ -62,3 +62,13 @@ def test_drivers_import_libraries_only():
 def test_nothing_imports_the_cli():
   users = sorted(user for user, imported in _graph().items() if 'cli' in imported)
   assert not users, f'{users} import the CLI; config files load through config_files'
+
+
+def test_shipped_configs_import_no_driver_and_not_the_cli():
+  configs = os.path.join(ROOT, 'configs')
+  imports = {name: _imports(os.path.join(configs, name))
+             for name in sorted(os.listdir(configs)) if name.endswith('.py')}
+  assert imports['bert_base_tpu_speed.py'] == {'config_files'}  # The one that loads a sibling.
+  wrong = {name: sorted(found) for name, found in imports.items()
+           if found & (DRIVERS | {'cli'})}
+  assert not wrong, f'configs load through config_files and defaults, never the CLI: {wrong}'

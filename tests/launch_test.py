@@ -507,7 +507,7 @@ def test_watch_recovers_a_preempted_finetuning_run(tmp_path):
   # pylint: disable=g-import-not-at-top  (TensorFlow and JAX: only this test needs them)
   import random
   import jax
-  from bert_jax import cli
+  from bert_jax import config_files
   from bert_jax import convert
   from bert_jax import finetune
   from bert_jax import model as model_lib
@@ -525,14 +525,14 @@ def test_watch_recovers_a_preempted_finetuning_run(tmp_path):
   _sst2(str(gcs / 'bucket' / 'glue' / 'SST-2' / 'train.tsv'), 64, rng)
   _sst2(str(gcs / 'bucket' / 'glue' / 'SST-2' / 'dev.tsv'), 32, rng)
   # 8 steps an epoch, 2 epochs; one sequence length: one compiled train step.
-  overrides = {'init_checkpoint': 'gs://bucket/tiny', 'data_dir': 'gs://bucket/glue',
-               'max_seq_length': 16, 'buckets': '()', 'train.batch_size': 8,
+  overrides = {'train.init_checkpoint': 'gs://bucket/tiny', 'data_dir': 'gs://bucket/glue',
+               'data.max_seq_length': 16, 'buckets': '()', 'train.batch_size': 8,
                'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
                'log.every_steps': 1, 'log.progress': False}
   reference = str(tmp_path / 'reference')
   local = {k: v.replace('gs://', f'{gcs}/') if isinstance(v, str) else v
            for k, v in dict(overrides, buckets=()).items()}
-  expected = finetune.finetune(cli.load_config('finetune_glue.py:sst2', local), reference)
+  expected = finetune.finetune(config_files.load_config('finetune_glue.py:sst2', local), reference)
 
   state, calls = tmp_path / 'state', tmp_path / 'calls'
   gcloud = _write_exe(tmp_path / 'gcloud', _FAKE_TPU_VM.format(

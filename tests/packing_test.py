@@ -237,7 +237,7 @@ def test_packed_sequences_give_the_same_gradient(mesh_shape):
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
     before = jax.device_get(state.params)
     step = train_lib.build_train_step(model, tx, mesh, rules, shardings, jax.random.key(1), 1,
-                                      use_nsp=True)
+                                      objective='nsp')
     state, metrics = step(state, sharding_lib.make_global_batch(
         batch, sharding_lib.batch_sharding(mesh)))
     after = jax.device_get(state.params)

@@ -163,7 +163,7 @@ def test_train_step_parity(tmp_path):
   tx, _ = optim.make_optimizer(train_config)
   step_fn = jax.jit(functools.partial(
       train.train_step, model=model.BertForPreTraining(config), tx=tx,
-      base_rng=jax.random.key(0), accum_steps=1, use_nsp=True))
+      base_rng=jax.random.key(0), accum_steps=1, objective='nsp'))
   state = train_state.TrainState(step=np.int32(0), params=params, opt_state=tx.init(params))
   ours = []
   for _ in range(steps):

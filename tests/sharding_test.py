@@ -62,7 +62,7 @@ def _one_step(mesh, config=CONFIG, accum=1, batch=None, steps=1, rng_impl='three
   state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
   start = jax.device_get(state.params)  # Before the step donates the state.
   step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
-                                    jax.random.key(1, impl=rng_impl), accum, use_nsp=True)
+                                    jax.random.key(1, impl=rng_impl), accum, objective='nsp')
   batch = _batch() if batch is None else batch
   losses = []
   for _ in range(steps):

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from bert_jax import checkpoint as ckpt_lib
-from bert_jax import cli
+from bert_jax import config_files
 from bert_jax import input_pipeline
 from bert_jax import train
 from bert_jax import train_state
@@ -90,7 +90,7 @@ def _flags(overrides):
 def _config(vocab_file, **overrides):
   settings = dict(TINY, **{'data.vocab_file': vocab_file})
   settings.update({k.replace('__', '.'): v for k, v in overrides.items()})
-  return cli.load_config('smoke', settings)
+  return config_files.load_config('smoke', settings)
 
 
 def _rows(workdir, skip=0):
@@ -555,26 +555,26 @@ def test_every_process_evaluates_the_same_number_of_batches():
     ('0.9:128:20,0.1:1024:80', 'exceeds model.max_position_embeddings'),
 ])
 def test_bad_phases_are_named(phases, message):
-  config = cli.load_config('configs/bert_base.py', {'train.phases': phases})
+  config = config_files.load_config('configs/bert_base.py', {'train.phases': phases})
   with pytest.raises(ValueError, match=message):
     train.parse_phases(config)
 
 
 def test_phase_ends_are_rounded_cumulatively():
-  config = cli.load_config('configs/bert_base.py', {
+  config = config_files.load_config('configs/bert_base.py', {
       'train.steps': 10, 'train.warmup_steps': 0,
       'train.phases': '0.35:128:20,0.35:256:40,0.3:512:80'})
   assert [(p.start, p.end) for p in train.parse_phases(config)] == [(0, 4), (4, 7), (7, 10)]
 
 
 def test_paper_phases():
-  phases = train.parse_phases(cli.load_config('configs/bert_base.py'))
+  phases = train.parse_phases(config_files.load_config('configs/bert_base.py'))
   assert [(p.start, p.end, p.seq_len, p.max_predictions) for p in phases] == [
       (0, 900_000, 128, 20), (900_000, 1_000_000, 512, 80)]
 
 
 def test_stop_at_step_beyond_the_schedule_is_refused(tmp_path):
-  config = cli.load_config('smoke', {'train.stop_at_step': 301})
+  config = config_files.load_config('smoke', {'train.stop_at_step': 301})
   with pytest.raises(ValueError,
                      match=r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'):
     train.train_and_evaluate(config, str(tmp_path))
@@ -582,19 +582,19 @@ def test_stop_at_step_beyond_the_schedule_is_refused(tmp_path):
 
 def test_batch_that_does_not_split_is_named():
   from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  config = cli.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 3})
+  config = config_files.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 3})
   mesh = sharding_lib.make_mesh(config.mesh)
   with pytest.raises(ValueError, match='train.batch_size=16 does not divide by '
                      'train.grad_accum_steps=3'):
     train.check_batch(config, mesh)
-  config = cli.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 4})
+  config = config_files.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 4})
   with pytest.raises(ValueError, match=f'micro-batch 4 .* does not divide over '
                      f'{jax.device_count()} data-parallel shards'):
     train.check_batch(config, mesh)
 
 
 def test_tfrecord_phase_inputs_need_their_vocab(tmp_path):
-  config = cli.load_config('smoke', {'train.phases': '0.5:32:5,0.5:64:10',
+  config = config_files.load_config('smoke', {'train.phases': '0.5:32:5,0.5:64:10',
                                      'data.phase_inputs': ';x/seq64.tfrecord'})
   with pytest.raises(ValueError, match=r"data.vocab_file is required with TFRecord input "
                      r"\(phase 2 reads 'x/seq64.tfrecord'\)"):
@@ -602,7 +602,7 @@ def test_tfrecord_phase_inputs_need_their_vocab(tmp_path):
 
 
 def test_dropout_rng_impl_is_checked():
-  config = cli.load_config('smoke')
+  config = config_files.load_config('smoke')
   assert jax.random.key_impl(train_state.dropout_rng(config.train)) == jax.random.key_impl(
       jax.random.key(0, impl='rbg'))
   config.train.rng_impl = 'philox'
