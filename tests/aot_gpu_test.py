@@ -10,7 +10,7 @@ import os
 import pytest
 
 from bert_jax import aot
-from bert_jax import cli
+from bert_jax import config_files
 from bert_jax.errors import UserError
 
 if importlib.util.find_spec('jax_plugins.xla_cuda12') is None and not os.environ.get('CI'):
@@ -22,7 +22,7 @@ def _config(**overrides):
           'train.phases': '', 'data.max_seq_length': 128, 'data.max_predictions_per_seq': 20,
           'data.packing': True, 'model.attention_probs_dropout_prob': 0.0, 'mesh.data': -1}
   base.update(overrides)
-  return cli.load_config('configs/bert_base.py', base)
+  return config_files.load_config('configs/bert_base.py', base)
 
 
 def test_gpu_topologies():
