@@ -4,6 +4,10 @@ Task data, predictions and run files go through here, so a fine-tuning workdir o
 on a bucket works like a local one. TensorFlow is imported on first use.
 """
 
+import os
+
+from bert_jax.errors import UserError
+
 
 def gfile():
   """`tf.io.gfile`: local paths and gs:// alike."""
@@ -32,3 +36,18 @@ def write_text(path: str, text: str) -> None:
     gfile().makedirs(folder)
   with gfile().GFile(path, 'wb') as f:
     f.write(text.encode('utf-8'))
+
+
+def make_dirs(path: str, flag: str) -> None:
+  """Makes the folder `path` (and its parents); a file in the way, a path that cannot be made or
+  a local folder that cannot be written is a UserError naming `flag` (`--workdir`)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if isfile(path):
+    raise UserError(f'{flag}={path} is a file, not a folder: name a folder (it is created if '
+                    'missing)')
+  try:
+    gfile().makedirs(path)
+  except tf.errors.OpError as e:
+    raise UserError(f'{flag}={path}: cannot create this folder ({e.message})') from e
+  if '://' not in path and not os.access(path, os.W_OK | os.X_OK):
+    raise UserError(f'{flag}={path}: this folder is not writable by this user')
