@@ -33,3 +33,10 @@ def from_tensorflow(error: BaseException) -> UserError | None:
   # TF prints the Assert's data as "[message]" followed by the failing node's name.
   message = message.split(']', 1)[0].split('\n', 1)[0].strip()
   return UserError(message.replace("\\'", "'"))  # TF escapes the quotes of the Assert data.
+
+
+def excerpt(text: str, limit: int = 60) -> str:
+  """`text` quoted for a message: at most `limit` characters of it, and how long it is."""
+  if len(text) <= limit:
+    return repr(text)
+  return f'{text[:limit]!r}... ({len(text):,} characters)'

@@ -325,6 +325,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   same call continues it. One run at a time per workdir, as in pre-training: a second one is
   refused while this one holds the workdir's lock.
   """
+  task_kind(config.task)  # A misspelt task fails before the workdir and the checkpoint.
   workdir = ckpt_lib.workdir_path(workdir)
   with ckpt_lib.workdir_lock(workdir):
     return _finetune(config, workdir)

@@ -391,3 +391,24 @@ def test_end_to_end_mistakes_are_one_line_and_status_2(tmp_path, vocab_file):
   truncated = _make(tmp_path, 'truncated_gz')
   _one_line(_cli(['vocab', f'--input={truncated}', f'--output={tmp_path}/v.txt'], tmp_path),
             'vocab', f'--input: {truncated} is truncated')
+
+
+def test_a_misspelt_task_is_refused_before_the_checkpoint_loads(tmp_path):
+  from bert_jax import finetune  # pylint: disable=g-import-not-at-top
+  config = cli.load_config(_F, {'task': 'mrcp', 'init_checkpoint': str(tmp_path / 'nowhere')})
+  with pytest.raises(UserError, match=r"config.task='mrcp': expected a GLUE task"):
+    finetune.finetune(config, str(tmp_path / 'w'))
+  assert not os.path.exists(tmp_path / 'w')
+
+
+@pytest.mark.parametrize('text, fragment', [
+    ('the [MASK] ' * 450, '... (4,950 characters) is'),
+    ('no mask ' * 600, '... (4,800 characters) has no [MASK]'),
+    ('a short [MASK]', "'a short [MASK]' is"),
+])
+def test_messages_quote_a_short_excerpt_of_long_texts(text, fragment, vocab_file):
+  from bert_jax import fill_mask  # pylint: disable=g-import-not-at-top
+  tok = tokenization.load_tokenizer(vocab_file)
+  with pytest.raises(UserError) as e:
+    fill_mask.encode_masked(tok, text, max_seq_length=4)
+  assert fragment in str(e.value) and len(str(e.value)) < 250, str(e.value)
