@@ -300,7 +300,7 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   token = uuid.uuid4().hex
   refusal = ''
   if jax.process_index() == 0:
-    fileio.gfile().makedirs(workdir)
+    fileio.make_dirs(workdir, '--workdir')
     record = dict(pid=os.getpid(), host=socket.gethostname(), token=token,
                   started=time.strftime('%Y-%m-%d %H:%M:%S %Z'), heartbeat=time.time())
     for _ in range(3):

@@ -24,6 +24,8 @@ from absl import logging
 
 from bert_jax import config_files
 from bert_jax.config_files import configs_dir  # Where each command's default config is.
+from bert_jax import config_checks
+from bert_jax import errors
 from bert_jax.errors import UserError
 
 FLAGS = flags.FLAGS
@@ -388,6 +390,9 @@ def user_error_message(error: BaseException) -> str | None:
   """The message of a mistake the user can fix, or None for a bug (which keeps its traceback)."""
   if isinstance(error, UserError):
     return str(error)
+  carried = errors.from_tensorflow(error)  # A mistake found inside tf.data (one document).
+  if carried is not None:
+    return str(carried)
   if isinstance(error, (flags.Error, app.UsageError)):
     return str(error)
   if isinstance(error, SyntaxError) and error.filename and not os.path.realpath(
@@ -400,7 +405,7 @@ def user_error_message(error: BaseException) -> str | None:
 def _parse_flags(argv: list[str]) -> list[str]:
   """FLAGS(argv), with a flag mistake raised as a UserError (absl would exit with status 1)."""
   try:
-    return FLAGS(argv)
+    remaining = FLAGS(argv)
   except flags.Error as e:
     # An exception in a config file's get_config() surfaces as a flag error whose message holds
     # a traceback (ml_collections re-raises it so); the original is further down the chain.
@@ -425,6 +430,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except (KeyError, AttributeError):
     _explain_config_overrides(argv[1:])
     raise
+  if 'config' in FLAGS and FLAGS['config'].value is not None:
+    config_checks.check_config(FLAGS.config)  # Every numeric key's range, before any work.
+  return remaining
 
 
 def _run_command(name: str, args: list[str]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import ml_collections
 
+from bert_jax import config_checks
 from bert_jax import defaults
 from bert_jax.errors import UserError
 
@@ -86,6 +87,7 @@ def load_config(path: str, overrides: dict[str, Any] | None = None
     for p in parents:
       node = node[p]
     node[leaf] = value
+  config_checks.check_config(config)  # Every numeric key's range, before any work.
   return config
 
 

@@ -12,7 +12,9 @@ Invalid UTF-8 becomes U+FFFD instead of failing.
 """
 
 import difflib
+import gzip
 import re
+import zlib
 
 import ml_collections
 import tensorflow as tf
@@ -55,8 +57,46 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
     matched = sorted(tf.io.gfile.glob(pattern))
     if not matched:
       raise UserError(f'{flag}: {pattern!r} matches no file')
+    for path in matched:
+      if tf.io.gfile.isdir(path):
+        raise UserError(f'{flag}: {path} is a directory; name the files in it (for example '
+                        f'{path.rstrip("/")}/*.txt)')
+      if path.endswith('.gz'):
+        check_gzip(path, flag)
     files += matched
   return files
+
+
+# Gzip files already read to their end in this process: (path, size, mtime) -> None.
+_GZIP_CHECKED: set[tuple[str, int, int]] = set()
+
+
+def check_gzip(path: str, flag: str) -> None:
+  """Reads a .gz file to its end: a damaged or truncated one is a UserError naming the file.
+
+  tf.data's GZIP reader stops at the damage without an error (training would silently run on
+  part of the corpus), so every .gz input is decompressed once at start-up (and remembered).
+  """
+  stat = tf.io.gfile.stat(path)
+  key = (path, stat.length, stat.mtime_nsec)
+  if key in _GZIP_CHECKED:
+    return
+  with tf.io.gfile.GFile(path, 'rb') as raw:
+    try:
+      with gzip.GzipFile(fileobj=raw) as f:
+        while f.read(1 << 22):
+          pass
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+      if isinstance(e, EOFError):
+        problem = (f'is truncated: its compressed data stops unfinished at byte {stat.length}, '
+                   'the end of the file')
+      elif isinstance(e, gzip.BadGzipFile) and raw.tell() <= 10:
+        problem = 'is not gzip data, though its name ends in .gz'
+      else:
+        problem = f'is damaged near compressed byte {raw.tell()} of {stat.length} ({e})'
+      raise UserError(f'{flag}: {path} {problem}; copy it again, or decompress what is left '
+                      '(tf.data would silently stop at the damage)') from e
+  _GZIP_CHECKED.add(key)
 
 
 def resolve_files(spec: str, flag: str = 'data.input') -> list[str]:

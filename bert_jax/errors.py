@@ -11,3 +11,32 @@ class UserError(ValueError):
 
   It is a ValueError so that code catching bad values (and older tests) keeps working.
   """
+
+
+# Marks a user's mistake found inside a tf.data graph (a `tf.debugging.Assert` message): TF
+# raises it as an InvalidArgumentError (a bug's class) from whichever `next()` reached it;
+# `from_tensorflow` turns it back into the UserError it is.
+IN_GRAPH_MARK = 'bert_jax user error: '
+
+
+def in_graph(message: str) -> str:
+  """The text of a tf.debugging.Assert that reports a user's mistake."""
+  return IN_GRAPH_MARK + message
+
+
+def from_tensorflow(error: BaseException) -> UserError | None:
+  """The UserError carried by a TensorFlow error raised at an `in_graph` assertion, else None."""
+  text = getattr(error, 'message', None)
+  if not isinstance(text, str) or IN_GRAPH_MARK not in text:
+    return None
+  message = text.split(IN_GRAPH_MARK, 1)[1]
+  # TF prints the Assert's data as "[message]" followed by the failing node's name.
+  message = message.split(']', 1)[0].split('\n', 1)[0].strip()
+  return UserError(message.replace("\\'", "'"))  # TF escapes the quotes of the Assert data.
+
+
+def excerpt(text: str, limit: int = 60) -> str:
+  """`text` quoted for a message: at most `limit` characters of it, and how long it is."""
+  if len(text) <= limit:
+    return repr(text)
+  return f'{text[:limit]!r}... ({len(text):,} characters)'

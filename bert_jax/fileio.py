@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from bert_jax.errors import UserError
+
 
 @functools.cache
 def tensorflow():
@@ -95,3 +97,18 @@ def json_safe(d: Any) -> Any:
   if isinstance(d, (np.integer, np.floating)):
     return d.item()
   return d
+
+
+def make_dirs(path: str, flag: str) -> None:
+  """Makes the folder `path` (and its parents); a file in the way, a path that cannot be made or
+  a local folder that cannot be written is a UserError naming `flag` (`--workdir`)."""
+  tf = tensorflow()
+  if isfile(path):
+    raise UserError(f'{flag}={path} is a file, not a folder: name a folder (it is created if '
+                    'missing)')
+  try:
+    gfile().makedirs(path)
+  except tf.errors.OpError as e:
+    raise UserError(f'{flag}={path}: cannot create this folder ({e.message})') from e
+  if '://' not in path and not os.access(path, os.W_OK | os.X_OK):
+    raise UserError(f'{flag}={path}: this folder is not writable by this user')

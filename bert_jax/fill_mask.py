@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from bert_jax import convert
+from bert_jax import errors
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
 
@@ -22,7 +23,7 @@ def encode_masked(tok, text: str, max_seq_length: int) -> tuple[list[int], list[
   """Ids of '[CLS] text [SEP]' with each '[MASK]' as the mask token, and the masked positions."""
   parts = text.split(MASK)
   if len(parts) == 1:
-    raise UserError(f'fill-mask: {text!r} has no {MASK}')
+    raise UserError(f'fill-mask: {errors.excerpt(text)} has no {MASK}')
   pieces = tok.encode(parts)
   ids, positions = [tok.cls_id], []
   for i, piece in enumerate(pieces):
@@ -32,7 +33,8 @@ def encode_masked(tok, text: str, max_seq_length: int) -> tuple[list[int], list[
       ids.append(tok.mask_id)
   ids.append(tok.sep_id)
   if len(ids) > max_seq_length:
-    raise UserError(f'fill-mask: {text!r} is {len(ids)} tokens with [CLS] and [SEP]; the model '
+    raise UserError(f'fill-mask: {errors.excerpt(text)} is {len(ids)} tokens with [CLS] and '
+                    '[SEP]; the model '
                     f'takes at most {max_seq_length} (max_position_embeddings)')
   return ids, positions
 

@@ -145,6 +145,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   refused while this one holds the workdir's lock.
   """
   defaults.check_moved_keys(config)
+  task_table.kind_of(config.task)  # A misspelt task fails before the workdir and the checkpoint.
   workdir = fileio.workdir_path(workdir)
   with ckpt_lib.workdir_lock(workdir):
     return _finetune(config, workdir)

@@ -39,7 +39,9 @@ Outputs of both functions: input_ids [E, seq_len] int32 (padded with pad_id), nu
 
 import tensorflow as tf
 
-NOT_ENOUGH_DOCUMENTS = (
+from bert_jax import errors
+
+NOT_ENOUGH_DOCUMENTS = errors.in_graph(
     "objective 'nsp' needs at least two different documents for NotNext pairs, but every "
     'document in a batch was the same one: the input (of this process) holds a single '
     'document. Add documents (blank lines separate them), or use objective sop/none.')

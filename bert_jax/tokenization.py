@@ -199,7 +199,7 @@ def _read_lines(path: str) -> list[str]:
   except tf.errors.OpError as e:
     raise UserError(f'Vocabulary {path} cannot be read: {e.message}') from e
   try:
-    return raw.decode('utf-8').splitlines()
+    return raw.decode('utf-8-sig').splitlines()  # A byte-order mark (Windows editors) is dropped.
   except UnicodeDecodeError as e:
     line = raw[:e.start].count(b'\n') + 1
     raise UserError(f'{path}:{line}: not UTF-8 text (byte {e.start}); a vocab.txt is one UTF-8 '

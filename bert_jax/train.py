@@ -226,9 +226,12 @@ def _max_over_processes(n: int) -> int:
 
 
 def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any,
-                    p_eval_step: Callable, mesh: jax.sharding.Mesh, rules,
-                    vocab_file: str) -> dict[str, float]:
-  """MLM (and NSP) metrics of `params` on eval.steps batches of the phase's held-out data."""
+                    p_eval_step: Callable, mesh: jax.sharding.Mesh, rules, vocab_file: str,
+                    check_nsp_share: bool = False) -> dict[str, float]:
+  """MLM (and NSP) metrics of `params` on eval.steps batches of the phase's held-out data.
+
+  With check_nsp_share, NSP/SOP metrics of labels far from half NotNext are refused
+  (`check_label_share`)."""
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   eval_local = config.eval.batch_size // jax.process_count()
   sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
@@ -241,12 +244,37 @@ def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any
   if not batches:
     raise UserError('the evaluation data gave no batch: data.eval_input (or the held-out '
                     'share of data.input) is smaller than eval.batch_size')
+  if check_nsp_share:
+    check_label_share(batches, config.data)
   batch_sharding = sharding_lib.batch_sharding(mesh)
   results = []
   with sharding_lib.activate(mesh, rules):
     for local in batches:
       results.append(p_eval_step(params, sharding_lib.make_global_batch(local, batch_sharding)))
   return monitor.summarize(jax.device_get(results))
+
+
+def check_label_share(batches: list[dict[str, Any]], data: ml_collections.ConfigDict) -> None:
+  """Raises a UserError when the NotNext (SOP: swapped) share of the evaluation examples is not
+  about one half: a held-out set of (nearly) one document has no NotNext pairs, and its
+  nsp_accuracy of 1.0 would say nothing. The tolerance is 4 standard deviations (at least
+  0.15), so an honest draw is almost never refused."""
+  labels = examples = 0
+  for batch in batches:
+    real = (batch['next_sentence_weights'] > 0 if 'next_sentence_weights' in batch
+            else batch['input_mask'][:, 0] > 0)
+    examples += int(real.sum())
+    labels += int(np.asarray(batch['next_sentence_labels'])[real].sum())
+  if not examples:
+    return
+  share = labels / examples
+  if abs(share - 0.5) >= max(0.15, 2 / np.sqrt(examples)):
+    where = (f'data.eval_input={data.eval_input!r}' if data.eval_input
+             else f'the held-out share of data.input={data.input!r}')
+    raise UserError(f'{where}: {share:.0%} of its {examples} evaluation pairs are '
+                    f'{"NotNext" if data.objective == "nsp" else "swapped"} instead of about '
+                    'half (too few documents), so nsp_accuracy would mean nothing; give more '
+                    'documents, or --config.data.objective=none for MLM metrics only')
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> dict[str, Any]:
@@ -289,7 +317,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
                                  shardings.params)
   p_eval_step = jax.jit(functools.partial(eval_step, model=model, objective=objective),
                         in_shardings=(shardings.params, sharding_lib.batch_sharding(mesh)))
-  metrics = evaluate_params(config, phase, params, p_eval_step, mesh, rules, vocab_file)
+  metrics = evaluate_params(config, phase, params, p_eval_step, mesh, rules, vocab_file,
+                            check_nsp_share=objective != 'none')
   return dict(metrics, checkpoint=checkpoint, step=steps[-1] if steps else None,
               seq_len=phase.seq_len)
 
