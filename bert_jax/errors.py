@@ -26,9 +26,13 @@ def in_graph(message: str) -> str:
 
 def from_tensorflow(error: BaseException) -> UserError | None:
   """The UserError carried by a TensorFlow error raised at an `in_graph` assertion, else None."""
-  text = getattr(error, 'message', None)
-  if not isinstance(text, str) or IN_GRAPH_MARK not in text:
+  seen = []
+  while error is not None and error not in seen and IN_GRAPH_MARK not in str(error):
+    seen.append(error)  # A wrapper (an iterator's prefetch thread) may hold it as its cause.
+    error = error.__cause__ or error.__context__
+  if error is None or error in seen:
     return None
+  text = getattr(error, 'message', None) or str(error)
   message = text.split(IN_GRAPH_MARK, 1)[1]
   # TF prints the Assert's data as "[message]" followed by the failing node's name.
   message = message.split(']', 1)[0].split('\n', 1)[0].strip()

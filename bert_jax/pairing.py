@@ -43,8 +43,9 @@ from bert_jax import errors
 
 NOT_ENOUGH_DOCUMENTS = errors.in_graph(
     "objective 'nsp' needs at least two different documents for NotNext pairs, but every "
-    'document in a batch was the same one: the input (of this process) holds a single '
-    'document. Add documents (blank lines separate them), or use objective sop/none.')
+    'document in a batch was the same one: data.input (or data.eval_input; of this process) '
+    'holds a single document. Add documents (blank lines separate them), or set '
+    'data.objective to sop or none.')
 
 
 def make_pairs(doc_tokens: tf.RaggedTensor, doc_ids: tf.Tensor, seed: tf.Tensor, *,
