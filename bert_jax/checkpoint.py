@@ -6,9 +6,11 @@ Layout of a workdir:
   checkpoints/<step>/          Orbax items: params, opt_state, meta (step, phase, seed)
   data_state/<step>/process_<i>.*   each process's tf.data iterator position at that step
 
-Resume order (written down once, here): the latest *complete* checkpoint in the workdir (Orbax
-only lists steps whose save was committed, so an interrupted save is never picked up) -> the
-converted checkpoint named by `train.init_checkpoint` -> a fresh initialization.
+Resume order (written down once, here, and followed by both drivers through `restore_or_init`):
+the latest *complete* checkpoint in the workdir (Orbax only lists steps whose save was committed,
+so an interrupted save is never picked up) -> the checkpoint named by `train.init_checkpoint`
+(pre-training: the whole model where it has it; fine-tuning: the encoder, with a fresh head) ->
+a fresh initialization.
 
 The data state of step S is written synchronously *before* the (asynchronous) Orbax save of S
 starts, so every committed checkpoint has its data state; leftovers of uncommitted steps are
@@ -34,7 +36,7 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 import uuid
 
 import jax
@@ -175,6 +177,19 @@ def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: 
 
 def latest_step(manager: ocp.CheckpointManager) -> int | None:
   return manager.latest_step()
+
+
+def restore_or_init(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any,
+                    init: Callable[[], Any]) -> tuple[int | None, Any, dict]:
+  """(step, state, meta): the latest checkpoint of the workdir that reads back whole
+  (`restore_latest`: a corrupt one is moved aside, one of another shape is an error), else
+  (None, init(), {}) where `init` makes the run's first state (from `train.init_checkpoint` or
+  fresh)."""
+  step, state, meta = restore_latest(manager, workdir, abstract_state)
+  if step is None:
+    return None, init(), {}
+  logging.info('Resumed from step %d in %s', step, workdir)
+  return step, state, meta
 
 
 def restore_latest(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any
