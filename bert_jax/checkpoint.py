@@ -28,6 +28,7 @@ Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) 
 local one (Orbax handles its own paths).
 """
 
+import asyncio
 import contextlib
 import errno
 import json
@@ -380,12 +381,49 @@ def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:
       abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
 
 
+class _TaskEndingLoop(asyncio.SelectorEventLoop):
+  """An event loop that ends the tasks still pending when it is closed, as asyncio.run does.
+
+  Orbax runs a restore in a new event loop (`asyncio_utils.run_sync`) and closes it without
+  ending its tasks: when one array of a checkpoint cannot be read, the reads of the others are
+  left suspended, and whenever the garbage collector later closes them, Orbax's reader turns
+  that into an exception nobody can catch ("Exception ignored in: <coroutine object
+  _read_array_index_and_device_put>"). Cancelled here instead, they end inside their loop.
+  """
+
+  def close(self) -> None:
+    pending = [task for task in asyncio.all_tasks(self) if not task.done()]
+    for task in pending:
+      task.cancel()
+    if pending and not self.is_running():
+      self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    super().close()
+
+
+class _TaskEndingPolicy(asyncio.DefaultEventLoopPolicy):
+
+  def new_event_loop(self) -> asyncio.AbstractEventLoop:
+    return _TaskEndingLoop()
+
+
+@contextlib.contextmanager
+def _reads_end_their_tasks() -> Iterator[None]:
+  """Event loops created inside (Orbax's, for a restore) end their tasks when closed."""
+  previous = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_TaskEndingPolicy())
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(previous)
+
+
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[Any, dict]:
   """Restores params and optimizer state into the shardings of `abstract_state`."""
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=_pytree_restore(abstract_state.params),
-      opt_state=_pytree_restore(abstract_state.opt_state),
-      meta=ocp.args.JsonRestore()))
+  with _reads_end_their_tasks():
+    restored = manager.restore(step, args=ocp.args.Composite(
+        params=_pytree_restore(abstract_state.params),
+        opt_state=_pytree_restore(abstract_state.opt_state),
+        meta=ocp.args.JsonRestore()))
   state = abstract_state.replace(params=restored['params'], opt_state=restored['opt_state'],
                                  step=restored['meta']['step'])
   return state, restored['meta']
@@ -393,8 +431,9 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> t
 
 def restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:
   """The parameters of `step` alone, into the shardings of `abstract_params`."""
-  return manager.restore(step, args=ocp.args.Composite(
-      params=_pytree_restore(abstract_params)))['params']
+  with _reads_end_their_tasks():
+    return manager.restore(step, args=ocp.args.Composite(
+        params=_pytree_restore(abstract_params)))['params']
 
 
 def restore_meta(manager: ocp.CheckpointManager, step: int) -> dict:
