@@ -193,8 +193,8 @@ def _assemble(tensors: dict, config: model.BertConfig, fmt: str, source: str,
                     f'{tensor_files.preview(missing)}')
   unexpected = set(tensors) - {name for name, _, _ in wanted.values()}
   if unexpected:
-    raise UserError(f'{source}: unexpected tensor(s) {tensor_files.preview(unexpected)}; not part of BERT '
-                    f'or of its heads {HEADS}')
+    raise UserError(f'{source}: unexpected tensor(s) {tensor_files.preview(unexpected)}; not '
+                    f'part of BERT or of its heads {HEADS}')
   flat = {}
   for path, (name, shape, transposed) in wanted.items():
     x = np.asarray(tensors[name])
@@ -304,8 +304,8 @@ def _google_prefix(path: str) -> str | None:
       return os.path.join(path, latest[1])
   indexes = fileio.glob(os.path.join(path, '*.index'))
   if len(indexes) > 1:
-    raise UserError(f'{path}: several TF checkpoints ({tensor_files.preview(map(os.path.basename, indexes))})'
-                    '; pass the prefix of one')
+    names = tensor_files.preview(map(os.path.basename, indexes))
+    raise UserError(f'{path}: several TF checkpoints ({names}); pass the prefix of one')
   return indexes[0][:-len('.index')] if indexes else None
 
 

@@ -5,8 +5,8 @@ task data -> model & optimizer -> abstract init & shardings -> init (pre-trained
 head) -> steps -> loop over epochs (train, evaluate on dev, keep the best) -> test predictions.
 `sweep` repeats it over the paper's learning rates.
 
-Batches are cut to length buckets (`batching.bucket_batches`): short GLUE sentences do not pay for
-128 tokens, and the jitted step compiles once per bucket. Every global batch is planned the same
+Batches are cut to length buckets (`batching.bucket_batches`): short GLUE sentences do not pay
+for 128 tokens, and the jitted step compiles once per bucket. Every global batch is planned the same
 way on every process; each process feeds its own rows of it. Partial batches are padded with
 rows of weight 0, so every example counts exactly once per epoch and shapes stay fixed.
 
@@ -21,9 +21,10 @@ Workdir:
                        finished
   predictions/         SQuAD predictions.json (+ null_odds.json), NER CoNLL files (dev, test),
                        GLUE test TSVs in the leaderboard's format (with config.predict_test)
-Resume: rerunning the same call continues from the latest checkpoint (saved every
-checkpoint.every_steps, after each epoch's evaluation and on SIGTERM) at its step inside its
-epoch, and ends as an uninterrupted run would; a finished workdir returns its metrics.json.
+Resume: rerunning the same call continues from the latest checkpoint that reads back whole
+(saved every checkpoint.every_steps, after each epoch's evaluation and on SIGTERM;
+`checkpoint.restore_or_init`, pre-training's resume order) at its step inside its epoch, and
+ends as an uninterrupted run would; a finished workdir returns its metrics.json.
 Every path goes through tf.io.gfile (local or gs://).
 """
 
