@@ -3,6 +3,12 @@
   config, params = bert_jax.load_pretrained(path)   # Hugging Face, Google TF or bert_jax
   sequence_output, pooled_output = bert_jax.encode(config, params, input_ids, input_mask,
                                                    segment_ids)
+
+Modules are flat, one per concern, in layers that import downwards only (README, "How the code
+is organised"; tests/imports_test.py): `cli.py` and `aot.py`; the drivers `train.py` and
+`finetune.py`; the commands that use a model; the fine-tuning tasks (`task_table.py`); training
+(`train_state.py`); weights and checkpoints; the model; the data; what is trained
+(`objectives.py`, `tasks.py`); and the foundations (`config_files`, `defaults`, `fileio`).
 """
 
 from bert_jax.convert import load_pretrained

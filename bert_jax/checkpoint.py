@@ -6,9 +6,11 @@ Layout of a workdir:
   checkpoints/<step>/          Orbax items: params, opt_state, meta (step, phase, seed)
   data_state/<step>/process_<i>.*   each process's tf.data iterator position at that step
 
-Resume order (written down once, here): the latest *complete* checkpoint in the workdir (Orbax
-only lists steps whose save was committed, so an interrupted save is never picked up) -> the
-converted checkpoint named by `train.init_checkpoint` -> a fresh initialization.
+Resume order (written down once, here, and followed by both drivers through `restore_or_init`):
+the latest *complete* checkpoint in the workdir (Orbax only lists steps whose save was committed,
+so an interrupted save is never picked up) -> the checkpoint named by `train.init_checkpoint`
+(pre-training: the whole model where it has it; fine-tuning: the encoder, with a fresh head) ->
+a fresh initialization.
 
 The data state of step S is written synchronously *before* the (asynchronous) Orbax save of S
 starts, so every committed checkpoint has its data state; leftovers of uncommitted steps are
@@ -26,6 +28,7 @@ Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) 
 local one (Orbax handles its own paths).
 """
 
+import asyncio
 import contextlib
 import errno
 import json
@@ -34,7 +37,7 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 import uuid
 
 import jax
@@ -175,6 +178,19 @@ def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: 
 
 def latest_step(manager: ocp.CheckpointManager) -> int | None:
   return manager.latest_step()
+
+
+def restore_or_init(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any,
+                    init: Callable[[], Any]) -> tuple[int | None, Any, dict]:
+  """(step, state, meta): the latest checkpoint of the workdir that reads back whole
+  (`restore_latest`: a corrupt one is moved aside, one of another shape is an error), else
+  (None, init(), {}) where `init` makes the run's first state (from `train.init_checkpoint` or
+  fresh)."""
+  step, state, meta = restore_latest(manager, workdir, abstract_state)
+  if step is None:
+    return None, init(), {}
+  logging.info('Resumed from step %d in %s', step, workdir)
+  return step, state, meta
 
 
 def restore_latest(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any
@@ -365,12 +381,49 @@ def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:
       abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
 
 
+class _TaskEndingLoop(asyncio.SelectorEventLoop):
+  """An event loop that ends the tasks still pending when it is closed, as asyncio.run does.
+
+  Orbax runs a restore in a new event loop (`asyncio_utils.run_sync`) and closes it without
+  ending its tasks: when one array of a checkpoint cannot be read, the reads of the others are
+  left suspended, and whenever the garbage collector later closes them, Orbax's reader turns
+  that into an exception nobody can catch ("Exception ignored in: <coroutine object
+  _read_array_index_and_device_put>"). Cancelled here instead, they end inside their loop.
+  """
+
+  def close(self) -> None:
+    pending = [task for task in asyncio.all_tasks(self) if not task.done()]
+    for task in pending:
+      task.cancel()
+    if pending and not self.is_running():
+      self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    super().close()
+
+
+class _TaskEndingPolicy(asyncio.DefaultEventLoopPolicy):
+
+  def new_event_loop(self) -> asyncio.AbstractEventLoop:
+    return _TaskEndingLoop()
+
+
+@contextlib.contextmanager
+def _reads_end_their_tasks() -> Iterator[None]:
+  """Event loops created inside (Orbax's, for a restore) end their tasks when closed."""
+  previous = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_TaskEndingPolicy())
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(previous)
+
+
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[Any, dict]:
   """Restores params and optimizer state into the shardings of `abstract_state`."""
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=_pytree_restore(abstract_state.params),
-      opt_state=_pytree_restore(abstract_state.opt_state),
-      meta=ocp.args.JsonRestore()))
+  with _reads_end_their_tasks():
+    restored = manager.restore(step, args=ocp.args.Composite(
+        params=_pytree_restore(abstract_state.params),
+        opt_state=_pytree_restore(abstract_state.opt_state),
+        meta=ocp.args.JsonRestore()))
   state = abstract_state.replace(params=restored['params'], opt_state=restored['opt_state'],
                                  step=restored['meta']['step'])
   return state, restored['meta']
@@ -378,8 +431,9 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> t
 
 def restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:
   """The parameters of `step` alone, into the shardings of `abstract_params`."""
-  return manager.restore(step, args=ocp.args.Composite(
-      params=_pytree_restore(abstract_params)))['params']
+  with _reads_end_their_tasks():
+    return manager.restore(step, args=ocp.args.Composite(
+        params=_pytree_restore(abstract_params)))['params']
 
 
 def restore_meta(manager: ocp.CheckpointManager, step: int) -> dict:

@@ -5,8 +5,8 @@ task data -> model & optimizer -> abstract init & shardings -> init (pre-trained
 head) -> steps -> loop over epochs (train, evaluate on dev, keep the best) -> test predictions.
 `sweep` repeats it over the paper's learning rates.
 
-Batches are cut to length buckets (`batching.bucket_batches`): short GLUE sentences do not pay for
-128 tokens, and the jitted step compiles once per bucket. Every global batch is planned the same
+Batches are cut to length buckets (`batching.bucket_batches`): short GLUE sentences do not pay
+for 128 tokens, and the jitted step compiles once per bucket. Every global batch is planned the same
 way on every process; each process feeds its own rows of it. Partial batches are padded with
 rows of weight 0, so every example counts exactly once per epoch and shapes stay fixed.
 
@@ -21,9 +21,10 @@ Workdir:
                        finished
   predictions/         SQuAD predictions.json (+ null_odds.json), NER CoNLL files (dev, test),
                        GLUE test TSVs in the leaderboard's format (with config.predict_test)
-Resume: rerunning the same call continues from the latest checkpoint (saved every
-checkpoint.every_steps, after each epoch's evaluation and on SIGTERM) at its step inside its
-epoch, and ends as an uninterrupted run would; a finished workdir returns its metrics.json.
+Resume: rerunning the same call continues from the latest checkpoint that reads back whole
+(saved every checkpoint.every_steps, after each epoch's evaluation and on SIGTERM;
+`checkpoint.restore_or_init`, pre-training's resume order) at its step inside its epoch, and
+ends as an uninterrupted run would; a finished workdir returns its metrics.json.
 Every path goes through tf.io.gfile (local or gs://).
 """
 
@@ -32,7 +33,6 @@ import functools
 import itertools
 import math
 import os
-import time
 from typing import Any, Sequence
 
 from absl import logging
@@ -49,7 +49,6 @@ from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import convert
 from bert_jax import defaults
-from bert_jax import errors
 from bert_jax import fileio
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
@@ -64,7 +63,7 @@ from bert_jax.errors import UserError
 PREDICTIONS_DIR = 'predictions'
 
 # ---------------------------------------------------------------------------------------------
-# Pure steps
+# Initialization
 # ---------------------------------------------------------------------------------------------
 
 
@@ -158,7 +157,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   if config.train.epochs < 1:
     raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')
   metrics_path = os.path.join(workdir, 'metrics.json')
-  if fileio.gfile().exists(metrics_path):
+  if fileio.exists(metrics_path):
     return _finished(workdir, metrics_path)
   fileio.gfile().makedirs(workdir)
 
@@ -174,35 +173,12 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   pre_config, pretrained, tok, vocab_file, lower_case = convert.load_checkpoint(
       config.train.init_checkpoint, config.data.vocab_file, config.data.lower_case,
       config.model.scan_layers, flag='config.train.init_checkpoint')
-  if config.data.max_seq_length > pre_config.max_position_embeddings:
-    raise UserError(f'config.data.max_seq_length={config.data.max_seq_length} exceeds the '
-                    'checkpoint\'s max_position_embeddings='
-                    f'{pre_config.max_position_embeddings}')
-  bert_config = pre_config.replace(
-      dtype=model_lib.resolve_dtype(config.model.dtype),
-      hidden_dropout_prob=config.model.hidden_dropout_prob,
-      attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
-      scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy,
-      attention_impl=config.model.attention_impl)
+  bert_config = _model_config(config, pre_config)
   task = task_table.make_task(config, tok, bert_config, lower_case)
-  num_train = len(task.train['input_ids'])
-  buckets = batching.parse_buckets(config.buckets)
-  sort_window = int(config.train.length_sort_window)
-  if sort_window < 1:
-    raise errors.UserError(f'config.train.length_sort_window={sort_window}: expected 1 (uniformly '
-                           'random batches) or more batches to sort by length together')
-  attention.check_config(config.model.attention_impl,
-                         config.model.attention_probs_dropout_prob, jax.default_backend(),
-                         tuple(buckets or ()) + (config.data.max_seq_length,))
-  savings = batching.padding_savings(task.train, batch_size,
-                                     buckets or (config.data.max_seq_length,),
-                                     window_batches=sort_window)
-  logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '
-               'fixed %d-token batches', config.task, num_train, buckets,
-               100 * (1 - savings['tokens_saved_share']), config.data.max_seq_length)
+  buckets, sort_window = _batch_settings(config, task.train, batch_size)
 
   # ---- Model and optimizer -------------------------------------------------------------------
-  steps_per_epoch = math.ceil(num_train / batch_size)
+  steps_per_epoch = math.ceil(len(task.train['input_ids']) / batch_size)
   total_steps = steps_per_epoch * int(config.train.epochs)
   stop_at = int(config.train.stop_at_step) or total_steps
   if not 0 < stop_at <= total_steps:
@@ -223,13 +199,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   # Every save keeps the train state (for resume) and, in `meta`, the best epoch so far, whose
   # step is kept too; once the run ends only the best epoch's checkpoint stays.
   manager = ckpt_lib.make_manager(workdir, keep=None, async_save=False, replica_parallel=False)
-  start = manager.latest_step()
-  best: dict[str, Any] | None = None
-  if start is not None:
-    state, meta = ckpt_lib.restore(manager, start, abstract)
-    best = meta['best']
-    logging.info('Resumed from step %d in %s', start, workdir)
-  else:
+
+  def init() -> state_lib.TrainState:
     params = init_head(abstract.params, shardings.params, bert_config.initializer_range,
                        config.train.seed)
     params['bert'] = state_lib.put_sharded(pretrained['bert'], shardings.params['bert'])
@@ -238,9 +209,11 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
                  sorted(set(params) - {'bert'}),
                  f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')
     with sharding_lib.activate(mesh, rules):
-      state = state_lib.state_from_params(params, tx, shardings)
-    del params
-  del pretrained
+      return state_lib.state_from_params(params, tx, shardings)
+
+  start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract, init)
+  best: dict[str, Any] | None = meta.get('best')
+  pretrained = None  # The host copy of the checkpoint is not needed any more.
   step = int(state.step)
 
   # ---- Steps ---------------------------------------------------------------------------------
@@ -274,13 +247,14 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   preemption = monitor.Preemption()
   predictions_dir = os.path.join(workdir, PREDICTIONS_DIR)
 
-  # ---- Loop ----------------------------------------------------------------------------------
+  # ---- Loop: epochs of steps, each epoch evaluated on dev; the best epoch is kept -------------
   logging.info('%s: %d epochs x %d steps of %d sequences, peak lr %g, %d warmup steps',
                config.task, config.train.epochs, steps_per_epoch, batch_size,
                config.train.learning_rate, warmup_steps)
   bar = monitor.progress(total_steps, step, is_main and config.log.progress)
+  chrono = monitor.Chrono(step)
   every = int(config.checkpoint.every_steps)
-  stopped = False
+  history, stopped = [], False
   try:
     while step < stop_at and not stopped:
       epoch = step // steps_per_epoch + 1
@@ -288,56 +262,56 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
       # The epoch's batches are planned from its seed alone, so a resumed run skips exactly
       # the ones it had trained on.
       plan = batching.batches(task.train, batch_size, buckets, shuffle=True,
-                     seed=config.train.seed * 1_000_003 + epoch, window_batches=sort_window)
-      history, sequences, tokens, t0 = [], 0.0, 0, time.time()
+                              seed=config.train.seed * 1_000_003 + epoch,
+                              window_batches=sort_window)
       for batch in itertools.islice(plan, step - (epoch - 1) * steps_per_epoch, None):
         state, step_metrics = train_step(state, to_device(batch))
         step += 1
         history.append(step_metrics)
-        sequences += float(batch['weight'].sum())
-        tokens += batch['input_ids'].size
+        chrono.count(sequences=float(batch['weight'].sum()), tokens=batch['input_ids'].size)
         bar.update(1)
         if step % config.log.every_steps == 0 or step == epoch_end or step == stop_at:
           summary = monitor.summarize(jax.device_get(history))
           if not math.isfinite(summary['loss']):
             raise UserError(f'loss is {summary["loss"]} at step {step}: lower '
                             'config.train.learning_rate')
-          elapsed = max(time.time() - t0, 1e-9)
+          rates = chrono.report(step)
           summary.update(epoch=epoch, learning_rate=float(schedule(step - 1)),
-                         sequences_per_second=sequences / elapsed,
-                         tokens_per_second=tokens / elapsed)
+                         sequences_per_second=rates['sequences_per_second'],
+                         tokens_per_second=rates['tokens_per_second'])
           log.train(step, summary)
           bar.set_postfix(loss=f'{summary["loss"]:.4f}')
-          history, sequences, tokens, t0 = [], 0.0, 0, time.time()
+          history = []
         stopped = preemption.stop_now(step, manager) or step == stop_at
-        if step == epoch_end:
-          break  # Evaluated, then saved, below.
-        if stopped or (every and step % every == 0):
-          save()
-        if stopped:
+        if step == epoch_end or stopped:
           break
-      if step != epoch_end:
-        continue
+        if every and step % every == 0:
+          save()
 
-      results, writers = {}, {}
-      for eval_set in task.dev:
-        scores, writers[eval_set.name] = eval_set.evaluate(predict(state.params, eval_set))
-        results[eval_set.name] = fileio.json_safe(scores)
-        log.eval(step, _scalars(scores), eval_set.name, split=eval_set.name, epoch=epoch)
-      score = float(results[task.dev[0].name][task.main_metric])
-      logging.info('Epoch %d (step %d): %s', epoch, step,
-                   {n: _scalars(r) for n, r in results.items()})
-      bar.set_postfix(**{task.main_metric: f'{score:.4f}'})
-      # A NaN score (e.g. the correlation of constant predictions) never counts as best.
-      if best is None or score > best['score'] or math.isnan(best['score']):
-        best = dict(task=config.task, main_metric=task.main_metric, score=score, epoch=epoch,
-                    step=step, learning_rate=float(config.train.learning_rate), **results)
-        if is_main:
-          for write in writers.values():
-            if write:
-              write(predictions_dir)
-      save()
-      stopped = stopped or preemption.stop_now(step, manager)
+      if step == epoch_end:  # Evaluate on every dev set; keep the epoch if it is the best.
+        with chrono.excluded():
+          results, writers = {}, {}
+          for eval_set in task.dev:
+            scores, writers[eval_set.name] = eval_set.evaluate(predict(state.params, eval_set))
+            results[eval_set.name] = fileio.json_safe(scores)
+            log.eval(step, _scalars(scores), eval_set.name, split=eval_set.name, epoch=epoch)
+          score = float(results[task.dev[0].name][task.main_metric])
+          logging.info('Epoch %d (step %d): %s', epoch, step,
+                       {n: _scalars(r) for n, r in results.items()})
+          bar.set_postfix(**{task.main_metric: f'{score:.4f}'})
+          # A NaN score (e.g. the correlation of constant predictions) never counts as best.
+          if best is None or score > best['score'] or math.isnan(best['score']):
+            best = dict(task=config.task, main_metric=task.main_metric, score=score,
+                        epoch=epoch, step=step, learning_rate=float(config.train.learning_rate),
+                        **results)
+            if is_main:
+              for write in writers.values():
+                if write:
+                  write(predictions_dir)
+          save()
+        stopped = stopped or preemption.stop_now(step, manager)
+      elif stopped:  # Inside an epoch: saved where it stopped, to resume there.
+        save()
 
     if step < total_steps:
       logging.warning('Stopped at step %d of %d; rerun the same command to resume.', step,
@@ -348,7 +322,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
               f'{workdir}', flush=True)
       return None
 
-    # ---- Test predictions with the best epoch's weights ----------------------------------------
+    # ---- Test predictions with the best epoch's weights --------------------------------------
     if task.test:
       params = state.params
       if best['step'] != step:
@@ -373,6 +347,41 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   if is_main:
     fileio.write_json(metrics_path, best)
   return _finished(workdir, metrics_path, fresh=True)
+
+
+def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertConfig
+                  ) -> model_lib.BertConfig:
+  """The checkpoint's BertConfig, run as config.model says (dtype, dropout, layout, kernel)."""
+  if config.data.max_seq_length > pre_config.max_position_embeddings:
+    raise UserError(f'config.data.max_seq_length={config.data.max_seq_length} exceeds the '
+                    'checkpoint\'s max_position_embeddings='
+                    f'{pre_config.max_position_embeddings}')
+  return pre_config.replace(
+      dtype=model_lib.resolve_dtype(config.model.dtype),
+      hidden_dropout_prob=config.model.hidden_dropout_prob,
+      attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
+      scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy,
+      attention_impl=config.model.attention_impl)
+
+
+def _batch_settings(config: ml_collections.ConfigDict, train_features: dict[str, np.ndarray],
+                    batch_size: int) -> tuple[tuple[int, ...], int]:
+  """(length buckets, length_sort_window), checked, with what the buckets save logged."""
+  buckets = batching.parse_buckets(config.buckets)
+  sort_window = int(config.train.length_sort_window)
+  if sort_window < 1:
+    raise UserError(f'config.train.length_sort_window={sort_window}: expected 1 (uniformly '
+                    'random batches) or more batches to sort by length together')
+  attention.check_config(config.model.attention_impl,
+                         config.model.attention_probs_dropout_prob, jax.default_backend(),
+                         tuple(buckets or ()) + (config.data.max_seq_length,))
+  savings = batching.padding_savings(train_features, batch_size,
+                                     buckets or (config.data.max_seq_length,),
+                                     window_batches=sort_window)
+  logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '
+               'fixed %d-token batches', config.task, len(train_features['input_ids']),
+               buckets, 100 * (1 - savings['tokens_saved_share']), config.data.max_seq_length)
+  return buckets, sort_window
 
 
 def _finished(workdir: str, metrics_path: str, fresh: bool = False) -> dict[str, Any]:

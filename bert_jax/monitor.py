@@ -1,6 +1,8 @@
 """What a training run reports and listens to: metrics, progress, preemption.
 
 - `summarize`: the (sum, count) pairs of steps or batches as averages.
+- `Chrono`: the loop's clock: steps (and what they carry) per second, input wait, and the time
+  that is not training (compiles, saves, evaluations) kept out.
 - `MetricsLog`: metrics.jsonl + TensorBoard on process 0, one tag scheme for every run:
   `train/<name>` for training metrics, `eval/<name>` for evaluations (a run with several
   evaluation sets: `eval/<set>/<name>`).
@@ -8,11 +10,14 @@
 - `Preemption`: SIGTERM as a flag the loop polls, so it saves before exiting.
 """
 
+import collections
+import contextlib
 import json
 import os
 import signal
 import threading
-from typing import Any
+import time
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -37,6 +42,58 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, float]:
     else:
       out[key] = float(np.mean([float(v) for v in vals]))
   return out
+
+
+class Chrono:
+  """The training loop's clock (after big_vision's `utils.Chrono`): one per loop, in place of
+  hand-kept timers.
+
+  A period runs from one `report` to the next. `report` gives its steps per second, the share
+  of its time spent waiting for input, and `<name>_per_second` of what `count` added up; time
+  inside `excluded()` (and the steps it names: a segment's first, compiling step) is left out,
+  unless the period holds nothing else.
+  """
+
+  def __init__(self, step: int):
+    self._restart(step)
+
+  def _restart(self, step: int) -> None:
+    self._start, self._step = time.time(), step
+    self._wait = self._excluded = 0.0
+    self._excluded_steps = 0
+    self._counts = collections.defaultdict(float)
+
+  @contextlib.contextmanager
+  def waiting(self) -> Iterator[None]:
+    """Time spent waiting for the input pipeline."""
+    start = time.time()
+    yield
+    self._wait += time.time() - start
+
+  @contextlib.contextmanager
+  def excluded(self, steps: int = 0) -> Iterator[None]:
+    """Time (and `steps`) that are not training throughput: compiles, saves, evaluations."""
+    start = time.time()
+    yield
+    self._excluded += time.time() - start
+    self._excluded_steps += steps
+
+  def count(self, **amounts: float) -> None:
+    """Adds to what the period processed (sequences, tokens), for `<name>_per_second`."""
+    for name, amount in amounts.items():
+      self._counts[name] += amount
+
+  def report(self, step: int) -> dict[str, float]:
+    """The period's rates (steps_per_second, input_wait_fraction, <name>_per_second); starts the
+    next period."""
+    elapsed, steps = time.time() - self._start, step - self._step
+    if steps > self._excluded_steps:
+      elapsed, steps = elapsed - self._excluded, steps - self._excluded_steps
+    elapsed = max(elapsed, 1e-9)
+    rates = dict(steps_per_second=steps / elapsed, input_wait_fraction=self._wait / elapsed)
+    rates.update((f'{name}_per_second', amount / elapsed) for name, amount in self._counts.items())
+    self._restart(step)
+    return rates
 
 
 class MetricsLog:

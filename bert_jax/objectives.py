@@ -19,9 +19,10 @@ packed rows add `next_sentence_positions` and `next_sentence_weights`, packing.p
 Losses follow the convention of every objective and fine-tuning task (`train_state.Loss`):
 (sums, counts, metrics), normalized in one place (`train_state.normalize`).
 
-Adding an objective: an entry in OBJECTIVES, its pairs in pairing.py (input_pipeline picks
-them by the objective's name), and, for a head of its own, the head in BertForPreTraining and
-its names in HEAD_NAMES.
+Adding an objective: an entry in OBJECTIVES (a sentence-pair objective's loss and metrics come
+with it; another kind of loss goes into `loss`), its pairs in `pairing.make_pairs` (which
+input_pipeline calls with the objective's name), and, for a head of its own, the head in
+BertForPreTraining and its names in HEAD_NAMES.
 """
 
 import dataclasses

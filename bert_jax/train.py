@@ -11,7 +11,6 @@ import itertools
 import json
 import math
 import os
-import time
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -390,7 +389,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # TensorFlow is imported only when data is needed.
-  from bert_jax import documents  # pylint: disable=g-import-not-at-top
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
 
@@ -425,32 +423,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   local_batch = config.train.batch_size // jax.process_count()
 
-  def dataset_for(phase: Phase, train: bool, batch_size: int):
+  def dataset_for(phase: Phase, train: bool, batch_size: int = local_batch):
     return input_pipeline.make_pretraining_dataset(
         phase_data(config, phase), batch_size=batch_size, seq_len=phase.seq_len,
         max_predictions=phase.max_predictions, train=train,
         process_index=jax.process_index(), process_count=jax.process_count(),
         vocab_file=vocab_file)
 
-  # Every phase's training and held-out data is checked now, not when phase 2 starts 900,000
-  # steps in (TFRecords fix the sequence length) or at the first evaluation: the held-out set
-  # must give a batch.
-  eval_local = config.eval.batch_size // jax.process_count()
-  for phase in phases:
-    data = phase_data(config, phase)
-    for train in (True, False):
-      try:
-        ds = dataset_for(phase, train, local_batch if train else eval_local)
-        if not train and not any(True for _ in ds.take(1)):
-          source = 'data.eval_input' if data.eval_input else 'the held-out share of data.input'
-          raise UserError(f'{source} gives no evaluation batch')
-      except ValueError as e:
-        raise UserError(
-            f'train.phases phase {phase.index + 1} ({phase.seq_len} tokens, '
-            f'{phase.max_predictions} predictions) cannot read its {"" if train else "eval "}'
-            f'data: {e}' + ('. Give each phase records of its length with data.phase_inputs '
-                            '(and data.phase_eval_inputs), separated by ";".'
-                            if documents.input_kind(data.input) == 'tfrecord' else '')) from e
+  _check_phase_data(config, phases, dataset_for)
 
   # ---- Model and optimizer -------------------------------------------------------------------
   bert_config = model_config(config, tokenizer.vocab_size)
@@ -460,32 +440,33 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                            vocab_file)
 
   # ---- Abstract init and shardings (nothing is allocated whole on one device) ----------------
-  abstract, state_shardings, init = abstract_state_and_shardings(model, tx, mesh, rules)
+  abstract, state_shardings, init_fn = abstract_state_and_shardings(model, tx, mesh, rules)
   n_params = model_lib.count_params(abstract.params)
   logging.info('Model %s: %s parameters, dtype %s', config.model.size, f'{n_params:,}',
                bert_config.dtype)
 
   # ---- Init or restore -----------------------------------------------------------------------
   manager = ckpt_lib.make_manager(workdir, config.checkpoint.keep)
-  start, state, meta = ckpt_lib.restore_latest(manager, workdir, abstract)
+
+  def init() -> state_lib.TrainState:
+    state = jax.jit(init_fn, out_shardings=state_shardings)(jax.random.key(config.train.seed))
+    if not config.train.init_checkpoint:
+      return state
+    # Host copies of the fresh parameters (heads the checkpoint lacks come from them); with
+    # fsdp or tensor axes across hosts no process holds every shard, so gather them.
+    fresh = (multihost_utils.process_allgather(state.params, tiled=True)
+             if jax.process_count() > 1 else jax.tree.map(np.asarray, state.params))
+    params = _init_from_checkpoint(config.train.init_checkpoint, bert_config, fresh)
+    logging.info('Initialized from %s', config.train.init_checkpoint)
+    return state_lib.state_from_params(state_lib.put_sharded(params, state_shardings.params),
+                                       tx, state_shardings)
+
+  start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract, init)
   # Rows past the checkpoint are from a run that died after it: they are logged again.
   monitor.truncate_metrics(workdir, start)
-  if start is not None:
-    if meta.get('seed') != config.train.seed:
-      logging.warning('Resuming with train.seed=%s, the checkpoint used %s',
-                      config.train.seed, meta.get('seed'))
-    logging.info('Resumed from step %d in %s', start, workdir)
-  else:
-    state = jax.jit(init, out_shardings=state_shardings)(jax.random.key(config.train.seed))
-    if config.train.init_checkpoint:
-      # Host copies of the fresh parameters (heads the checkpoint lacks come from them); with
-      # fsdp or tensor axes across hosts no process holds every shard, so gather them.
-      fresh = (multihost_utils.process_allgather(state.params, tiled=True)
-               if jax.process_count() > 1 else jax.tree.map(np.asarray, state.params))
-      params = _init_from_checkpoint(config.train.init_checkpoint, bert_config, fresh)
-      params = state_lib.put_sharded(params, state_shardings.params)
-      state = state_lib.state_from_params(params, tx, state_shardings)
-      logging.info('Initialized from %s', config.train.init_checkpoint)
+  if start is not None and meta.get('seed') != config.train.seed:
+    logging.warning('Resuming with train.seed=%s, the checkpoint used %s', config.train.seed,
+                    meta.get('seed'))
   step = int(state.step)
 
   # ---- Steps ---------------------------------------------------------------------------------
@@ -499,31 +480,24 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   log = monitor.MetricsLog(workdir)
   preemption = monitor.Preemption()
 
-  def evaluate(phase: Phase) -> dict[str, float]:
-    return evaluate_params(config, phase, state.params, p_eval_step, mesh, rules, vocab_file)
-
   def save(phase: Phase, data_it) -> None:
     ckpt_lib.save(manager, workdir, step, state,
                   dict(seed=config.train.seed, data_phase=phase.index), data_it)
-
-  # ---- Loop ----------------------------------------------------------------------------------
-  eval_metrics: dict[str, float] = {}
-  bar = monitor.progress(stop_at, step, is_main and config.log.progress)
-  history, last_log_time, last_log_step, wait_time = [], time.time(), step, 0.0
-  # Time and steps that are not training throughput: evaluations, saves, and each segment's
-  # first step (it compiles). Rates in metrics.jsonl leave them out.
-  excluded_time, excluded_steps = 0.0, 0
-  last_saved = start
-  stopped_early = False
 
   def last_good() -> str:
     if last_saved is None:
       return f'no checkpoint was saved yet in {workdir}'
     return f'the last good checkpoint (step {last_saved}) is kept in {workdir}'
+
+  # ---- Loop: phases of steps; log, checkpoint, evaluate, stop for preemption -----------------
+  eval_metrics: dict[str, float] = {}
+  bar = monitor.progress(stop_at, step, is_main and config.log.progress)
+  chrono = monitor.Chrono(step)
+  history, last_saved, preempted = [], start, False
   try:
-    while step < stop_at:
+    while step < stop_at and not preempted:
       phase = phase_at(phases, step)
-      data_it = input_pipeline.make_iterator(dataset_for(phase, True, local_batch))
+      data_it = input_pipeline.make_iterator(dataset_for(phase, True))
       if step > 0 and meta.get('data_phase') == phase.index and start == step:
         if not ckpt_lib.restore_data_state(workdir, step, data_it):
           logging.warning('No input position saved for step %d: the data restarts', step)
@@ -531,22 +505,19 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       # packed and padded runs compare honestly.
       flops_per_token = flops_lib.train_flops_per_sequence(
           bert_config, phase.seq_len, phase.max_predictions) / phase.seq_len
-      peak = flops_lib.peak_flops_per_device()
       first_in_segment = True
-      while step < min(phase.end, stop_at):
-        t0 = time.time()
-        local = next(data_it)
-        wait_time += time.time() - t0
+      while step < min(phase.end, stop_at) and not preempted:
+        with chrono.waiting():
+          local = next(data_it)
         batch = sharding_lib.make_global_batch(local, batch_sharding)
-        if first_in_segment:
+        if first_in_segment:  # It compiles: its time and the step are not throughput.
           jax.block_until_ready(state)  # Earlier steps are training time, not compile time.
-        t_step = time.time()
-        state, metrics = p_train_step(state, batch)
-        if first_in_segment:
-          jax.block_until_ready(metrics['loss'])
-          excluded_time += time.time() - t_step
-          excluded_steps += 1
+          with chrono.excluded(steps=1):
+            state, metrics = p_train_step(state, batch)
+            jax.block_until_ready(metrics['loss'])
           first_in_segment = False
+        else:
+          state, metrics = p_train_step(state, batch)
         step += 1
         history.append(metrics)
         bar.update(1)
@@ -557,26 +528,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
             raise UserError(
                 f'loss is {summary["loss"]} at step {step}: stopping; {last_good()}. Lower '
                 'train.learning_rate or raise train.warmup_steps.')
-          elapsed = time.time() - last_log_time
-          steps_done = step - last_log_step
-          if steps_done > excluded_steps:
-            elapsed, steps_done = elapsed - excluded_time, steps_done - excluded_steps
-          sps = steps_done / max(elapsed, 1e-9)
-          rows_per_second = sps * config.train.batch_size
-          real_tokens_per_second = summary.pop('real_tokens_per_row') * rows_per_second
-          summary.update(
-              learning_rate=float(schedule(step - 1)), steps_per_second=sps,
-              sequences_per_second=summary.pop('sequences_per_row') * rows_per_second,
-              tokens_per_second=sps * config.train.batch_size * phase.seq_len,
-              real_tokens_per_second=real_tokens_per_second,
-              input_wait_fraction=wait_time / max(elapsed, 1e-9),
-              mfu=(flops_per_token * real_tokens_per_second / (peak * jax.device_count())
-                   if peak else None))
+          summary = _with_rates(summary, chrono.report(step), config, phase, flops_per_token,
+                                learning_rate=float(schedule(step - 1)))
           log.train(step, summary)
           bar.set_postfix(loss=f'{summary["loss"]:.3f}',
                           mlm_acc=f'{summary["mlm_accuracy"]:.3f}')
-          history, last_log_time, last_log_step, wait_time = [], time.time(), step, 0.0
-          excluded_time, excluded_steps = 0.0, 0
+          history = []
 
         preempted = preemption.stop_now(step, manager)
         if step % config.checkpoint.every_steps == 0 or step == stop_at or preempted:
@@ -585,26 +542,20 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
             raise UserError(
                 f'loss is {loss} at step {step}: stopping without saving; {last_good()}.')
           jax.block_until_ready(state)
-          t_save = time.time()
-          save(phase, data_it)
-          excluded_time += time.time() - t_save
+          with chrono.excluded():
+            save(phase, data_it)
           last_saved = step
         # After the save: a failing or killed evaluation never costs the steps before it.
         if (step % config.eval.every_steps == 0 or step == stop_at) and not preempted:
           jax.block_until_ready(state)
-          t_eval = time.time()
-          ckpt_lib.wait_for_saves(manager, workdir)
-          eval_metrics = evaluate(phase)
-          excluded_time += time.time() - t_eval
+          with chrono.excluded():
+            ckpt_lib.wait_for_saves(manager, workdir)
+            eval_metrics = evaluate_params(config, phase, state.params, p_eval_step, mesh,
+                                           rules, vocab_file)
           log.eval(step, eval_metrics, eval=True)
           logging.info('Step %d eval: %s', step, eval_metrics)
-
-        if preempted:
-          logging.warning('Stopped for preemption at step %d; rerun to resume.', step)
-          stopped_early = True
-          break
-      if stopped_early:
-        break
+    if preempted:
+      logging.warning('Stopped for preemption at step %d; rerun to resume.', step)
   finally:
     bar.close()
     ckpt_lib.wait_for_saves(manager, workdir)
@@ -626,3 +577,47 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
           f'  TensorBoard:  tensorboard --logdir {workdir}\n'
           f'  last eval:    {last_eval}', flush=True)
   return eval_metrics
+
+
+def _check_phase_data(config: ml_collections.ConfigDict, phases: list[Phase],
+                      dataset_for: Callable) -> None:
+  """Every phase's training and held-out data, checked before the first step: not when phase
+  2 starts 900,000 steps in (TFRecords fix the sequence length) or at the first evaluation (the
+  held-out set must give a batch)."""
+  from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  eval_local = config.eval.batch_size // jax.process_count()
+  for phase in phases:
+    data = phase_data(config, phase)
+    for train in (True, False):
+      try:
+        ds = dataset_for(phase, train) if train else dataset_for(phase, train, eval_local)
+        if not train and not any(True for _ in ds.take(1)):
+          source = 'data.eval_input' if data.eval_input else 'the held-out share of data.input'
+          raise UserError(f'{source} gives no evaluation batch')
+      except ValueError as e:
+        raise UserError(
+            f'train.phases phase {phase.index + 1} ({phase.seq_len} tokens, '
+            f'{phase.max_predictions} predictions) cannot read its {"" if train else "eval "}'
+            f'data: {e}' + ('. Give each phase records of its length with data.phase_inputs '
+                            '(and data.phase_eval_inputs), separated by ";".'
+                            if documents.input_kind(data.input) == 'tfrecord' else '')) from e
+
+
+def _with_rates(summary: dict[str, float], timing: dict[str, float],
+                config: ml_collections.ConfigDict, phase: Phase, flops_per_token: float,
+                learning_rate: float) -> dict[str, float]:
+  """A log row: the steps' metrics, the learning rate and the rates of metrics.jsonl (rows,
+  sequences, row slots and real tokens per second, input wait, MFU) from the Chrono's."""
+  sps = timing['steps_per_second']
+  rows_per_second = sps * config.train.batch_size
+  real_tokens_per_second = summary.pop('real_tokens_per_row') * rows_per_second
+  peak = flops_lib.peak_flops_per_device()
+  summary.update(
+      learning_rate=learning_rate, steps_per_second=sps,
+      sequences_per_second=summary.pop('sequences_per_row') * rows_per_second,
+      tokens_per_second=sps * config.train.batch_size * phase.seq_len,
+      real_tokens_per_second=real_tokens_per_second,
+      input_wait_fraction=timing['input_wait_fraction'],
+      mfu=(flops_per_token * real_tokens_per_second / (peak * jax.device_count())
+           if peak else None))
+  return summary

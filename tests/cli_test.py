@@ -101,7 +101,8 @@ def test_load_config_reads_a_user_file_anywhere(tmp_path):
 
 
 def test_config_names_resolve_to_the_shipped_files():
-  assert config_files.resolve_config_path('smoke') == os.path.join(config_files.configs_dir(), 'smoke.py')
+  assert config_files.resolve_config_path('smoke') == os.path.join(config_files.configs_dir(),
+                                                                   'smoke.py')
   assert config_files.resolve_config_path('finetune_glue:mrpc').endswith('finetune_glue.py:mrpc')
   with pytest.raises(UserError, match='--config=nope.py: no such file'):
     config_files.resolve_config_path('nope.py')

@@ -430,8 +430,9 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
     _write_lines(os.path.join(data_dir, name), _conll(rng, n))
   workdir = str(tmp_path / 'ner')
   cmd = [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=configs/finetune_ner.py',
-         f'--config.train.init_checkpoint={checkpoints["bert_jax"]}', f'--config.data_dir={data_dir}',
-         '--config.train.epochs=1', '--config.train.batch_size=8', '--config.data.max_seq_length=16',
+         f'--config.train.init_checkpoint={checkpoints["bert_jax"]}',
+         f'--config.data_dir={data_dir}', '--config.train.epochs=1',
+         '--config.train.batch_size=8', '--config.data.max_seq_length=16',
          '--config.buckets=()', '--config.predict_test=True', '--config.log.progress=False',
          '--config.model.hidden_dropout_prob=0', '--config.model.attention_probs_dropout_prob=0',
          f'--workdir={workdir}', '--sweep', '--learning_rates=1e-3,5e-4']

@@ -10,6 +10,21 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, 'bert_jax')
+# The package's layers, top to bottom (README, "How the code is organised"): a module imports
+# from its own layer and the layers below it only.
+LAYERS = (
+    ('entry points', {'__init__', 'cli', 'aot'}),
+    ('drivers', {'train', 'finetune'}),
+    ('commands that use a model', {'predict', 'features', 'fill_mask'}),
+    ('fine-tuning tasks', {'task_table', 'glue', 'squad', 'ner', 'metrics'}),
+    ('training', {'train_state', 'optim', 'sharding', 'monitor'}),
+    ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint'}),
+    ('model', {'model', 'attention', 'flops'}),
+    ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
+              'vocab', 'sample_corpus', 'batching'}),
+    ('what is trained', {'objectives', 'tasks'}),
+    ('foundations', {'config_files', 'defaults', 'fileio', 'errors'}),
+)
 # The drivers: one straight function each, from a config to a trained model.
 DRIVERS = {'train', 'finetune'}
 # What may import a driver: the command line, and the ahead-of-time compiler, which compiles
@@ -44,6 +59,18 @@ def test_the_graph_is_read():
   assert DRIVERS | DRIVER_USERS <= set(graph)
   assert 'model' in graph['train'] and 'input_pipeline' in graph['train']  # One inside a def.
   assert 'train' in graph['cli'] and 'finetune' in graph['cli']
+
+
+def test_every_module_has_a_layer_and_imports_only_from_it_and_below():
+  layer_of = {module: i for i, (_, modules) in enumerate(LAYERS) for module in modules}
+  graph = _graph()
+  assert set(graph) == set(layer_of), ('place new modules in LAYERS (and the README table): '
+                                       f'{sorted(set(graph) ^ set(layer_of))}')
+  upward = sorted(f'{user} ({LAYERS[layer_of[user]][0]}) imports {used} '
+                  f'({LAYERS[layer_of[used]][0]})'
+                  for user, imported in graph.items() for used in imported
+                  if layer_of[used] < layer_of[user])
+  assert not upward, f'imports that point up: {upward}'
 
 
 def test_only_the_cli_and_aot_import_a_driver():
