@@ -185,11 +185,13 @@ def _losses(workdir):
     return [row['loss'] for row in map(json.loads, f) if 'loss' in row]
 
 
-def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, monkeypatch):
+def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, monkeypatch,
+                                                        caplog):
   """A run stopped inside an epoch (train.stop_at_step, or SIGTERM) saves where it stopped;
   rerunning the same call continues at that step and ends with exactly the metrics, best epoch
-  and checkpoint of an uninterrupted run. The task data lies on a non-local filesystem
-  (TensorFlow's ram://, standing in for Cloud Storage)."""
+  and checkpoint of an uninterrupted run, as does one whose latest checkpoint is corrupt (it
+  resumes from the one before). The task data lies on a non-local filesystem (TensorFlow's
+  ram://, standing in for Cloud Storage)."""
   data_dir = 'ram://bert_jax_finetune_test/glue'
   rng = random.Random(3)
   for split, n in (('train', 64), ('dev', 32)):
@@ -212,6 +214,22 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
                                         **settings, **{'train.stop_at_step': 6}), stopped) is None
   assert ckpt_lib.checkpoint_steps(stopped) == [4, 6]
   assert _dev_rows(stopped)[1] == list(range(1, 7))
+  # The same stopped run with step 6's largest array file cut in half: fine-tuning resumes
+  # through restore_or_init as pre-training does, so step 6 is named, moved aside and the run
+  # redoes steps 5-8 from step 4, ending as the uninterrupted run.
+  corrupt = str(tmp_path / 'corrupt')
+  shutil.copytree(stopped, corrupt)
+  latest = os.path.join(corrupt, ckpt_lib.CHECKPOINT_DIR, '6')
+  data_files = sorted(glob.glob(os.path.join(latest, 'params', '**', 'd', '*'), recursive=True),
+                      key=os.path.getsize)
+  with open(data_files[-1], 'r+b') as f:
+    f.truncate(os.path.getsize(data_files[-1]) // 2)
+  with caplog.at_level('WARNING'):
+    assert finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
+                             corrupt) == full
+  assert any(f'Checkpoint {latest} cannot be read' in r.getMessage() for r in caplog.records)
+  assert os.path.isdir(latest + '.corrupt')
+  assert _dev_rows(corrupt) == (full_dev, full_steps)
   resumed = finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
                               stopped)
   assert resumed == full
