@@ -500,7 +500,12 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
 
 
 def test_length_sort_window_must_be_positive(checkpoints, glue_dir, tmp_path):
-  config = _glue_config(checkpoints['hf'], glue_dir[0], **{'train.length_sort_window': 0})
+  # Loading the config refuses it (config_checks); one changed after loading meets finetune's
+  # own check.
+  with pytest.raises(errors.UserError, match=r'config\.train\.length_sort_window=0'):
+    _glue_config(checkpoints['hf'], glue_dir[0], **{'train.length_sort_window': 0})
+  config = _glue_config(checkpoints['hf'], glue_dir[0])
+  config.train.length_sort_window = 0
   with pytest.raises(errors.UserError, match=r'config\.train\.length_sort_window=0'):
     finetune.finetune(config, str(tmp_path / 'run'))
 
@@ -519,7 +524,7 @@ def test_a_workdir_in_use_is_refused(checkpoints, glue_dir, tmp_path):
     config = _glue_config(checkpoints['hf'], glue_dir[0])
     with pytest.raises(errors.UserError, match=rf'is in use by another run \(pid {live.pid} '):
       finetune.finetune(config, workdir)
-    assert json.load(open(lock))['pid'] == live.pid  # The live run's lock stays.
+    assert fileio.read_json(lock)['pid'] == live.pid  # The live run's lock stays.
   finally:
     live.kill()
     live.wait()
