@@ -122,7 +122,7 @@ def _pair_function(vocab_file: str, version: tuple[int, int], lower_case: bool, 
         doc_tokens, ids, tf.random.experimental.stateless_fold_in(seed, index),
         seq_len=seq_len, short_seq_prob=short_seq_prob, objective=objective,
         check_documents=False, **specials)
-    if objective == 'sop':
+    if not objectives.get(objective).other_documents:
       return pairs, tf.constant(False)
     return pairs, pairing.single_document(doc_tokens, ids)
 
