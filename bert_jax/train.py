@@ -271,9 +271,9 @@ def check_label_share(batches: list[dict[str, Any]], data: ml_collections.Config
     where = (f'data.eval_input={data.eval_input!r}' if data.eval_input
              else f'the held-out share of data.input={data.input!r}')
     raise UserError(f'{where}: {share:.0%} of its {examples} evaluation pairs are '
-                    f'{"NotNext" if data.objective == "nsp" else "swapped"} instead of about '
-                    'half (too few documents), so nsp_accuracy would mean nothing; give more '
-                    'documents, or --config.data.objective=none for MLM metrics only')
+                    f'{objectives.get(data.objective).label_names[1]} instead of about half '
+                    f'(too few documents), so {data.objective}_accuracy would mean nothing; '
+                    'give more documents, or --config.data.objective=none for MLM metrics only')
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> dict[str, Any]:
