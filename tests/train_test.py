@@ -610,6 +610,18 @@ def test_dropout_rng_impl_is_checked():
     train_state.dropout_rng(config.train)
 
 
+def test_a_lopsided_sop_evaluation_is_named_as_sop():
+  """SOP is logged as sop_*, and the refusal of a held-out set without swapped pairs says so."""
+  data = config_files.load_config('smoke.py').data
+  data.objective, data.eval_input = 'sop', 'held_out.txt'
+  batch = {'next_sentence_labels': np.ones((40, 1), np.int32),
+           'input_mask': np.ones((40, 4), np.int32)}
+  with pytest.raises(UserError, match=r"data.eval_input='held_out.txt': 100% of its 40 "
+                     r'evaluation pairs are swapped instead of about half \(too few documents\), '
+                     'so sop_accuracy would mean nothing'):
+    train.check_label_share([batch], data)
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults: SIGKILL at any moment, a second run, corrupt checkpoints, a full disk
 # ---------------------------------------------------------------------------------------------
@@ -788,15 +800,3 @@ def test_full_disk_fails_the_save_cleanly(tmp_path, reference, vocab_file, monke
   assert not glob.glob(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '*.orbax-checkpoint-tmp*'))
   _assert_same_params(_params(workdir), ckpt_lib.load_pretrained_from_workdir(reference, 4)[1])
   assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
-
-
-def test_a_lopsided_sop_evaluation_is_named_as_sop():
-  """SOP is logged as sop_*, and the refusal of a held-out set without swapped pairs says so."""
-  data = config_files.load_config('smoke.py').data
-  data.objective, data.eval_input = 'sop', 'held_out.txt'
-  batch = {'next_sentence_labels': np.ones((40, 1), np.int32),
-           'input_mask': np.ones((40, 4), np.int32)}
-  with pytest.raises(UserError, match=r"data.eval_input='held_out.txt': 100% of its 40 "
-                     r'evaluation pairs are swapped instead of about half \(too few documents\), '
-                     'so sop_accuracy would mean nothing'):
-    train.check_label_share([batch], data)
