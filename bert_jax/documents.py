@@ -19,6 +19,7 @@ import zlib
 import ml_collections
 import tensorflow as tf
 
+from bert_jax import fileio
 from bert_jax import sample_corpus
 from bert_jax.errors import UserError
 
@@ -61,6 +62,7 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
       if tf.io.gfile.isdir(path):
         raise UserError(f'{flag}: {path} is a directory; name the files in it (for example '
                         f'{path.rstrip("/")}/*.txt)')
+      fileio.check_readable(path, flag)  # Not in tf.data's first batch, as a traceback.
       if path.endswith('.gz'):
         check_gzip(path, flag)
     files += matched

@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from bert_jax import documents
+from bert_jax import fileio
 from bert_jax import masking
 from bert_jax import objectives
 from bert_jax import packing
@@ -490,6 +491,7 @@ def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
     return data.vocab_file
   check_vocab_given(data)
   if workdir:
+    fileio.check_output_dir(workdir, '--workdir')  # A file there: one line, not a traceback.
     path = os.path.join(workdir, 'vocab.txt')
   else:
     key = json.dumps([data.input, int(data.vocab_size), bool(data.lower_case)])

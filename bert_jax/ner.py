@@ -49,7 +49,7 @@ def _check_tag(tag: str, where: str) -> None:
 def _lines(path: str) -> list[str]:
   """The file's lines with universal newlines, as open() reads text (str.splitlines would also
   split on U+0085)."""
-  return fileio.read_text(path).replace('\r\n', '\n').replace('\r', '\n').split('\n')
+  return fileio.read_user_text(path).replace('\r\n', '\n').replace('\r', '\n').split('\n')
 
 
 def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[Sentence]:

@@ -79,7 +79,7 @@ def read_squad(source: str | Mapping, is_training: bool) -> list[SquadExample]:
   name = source if isinstance(source, str) else '<SQuAD dict>'
   if isinstance(source, str):
     try:
-      source = json.loads(fileio.read_text(source))
+      source = json.loads(fileio.read_user_text(source))
     except json.JSONDecodeError as e:
       raise UserError(f'{name}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}') from None
   if not isinstance(source, Mapping) or 'data' not in source:
