@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import records
+
 from bert_jax import cli
 from bert_jax import config_files
 from bert_jax import config_checks
@@ -236,6 +238,53 @@ def test_vocabulary_paths(tmp_path, kind, expected):
   with pytest.raises(UserError) as e:
     tokenization.load_vocab(path)
   assert expected in str(e.value) and path in str(e.value), str(e.value)
+
+
+def _records(path: str, cut=None) -> None:
+  rng = np.random.RandomState(0)
+  records.write_pretraining_records(path, [dict(
+      input_ids=rng.randint(5, 40, 32), input_mask=np.ones(32, int),
+      segment_ids=np.zeros(32, int), masked_lm_positions=np.arange(5),
+      masked_lm_ids=np.full(5, 7), masked_lm_weights=np.ones(5), next_sentence_labels=[0])
+      for _ in range(20)])
+  if cut is not None:
+    with open(path, 'rb') as f:
+      data = f.read()
+    with open(path, 'wb') as f:
+      f.write(cut(data))
+
+
+# TFRecords of create_pretraining_data.py (data.input, data.eval_input, data.phase_inputs): the
+# rest of the corpus rows above apply to them too (they are expanded by the same function).
+TFRECORD_ROWS = [
+    ('whole', lambda p: _records(p), 'ok'),
+    # Cut inside a record (a cut between two records leaves a shorter, valid file).
+    ('truncated', lambda p: _records(p, lambda d: d[:len(d) // 2 + 7]),
+     'is truncated or not a TFRecord file: the record at byte'),
+    ('last_byte_missing', lambda p: _records(p, lambda d: d[:-1]), 'is truncated'),
+    ('text_named_tfrecord', lambda p: open(p, 'wb').write(_corpus_text(3)),
+     'is truncated or not a TFRecord file'),
+    ('other_lengths', lambda p: _records(p), "feature 'input_ids' has 32 values, but seq_len "
+     'asks for 64'),
+]
+
+
+def _tfrecord_outcome(root: str, kind: str) -> tuple[str, str]:
+  make, _ = next((m, e) for k, m, e in TFRECORD_ROWS if k == kind)
+  path = os.path.join(root, f'{kind}.tfrecord')
+  make(path)
+  seq_len = 64 if kind == 'other_lengths' else 32
+  return path, _outcome(lambda: input_pipeline.check_tfrecord(path, seq_len, 5))
+
+
+@pytest.mark.parametrize('kind, expected', [(k, e) for k, _, e in TFRECORD_ROWS],
+                         ids=[k for k, _, _ in TFRECORD_ROWS])
+def test_tfrecord_paths(tmp_path, kind, expected):
+  path, outcome = _tfrecord_outcome(str(tmp_path), kind)
+  if expected == 'ok':
+    assert outcome == 'ok', outcome
+  else:
+    assert expected in outcome and path in outcome, outcome
 
 
 def _lock(path: str) -> None:
@@ -853,6 +902,8 @@ def table() -> str:
     for name, reader in (('data.input', _corpus_files), ('vocab --input', _read_corpus_lines)):
       for kind, _ in CORPUS_ROWS:
         row(name, kind, corpus(reader, kind))
+    for kind, _, _ in TFRECORD_ROWS:
+      row('data.input (TFRecords)', kind, lambda where, k=kind: _tfrecord_outcome(where, k)[1])
     for surface, kind, _ in FILE_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _file_outcome(where, s, k)[1])
     for kind in CHECKPOINT_KINDS:
