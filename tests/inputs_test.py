@@ -119,6 +119,8 @@ _MAKERS = {
     'directory': lambda p: os.makedirs(p),
     'empty': lambda p: open(p, 'wb').close(),
     'binary': lambda p: open(p, 'wb').write(bytes(range(256)) * 4),
+    'utf16': lambda p: open(p, 'wb').write(_corpus_text(30).decode().encode('utf-16')),
+    'binary_gz': lambda p: open(p, 'wb').write(_gzip(bytes(range(256)) * 4)),
     'not_utf8': lambda p: open(p, 'wb').write(_corpus_text(30).replace(b'w1 ', b'\xff\xfe ')),
     'bom': lambda p: open(p, 'wb').write(b'\xef\xbb\xbf' + _corpus_text(30)),
     'crlf': lambda p: open(p, 'wb').write(_corpus_text(30, crlf=True)),
@@ -151,8 +153,10 @@ CORPUS_ROWS = [
     ('missing', 'matches no file'),
     ('directory', 'is a directory; name the files in it'),
     ('empty', 'ok'),  # Refused later, by the pipeline's "no documents" (input_pipeline_test).
-    ('binary', 'ok'),  # Invalid UTF-8 becomes U+FFFD, as documents.py promises.
-    ('not_utf8', 'ok'),
+    ('binary', 'looks binary, not text (a NUL byte at byte 0)'),
+    ('utf16', 'is UTF-16 text: save it as UTF-8'),
+    ('binary_gz', 'looks binary, not text (a NUL byte at byte 0 of its decompressed data)'),
+    ('not_utf8', 'ok'),  # Invalid UTF-8 becomes U+FFFD, as documents.py promises.
     ('bom', 'ok'),
     ('crlf', 'ok'),
     ('gz', 'ok'),
