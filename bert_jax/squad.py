@@ -503,8 +503,8 @@ def write_predictions(output_dir: str, predictions: Mapping[str, str],
 
 
 def _read_squad(path: str, is_training: bool, flag: str) -> list[SquadExample]:
-  if not fileio.isfile(path):
-    raise UserError(f'{flag}: no SQuAD file {path}')
+  if not fileio.exists(path):
+    raise UserError(f'{flag}: no SQuAD file {path}')  # A folder or unreadable: read_squad says.
   # Errors name the file and the line (invalid JSON) or the question (missing fields).
   return read_squad(path, is_training)
 

@@ -554,6 +554,30 @@ def _convert_output(root: str):
   return lambda path: convert.convert(os.path.join(root, 'no_checkpoint'), path)
 
 
+@pytest.mark.parametrize('case, expected', [
+    ('input_is_a_directory', '--input=$DIR/in.jsonl is a directory; name a file'),
+    ('input_missing', '--input=$DIR/in.jsonl: no such file'),
+    ('workdir_unreadable', '--workdir: $DIR/finetuned: cannot be read (Permission denied)'),
+    ('workdir_is_a_file', '--workdir=$DIR/finetuned has no task.json: not a bert_jax'),
+])
+def test_predict_names_its_input_and_workdir(open_dir, case, expected):
+  run = _predict_output(open_dir)
+  workdir, source = os.path.join(open_dir, 'finetuned'), os.path.join(open_dir, 'in.jsonl')
+  if case == 'input_is_a_directory':
+    os.remove(source)
+    os.makedirs(source)
+  elif case == 'input_missing':
+    os.remove(source)
+  elif case == 'workdir_unreadable':
+    os.chmod(workdir, 0)
+  else:
+    shutil.rmtree(workdir)
+    open(workdir, 'w').close()
+  with _as_a_user() if case == 'workdir_unreadable' else contextlib.nullcontext():
+    outcome = _outcome(lambda: run(os.path.join(open_dir, 'out.jsonl')))
+  assert expected.replace('$DIR', open_dir) in outcome, outcome
+
+
 # surface -> (file name, the call, what an 'ok' row stops at).
 OUTPUT_SURFACES = {
     'predict --output': ('out.jsonl', _predict_output, 'not a checkpoint directory'),
