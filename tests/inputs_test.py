@@ -871,7 +871,8 @@ def test_end_to_end_mistakes_are_one_line_and_status_2(tmp_path, vocab_file):
 
 def test_a_misspelt_task_is_refused_before_the_checkpoint_loads(tmp_path):
   from bert_jax import finetune  # pylint: disable=g-import-not-at-top
-  config = config_files.load_config(_F, {'task': 'mrcp', 'train.init_checkpoint': str(tmp_path / 'nowhere')})
+  config = config_files.load_config(_F, {'task': 'mrcp',
+                                         'train.init_checkpoint': str(tmp_path / 'nowhere')})
   with pytest.raises(UserError, match=r"config.task='mrcp': expected a GLUE task"):
     finetune.finetune(config, str(tmp_path / 'w'))
   assert not os.path.exists(tmp_path / 'w')
