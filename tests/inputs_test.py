@@ -882,7 +882,7 @@ def test_a_misspelt_task_is_refused_before_the_checkpoint_loads(tmp_path):
     ('the [MASK] ' * 450, '... (4,950 characters) is'),
     ('no mask ' * 600, '... (4,800 characters) has no [MASK]'),
     ('a short [MASK]', "'a short [MASK]' is"),
-])
+], ids=['long_with_masks', 'long_without_a_mask', 'short'])
 def test_messages_quote_a_short_excerpt_of_long_texts(text, fragment, vocab_file):
   from bert_jax import fill_mask  # pylint: disable=g-import-not-at-top
   tok = tokenization.load_tokenizer(vocab_file)
