@@ -122,6 +122,17 @@ def check_readable_dir(path: str, flag: str = '') -> None:
     raise UserError(f'{f"{flag}: " if flag else ""}{path}: cannot be read (Permission denied)')
 
 
+def check_input_dir(path: str, flag: str) -> None:
+  """Raises a UserError naming `flag` if the folder `path` is missing, is a file or (locally)
+  cannot be read: the one line a folder of inputs (config.data_dir) gets, before its files'."""
+  if not exists(path):
+    raise UserError(f'{flag}={path}: no such folder')
+  if not isdir(path):
+    raise UserError(f'{flag}={path} is a file, not a folder: name the folder that holds the '
+                    'files')
+  check_readable_dir(path, flag)
+
+
 def check_output_file(path: str, flag: str) -> None:
   """Raises a UserError naming `flag` if `path` cannot become a file: it is a folder, a file
   stands where a parent folder should, or (locally) the folder that would hold it is not

@@ -429,6 +429,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   if config.data_source == 'tsv':
     if not config.data_dir:
       raise UserError('config.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
+    fileio.check_input_dir(config.data_dir, 'config.data_dir')
     read = lambda task, split: read_task(task, config.data_dir, split)
   elif config.data_source == 'tfds':
     read = lambda task, split: read_tfds(task, split, config.data.tfds_data_dir or None)

@@ -323,6 +323,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   del lower_case  # Words are tagged as the tokenizer splits them, cased or not.
   if not config.data_dir:
     raise UserError('config.data_dir is empty: the folder of train.txt, valid.txt, test.txt')
+  fileio.check_input_dir(config.data_dir, 'config.data_dir')
   train_sentences = read_conll(_conll_file(config.data_dir, ['train.txt'], 'training'))
   label_list = list(config.label_list)
   if not label_list:

@@ -522,6 +522,38 @@ def test_checkpoint_paths(open_dir, kind):
   assert CHECKPOINT_KINDS[kind][1] in outcome and path in outcome, outcome
 
 
+def _data_dir_outcome(root: str, task: str, kind: str) -> tuple[str, str]:
+  """config.data_dir of GLUE and NER fine-tuning, as make_task reads it (before any weights)."""
+  from bert_jax import task_table  # pylint: disable=g-import-not-at-top
+  config = config_files.load_config(task)
+  path = os.path.join(root, 'data')
+  if kind == 'a_file':
+    open(path, 'w').close()
+  elif kind in ('empty_folder', 'unreadable'):
+    os.makedirs(path)
+  if kind == 'unreadable':
+    os.chmod(path, 0)
+  config.data_dir = path
+  with _as_a_user() if kind == 'unreadable' else contextlib.nullcontext():
+    return path, _outcome(lambda: task_table.make_task(config, None, None, True))
+
+
+DATA_DIR_ROWS = [
+    (task, kind, expected)
+    for task, empty in (('finetune_glue:mrpc', 'GLUE mrpc dev: no file'),
+                        ('finetune_ner', 'no training file (train.txt)'))
+    for kind, expected in (('missing', ': no such folder'), ('a_file', 'is a file, not a folder'),
+                           ('unreadable', 'cannot be read (Permission denied)'),
+                           ('empty_folder', empty))]
+
+
+@pytest.mark.parametrize('task, kind, expected', DATA_DIR_ROWS,
+                         ids=[f'{t.split(":")[0]}-{k}' for t, k, _ in DATA_DIR_ROWS])
+def test_data_dir_paths(open_dir, task, kind, expected):
+  path, outcome = _data_dir_outcome(open_dir, task, kind)
+  assert expected in outcome and path in outcome, outcome
+
+
 # Output paths: the command is called with everything else right but a missing checkpoint or
 # input, checked after the output: 'ok' rows stop there (proving the output passed its check
 # before any work), the others at the output, naming it. Each function prepares the rest in
@@ -935,6 +967,9 @@ def table() -> str:
       row('data.input (TFRecords)', kind, lambda where, k=kind: _tfrecord_outcome(where, k)[1])
     for surface, kind, _ in FILE_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _file_outcome(where, s, k)[1])
+    for task, kind, _ in DATA_DIR_ROWS:
+      row(f'config.data_dir ({task})', kind,
+          lambda where, t=task, k=kind: _data_dir_outcome(where, t, k)[1])
     for kind in CHECKPOINT_KINDS:
       row('train.init_checkpoint, --init_checkpoint, --checkpoint, convert --input', kind,
           lambda where, k=kind: _checkpoint_outcome(where, k)[1])
