@@ -481,24 +481,30 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   config_path = os.path.join(path, 'bert_config.json')
   if not fileio.gfile().exists(config_path):
     raise UserError(f'{path} has no bert_config.json: not a bert_jax training workdir')
-  with fileio.gfile().GFile(config_path) as f:
-    try:
-      config = model_lib.BertConfig.from_dict(json.load(f), source=config_path)
-    except json.JSONDecodeError as e:
-      raise UserError(f'{config_path}: not valid JSON: {e}') from e
+  try:
+    config = model_lib.BertConfig.from_dict(json.loads(fileio.read_user_text(config_path)),
+                                            source=config_path)
+  except json.JSONDecodeError as e:
+    raise UserError(f'{config_path}: not valid JSON: {e}') from e
   ckpt_dir = os.path.join(path, CHECKPOINT_DIR)
   manager = ocp.CheckpointManager(ckpt_dir, item_names=('params', 'opt_state', 'meta'),
                                   options=ocp.CheckpointManagerOptions(read_only=True))
   step = manager.latest_step() if step is None else step
   if step is None:
     raise UserError(f'{ckpt_dir} holds no complete checkpoint')
-  metadata = manager.item_metadata(step)['params']
-  sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
-  abstract = jax.tree.map(
-      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata,
-      is_leaf=lambda m: hasattr(m, 'shape'))
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract)))
+  try:
+    metadata = manager.item_metadata(step)['params']
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
+    abstract = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata,
+        is_leaf=lambda m: hasattr(m, 'shape'))
+    restored = manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract)))
+  except (KeyError, FileNotFoundError, ValueError) as e:
+    # A step folder without its files (copied in part, deleted in part): Orbax's own error is
+    # a KeyError or a missing-metadata error from deep inside it.
+    raise UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint ({e}); delete that '
+                    'folder to use an earlier step') from e
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored['params'])
   manager.close()
   params = dict(params)

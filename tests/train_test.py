@@ -555,7 +555,10 @@ def test_every_process_evaluates_the_same_number_of_batches():
     ('0.9:128:20,0.1:1024:80', 'exceeds model.max_position_embeddings'),
 ])
 def test_bad_phases_are_named(phases, message):
-  config = config_files.load_config('configs/bert_base.py', {'train.phases': phases})
+  with pytest.raises(ValueError, match=message):  # Where the config is loaded.
+    config_files.load_config('configs/bert_base.py', {'train.phases': phases})
+  config = config_files.load_config('configs/bert_base.py')
+  config.train.phases = phases  # Set after loading (a notebook): the driver refuses it too.
   with pytest.raises(ValueError, match=message):
     train.parse_phases(config)
 
@@ -574,15 +577,19 @@ def test_paper_phases():
 
 
 def test_stop_at_step_beyond_the_schedule_is_refused(tmp_path):
-  config = config_files.load_config('smoke', {'train.stop_at_step': 301})
-  with pytest.raises(ValueError,
-                     match=r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'):
+  message = r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'
+  with pytest.raises(ValueError, match=message):  # Where the config is loaded.
+    config_files.load_config('smoke', {'train.stop_at_step': 301})
+  config = config_files.load_config('smoke')
+  config.train.stop_at_step = 301  # Set after loading: the driver refuses it too.
+  with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(config, str(tmp_path))
 
 
 def test_batch_that_does_not_split_is_named():
   from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  config = config_files.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 3})
+  config = config_files.load_config('smoke', {'train.batch_size': 16})
+  config.train.grad_accum_steps = 3  # After loading, which refuses it (inputs_test.py).
   mesh = sharding_lib.make_mesh(config.mesh)
   with pytest.raises(ValueError, match='train.batch_size=16 does not divide by '
                      'train.grad_accum_steps=3'):
