@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 _HOSTS = ('www.googleapis.com', 'storage.googleapis.com')
@@ -200,8 +201,8 @@ class GcsServer:
       pass
 
   def requests(self) -> list[dict]:
-    """Every request since the last `reset_log`: method, host, path, query, sent and received
-    bytes (bodies), status."""
+    """Every request since the last `reset_log`: method, host, path, query, object (the name
+    it reads or writes), sent and received bytes (bodies), status."""
     with open(self.log_path) as f:
       return [json.loads(line) for line in f if line.strip()]
 
@@ -231,6 +232,20 @@ def running(folder: str | None = None):
 
 
 # ---- The proxy (its own process) --------------------------------------------------------------
+
+
+def _object_name(path: str, query: str, body: bytes) -> str:
+  """The object a request names: in its path (JSON API /o/NAME, public host /BUCKET/NAME), its
+  query (uploads' name=) or, for a multipart upload, the metadata at the start of its body."""
+  if match := re.search(r'/o/([^/]+)', path):
+    return urllib.parse.unquote(match.group(1))
+  if name := urllib.parse.parse_qs(query).get('name'):
+    return name[0]
+  if match := re.search(rb'"name":\s*"([^"]+)"', body[:4096]):
+    return match.group(1).decode()
+  if path.startswith(f'/{BUCKET}/'):
+    return urllib.parse.unquote(path[len(BUCKET) + 2:])
+  return ''
 
 
 def _handler(server_port: int, cert: str, key: str, log):
@@ -298,6 +313,14 @@ def _handler(server_port: int, cert: str, key: str, log):
           if attempt:
             self.send_error(502)
             return
+      # Logged before the client has its answer: a test that counts after a call sees it.
+      path_only, _, query = path.partition('?')
+      record = dict(method=self.command, host=self.tls_host or 'http', path=path_only,
+                    query=query, object=_object_name(path_only, query, body), sent=len(body),
+                    received=len(data), status=resp.status)
+      with lock:
+        log.write(json.dumps(record) + '\n')
+        log.flush()
       self.send_response(resp.status, resp.reason)
       for k, v in resp.getheaders():
         if k.lower() in _HOP_BY_HOP:
@@ -312,12 +335,6 @@ def _handler(server_port: int, cert: str, key: str, log):
       if self.command != 'HEAD':
         self.wfile.write(data)
       self.wfile.flush()
-      path_only, _, query = path.partition('?')
-      record = dict(method=self.command, host=self.tls_host or 'http', path=path_only,
-                    query=query, sent=len(body), received=len(data), status=resp.status)
-      with lock:
-        log.write(json.dumps(record) + '\n')
-        log.flush()
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _forward  # noqa: N815
 
