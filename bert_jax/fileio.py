@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from bert_jax import gcs
 from bert_jax.errors import UserError
 
 # Effective ids: what open() will be allowed (os.access checks the real ids by default).
@@ -206,6 +207,8 @@ def make_dirs(path: str, flag: str) -> None:
   """Makes the folder `path` (and its parents); a file in the way, a path that cannot be made or
   a local folder that cannot be written is a UserError naming `flag` (`--workdir`)."""
   tf = tensorflow()
+  if gcs.is_gcs(path):
+    gcs.check_access(path, flag)  # A missing bucket or permission: one line, not a traceback.
   if isfile(path):
     raise UserError(f'{flag}={path} is a file, not a folder: name a folder (it is created if '
                     'missing)')
