@@ -153,6 +153,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
 def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
   # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
+  ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   is_main = jax.process_index() == 0
   if config.train.epochs < 1:
     raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')

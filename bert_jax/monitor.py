@@ -24,6 +24,7 @@ import numpy as np
 from absl import logging
 
 from bert_jax import fileio
+from bert_jax import gcs
 
 METRICS_FILE = 'metrics.jsonl'
 
@@ -119,9 +120,14 @@ class MetricsLog:
     if not self.active:
       return
     self.writer.write_scalars(step, {prefix + k: v for k, v in scalars.items() if v is not None})
-    # gfile appends on Cloud Storage too (it rewrites the object).
+    line = json.dumps(dict(step=step, **extra, **scalars)) + '\n'
+    if gcs.is_gcs(self.path):
+      # gfile's append downloads and uploads the whole object: its cost would grow with the
+      # run. A composed append costs the same at every step.
+      gcs.append(self.path, line.encode())
+      return
     with fileio.gfile().GFile(self.path, 'a') as f:
-      f.write(json.dumps(dict(step=step, **extra, **scalars)) + '\n')
+      f.write(line)
 
   def close(self) -> None:
     self.writer.flush()

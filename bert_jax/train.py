@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 
 from bert_jax import attention
 from bert_jax import checkpoint as ckpt_lib
+from bert_jax import config_checks
 from bert_jax import fileio
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
@@ -68,31 +69,16 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_li
 def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
   """`train.phases` ('0.9:128:20,0.1:512:80') -> Phases covering [0, train.steps)."""
   steps = int(config.train.steps)
-  spec = config.train.phases.strip()
-  if not spec:
+  parts = config_checks.phase_specs(config)  # Checked where the config was loaded, too.
+  if not parts:
     # train.phases is empty: the run uses data.max_seq_length.
     model_lib.check_seq_len(config.data.max_seq_length, config.model.max_position_embeddings)
     return [Phase(0, 0, steps, config.data.max_seq_length, config.data.max_predictions_per_seq)]
-  parts = []
-  for item in spec.split(','):
-    try:
-      frac, seq_len, preds = item.split(':')
-      parts.append((float(frac), int(seq_len), int(preds)))
-    except ValueError:
-      raise UserError(f'train.phases: {item!r} is not fraction:seq_len:max_predictions') from None
-  if abs(sum(p[0] for p in parts) - 1.0) > 1e-6:
-    raise UserError(f'train.phases fractions sum to {sum(p[0] for p in parts)}, not 1: {spec}')
   phases, start, cumulative = [], 0, 0.0
   for i, (frac, seq_len, preds) in enumerate(parts):
-    if frac < 0 or not 8 <= seq_len or not 1 <= preds <= seq_len:
-      raise UserError(f'train.phases: {spec.split(",")[i]!r} needs fraction >= 0, seq_len '
-                      '>= 8 and 1 <= max_predictions <= seq_len')
     cumulative += frac
     # Rounded where each phase ends, not by length, so that no phase overshoots the schedule.
     end = steps if i == len(parts) - 1 else max(start, int(round(cumulative * steps)))
-    if seq_len > config.model.max_position_embeddings:
-      raise UserError(f'train.phases: seq_len {seq_len} exceeds '
-                      f'model.max_position_embeddings={config.model.max_position_embeddings}')
     phases.append(Phase(i, start, end, seq_len, preds))
     start = end
   return [p for p in phases if p.end > p.start]
@@ -394,6 +380,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
 
   # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
+  ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   is_main = jax.process_index() == 0
   objective = objectives.get(config.data.objective).name
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)

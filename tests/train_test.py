@@ -555,7 +555,10 @@ def test_every_process_evaluates_the_same_number_of_batches():
     ('0.9:128:20,0.1:1024:80', 'exceeds model.max_position_embeddings'),
 ])
 def test_bad_phases_are_named(phases, message):
-  config = config_files.load_config('configs/bert_base.py', {'train.phases': phases})
+  with pytest.raises(ValueError, match=message):  # Where the config is loaded.
+    config_files.load_config('configs/bert_base.py', {'train.phases': phases})
+  config = config_files.load_config('configs/bert_base.py')
+  config.train.phases = phases  # Set after loading (a notebook): the driver refuses it too.
   with pytest.raises(ValueError, match=message):
     train.parse_phases(config)
 
@@ -574,15 +577,19 @@ def test_paper_phases():
 
 
 def test_stop_at_step_beyond_the_schedule_is_refused(tmp_path):
-  config = config_files.load_config('smoke', {'train.stop_at_step': 301})
-  with pytest.raises(ValueError,
-                     match=r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'):
+  message = r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'
+  with pytest.raises(ValueError, match=message):  # Where the config is loaded.
+    config_files.load_config('smoke', {'train.stop_at_step': 301})
+  config = config_files.load_config('smoke')
+  config.train.stop_at_step = 301  # Set after loading: the driver refuses it too.
+  with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(config, str(tmp_path))
 
 
 def test_batch_that_does_not_split_is_named():
   from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  config = config_files.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 3})
+  config = config_files.load_config('smoke', {'train.batch_size': 16})
+  config.train.grad_accum_steps = 3  # After loading, which refuses it (inputs_test.py).
   mesh = sharding_lib.make_mesh(config.mesh)
   with pytest.raises(ValueError, match='train.batch_size=16 does not divide by '
                      'train.grad_accum_steps=3'):
@@ -800,3 +807,31 @@ def test_full_disk_fails_the_save_cleanly(tmp_path, reference, vocab_file, monke
   assert not glob.glob(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '*.orbax-checkpoint-tmp*'))
   _assert_same_params(_params(workdir), ckpt_lib.load_pretrained_from_workdir(reference, 4)[1])
   assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+
+
+def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, vocab_file,
+                                                                      compilation_cache):
+  """With no cache set outside the config, a run keeps its compiled train and eval steps in
+  <workdir>/compilation_cache (checkpoint.compilation_cache_dir); the rerun loads them from
+  there and compiles nothing new. A cache set outside the config (this module's) is kept."""
+  assert ckpt_lib.use_compilation_cache(str(tmp_path), 'compilation_cache') == compilation_cache
+  workdir = str(tmp_path / 'run')
+  cache = os.path.join(workdir, 'compilation_cache')
+  env = processes.env(compilation_cache)
+  del env['JAX_COMPILATION_CACHE_DIR'], env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']
+  env['JAX_LOG_COMPILES'] = '1'  # Logs each cache hit.
+  entries, logs = [], []
+  for stop_at in (2, 3):
+    overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'train.stop_at_step': stop_at})
+    proc = subprocess.run(
+        [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+        _flags(overrides), cwd=_ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    entries.append(sorted(os.listdir(cache)))
+    logs.append(proc.stderr)
+  assert any(e.startswith('jit_step-') for e in entries[0]), entries[0]
+  assert any(e.startswith('jit_eval_step-') for e in entries[0]), entries[0]
+  assert entries[1] == entries[0]
+  for name in ('jit_step', 'jit_eval_step'):
+    assert f"Persistent compilation cache hit for '{name}'" not in logs[0]
+    assert f"Persistent compilation cache hit for '{name}'" in logs[1], logs[1][-5000:]
