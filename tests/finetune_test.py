@@ -482,7 +482,11 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
 
 
 def test_length_sort_window_must_be_positive(checkpoints, glue_dir, tmp_path):
-  config = _glue_config(checkpoints['hf'], glue_dir[0], **{'train.length_sort_window': 0})
+  with pytest.raises(errors.UserError, match=r'config\.train\.length_sort_window=0'):
+    # Refused where the config is loaded (config_checks.RANGES).
+    config = _glue_config(checkpoints['hf'], glue_dir[0], **{'train.length_sort_window': 0})
+  config = _glue_config(checkpoints['hf'], glue_dir[0])
+  config.train.length_sort_window = 0  # Set after loading (a notebook): the driver refuses it.
   with pytest.raises(errors.UserError, match=r'config\.train\.length_sort_window=0'):
     finetune.finetune(config, str(tmp_path / 'run'))
 
