@@ -28,6 +28,7 @@ Output, by the suffix of `output`:
   .npy    only the `features` array of the .npz.
 """
 
+import io
 import json
 import os
 from typing import Any, Iterator, Sequence
@@ -39,6 +40,7 @@ import numpy as np
 
 from bert_jax import batching
 from bert_jax import convert
+from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
@@ -49,17 +51,17 @@ _CHUNK_BATCHES = 50  # Lines are processed (and JSONL written) in chunks of this
 
 def read_input(path: str) -> list[tuple[int, str, str | None]]:
   """(line number, text_a, text_b or None) of every non-blank line; ' ||| ' splits a pair."""
-  if not os.path.isfile(path):
+  if not fileio.isfile(path):
     raise UserError(f'--input: no file {path}')
   lines, blank = [], 0
-  with open(path, encoding='utf-8') as f:
-    for number, line in enumerate(f, 1):
-      line = line.strip()
-      if not line:
-        blank += 1
-        continue
-      a, sep, b = line.rpartition(' ||| ')
-      lines.append((number, a, b) if sep else (number, line, None))
+  # Universal newlines, as open() reads them (splitlines would also split on \v, \f, ...).
+  for number, line in enumerate(io.StringIO(fileio.read_text(path), newline=None), 1):
+    line = line.strip()
+    if not line:
+      blank += 1
+      continue
+    a, sep, b = line.rpartition(' ||| ')
+    lines.append((number, a, b) if sep else (number, line, None))
   if blank:
     logging.warning('%s: skipped %d blank lines', path, blank)
   if not lines:
