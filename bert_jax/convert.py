@@ -27,7 +27,8 @@ import math
 import os
 import re
 import shutil
-from typing import Any
+import tempfile
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -331,8 +332,8 @@ def _read_config(path: str) -> model.BertConfig:
 
 
 def _read_bert_jax(path: str) -> dict[str, np.ndarray]:
-  params_dir = os.path.abspath(os.path.join(path, 'params'))
-  if not os.path.isdir(params_dir):
+  params_dir = fileio.workdir_path(os.path.join(path, 'params'))
+  if not fileio.isdir(params_dir):
     raise UserError(f'{path}: no params/ directory')
   with ocp.StandardCheckpointer() as checkpointer:
     try:
@@ -350,7 +351,8 @@ def _read_bert_jax(path: str) -> dict[str, np.ndarray]:
 def _detect(path: str) -> tuple[str, str]:
   """(format, where): 'workdir' | 'bert_jax' | 'hf' (directories) or 'google' (a prefix).
 
-  Training workdirs and Google checkpoints may be remote (gs://...); the others must be local.
+  Training workdirs, Google checkpoints and bert_jax exports may be remote (gs://...); Hugging
+  Face directories must be local.
   """
   path = path.rstrip('/') if fileio.is_remote(path) else path
   if fileio.isdir(path):
@@ -358,6 +360,8 @@ def _detect(path: str) -> tuple[str, str]:
     if fileio.isdir(os.path.join(path, 'checkpoints')):
       return 'workdir', path
     if fileio.is_remote(path):
+      if fileio.exists(os.path.join(path, 'bert_jax.json')):
+        return 'bert_jax', path
       prefix = _google_prefix(path)
       if prefix:
         return 'google', prefix
@@ -430,7 +434,7 @@ def read_metadata(path: str) -> dict:
   letters outside [special] tokens); None when there is no vocabulary at all.
   """
   fmt, where = _detect(path)
-  folder = path if os.path.isdir(path) else os.path.dirname(where)
+  folder = path if fileio.isdir(path) else os.path.dirname(where)
   meta = {'format': fmt, 'source': path}
   if fmt == 'bert_jax':
     meta.update(_read_json(os.path.join(path, 'bert_jax.json')))
@@ -533,6 +537,29 @@ def _empty_dir(out_dir: str) -> str:
   return out_dir
 
 
+def _to_any_folder(export: Callable[..., None]) -> Callable[..., None]:
+  """An exporter that also writes to gs:// (any tf.io.gfile folder): its writers (safetensors,
+  Orbax, json, TensorFlow's SaveV2) fill a local temporary folder, copied to `out_dir` whole."""
+
+  @functools.wraps(export)
+  def to_folder(config: model.BertConfig, params: dict, out_dir: str, *args, **kwargs) -> None:
+    if not fileio.is_remote(out_dir):
+      return export(config, params, out_dir, *args, **kwargs)
+    out_dir = out_dir.rstrip('/')
+    if fileio.exists(out_dir) and (not fileio.isdir(out_dir) or fileio.glob(out_dir + '/*')):
+      raise UserError(f'{out_dir}: output directory exists and is not empty')
+    with tempfile.TemporaryDirectory() as tmp:
+      export(config, params, tmp, *args, **kwargs)
+      for root, _, files in os.walk(tmp):
+        target = os.path.join(out_dir, os.path.relpath(root, tmp)).rstrip('.').rstrip('/')
+        fileio.gfile().makedirs(target)
+        for name in files:
+          fileio.gfile().copy(os.path.join(root, name), os.path.join(target, name),
+                              overwrite=True)
+
+  return to_folder
+
+
 def _copy_vocab(config: model.BertConfig, vocab_file: str | None, out_dir: str) -> None:
   if vocab_file:
     _check_vocab(config, vocab_file)
@@ -551,6 +578,7 @@ def _to_source(flat: dict, fmt: str) -> dict[str, np.ndarray]:
   return tensors
 
 
+@_to_any_folder
 def export_hf(config: model.BertConfig, params: dict, out_dir: str,
               vocab_file: str | None = None, lower_case: bool | None = None) -> None:
   """A Hugging Face directory: model.safetensors + config.json (+ vocab.txt).
@@ -588,6 +616,7 @@ def export_hf(config: model.BertConfig, params: dict, out_dir: str,
       f.write('\n')
 
 
+@_to_any_folder
 def export_google(config: model.BertConfig, params: dict, out_dir: str,
                   vocab_file: str | None = None) -> None:
   """The original release's layout: bert_model.ckpt.{index,data-*} + bert_config.json."""
@@ -604,6 +633,7 @@ def export_google(config: model.BertConfig, params: dict, out_dir: str,
   _copy_vocab(config, vocab_file, out_dir)
 
 
+@_to_any_folder
 def export_bert_jax(config: model.BertConfig, params: dict, out_dir: str,
                     vocab_file: str | None = None, lower_case: bool | None = True,
                     source: str = '') -> None:

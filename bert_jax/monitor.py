@@ -97,18 +97,31 @@ class Chrono:
     return rates
 
 
+# On Cloud Storage, TensorBoard scalars are held back and written this many rows at a time.
+EVENTS_BATCH_ROWS = 100
+
+
 class MetricsLog:
   """metrics.jsonl + TensorBoard (clu) on process 0; nothing elsewhere.
 
   A jsonl row is {step, **extra, **scalars} (scalars without their tag prefix).
+
+  On a gs:// workdir every write must cost the same however long the run: an object cannot be
+  appended to, and TensorFlow uploads an events file whole at every flush (every ~10 scalars).
+  So rows are composed onto metrics.jsonl (gcs.append), and TensorBoard scalars are written
+  EVENTS_BATCH_ROWS rows at a time, each batch into an events file of its own (TensorBoard
+  reads every events file of the folder), and at `close`.
   """
 
   def __init__(self, workdir: str):
     from clu import metric_writers  # pylint: disable=g-import-not-at-top  (TensorFlow)
     self.active = jax.process_index() == 0
+    self.workdir = workdir
+    self.batched = gcs.is_gcs(workdir)
     self.writer = metric_writers.create_default_writer(
-        workdir, just_logging=not self.active, asynchronous=False)
+        workdir, just_logging=not self.active or self.batched, asynchronous=False)
     self.path = os.path.join(workdir, METRICS_FILE)
+    self._pending: list[tuple[int, dict[str, Any]]] = []
 
   def train(self, step: int, scalars: dict[str, Any], **extra) -> None:
     self._write(step, scalars, 'train/', extra)
@@ -119,17 +132,34 @@ class MetricsLog:
   def _write(self, step: int, scalars: dict[str, Any], prefix: str, extra: dict) -> None:
     if not self.active:
       return
-    self.writer.write_scalars(step, {prefix + k: v for k, v in scalars.items() if v is not None})
+    tagged = {prefix + k: v for k, v in scalars.items() if v is not None}
+    self.writer.write_scalars(step, tagged)  # Only logs them when batched.
     line = json.dumps(dict(step=step, **extra, **scalars)) + '\n'
-    if gcs.is_gcs(self.path):
-      # gfile's append downloads and uploads the whole object: its cost would grow with the
-      # run. A composed append costs the same at every step.
-      gcs.append(self.path, line.encode())
+    if not self.batched:
+      with fileio.gfile().GFile(self.path, 'a') as f:
+        f.write(line)
       return
-    with fileio.gfile().GFile(self.path, 'a') as f:
-      f.write(line)
+    gcs.append(self.path, line.encode())
+    self._pending.append((step, tagged))
+    if len(self._pending) >= EVENTS_BATCH_ROWS:
+      self._write_events()
+
+  def _write_events(self) -> None:
+    """The held-back scalars, into a new events file: one upload."""
+    if not self._pending:
+      return
+    tf = fileio.tensorflow()
+    writer = tf.summary.create_file_writer(self.workdir, max_queue=10**6, flush_millis=10**9)
+    with writer.as_default():
+      for step, tagged in self._pending:
+        for tag, value in tagged.items():
+          tf.summary.scalar(tag, value, step=step)
+    writer.close()
+    self._pending = []
 
   def close(self) -> None:
+    if self.active and self.batched:
+      self._write_events()
     self.writer.flush()
     self.writer.close()
 

@@ -8,6 +8,7 @@ on one schedule so that a persistent compilation cache lets later runs skip thei
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,12 +99,13 @@ def _communicate(proc, timeout):
 
 
 def _rows(workdir):
-  """(train rows, eval rows) of a workdir's metrics.jsonl."""
+  """(train rows, held-out rows) of a workdir's metrics.jsonl."""
   path = os.path.join(workdir, monitor.METRICS_FILE)
   if not fileio.exists(path):
     return [], []
   rows = [json.loads(line) for line in fileio.read_text(path).splitlines() if line.strip()]
-  return [r for r in rows if not r.get('eval')], [r for r in rows if r.get('eval')]
+  held_out = [r.get('eval') or 'split' in r for r in rows]  # Pre-training's, fine-tuning's.
+  return ([r for r, h in zip(rows, held_out) if not h], [r for r, h in zip(rows, held_out) if h])
 
 
 def _losses(workdir):
@@ -262,24 +264,34 @@ def _cost(requests, name):
   return len(hits), sum(q['sent'] + q['received'] for q in hits)
 
 
-def test_a_logged_step_costs_the_same_however_long_metrics_jsonl_is(gcs):
-  """An object cannot be appended to; metrics.jsonl's rows are composed onto it server-side, so
-  the 300th row costs the requests and bytes of the 2nd, and the file reads back whole."""
+def test_a_logged_step_costs_the_same_however_long_the_run(gcs):
+  """An object cannot be appended to: metrics.jsonl's rows are composed onto it server-side,
+  and TensorBoard's scalars go out monitor.EVENTS_BATCH_ROWS rows at a time into events files of
+  their own. The 300th row costs the requests and bytes of the 2nd, each batch of events those
+  of the first, and both read back whole."""
   workdir = gcs.url('cost')
   log = monitor.MetricsLog(workdir)
   row = {k: 0.123456789 for k in ('loss', 'mlm_loss', 'mlm_accuracy', 'nsp_loss',
                                   'nsp_accuracy', 'learning_rate', 'grad_norm',
                                   'steps_per_second', 'tokens_per_second')}
-  costs = []
-  for step in range(1, 301):
+  rows, events = [], []
+  for step in range(1, 3 * monitor.EVENTS_BATCH_ROWS + 1):
     gcs.reset_log()
     log.train(step, row)
-    costs.append(_cost(gcs.requests(), monitor.METRICS_FILE))
+    rows.append(_cost(gcs.requests(), monitor.METRICS_FILE))
+    events.append(_cost(gcs.requests(), 'tfevents'))
   log.close()
-  early, late = costs[1:11], costs[-10:]
-  assert {c[0] for c in early} == {c[0] for c in late}, (early, late)
-  assert max(c[1] for c in late) < 1.1 * max(c[1] for c in early), (early, late)
-  assert [r['step'] for r in _rows(workdir)[0]] == list(range(1, 301))
+  early, late = rows[1:11], rows[-10:]
+  assert {c[0] for c in early} == {c[0] for c in late} == {3}, (early, late)
+  assert max(c[1] for c in late) < 1.1 * min(c[1] for c in early), (early, late)
+  batches = [c for c in events if c[0]]
+  assert len(batches) == 3 and max(c[1] for c in batches) < 1.1 * min(c[1] for c in batches)
+  assert [r['step'] for r in _rows(workdir)[0]] == list(range(1, len(rows) + 1))
+  tf = fileio.tensorflow()
+  logged = sorted(e.step for path in fileio.glob(os.path.join(workdir, 'events.out.tfevents.*'))
+                  for e in tf.compat.v1.train.summary_iterator(path)
+                  for v in e.summary.value if v.tag == 'train/loss')
+  assert logged == list(range(1, len(rows) + 1))
 
 
 def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
@@ -297,58 +309,19 @@ def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
   assert gcs_lib.read(os.path.join(workdir, ckpt_lib.LOCK_FILE)) is None
 
 
-def _cost(requests, name):
-  """(requests, bytes sent and received) of the requests that name the object `name`."""
-  hits = [q for q in requests if name in q['object']]
-  return len(hits), sum(q['sent'] + q['received'] for q in hits)
-
-
-def test_a_logged_step_costs_the_same_however_long_metrics_jsonl_is(gcs):
-  """An object cannot be appended to; metrics.jsonl's rows are composed onto it server-side, so
-  the 300th row costs the requests and bytes of the 2nd, and the file reads back whole."""
-  workdir = gcs.url('cost')
-  log = monitor.MetricsLog(workdir)
-  row = {k: 0.123456789 for k in ('loss', 'mlm_loss', 'mlm_accuracy', 'nsp_loss',
-                                  'nsp_accuracy', 'learning_rate', 'grad_norm',
-                                  'steps_per_second', 'tokens_per_second')}
-  costs = []
-  for step in range(1, 301):
-    gcs.reset_log()
-    log.train(step, row)
-    costs.append(_cost(gcs.requests(), monitor.METRICS_FILE))
-  log.close()
-  early, late = costs[1:11], costs[-10:]
-  assert {c[0] for c in early} == {c[0] for c in late}, (early, late)
-  assert max(c[1] for c in late) < 1.1 * max(c[1] for c in early), (early, late)
-  assert [r['step'] for r in _rows(workdir)[0]] == list(range(1, 301))
-
-
-def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
-  monkeypatch.setattr(ckpt_lib, '_LOCK_HEARTBEAT_SECONDS', 0.3)
-  workdir = gcs.url('heartbeat')
-  with ckpt_lib.workdir_lock(workdir):
-    gcs.reset_log()
-    time.sleep(1.6)
-    beats = [q for q in gcs.requests() if ckpt_lib.LOCK_FILE in q['object']]
-    holder = json.loads(fileio.read_text(os.path.join(workdir, ckpt_lib.LOCK_FILE)))
-  assert len(beats) >= 3 and {q['method'] for q in beats} == {'POST'}, beats
-  assert all('ifGenerationMatch=' in q['query'] for q in beats), beats
-  assert time.time() - holder['heartbeat'] < 1
-  # Asked of the server: TensorFlow's GCS filesystem caches what it stat-ed for 5 s.
-  assert gcs_lib.read(os.path.join(workdir, ckpt_lib.LOCK_FILE)) is None
-
-
-def _same_params(a, b):
+def _same_params(a, b, atol=0.0):
   flat_a, flat_b = (jax.tree_util.tree_leaves_with_path(t) for t in (a, b))
   assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
   for (path, x), (_, y) in zip(flat_a, flat_b):
-    assert np.array_equal(x, y), f'{jax.tree_util.keystr(path)} differs'
+    np.testing.assert_allclose(x, y, rtol=0 if not atol else 1e-6, atol=atol,
+                               err_msg=jax.tree_util.keystr(path))
 
 
 def test_init_checkpoint_on_gs_and_tfrecords_on_gs(gcs, data, reference):
   """train.init_checkpoint naming a gs:// pre-training workdir, and the same weights converted
   into a Google TF checkpoint on gs://; the corpus as TFRecords on gs://. With a learning rate
-  of 0 the run's weights are the initial checkpoint's, exactly."""
+  of 1e-30 (a step that moves nothing but zeros) the run's weights are the initial
+  checkpoint's."""
   from bert_jax import convert  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(0)
   inputs = {}
@@ -367,16 +340,17 @@ def test_init_checkpoint_on_gs_and_tfrecords_on_gs(gcs, data, reference):
     workdir = gcs.url(name)
     config = config_files.load_config('smoke', _overrides(
         dict(data, input=inputs['train'], eval_input=inputs['eval']), train__stop_at_step=1,
-        train__learning_rate=0.0, train__init_checkpoint=init))
+        train__learning_rate=1e-30, train__init_checkpoint=init))
     train.train_and_evaluate(config, workdir)
     assert [r['step'] for r in _rows(workdir)[0]] == [1]
-    _same_params(ckpt_lib.load_pretrained_from_workdir(workdir)[1], reference_params)
+    _same_params(ckpt_lib.load_pretrained_from_workdir(workdir)[1], reference_params, 1e-28)
 
 
-def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monkeypatch):
+def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monkeypatch,
+                                                     tmp_path):
   """Fine-tuning with its workdir, task data and initial checkpoint on gs://: a SIGTERM and a
   rerun end as an uninterrupted run. Then predict, eval, features, fill-mask and convert read
-  their checkpoints and inputs from gs:// and write their outputs there."""
+  their checkpoints and inputs from gs:// (predict and convert write there too)."""
   from bert_jax import convert, features, fill_mask, finetune, predict  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(1)
   words = fileio.read_text(data['input']).split()[:400]
@@ -419,12 +393,117 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
   for key in ('mlm_loss', 'nsp_loss'):
     assert abs(evaluated[key] - last[key]) < 1e-5, (evaluated, last)
 
-  features.extract_features(reference[0], texts, gcs.url('use/features.jsonl'), layers=(-1,))
-  assert len(fileio.read_text(gcs.url('use/features.jsonl')).splitlines()) == 2
+  out = str(tmp_path / 'features.jsonl')  # Its outputs are local files.
+  features.extract_features(reference[0], texts, out, layers=(-1,))
+  assert len(fileio.read_text(out).splitlines()) == 2
 
   filled = fill_mask.fill_mask(reference[0], ['the [MASK] returns a list'], top_k=3)
   assert len(filled[0]['masks'][0]['predictions']) == 3
 
-  hf = gcs.url('use/hf')
-  convert.convert(reference[0], hf, 'hf')
-  _same_params(convert.load_pretrained(hf)[1], convert.load_pretrained(reference[0])[1])
+  exported = gcs.url('use/bert_jax')  # Hugging Face directories are read from local disk only.
+  convert.convert(reference[0], exported, 'bert_jax')
+  _same_params(convert.load_pretrained(exported)[1], convert.load_pretrained(reference[0])[1])
+  assert convert.read_metadata(exported)['format'] == 'bert_jax'
+
+
+def test_a_bucket_that_does_not_exist_is_one_line_before_anything_runs(gcs, data, cache):
+  proc = _pretrain(gcs, cache, 'gs://no-such-bucket/run', _overrides(data))
+  out, err = _communicate(proc, 300)
+  assert proc.returncode == 2, err[-3000:]
+  assert err.strip().splitlines()[-1] == (
+      'bert-jax pretrain: error: --workdir=gs://no-such-bucket/run: the bucket '
+      'gs://no-such-bucket does not exist; create it (`gcloud storage buckets create '
+      'gs://no-such-bucket`) or fix the name')
+  assert 'Traceback' not in err and 'Model tiny' not in err
+
+
+def test_no_credentials_is_one_line_naming_the_path(gcs, tmp_path):
+  """Without a test server's settings, google-cloud-storage looks for credentials; there are
+  none in the namespace (no metadata server either)."""
+  env = {k: v for k, v in processes.env(str(tmp_path)).items()
+         if k not in ('STORAGE_EMULATOR_HOST', 'GOOGLE_AUTH_TOKEN_FOR_TESTING')}
+  env.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / 'gcloud'))
+  code = ('from bert_jax import gcs, errors\n'
+          'try:\n'
+          f'  gcs.check_access({gcs.url("run")!r}, "--workdir")\n'
+          'except errors.UserError as e:\n'
+          '  print(e)\n')
+  proc = subprocess.run(gcs.command([sys.executable, '-c', code]), cwd=processes.ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.stdout.startswith(f'--workdir={gcs.url("run")}: no Google credentials'), (
+      proc.stdout + proc.stderr[-3000:])
+  assert 'gcloud auth application-default login' in proc.stdout
+
+
+def test_launch_watch_recovers_a_preempted_finetuning_run_on_gs(gcs, tmp_path):
+  """launch_test's recovery test (`watch --mode=finetune`: the first run is preempted after a
+  logged step, the TPU is recreated, the rerun resumes) with its workdir, data and initial
+  checkpoint in the bucket instead of a folder standing in for it: the fake VM runs the remote
+  commands unchanged, in the server's namespace."""
+  import random  # pylint: disable=g-import-not-at-top
+  from bert_jax import convert, finetune, model as model_lib  # pylint: disable=g-import-not-at-top
+  import launch_test  # pylint: disable=g-import-not-at-top
+  fake_vm = launch_test._FAKE_TPU_VM  # pylint: disable=protected-access
+  for old, new in (
+      ("  remote = remote.replace('gs://', GCS + '/')\n", ''),
+      ("subprocess.Popen(['bash', '-c', remote]", "subprocess.Popen(NETNS + ['bash', '-c', remote]"),
+      ("os.path.exists(metrics) and '\"loss\"' in open(metrics).read()",
+       "'\"loss\"' in read_gs(metrics)"),
+      ('verb = args[3]\n', 'verb = args[3]\nNETNS = {netns!r}\n\n\ndef read_gs(path):\n'
+       '  from google.cloud import storage\n'
+       "  bucket, name = path[len('gs://'):].split('/', 1)\n"
+       '  blob = storage.Client().bucket(bucket).get_blob(name)\n'
+       "  return blob.download_as_text() if blob else ''\n\n\n")):
+    assert old in fake_vm, f'launch_test._FAKE_TPU_VM changed: {old!r} is gone'
+    fake_vm = fake_vm.replace(old, new)
+
+  vm, runs = tmp_path / 'vm', tmp_path / 'runs'
+  runs.mkdir()
+  words = launch_test._SST2_WORDS  # pylint: disable=protected-access
+  vocab = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + sum(words.values(), [])
+  (tmp_path / 'vocab.txt').write_text(''.join(w + '\n' for w in vocab))
+  tiny = model_lib.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, intermediate_size=64,
+                              max_position_embeddings=32)
+  convert.export_bert_jax(tiny, model_lib.init_params(tiny, jax.random.key(0)),
+                          gcs.url('watch/tiny'), vocab_file=str(tmp_path / 'vocab.txt'),
+                          lower_case=True)
+  rng = random.Random(0)
+  for split, n in (('train', 64), ('dev', 32)):
+    local = str(tmp_path / 'glue' / f'{split}.tsv')
+    launch_test._sst2(local, n, rng)  # pylint: disable=protected-access
+    with open(local) as f:
+      fileio.write_text(gcs.url(f'watch/glue/SST-2/{split}.tsv'), f.read())
+  overrides = {'train.init_checkpoint': gcs.url('watch/tiny'), 'data_dir': gcs.url('watch/glue'),
+               'data.max_seq_length': 16, 'buckets': '()', 'train.batch_size': 8,
+               'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
+               'log.every_steps': 1, 'log.progress': False}
+  reference = str(tmp_path / 'reference')
+  expected = finetune.finetune(config_files.load_config(
+      'finetune_glue.py:sst2', dict(overrides, buckets=())), reference)
+
+  state, calls = tmp_path / 'state', tmp_path / 'calls'
+  gcloud = launch_test._write_exe(tmp_path / 'gcloud', fake_vm.format(  # pylint: disable=protected-access
+      python=sys.executable, repo=processes.ROOT, state=str(state), calls=str(calls),
+      vm=str(vm), gcs=str(tmp_path / 'unused'), runs=str(runs), netns=gcs.command([])))
+  workdir = gcs.url('watch/sst2')
+  tpu = launch_test.tpu
+  status = tpu.main(
+      ['watch', '--mode=finetune', '--name=ft', '--zone=us-central2-b', '--accelerator_type=v4-8',
+       f'--config={processes.ROOT}/configs/finetune_glue.py:sst2', f'--workdir={workdir}',
+       '--install=bert_jax[tpu]', '--poll_seconds=0', f'--gcloud={gcloud}'] +
+      [f'--config.{k}={v}' for k, v in overrides.items()],
+      tpu.Shell(dry_run=False, sleep=lambda s: None))
+  first, second = (runs / '1.log').read_text(), (runs / '2.log').read_text()
+  assert status == 0, second[-5000:]
+  assert json.loads((runs / '1.status').read_text()) == 0, first[-5000:]
+  stopped = re.search(r'stopped at step (\d+) of 16', first)
+  assert stopped, first[-5000:]
+  assert f'Resumed from step {stopped.group(1)} ' in second
+  assert fileio.read_json(os.path.join(workdir, 'metrics.json')) == expected
+  with open(os.path.join(reference, monitor.METRICS_FILE)) as f:
+    reference_losses = [json.loads(line).get('loss') for line in f]
+  rows = sum(_rows(workdir), [])
+  assert [r['step'] for r in rows if 'loss' in r] == list(range(1, 17))
+  assert [r['loss'] for r in rows if 'loss' in r] == [
+      l for l in reference_losses if l is not None]
