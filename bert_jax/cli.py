@@ -519,6 +519,12 @@ def main(argv: list[str] | None = None) -> None:
   logging.get_absl_handler().addFilter(_ours_or_a_warning)
   try:
     _run_command(name, argv[2:])
+  except errors.Preempted as e:
+    print(f'\nbert-jax {name}: {e}', flush=True)
+    sys.stderr.flush()
+    # A compile cut short by SIGTERM still runs on a worker thread; the interpreter's exit
+    # would abort it (and the process, status 134): leave without that clean-up.
+    os._exit(0)  # pylint: disable=protected-access
   except Exception as e:  # pylint: disable=broad-except
     message = user_error_message(e)
     if message is None:

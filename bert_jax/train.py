@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import os
+import time
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -212,8 +213,10 @@ def _max_over_processes(n: int) -> int:
 
 def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any,
                     p_eval_step: Callable, mesh: jax.sharding.Mesh, rules, vocab_file: str,
-                    check_nsp_share: bool = False) -> dict[str, float]:
-  """MLM (and NSP) metrics of `params` on eval.steps batches of the phase's held-out data.
+                    check_nsp_share: bool = False,
+                    stop: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
+  """MLM (and NSP) metrics of `params` on eval.steps batches of the phase's held-out data;
+  None when `stop()` turns true between batches (SIGTERM: the notice is too short to finish).
 
   With check_nsp_share, NSP/SOP metrics of labels far from half NotNext are refused
   (`check_label_share`)."""
@@ -235,6 +238,8 @@ def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any
   results = []
   with sharding_lib.activate(mesh, rules):
     for local in batches:
+      if stop():
+        return None
       results.append(p_eval_step(params, sharding_lib.make_global_batch(local, batch_sharding)))
   return monitor.summarize(jax.device_get(results))
 
@@ -308,6 +313,14 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
               seq_len=phase.seq_len)
 
 
+def _global_batch_spec(element_spec, sharding: jax.sharding.NamedSharding
+                       ) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch `make_global_batch` builds from every process's batches of this spec."""
+  return {k: jax.ShapeDtypeStruct((spec.shape[0] * jax.process_count(), *spec.shape[1:]),
+                                  spec.dtype.as_numpy_dtype, sharding=sharding)
+          for k, spec in element_spec.items()}
+
+
 def _empty_batch(element_spec) -> dict[str, np.ndarray]:
   """A batch of the dataset's shapes with no tokens and zero weights: it counts for nothing."""
   return {k: np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
@@ -367,13 +380,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics.
 
   One run at a time per workdir: a second one is refused while this one holds its lock.
+  SIGTERM after the first step saves where the run is and returns; before it (nothing new to
+  save) the run stops at once with `errors.Preempted`.
   """
   workdir = fileio.workdir_path(workdir)
-  with ckpt_lib.workdir_lock(workdir):
-    return _train_and_evaluate(config, workdir)
+  preemption = monitor.Preemption()  # From the start: SIGTERM during start-up is heard too.
+  try:
+    with ckpt_lib.workdir_lock(workdir):
+      preemption.check()
+      return _train_and_evaluate(config, workdir, preemption)
+  finally:
+    preemption.restore()
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        preemption: monitor.Preemption) -> dict[str, float]:
   # TensorFlow is imported only when data is needed.
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
@@ -417,7 +438,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         process_index=jax.process_index(), process_count=jax.process_count(),
         vocab_file=vocab_file)
 
+  logging.info('Checking the input of %d phase(s)', len(phases))
   _check_phase_data(config, phases, dataset_for)
+  preemption.check()
 
   # ---- Model and optimizer -------------------------------------------------------------------
   bert_config = model_config(config, tokenizer.vocab_size)
@@ -448,7 +471,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     return state_lib.state_from_params(state_lib.put_sharded(params, state_shardings.params),
                                        tx, state_shardings)
 
-  start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract, init)
+  # A fresh init compiles (minutes for a large model on a pod): SIGTERM does not wait for it.
+  start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
+                                                lambda: preemption.wait(init))
+  preemption.check()
   # Rows past the checkpoint are from a run that died after it: they are logged again.
   monitor.truncate_metrics(workdir, start)
   if start is not None and meta.get('seed') != config.train.seed:
@@ -464,8 +490,24 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                         in_shardings=(state_shardings.params,
                                       sharding_lib.batch_sharding(mesh)))
   batch_sharding = sharding_lib.batch_sharding(mesh)
+  eval_local = config.eval.batch_size // jax.process_count()
+  # Every phase this run trains, compiled before its first step: a compile of the next phase
+  # thousands of steps in would not stop for SIGTERM (the notice is about 30 s).
+  remaining = [p for p in phases if p.end > step and p.start < stop_at]
+
+  def compile_steps() -> None:
+    with sharding_lib.activate(mesh, rules):
+      for phase in remaining:
+        p_train_step.jitted.lower(abstract, _global_batch_spec(
+            dataset_for(phase, True).element_spec, batch_sharding)).compile()
+        p_eval_step.lower(abstract.params, _global_batch_spec(
+            dataset_for(phase, False, eval_local).element_spec, batch_sharding)).compile()
+
+  logging.info('Compiling the train and eval steps of %d phase(s)', len(remaining))
+  started = time.time()
+  preemption.wait(compile_steps)
+  logging.info('Compiled in %.1f s', time.time() - started)
   log = monitor.MetricsLog(workdir)
-  preemption = monitor.Preemption()
 
   def save(phase: Phase, data_it) -> None:
     ckpt_lib.save(manager, workdir, step, state,
@@ -481,6 +523,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   bar = monitor.progress(stop_at, step, is_main and config.log.progress)
   chrono = monitor.Chrono(step)
   history, last_saved, preempted = [], start, False
+  first_step = step
   try:
     while step < stop_at and not preempted:
       phase = phase_at(phases, step)
@@ -495,7 +538,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       first_in_segment = True
       while step < min(phase.end, stop_at) and not preempted:
         with chrono.waiting():
-          local = next(data_it)
+          # The run's first batch fills the shuffle buffer; nothing is trained yet, so SIGTERM
+          # does not wait for it.
+          local = (preemption.wait(lambda: next(data_it)) if step == first_step
+                   else next(data_it))
         batch = sharding_lib.make_global_batch(local, batch_sharding)
         if first_in_segment:  # It compiles: its time and the step are not throughput.
           jax.block_until_ready(state)  # Earlier steps are training time, not compile time.
@@ -537,10 +583,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
           jax.block_until_ready(state)
           with chrono.excluded():
             ckpt_lib.wait_for_saves(manager, workdir)
-            eval_metrics = evaluate_params(config, phase, state.params, p_eval_step, mesh,
-                                           rules, vocab_file)
-          log.eval(step, eval_metrics, eval=True)
-          logging.info('Step %d eval: %s', step, eval_metrics)
+            evaluated = evaluate_params(config, phase, state.params, p_eval_step, mesh,
+                                        rules, vocab_file, stop=lambda: preemption.requested)
+          if evaluated is None:  # SIGTERM: the evaluation is dropped, the step is saved.
+            preempted = True
+            if last_saved != step:
+              save(phase, data_it)
+              last_saved = step
+          else:
+            eval_metrics = evaluated
+            log.eval(step, eval_metrics, eval=True)
+            logging.info('Step %d eval: %s', step, eval_metrics)
     if preempted:
       logging.warning('Stopped for preemption at step %d; rerun to resume.', step)
   finally:
@@ -548,7 +601,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     ckpt_lib.wait_for_saves(manager, workdir)
     manager.close()
     log.close()
-    preemption.restore()
 
   if is_main:
     if eval_metrics:

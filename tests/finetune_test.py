@@ -252,6 +252,65 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   assert finetune.finetune(config, signalled) == full
   assert _dev_rows(signalled) == (full_dev, full_steps)
 
+  # SIGTERM as epoch 1's evaluation starts: the evaluation is dropped (the notice is too short
+  # for a real dev set) and step 4 saved with it still to do; the rerun evaluates epoch 1
+  # first and ends as the uninterrupted run.
+  predict_rows = batching.predict_rows
+
+  def sigterm_then_predict(*args, **kwargs):
+    monkeypatch.setattr(batching, 'predict_rows', predict_rows)
+    signal.raise_signal(signal.SIGTERM)
+    return predict_rows(*args, **kwargs)
+  monkeypatch.setattr(batching, 'predict_rows', sigterm_then_predict)
+  in_eval = str(tmp_path / 'in_eval')
+  assert finetune.finetune(config, in_eval) is None
+  assert ckpt_lib.checkpoint_steps(in_eval) == [4]
+  assert _dev_rows(in_eval) == ([], [1, 2, 3, 4])
+  assert finetune.finetune(config, in_eval) == full
+  assert _dev_rows(in_eval) == (full_dev, full_steps)
+
+
+def test_sigterm_before_the_first_step_stops_at_once(checkpoints, tmp_path, monkeypatch):
+  """SIGTERM while the task data is read, or while a step compiles (one that would take 10
+  minutes), stops the run at once: nothing new to save, no checkpoint, the lock released."""
+  data_dir = _write_sst2(str(tmp_path / 'glue'), seed=5)
+  config = _glue_config(checkpoints['bert_jax'], data_dir)
+  signalled_at = []
+
+  def sigterm():
+    signalled_at.append(time.time())
+    signal.raise_signal(signal.SIGTERM)
+
+  make_task = finetune.task_table.make_task
+
+  def sigterm_then_make_task(*args, **kwargs):
+    sigterm()
+    return make_task(*args, **kwargs)
+  monkeypatch.setattr(finetune.task_table, 'make_task', sigterm_then_make_task)
+  reading = str(tmp_path / 'reading')
+  with pytest.raises(errors.Preempted, match='before the first step'):
+    finetune.finetune(config, reading)
+  monkeypatch.setattr(finetune.task_table, 'make_task', make_task)
+  assert ckpt_lib.checkpoint_steps(reading) == []
+
+  released = threading.Event()
+
+  def sigterm_then_endless_compile(self, *args, **kwargs):
+    sigterm()
+    released.wait(600)
+    raise RuntimeError('this compile was abandoned')
+  monkeypatch.setattr(jax.stages.Lowered, 'compile', sigterm_then_endless_compile)
+  compiling = str(tmp_path / 'compiling')
+  try:
+    with pytest.raises(errors.Preempted, match='before the first step'):
+      finetune.finetune(config, compiling)
+    assert time.time() - signalled_at[-1] < 5
+  finally:
+    released.set()
+  assert ckpt_lib.checkpoint_steps(compiling) == []
+  for workdir in (reading, compiling):
+    assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+
 
 def _write_sst2(data_dir, seed, sizes=(('train', 64), ('dev', 32))):
   """A small SST-2 (train and dev) in a local folder that subprocesses can read too."""
