@@ -5,6 +5,8 @@ Layout of a workdir:
   bert_config.json, vocab.txt  the model (so the workdir loads like a converted checkpoint)
   checkpoints/<step>/          Orbax items: params, opt_state, meta (step, phase, seed)
   data_state/<step>/process_<i>.*   each process's tf.data iterator position at that step
+  compilation_cache/           JAX's compiled programs, so a rerun does not compile again
+                               (`checkpoint.compilation_cache_dir`, `use_compilation_cache`)
 
 Resume order (written down once, here, and followed by both drivers through `restore_or_init`):
 the latest *complete* checkpoint in the workdir (Orbax only lists steps whose save was committed,
@@ -46,6 +48,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from bert_jax import fileio
 from bert_jax import gcs
@@ -419,6 +422,40 @@ def workdir_lock(workdir: str) -> Iterator[None]:
         fileio.gfile().remove(path)
 
 
+
+# The cache directory this module last gave JAX; any other value was set by the user.
+_cache_dir_set_here: str | None = None
+# Programs that compile faster than this are not worth a file (and, on Cloud Storage, a
+# request) each; the tiny CPU models' train steps still take longer.
+_CACHE_MIN_COMPILE_SECONDS = 0.2
+
+
+def use_compilation_cache(workdir: str, cache_dir: str) -> str | None:
+  """Points JAX's persistent compilation cache at `checkpoint.compilation_cache_dir` (relative:
+  inside the workdir; gs:// works; '' = none), so that a rerun loads its train and eval steps
+  instead of compiling them again. A cache set outside bert_jax (JAX_COMPILATION_CACHE_DIR,
+  `jax.config.update`) is kept: one cache shared by many runs. Returns the directory in use.
+  """
+  global _cache_dir_set_here
+  current = jax.config.jax_compilation_cache_dir
+  if current and current != _cache_dir_set_here:
+    logging.info('Compilation cache: %s (set outside the config)', current)
+    return current
+  path = None
+  if cache_dir:
+    path = cache_dir if fileio.is_remote(cache_dir) else os.path.join(
+        workdir, os.path.expanduser(cache_dir))
+  if path != current:
+    jax.config.update('jax_compilation_cache_dir', path)
+    if path:
+      jax.config.update('jax_persistent_cache_min_compile_time_secs',
+                        _CACHE_MIN_COMPILE_SECONDS)
+    jax_cache.reset_cache()  # JAX reads the directory once, at its first compile.
+    _cache_dir_set_here = path
+  if path:
+    logging.info('Compilation cache: %s', path)
+  return path
+
 def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:
   return ocp.args.PyTreeRestore(
       abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
@@ -524,24 +561,30 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   config_path = os.path.join(path, 'bert_config.json')
   if not fileio.gfile().exists(config_path):
     raise UserError(f'{path} has no bert_config.json: not a bert_jax training workdir')
-  with fileio.gfile().GFile(config_path) as f:
-    try:
-      config = model_lib.BertConfig.from_dict(json.load(f), source=config_path)
-    except json.JSONDecodeError as e:
-      raise UserError(f'{config_path}: not valid JSON: {e}') from e
+  try:
+    config = model_lib.BertConfig.from_dict(json.loads(fileio.read_user_text(config_path)),
+                                            source=config_path)
+  except json.JSONDecodeError as e:
+    raise UserError(f'{config_path}: not valid JSON: {e}') from e
   ckpt_dir = os.path.join(path, CHECKPOINT_DIR)
   manager = ocp.CheckpointManager(ckpt_dir, item_names=('params', 'opt_state', 'meta'),
                                   options=ocp.CheckpointManagerOptions(read_only=True))
   step = manager.latest_step() if step is None else step
   if step is None:
     raise UserError(f'{ckpt_dir} holds no complete checkpoint')
-  metadata = manager.item_metadata(step)['params']
-  sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
-  abstract = jax.tree.map(
-      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata,
-      is_leaf=lambda m: hasattr(m, 'shape'))
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract)))
+  try:
+    metadata = manager.item_metadata(step)['params']
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
+    abstract = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata,
+        is_leaf=lambda m: hasattr(m, 'shape'))
+    restored = manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract)))
+  except (KeyError, FileNotFoundError, ValueError) as e:
+    # A step folder without its files (copied in part, deleted in part): Orbax's own error is
+    # a KeyError or a missing-metadata error from deep inside it.
+    raise UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint ({e}); delete that '
+                    'folder to use an earlier step') from e
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored['params'])
   manager.close()
   params = dict(params)

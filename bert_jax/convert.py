@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Callable
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -301,7 +301,7 @@ def _google_prefix(path: str) -> str | None:
     return os.path.join(path, 'bert_model.ckpt')
   state = os.path.join(path, 'checkpoint')
   if fileio.exists(state):
-    latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', fileio.read_text(state), re.M)
+    latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', fileio.read_user_text(state), re.M)
     if latest:
       return os.path.join(path, latest[1])
   indexes = fileio.glob(os.path.join(path, '*.index'))
@@ -311,13 +311,20 @@ def _google_prefix(path: str) -> str | None:
   return indexes[0][:-len('.index')] if indexes else None
 
 
+def _read_json(path: str) -> Any:
+  """A JSON file of a checkpoint; damage (not UTF-8, not JSON) is a UserError naming it."""
+  try:
+    return json.loads(fileio.read_user_text(path))
+  except json.JSONDecodeError as e:
+    raise UserError(f'{path}: not valid JSON: {e}') from e
+
+
 def _read_config(path: str) -> model.BertConfig:
   if not fileio.exists(path):
     raise UserError(f'{path}: no such config file')
-  try:
-    d = json.loads(fileio.read_text(path))
-  except json.JSONDecodeError as e:
-    raise UserError(f'{path}: not valid JSON: {e}') from e
+  d = _read_json(path)
+  if not isinstance(d, dict):
+    raise UserError(f'{path}: expected a JSON object of BERT config fields')
   # HF configs carry their own `dtype` (and could carry others): how to run is ours to say.
   run_fields = ('dtype', 'scan_layers', 'remat_policy', 'attention_impl')
   return model.BertConfig.from_dict({k: v for k, v in d.items() if k not in run_fields},
@@ -329,7 +336,10 @@ def _read_bert_jax(path: str) -> dict[str, np.ndarray]:
   if not fileio.isdir(params_dir):
     raise UserError(f'{path}: no params/ directory')
   with ocp.StandardCheckpointer() as checkpointer:
-    tree = checkpointer.restore(params_dir)
+    try:
+      tree = checkpointer.restore(params_dir)
+    except (KeyError, FileNotFoundError, ValueError) as e:
+      raise UserError(f'{params_dir}: damaged or incomplete checkpoint ({e})') from e
   return {p: np.asarray(x) for p, x in _flatten(tree).items()}
 
 
@@ -346,6 +356,7 @@ def _detect(path: str) -> tuple[str, str]:
   """
   path = path.rstrip('/') if fileio.is_remote(path) else path
   if fileio.isdir(path):
+    fileio.check_readable_dir(path)
     if fileio.isdir(os.path.join(path, 'checkpoints')):
       return 'workdir', path
     if fileio.is_remote(path):
@@ -372,6 +383,9 @@ def _detect(path: str) -> tuple[str, str]:
   prefix = path[:-len('.index')] if path.endswith('.index') else path
   if fileio.exists(prefix + '.index'):
     return 'google', prefix
+  if fileio.exists(path):
+    raise UserError(f'{path} is a file, not a checkpoint: name a checkpoint directory, a '
+                    'training workdir or a TF checkpoint prefix (bert_model.ckpt)')
   raise UserError(f'{path}: no such directory or TF checkpoint ({prefix}.index)')
 
 
@@ -384,7 +398,7 @@ def find_vocab(path: str) -> str | None:
 
 def _read_vocab(vocab_file: str) -> list[str]:
   # One token per '\n'-terminated line; str.splitlines would also split on \x85 and \u2028.
-  lines = fileio.read_text(vocab_file).split('\n')
+  lines = fileio.read_user_text(vocab_file).split('\n')
   if lines and not lines[-1]:
     lines.pop()
   return [line.strip() for line in lines]
@@ -423,11 +437,11 @@ def read_metadata(path: str) -> dict:
   folder = path if fileio.isdir(path) else os.path.dirname(where)
   meta = {'format': fmt, 'source': path}
   if fmt == 'bert_jax':
-    meta.update(fileio.read_json(os.path.join(path, 'bert_jax.json')))
+    meta.update(_read_json(os.path.join(path, 'bert_jax.json')))
     return meta
   tokenizer_config = os.path.join(folder, 'tokenizer_config.json')
-  if fileio.exists(tokenizer_config):
-    lower_case = fileio.read_json(tokenizer_config).get('do_lower_case')
+  if os.path.exists(tokenizer_config):
+    lower_case = _read_json(tokenizer_config).get('do_lower_case')
     if lower_case is not None:
       meta['lower_case'] = bool(lower_case)
       return meta
@@ -641,6 +655,10 @@ def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
   """`bert-jax convert`: any readable checkpoint -> `fmt` ('bert_jax', 'hf' or 'google')."""
   if fmt not in FORMATS:
     raise UserError(f'--format={fmt!r} is not one of {FORMATS}')
+  # Before reading the weights (minutes for a large model), not after.
+  fileio.check_output_dir(output_dir, '--output')
+  if os.path.isdir(output_dir) and os.listdir(output_dir):
+    raise UserError(f'--output={output_dir}: output directory exists and is not empty')
   config, params = load_pretrained(input_path)
   vocab = find_vocab(input_path)
   lower_case = read_metadata(input_path).get('lower_case')

@@ -7,7 +7,8 @@
   `train/<name>` for training metrics, `eval/<name>` for evaluations (a run with several
   evaluation sets: `eval/<set>/<name>`).
 - `progress`: the tqdm bar of the loop.
-- `Preemption`: SIGTERM as a flag the loop polls, so it saves before exiting.
+- `Preemption`: SIGTERM as a flag the loop polls, so it saves before exiting; before the first
+  step (nothing new to save) it stops the run at once (`Preempted`).
 """
 
 import collections
@@ -17,7 +18,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -25,6 +26,7 @@ from absl import logging
 
 from bert_jax import fileio
 from bert_jax import gcs
+from bert_jax.errors import Preempted
 
 METRICS_FILE = 'metrics.jsonl'
 
@@ -190,8 +192,13 @@ def progress(total: int, initial: int, enabled: bool):
 class Preemption:
   """Turns SIGTERM into a flag the loop polls, so it can save before exiting.
 
+  Spot VMs get about 30 s between SIGTERM and the kill. Before a run's first step (input
+  start-up, restore, compiles) there is nothing new to save: `check` and `wait` then stop the
+  run at once with `Preempted`, even in the middle of a compile that would outlast the notice.
+
   With several processes, jax.distributed's preemption service catches SIGTERM instead and
-  makes every process stop at the same step: ask `stop_now(step, manager)`.
+  makes every process stop at the same step: ask `stop_now(step, manager)`. The flag stays
+  unset there (one process alone must not stop early).
   """
 
   def __init__(self):
@@ -206,8 +213,41 @@ class Preemption:
 
   def _handle(self, signum, frame):
     del signum, frame
-    logging.warning('SIGTERM received: saving a checkpoint and stopping.')
+    logging.warning('SIGTERM received: stopping (with a checkpoint if there is anything new '
+                    'to save).')
     self.requested = True
+
+  def check(self) -> None:
+    """Raises Preempted if SIGTERM came (call it where nothing new would be saved)."""
+    if self.requested:
+      raise Preempted('stopped by SIGTERM before the first step: nothing new to save since '
+                      'the last checkpoint; rerun the same command to resume')
+
+  def wait(self, fn: Callable[[], Any]) -> Any:
+    """fn() on a worker thread while this one waits for it or for SIGTERM (`check`).
+
+    Python runs signal handlers only between the main thread's bytecodes, never inside a
+    compile. Stopped by SIGTERM, the worker is left to finish on its own: an XLA compile cut
+    short by the interpreter's exit aborts the process, so the CLI ends with `os._exit`.
+    """
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def work():
+      try:
+        result.append(fn())
+      except BaseException as e:  # pylint: disable=broad-except  (raised in the caller)
+        error.append(e)
+
+    worker = threading.Thread(target=work, name='bert_jax_startup', daemon=True)
+    worker.start()
+    while worker.is_alive():
+      self.check()
+      worker.join(0.05)
+    self.check()
+    if error:
+      raise error[0]
+    return result[0]
 
   def stop_now(self, step: int, manager) -> bool:
     """Whether the run must save and stop after `step` (every process agrees)."""

@@ -93,7 +93,7 @@ def test_an_installed_wheel_finds_its_shipped_configs_in_any_scheme(tmp_path):
 def test_load_config_reads_a_user_file_anywhere(tmp_path):
   path = tmp_path / 'my_config.py'
   path.write_text(_USER_CONFIG)
-  config = config_files.load_config(str(path), {'train.steps': 7})
+  config = config_files.load_config(str(path), {'train.steps': 7, 'train.warmup_steps': 1})
   assert (config.model.size, config.train.steps) == ('mini', 7)
   assert config_files.load_config(f'{path}:large').model.size == 'large'
   # The same keys as the shipped default: a user's file starts from the package's defaults.
@@ -170,6 +170,15 @@ def _assert_user_error(proc, command, *fragments):
 ])
 def test_flag_and_config_mistakes_are_one_message(args, fragments):
   _assert_user_error(_cli(args), args[0], *fragments)
+
+
+def test_predict_input_formats_are_the_task_modules():
+  """--input_format's choices are written out in cli.py (--help must not load the tasks): they
+  are the task modules' PREDICT_FORMATS, so a task with a new format adds it there too."""
+  from bert_jax import cli  # pylint: disable=g-import-not-at-top
+  from bert_jax import task_table  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  formats = {f for module in task_table.KINDS.values() for f in module.PREDICT_FORMATS}
+  assert set(cli.INPUT_FORMATS) == {'auto'} | formats
 
 
 def test_unknown_command_suggests_the_closest():
@@ -282,9 +291,10 @@ def test_inputs_that_match_nothing_or_hold_no_text(files):
 
 def test_meshes_and_batches_that_do_not_divide(files):
   root, _ = files
-  proc = _cli(['pretrain', '--config.mesh.data=3', f'--workdir={root}/mesh',
+  # 4 divides the batches (3 would not: refused where the config loads, inputs_test.py).
+  proc = _cli(['pretrain', '--config.mesh.data=4', f'--workdir={root}/mesh',
                f'--config.data.vocab_file={root}/vocab.txt'])
-  _assert_user_error(proc, 'pretrain', "mesh {'data': 3, 'fsdp': 1, 'tensor': 1} needs 3 devices")
+  _assert_user_error(proc, 'pretrain', "mesh {'data': 4, 'fsdp': 1, 'tensor': 1} needs 4 devices")
   proc = _cli(['pretrain', '--config.train.batch_size=6', f'--workdir={root}/batch',
                f'--config.data.vocab_file={root}/vocab.txt'],
               env={'XLA_FLAGS': '--xla_force_host_platform_device_count=4'})
@@ -301,7 +311,7 @@ def test_checkpoints_that_do_not_match(files):
   _assert_user_error(proc, 'convert', f'{root}/nowhere: no such directory or TF checkpoint')
   proc = _cli(['features', f'--init_checkpoint={ckpt}', f'--input={root}/nowhere.txt',
                f'--output={root}/f.jsonl'])
-  _assert_user_error(proc, 'features', '--input: no file')
+  _assert_user_error(proc, 'features', '--input: ', 'nowhere.txt: no such file')
 
 
 @pytest.mark.parametrize('body, fragment', [

@@ -7,9 +7,14 @@ then 01 (pre-training), then 02, which fine-tunes 01's workdir. (`pytest --nbmak
 also runs them with tiny settings, through notebooks/conftest.py.)
 """
 
+from importlib import metadata
 import os
+import subprocess
+import sys
 import time
+import types
 
+import jax  # pylint: disable=unused-import  (before the test's fake Colab: jax looks on import)
 import pytest
 
 nbformat = pytest.importorskip('nbformat')
@@ -54,6 +59,33 @@ def test_notebooks_have_no_outputs_and_the_smoke_switch():
     assert "'google.colab' in sys.modules" in code[0].source, name
     assert 'jax.default_backend()' in code[0].source, name
     assert any('BERT_JAX_NOTEBOOK_SMOKE' in c.source for c in code[:3]), name
+
+
+def test_colab_install_cell_keeps_the_images_jax(monkeypatch):
+  """On Colab the first cell installs bert_jax beside the image's jax and jaxlib (pinned to the
+  installed versions, without the [gpu]/[tpu] extra that would replace them), and a failed
+  install says what to do."""
+  commands, pip_returncode = [], [0]
+
+  def run(args, **unused_kwargs):
+    commands.append(list(args))
+    return subprocess.CompletedProcess(args, pip_returncode[0] if 'pip' in args else 0)
+
+  monkeypatch.setattr(subprocess, 'run', run)
+  monkeypatch.setitem(sys.modules, 'google.colab', types.ModuleType('google.colab'))
+  monkeypatch.setattr(sys, 'path', list(sys.path))  # The cell adds the clone to it.
+  keep = [f'jax=={metadata.version("jax")}', f'jaxlib=={metadata.version("jaxlib")}']
+  for name in ORDER:
+    notebook = nbformat.read(os.path.join(_NOTEBOOKS, f'{name}.ipynb'), as_version=4)
+    install_cell = next(c for c in notebook.cells if c.cell_type == 'code').source
+    commands.clear()
+    exec(install_cell, {})  # pylint: disable=exec-used
+    pip = [c for c in commands if c[1:4] == ['-m', 'pip', 'install']]
+    assert pip == [[sys.executable, '-m', 'pip', 'install', '-q', '-e', '/content/bert_jax',
+                    *keep]], name
+  pip_returncode[0] = 1
+  with pytest.raises(RuntimeError, match='REPLACE_JAX = True'):
+    exec(install_cell, {})  # pylint: disable=exec-used
 
 
 def test_notebooks_run(tmp_path):
