@@ -18,10 +18,11 @@ os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
-@pytest.fixture(scope='session')
+@pytest.fixture(scope='module')
 def gcs(tmp_path_factory):
-  """A Cloud Storage server on loopback with one bucket (tests/gcs_server.py), stopped at the
-  end of the session. Its client settings are in this process's environment meanwhile."""
+  """A Cloud Storage server on loopback with one bucket (tests/gcs_server.py), stopped after
+  the module that uses it. Its client settings (https_proxy among them) are in this process's
+  environment meanwhile, and only then."""
   import gcs_server  # pylint: disable=g-import-not-at-top
   server = gcs_server.GcsServer(str(tmp_path_factory.mktemp('gcs')))
   try:
