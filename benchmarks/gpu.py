@@ -485,7 +485,7 @@ def run_torch_cases(args, specs: list[dict]) -> list[dict]:
       if device == 'cuda':
         r['memory'] = dict(total_gib=torch.cuda.max_memory_allocated() / 2**30)
       # Hardware FLOPs of HF's model: the MLM decoder runs at every position, not the masked.
-      del model, opt
+      model = opt = None
       if device == 'cuda':
         torch.cuda.empty_cache()
     except Exception as e:  # pylint: disable=broad-except

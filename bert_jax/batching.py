@@ -154,6 +154,27 @@ def batches(features: dict[str, np.ndarray], batch_size: int, buckets: Sequence[
     yield _pad_rows(batch, batch_size)
 
 
+def batch_shapes(features: dict[str, np.ndarray], batch_size: int, buckets: Sequence[int],
+                 seeds: Sequence[int | None] = (None,),
+                 window_batches: int = 50) -> list[dict[str, jax.ShapeDtypeStruct]]:
+  """The shapes of the global batches `batches` yields, one dict per length bucket used: over
+  the shuffled epochs of `seeds` (None: unshuffled, as evaluation reads). What a run compiles
+  before its first step."""
+  if not seeds:
+    return []
+  features = dict(features, weight=np.ones(len(features['input_ids']), np.float32))
+  sizes = set()
+  for seed in seeds:
+    arrays, planned = _bucket_plan(features, batch_size, tuple(buckets), seed is not None,
+                                   seed or 0, window_batches, False)
+    sizes.update(size for _, size in planned)
+  length = arrays['input_mask'].shape[1]
+  return [{k: jax.ShapeDtypeStruct((batch_size, size, *v.shape[2:]) if v.ndim >= 2 and
+                                   v.shape[1] == length else (batch_size, *v.shape[1:]),
+                                   v.dtype)
+           for k, v in arrays.items()} for size in sorted(sizes)]
+
+
 def local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """This process's share of a global batch (every process plans the same global batches)."""
   count, index = jax.process_count(), jax.process_index()

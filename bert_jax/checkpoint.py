@@ -5,6 +5,8 @@ Layout of a workdir:
   bert_config.json, vocab.txt  the model (so the workdir loads like a converted checkpoint)
   checkpoints/<step>/          Orbax items: params, opt_state, meta (step, phase, seed)
   data_state/<step>/process_<i>.*   each process's tf.data iterator position at that step
+  compilation_cache/           JAX's compiled programs, so a rerun does not compile again
+                               (`checkpoint.compilation_cache_dir`, `use_compilation_cache`)
 
 Resume order (written down once, here, and followed by both drivers through `restore_or_init`):
 the latest *complete* checkpoint in the workdir (Orbax only lists steps whose save was committed,
@@ -22,7 +24,9 @@ match the config is an error (never a partial load). A save that fails (a full d
 and named in the error; the checkpoints before it stay usable.
 
 One run at a time per workdir: `workdir_lock` holds `<workdir>/run.lock` (pid, host, heartbeat)
-on process 0 and refuses a second run while the holder is alive.
+on process 0 and refuses a second run while the holder is alive; it is created exclusively
+(on Cloud Storage with a generation precondition), so two runs started together cannot both
+take it.
 
 Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) works like a
 local one (Orbax handles its own paths).
@@ -44,14 +48,18 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from bert_jax import fileio
+from bert_jax import gcs
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
 DATA_STATE_DIR = 'data_state'
 LOCK_FILE = 'run.lock'
+# orbax.checkpoint's COMMIT_SUCCESS_FILE (in a private module).
+_GCS_COMMIT_FILE = 'commit_success.txt'
 # A lock whose holder runs on another host is stale when its heartbeat is older than this.
 LOCK_STALE_SECONDS = 300
 _LOCK_HEARTBEAT_SECONDS = 60
@@ -265,12 +273,22 @@ def _move_aside(ckpt_dir: str, step: int) -> None:
 # ---- One run per workdir ---------------------------------------------------------------------
 
 
-def _read_lock(path: str) -> dict | None:
+def _read_lock(path: str) -> tuple[dict | None, int | None]:
+  """(record, generation): the lock's holder (None: no lock, or half written / unreadable) and,
+  on Cloud Storage, the object's generation (None when there is no object)."""
+  if gcs.is_gcs(path):
+    got = gcs.read(path)
+    if got is None:
+      return None, None
+    try:
+      return json.loads(got[0] or b'null'), got[1]
+    except ValueError:
+      return None, got[1]
   try:
     with fileio.gfile().GFile(path) as f:
-      return json.loads(f.read() or 'null')
+      return json.loads(f.read() or 'null'), None
   except Exception:  # pylint: disable=broad-except  (gone meanwhile, or half written)
-    return None
+    return None, None
 
 
 def _holder_alive(holder: dict) -> bool:
@@ -288,18 +306,37 @@ def _holder_alive(holder: dict) -> bool:
   return time.time() - float(holder.get('heartbeat', 0)) < LOCK_STALE_SECONDS
 
 
-def _write_lock(path: str, record: dict, exclusive: bool) -> bool:
+def _create_lock(path: str, record: dict) -> int | None:
+  """Writes the lock if there is none, atomically where the filesystem can: O_EXCL locally,
+  a generation precondition (create-if-absent) on Cloud Storage. Its generation on Cloud
+  Storage, 0 elsewhere; None if another run's lock is there."""
   text = json.dumps(record)
-  if exclusive and '://' not in path:
+  if gcs.is_gcs(path):
+    return gcs.create_if_absent(path, text.encode())
+  if not fileio.is_remote(path):
     try:
       fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
-      return False
+      return None
     with os.fdopen(fd, 'w') as f:
       f.write(text)
-    return True
-  fileio.write_json(path, record)  # Replaced whole: a reader never sees half a lock.
-  return True
+    return 0
+  # Other filesystems (ram://) have no exclusive create: write, then read back who won.
+  fileio.write_json(path, record)
+  return 0 if (_read_lock(path)[0] or {}).get('token') == record['token'] else None
+
+
+def _remove_lock(path: str, generation: int | None) -> None:
+  """Removes a lock; on Cloud Storage only the `generation` read, so that a lock another
+  starter wrote meanwhile stays."""
+  try:
+    if gcs.is_gcs(path):
+      if generation is not None:
+        gcs.delete_if_generation(path, generation)
+    else:
+      fileio.gfile().remove(path)
+  except Exception:  # pylint: disable=broad-except  (another starter removed it)
+    pass
 
 
 @contextlib.contextmanager
@@ -308,37 +345,37 @@ def workdir_lock(workdir: str) -> Iterator[None]:
 
   Process 0 takes it (all processes learn the outcome); the holder is alive when it is a live
   pid on this host, or, on another host, when its heartbeat (rewritten every minute) is younger
-  than LOCK_STALE_SECONDS. A stale lock (a killed run) is taken over with a warning. On Cloud
-  Storage there is no exclusive create: the lock is written, then read back to see who won.
-  Writing the lock is also the check that the workdir is writable.
+  than LOCK_STALE_SECONDS. A stale lock (a killed run) is taken over with a warning. Taking it
+  is an exclusive create (O_EXCL; on Cloud Storage create-if-absent), so of two runs started
+  at the same moment one is refused; on Cloud Storage the heartbeat and the release, too, only
+  touch the generation this run wrote. Writing the lock is also the check that the workdir is
+  writable.
   """
   path = os.path.join(workdir, LOCK_FILE)
   token = uuid.uuid4().hex
   refusal = ''
+  generation = None
   if jax.process_index() == 0:
     fileio.make_dirs(workdir, '--workdir')
     record = dict(pid=os.getpid(), host=socket.gethostname(), token=token,
                   started=time.strftime('%Y-%m-%d %H:%M:%S %Z'), heartbeat=time.time())
     for _ in range(3):
-      holder = _read_lock(path) if fileio.gfile().exists(path) else None
+      holder, held = _read_lock(path)
       if holder is not None and _holder_alive(holder):
         refusal = (f'--workdir={workdir} is in use by another run (pid {holder.get("pid")} on '
                    f'{holder.get("host")}, started {holder.get("started")}; lock file {path}). '
                    'Wait for it to end or stop it, or use another --workdir; if no such run is '
                    f'alive, delete {path}.')
         break
-      if holder is not None or fileio.gfile().exists(path):
+      if holder is not None or held is not None or fileio.gfile().exists(path):
         logging.warning('Taking over the stale lock %s of a run that is gone: %s', path, holder)
-        try:
-          fileio.gfile().remove(path)
-        except Exception:  # pylint: disable=broad-except  (another starter removed it)
-          pass
+        _remove_lock(path, held)
       try:
-        written = _write_lock(path, record, exclusive=True)
+        generation = _create_lock(path, record)
       except Exception as e:  # pylint: disable=broad-except
         raise UserError(f'--workdir={workdir} is not writable ({path}: {e}); choose a '
                         'directory this job can write to') from e
-      if written and (_read_lock(path) or {}).get('token') == token:
+      if generation is not None:
         break
     else:
       refusal = f'--workdir={workdir}: could not take the lock {path} (another run starts?)'
@@ -353,14 +390,21 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   stop = threading.Event()
 
   def heartbeat():
+    nonlocal generation
     while not stop.wait(_LOCK_HEARTBEAT_SECONDS):
-      holder = _read_lock(path)
-      if holder and holder.get('token') == token:
-        holder['heartbeat'] = time.time()
-        try:
-          _write_lock(path, holder, exclusive=False)
-        except Exception as e:  # pylint: disable=broad-except  (retried next time)
-          logging.warning('Could not refresh %s: %s', path, e)
+      record['heartbeat'] = time.time()
+      try:
+        if gcs.is_gcs(path):
+          # One conditional upload a minute: the lock is replaced only if it is still ours.
+          new = gcs.replace_if_generation(path, json.dumps(record).encode(), generation)
+          if new is None:
+            logging.warning('The lock %s was taken over by another run', path)
+            return
+          generation = new
+        elif (_read_lock(path)[0] or {}).get('token') == token:
+          fileio.write_json(path, record)  # Replaced whole: a reader never sees half a lock.
+      except Exception as e:  # pylint: disable=broad-except  (retried next time)
+        logging.warning('Could not refresh %s: %s', path, e)
 
   beat = None
   if jax.process_index() == 0:
@@ -372,9 +416,45 @@ def workdir_lock(workdir: str) -> Iterator[None]:
     stop.set()
     if beat is not None:
       beat.join()
-      if (_read_lock(path) or {}).get('token') == token:
+      if gcs.is_gcs(path):
+        _remove_lock(path, generation)
+      elif (_read_lock(path)[0] or {}).get('token') == token:
         fileio.gfile().remove(path)
 
+
+
+# The cache directory this module last gave JAX; any other value was set by the user.
+_cache_dir_set_here: str | None = None
+# Programs that compile faster than this are not worth a file (and, on Cloud Storage, a
+# request) each; the tiny CPU models' train steps still take longer.
+_CACHE_MIN_COMPILE_SECONDS = 0.2
+
+
+def use_compilation_cache(workdir: str, cache_dir: str) -> str | None:
+  """Points JAX's persistent compilation cache at `checkpoint.compilation_cache_dir` (relative:
+  inside the workdir; gs:// works; '' = none), so that a rerun loads its train and eval steps
+  instead of compiling them again. A cache set outside bert_jax (JAX_COMPILATION_CACHE_DIR,
+  `jax.config.update`) is kept: one cache shared by many runs. Returns the directory in use.
+  """
+  global _cache_dir_set_here
+  current = jax.config.jax_compilation_cache_dir
+  if current and current != _cache_dir_set_here:
+    logging.info('Compilation cache: %s (set outside the config)', current)
+    return current
+  path = None
+  if cache_dir:
+    path = cache_dir if fileio.is_remote(cache_dir) else os.path.join(
+        workdir, os.path.expanduser(cache_dir))
+  if path != current:
+    jax.config.update('jax_compilation_cache_dir', path)
+    if path:
+      jax.config.update('jax_persistent_cache_min_compile_time_secs',
+                        _CACHE_MIN_COMPILE_SECONDS)
+    jax_cache.reset_cache()  # JAX reads the directory once, at its first compile.
+    _cache_dir_set_here = path
+  if path:
+    logging.info('Compilation cache: %s', path)
+  return path
 
 def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:
   return ocp.args.PyTreeRestore(
@@ -481,24 +561,30 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   config_path = os.path.join(path, 'bert_config.json')
   if not fileio.gfile().exists(config_path):
     raise UserError(f'{path} has no bert_config.json: not a bert_jax training workdir')
-  with fileio.gfile().GFile(config_path) as f:
-    try:
-      config = model_lib.BertConfig.from_dict(json.load(f), source=config_path)
-    except json.JSONDecodeError as e:
-      raise UserError(f'{config_path}: not valid JSON: {e}') from e
+  try:
+    config = model_lib.BertConfig.from_dict(json.loads(fileio.read_user_text(config_path)),
+                                            source=config_path)
+  except json.JSONDecodeError as e:
+    raise UserError(f'{config_path}: not valid JSON: {e}') from e
   ckpt_dir = os.path.join(path, CHECKPOINT_DIR)
   manager = ocp.CheckpointManager(ckpt_dir, item_names=('params', 'opt_state', 'meta'),
                                   options=ocp.CheckpointManagerOptions(read_only=True))
   step = manager.latest_step() if step is None else step
   if step is None:
     raise UserError(f'{ckpt_dir} holds no complete checkpoint')
-  metadata = manager.item_metadata(step)['params']
-  sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
-  abstract = jax.tree.map(
-      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata,
-      is_leaf=lambda m: hasattr(m, 'shape'))
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract)))
+  try:
+    metadata = manager.item_metadata(step)['params']
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
+    abstract = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata,
+        is_leaf=lambda m: hasattr(m, 'shape'))
+    restored = manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract)))
+  except (KeyError, FileNotFoundError, ValueError) as e:
+    # A step folder without its files (copied in part, deleted in part): Orbax's own error is
+    # a KeyError or a missing-metadata error from deep inside it.
+    raise UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint ({e}); delete that '
+                    'folder to use an earlier step') from e
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored['params'])
   manager.close()
   params = dict(params)
@@ -513,8 +599,14 @@ def checkpoint_steps(workdir: str) -> list[int]:
   d = os.path.join(workdir, CHECKPOINT_DIR)
   if not fileio.gfile().isdir(d):
     return []
-  return sorted(int(n.rstrip('/')) for n in fileio.gfile().listdir(d)
-                if re.fullmatch(r'\d+/?', n))
+  steps = sorted(int(n.rstrip('/')) for n in fileio.gfile().listdir(d)
+                 if re.fullmatch(r'\d+/?', n))
+  if d.startswith('gs://'):
+    # On Cloud Storage Orbax writes a step in place (no rename) and commits it by writing this
+    # file last: a step folder without it is a save that was cut short.
+    steps = [s for s in steps
+             if fileio.gfile().exists(os.path.join(d, str(s), _GCS_COMMIT_FILE))]
+  return steps
 
 
 def read_run_config(workdir: str) -> dict | None:

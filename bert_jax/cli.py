@@ -317,6 +317,11 @@ def _eval_flags():
   return run
 
 
+# 'auto' and every task module's PREDICT_FORMATS (task_table.py), written out so that `--help`
+# does not load the tasks (and TensorFlow); tests/cli_test.py checks that they agree.
+INPUT_FORMATS = ('auto', 'tsv', 'jsonl', 'squad', 'conll', 'text')
+
+
 @_command('predict', 'A fine-tuned model on new inputs: GLUE labels and probabilities (JSONL), '
           'SQuAD answers (JSON), NER tags (CoNLL); inputs with labels are also scored.')
 def _predict_flags():
@@ -326,7 +331,7 @@ def _predict_flags():
                       'JSON file. NER: CoNLL, or plain text with a sentence per line.')
   flags.DEFINE_string('output', None, 'Where the predictions go: JSONL (GLUE), JSON (SQuAD; '
                       'with .nbest.json and, for 2.0, .null_odds.json beside it), CoNLL (NER).')
-  flags.DEFINE_enum('input_format', 'auto', ['auto', 'tsv', 'jsonl', 'squad', 'conll', 'text'],
+  flags.DEFINE_enum('input_format', 'auto', list(INPUT_FORMATS),
                     'What --input is; auto: by the task, the file name (.jsonl) and, for NER, '
                     'whether the file looks like CoNLL.')
   flags.DEFINE_integer('batch_size', 0, 'Examples (SQuAD: windows) per batch; 0 = the run\'s '
@@ -514,6 +519,12 @@ def main(argv: list[str] | None = None) -> None:
   logging.get_absl_handler().addFilter(_ours_or_a_warning)
   try:
     _run_command(name, argv[2:])
+  except errors.Preempted as e:
+    print(f'\nbert-jax {name}: {e}', flush=True)
+    sys.stderr.flush()
+    # A compile cut short by SIGTERM still runs on a worker thread; the interpreter's exit
+    # would abort it (and the process, status 134): leave without that clean-up.
+    os._exit(0)  # pylint: disable=protected-access
   except Exception as e:  # pylint: disable=broad-except
     message = user_error_message(e)
     if message is None:

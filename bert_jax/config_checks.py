@@ -1,10 +1,16 @@
-"""The valid range of every numeric config key, checked once where a config is loaded.
+"""The valid range of every numeric config key, and the keys that must fit together, checked
+once where a config is loaded.
 
 `RANGES` is the table: key -> (test, what the value must be). A key that a config does not
 have (pre-training versus fine-tuning, a task's own keys) is skipped, so one table serves every
 job. A value out of range is a UserError naming the key as the user sets it
 (`--config.train.learning_rate=-0.001: must be > 0`), before any data or model is built;
 adding a key is one more row here and one more row in tests/inputs_test.py.
+
+`CROSS_CHECKS` are the rules between keys that are each in range (max_predictions_per_seq
+within max_seq_length, warmup within the steps, batches that split over a fixed mesh, the
+phases of train.phases); their messages name every key involved. What depends on the machine
+(a mesh with -1, the devices present) is checked when the mesh is built, still before step 1.
 """
 
 import math
@@ -80,7 +86,7 @@ RANGES: dict[str, Check] = {
     'n_best_size': at_least(1),
     # Optimization.
     'train.steps': at_least(1),
-    'train.epochs': positive(),
+    'train.epochs': at_least(1),
     'train.stop_at_step': at_least(0),
     'train.batch_size': at_least(1),
     'train.grad_accum_steps': at_least(1),
@@ -118,9 +124,113 @@ def _lookup(config: ml_collections.ConfigDict, key: str):
   return True, node
 
 
+def phase_specs(config: ml_collections.ConfigDict) -> list[tuple[float, int, int]]:
+  """train.phases ('0.9:128:20,0.1:512:80') as (fraction, seq_len, max_predictions) per phase,
+  checked; [] when it is empty (one phase at data.max_seq_length)."""
+  spec = config.train.phases.strip()
+  if not spec:
+    return []
+  parts = []
+  for item in spec.split(','):
+    try:
+      frac, seq_len, preds = item.split(':')
+      parts.append((float(frac), int(seq_len), int(preds)))
+    except ValueError:
+      raise UserError(f'train.phases: {item!r} is not fraction:seq_len:max_predictions') from None
+  if abs(sum(p[0] for p in parts) - 1.0) > 1e-6:
+    raise UserError(f'train.phases fractions sum to {sum(p[0] for p in parts)}, not 1: {spec}')
+  for item, (frac, seq_len, preds) in zip(spec.split(','), parts):
+    if frac < 0 or not 8 <= seq_len or not 1 <= preds <= seq_len:
+      raise UserError(f'train.phases: {item!r} needs fraction >= 0, seq_len >= 8 and 1 <= '
+                      'max_predictions <= seq_len')
+    if seq_len > config.model.max_position_embeddings:
+      raise UserError(f'train.phases: seq_len {seq_len} exceeds '
+                      f'model.max_position_embeddings={config.model.max_position_embeddings}')
+  return parts
+
+
+def _get(config: ml_collections.ConfigDict, *keys: str) -> list | None:
+  """The values of `keys`, or None if the config lacks one of them."""
+  found = [_lookup(config, key) for key in keys]
+  return None if not all(present for present, _ in found) else [v for _, v in found]
+
+
+def _lengths(config):
+  values = _get(config, 'data.max_seq_length', 'data.max_predictions_per_seq')
+  if values and values[1] > values[0]:
+    raise UserError(f'data.max_predictions_per_seq={values[1]} exceeds data.max_seq_length='
+                    f'{values[0]}: at most one prediction per token')
+  values = _get(config, 'data.max_seq_length', 'model.max_position_embeddings')
+  if values and values[0] > values[1]:
+    # Pre-training: the model's own limit (fine-tuning takes the checkpoint's, when loaded).
+    raise UserError(f'data.max_seq_length={values[0]} exceeds model.max_position_embeddings='
+                    f'{values[1]}: the model has no position embedding past its limit')
+
+
+def _phases(config):
+  if _get(config, 'train.phases', 'model.max_position_embeddings') is None:
+    return
+  count = max(1, len(phase_specs(config)))
+  for key in ('phase_inputs', 'phase_eval_inputs'):
+    spec = (_get(config, f'data.{key}') or [''])[0].strip()
+    if spec and len(spec.split(';')) != count:
+      raise UserError(f'data.{key} has {len(spec.split(";"))} entries separated by ";", '
+                      f'train.phases has {count} phases: give one input per phase (an empty '
+                      'entry keeps the default)')
+  values = _get(config, 'model.attention_impl', 'data.max_seq_length')
+  if values and values[0] == 'splash':
+    lengths = {int(s) for _, s, _ in phase_specs(config)} or {int(values[1])}
+    bad = sorted(t for t in lengths if t % 128)  # attention.SPLASH_BLOCK: the kernel's tiles.
+    if bad:
+      raise UserError(f"model.attention_impl='splash' needs sequence lengths that are "
+                      f'multiples of 128; data.max_seq_length / train.phases give {bad}')
+
+
+def _schedule(config):
+  values = _get(config, 'train.warmup_steps', 'train.steps')
+  if values and values[0] > values[1]:
+    raise UserError(f'train.warmup_steps={values[0]} must lie in [0, train.steps={values[1]}]')
+  values = _get(config, 'train.stop_at_step', 'train.steps')
+  if values and values[0] > values[1]:
+    raise UserError(f'train.stop_at_step={values[0]} must lie in [1, train.steps={values[1]}] '
+                    '(0 = run to train.steps)')
+
+
+def _batches(config):
+  values = _get(config, 'train.batch_size', 'train.grad_accum_steps')
+  if values and values[0] % values[1]:
+    raise UserError(f'train.batch_size={values[0]} does not divide by '
+                    f'train.grad_accum_steps={values[1]}')
+  sizes = _get(config, 'mesh.data', 'mesh.fsdp', 'mesh.tensor')
+  if not sizes:
+    return
+  if sizes.count(-1) > 1:
+    raise UserError('only one of mesh.data/fsdp/tensor may be -1, got '
+                    f'{dict(zip(("data", "fsdp", "tensor"), sizes))}')
+  if -1 in sizes[:2]:
+    return  # The data-parallel size depends on the devices: checked with the mesh.
+  shards = sizes[0] * sizes[1]
+  if values and (values[0] // values[1]) % shards:
+    raise UserError(f'micro-batch {values[0] // values[1]} (train.batch_size / '
+                    f'train.grad_accum_steps) does not divide over {shards} data-parallel '
+                    f'shards (mesh.data={sizes[0]} x mesh.fsdp={sizes[1]})')
+  eval_batch = _get(config, 'eval.batch_size')
+  if eval_batch and eval_batch[0] % shards:
+    raise UserError(f'eval.batch_size={eval_batch[0]} must divide over the {shards} '
+                    f'data-parallel shards (mesh.data={sizes[0]} x mesh.fsdp={sizes[1]})')
+
+
+# Rules between keys, in order; each raises a UserError naming the keys, or returns.
+CROSS_CHECKS: tuple[Callable[[ml_collections.ConfigDict], None], ...] = (
+    _lengths, _phases, _schedule, _batches)
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
-  """Raises a UserError naming the first key of RANGES whose value is out of its range."""
+  """Raises a UserError naming the first key of RANGES whose value is out of its range, or the
+  keys of the first CROSS_CHECKS rule they break."""
   for key, (test, wording) in RANGES.items():
     present, value = _lookup(config, key)
     if present and not test(value, config):
       raise UserError(f'--config.{key}={value!r}: {wording}')
+  for check in CROSS_CHECKS:
+    check(config)

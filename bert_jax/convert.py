@@ -27,6 +27,8 @@ import math
 import os
 import re
 import shutil
+import tempfile
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -299,7 +301,7 @@ def _google_prefix(path: str) -> str | None:
     return os.path.join(path, 'bert_model.ckpt')
   state = os.path.join(path, 'checkpoint')
   if fileio.exists(state):
-    latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', fileio.read_text(state), re.M)
+    latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', fileio.read_user_text(state), re.M)
     if latest:
       return os.path.join(path, latest[1])
   indexes = fileio.glob(os.path.join(path, '*.index'))
@@ -309,13 +311,20 @@ def _google_prefix(path: str) -> str | None:
   return indexes[0][:-len('.index')] if indexes else None
 
 
+def _read_json(path: str) -> Any:
+  """A JSON file of a checkpoint; damage (not UTF-8, not JSON) is a UserError naming it."""
+  try:
+    return json.loads(fileio.read_user_text(path))
+  except json.JSONDecodeError as e:
+    raise UserError(f'{path}: not valid JSON: {e}') from e
+
+
 def _read_config(path: str) -> model.BertConfig:
   if not fileio.exists(path):
     raise UserError(f'{path}: no such config file')
-  try:
-    d = json.loads(fileio.read_text(path))
-  except json.JSONDecodeError as e:
-    raise UserError(f'{path}: not valid JSON: {e}') from e
+  d = _read_json(path)
+  if not isinstance(d, dict):
+    raise UserError(f'{path}: expected a JSON object of BERT config fields')
   # HF configs carry their own `dtype` (and could carry others): how to run is ours to say.
   run_fields = ('dtype', 'scan_layers', 'remat_policy', 'attention_impl')
   return model.BertConfig.from_dict({k: v for k, v in d.items() if k not in run_fields},
@@ -323,11 +332,14 @@ def _read_config(path: str) -> model.BertConfig:
 
 
 def _read_bert_jax(path: str) -> dict[str, np.ndarray]:
-  params_dir = os.path.abspath(os.path.join(path, 'params'))
-  if not os.path.isdir(params_dir):
+  params_dir = fileio.workdir_path(os.path.join(path, 'params'))
+  if not fileio.isdir(params_dir):
     raise UserError(f'{path}: no params/ directory')
   with ocp.StandardCheckpointer() as checkpointer:
-    tree = checkpointer.restore(params_dir)
+    try:
+      tree = checkpointer.restore(params_dir)
+    except (KeyError, FileNotFoundError, ValueError) as e:
+      raise UserError(f'{params_dir}: damaged or incomplete checkpoint ({e})') from e
   return {p: np.asarray(x) for p, x in _flatten(tree).items()}
 
 
@@ -339,13 +351,17 @@ def _read_bert_jax(path: str) -> dict[str, np.ndarray]:
 def _detect(path: str) -> tuple[str, str]:
   """(format, where): 'workdir' | 'bert_jax' | 'hf' (directories) or 'google' (a prefix).
 
-  Training workdirs and Google checkpoints may be remote (gs://...); the others must be local.
+  Training workdirs, Google checkpoints and bert_jax exports may be remote (gs://...); Hugging
+  Face directories must be local.
   """
   path = path.rstrip('/') if fileio.is_remote(path) else path
   if fileio.isdir(path):
+    fileio.check_readable_dir(path)
     if fileio.isdir(os.path.join(path, 'checkpoints')):
       return 'workdir', path
     if fileio.is_remote(path):
+      if fileio.exists(os.path.join(path, 'bert_jax.json')):
+        return 'bert_jax', path
       prefix = _google_prefix(path)
       if prefix:
         return 'google', prefix
@@ -367,6 +383,9 @@ def _detect(path: str) -> tuple[str, str]:
   prefix = path[:-len('.index')] if path.endswith('.index') else path
   if fileio.exists(prefix + '.index'):
     return 'google', prefix
+  if fileio.exists(path):
+    raise UserError(f'{path} is a file, not a checkpoint: name a checkpoint directory, a '
+                    'training workdir or a TF checkpoint prefix (bert_model.ckpt)')
   raise UserError(f'{path}: no such directory or TF checkpoint ({prefix}.index)')
 
 
@@ -379,7 +398,7 @@ def find_vocab(path: str) -> str | None:
 
 def _read_vocab(vocab_file: str) -> list[str]:
   # One token per '\n'-terminated line; str.splitlines would also split on \x85 and \u2028.
-  lines = fileio.read_text(vocab_file).split('\n')
+  lines = fileio.read_user_text(vocab_file).split('\n')
   if lines and not lines[-1]:
     lines.pop()
   return [line.strip() for line in lines]
@@ -415,16 +434,14 @@ def read_metadata(path: str) -> dict:
   letters outside [special] tokens); None when there is no vocabulary at all.
   """
   fmt, where = _detect(path)
-  folder = path if os.path.isdir(path) else os.path.dirname(where)
+  folder = path if fileio.isdir(path) else os.path.dirname(where)
   meta = {'format': fmt, 'source': path}
   if fmt == 'bert_jax':
-    with open(os.path.join(path, 'bert_jax.json')) as f:
-      meta.update(json.load(f))
+    meta.update(_read_json(os.path.join(path, 'bert_jax.json')))
     return meta
   tokenizer_config = os.path.join(folder, 'tokenizer_config.json')
   if os.path.exists(tokenizer_config):
-    with open(tokenizer_config) as f:
-      lower_case = json.load(f).get('do_lower_case')
+    lower_case = _read_json(tokenizer_config).get('do_lower_case')
     if lower_case is not None:
       meta['lower_case'] = bool(lower_case)
       return meta
@@ -520,6 +537,29 @@ def _empty_dir(out_dir: str) -> str:
   return out_dir
 
 
+def _to_any_folder(export: Callable[..., None]) -> Callable[..., None]:
+  """An exporter that also writes to gs:// (any tf.io.gfile folder): its writers (safetensors,
+  Orbax, json, TensorFlow's SaveV2) fill a local temporary folder, copied to `out_dir` whole."""
+
+  @functools.wraps(export)
+  def to_folder(config: model.BertConfig, params: dict, out_dir: str, *args, **kwargs) -> None:
+    if not fileio.is_remote(out_dir):
+      return export(config, params, out_dir, *args, **kwargs)
+    out_dir = out_dir.rstrip('/')
+    if fileio.exists(out_dir) and (not fileio.isdir(out_dir) or fileio.glob(out_dir + '/*')):
+      raise UserError(f'{out_dir}: output directory exists and is not empty')
+    with tempfile.TemporaryDirectory() as tmp:
+      export(config, params, tmp, *args, **kwargs)
+      for root, _, files in os.walk(tmp):
+        target = os.path.join(out_dir, os.path.relpath(root, tmp)).rstrip('.').rstrip('/')
+        fileio.gfile().makedirs(target)
+        for name in files:
+          fileio.gfile().copy(os.path.join(root, name), os.path.join(target, name),
+                              overwrite=True)
+
+  return to_folder
+
+
 def _copy_vocab(config: model.BertConfig, vocab_file: str | None, out_dir: str) -> None:
   if vocab_file:
     _check_vocab(config, vocab_file)
@@ -538,6 +578,7 @@ def _to_source(flat: dict, fmt: str) -> dict[str, np.ndarray]:
   return tensors
 
 
+@_to_any_folder
 def export_hf(config: model.BertConfig, params: dict, out_dir: str,
               vocab_file: str | None = None, lower_case: bool | None = None) -> None:
   """A Hugging Face directory: model.safetensors + config.json (+ vocab.txt).
@@ -575,6 +616,7 @@ def export_hf(config: model.BertConfig, params: dict, out_dir: str,
       f.write('\n')
 
 
+@_to_any_folder
 def export_google(config: model.BertConfig, params: dict, out_dir: str,
                   vocab_file: str | None = None) -> None:
   """The original release's layout: bert_model.ckpt.{index,data-*} + bert_config.json."""
@@ -591,6 +633,7 @@ def export_google(config: model.BertConfig, params: dict, out_dir: str,
   _copy_vocab(config, vocab_file, out_dir)
 
 
+@_to_any_folder
 def export_bert_jax(config: model.BertConfig, params: dict, out_dir: str,
                     vocab_file: str | None = None, lower_case: bool | None = True,
                     source: str = '') -> None:
@@ -612,6 +655,10 @@ def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
   """`bert-jax convert`: any readable checkpoint -> `fmt` ('bert_jax', 'hf' or 'google')."""
   if fmt not in FORMATS:
     raise UserError(f'--format={fmt!r} is not one of {FORMATS}')
+  # Before reading the weights (minutes for a large model), not after.
+  fileio.check_output_dir(output_dir, '--output')
+  if os.path.isdir(output_dir) and os.listdir(output_dir):
+    raise UserError(f'--output={output_dir}: output directory exists and is not empty')
   config, params = load_pretrained(input_path)
   vocab = find_vocab(input_path)
   lower_case = read_metadata(input_path).get('lower_case')

@@ -160,6 +160,11 @@ def pretrain() -> ml_collections.ConfigDict:
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every_steps = 10_000
   config.checkpoint.keep = 3
+  # JAX's persistent compilation cache: a rerun (a preempted run relaunched) loads its compiled
+  # train and eval steps instead of compiling them again. A relative path lies inside the
+  # workdir; absolute and gs:// paths are taken as given (several runs may share one);
+  # '' = none. A cache set outside the config (JAX_COMPILATION_CACHE_DIR) is used instead.
+  config.checkpoint.compilation_cache_dir = 'compilation_cache'
 
   config.eval = ml_collections.ConfigDict()
   config.eval.every_steps = 10_000
@@ -247,6 +252,11 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # Also save the train state every this many steps inside an epoch (it is always saved after
   # each epoch's evaluation and on SIGTERM); 0 = only then. A rerun resumes from the latest.
   config.checkpoint.every_steps = 1000
+  # JAX's persistent compilation cache: a rerun (a preempted run relaunched) loads its compiled
+  # train and eval steps instead of compiling them again. A relative path lies inside the
+  # workdir; absolute and gs:// paths are taken as given (several runs may share one);
+  # '' = none. A cache set outside the config (JAX_COMPILATION_CACHE_DIR) is used instead.
+  config.checkpoint.compilation_cache_dir = 'compilation_cache'
 
   config.eval = ml_collections.ConfigDict()
   # Evaluation happens after every epoch, on every dev set.

@@ -8,7 +8,8 @@ splits are stable across epochs, file orders and process layouts.
 Text files hold one sentence a line and a blank line between documents (the original format);
 .gz files are decompressed. Lines are read in blocks and grouped by a `scan` that carries the
 unfinished document, so no document spans two files and nothing leaves the tf.data graph.
-Invalid UTF-8 becomes U+FFFD instead of failing.
+Invalid UTF-8 becomes U+FFFD instead of failing; a local file that looks binary (a NUL byte
+in its first 64 KB) is refused at start-up (`check_text`).
 """
 
 import difflib
@@ -19,6 +20,7 @@ import zlib
 import ml_collections
 import tensorflow as tf
 
+from bert_jax import fileio
 from bert_jax import sample_corpus
 from bert_jax.errors import UserError
 
@@ -52,6 +54,7 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
   patterns = _split_spec(spec)
   if not patterns:
     raise UserError(f'{flag} is empty')
+  text = input_kind(spec) == 'text'
   files = []
   for pattern in patterns:
     matched = sorted(tf.io.gfile.glob(pattern))
@@ -61,10 +64,34 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
       if tf.io.gfile.isdir(path):
         raise UserError(f'{flag}: {path} is a directory; name the files in it (for example '
                         f'{path.rstrip("/")}/*.txt)')
+      fileio.check_readable(path, flag)  # Not in tf.data's first batch, as a traceback.
       if path.endswith('.gz'):
         check_gzip(path, flag)
+      if text:
+        check_text(path, flag)
     files += matched
   return files
+
+
+_SNIFF_BYTES = 1 << 16
+
+
+def check_text(path: str, flag: str) -> None:
+  """Raises a UserError naming the file if a local text input looks binary: a NUL byte in its
+  first 64 KB (decompressed for .gz), which text has not. Invalid UTF-8 alone is text in another
+  encoding, read with U+FFFD in place of the bad bytes."""
+  if fileio.is_remote(path):
+    return  # A request per file at start-up; tf.data reads it anyway.
+  with open(path, 'rb') as raw:
+    head = (gzip.GzipFile(fileobj=raw).read(_SNIFF_BYTES) if path.endswith('.gz')
+            else raw.read(_SNIFF_BYTES))
+  if b'\0' not in head:
+    return
+  if head[:2] in (b'\xff\xfe', b'\xfe\xff'):
+    raise UserError(f'{flag}: {path} is UTF-16 text: save it as UTF-8')
+  raise UserError(f'{flag}: {path} looks binary, not text (a NUL byte at byte '
+                  f'{head.index(0)}{" of its decompressed data" if path.endswith(".gz") else ""}'
+                  '); give text files (a sentence a line), TFRecords (*.tfrecord) or tfds:NAME')
 
 
 # Gzip files already read to their end in this process: (path, size, mtime) -> None.

@@ -2,7 +2,8 @@
 
 A `UserError` is a mistake the person running bert_jax can fix (a flag, a config key, a file,
 a checkpoint that does not match): the `bert-jax` command prints its message alone and exits
-with status 2. Anything else is a bug and keeps its traceback (status 1).
+with status 2. Anything else is a bug and keeps its traceback (status 1). `Preempted` is
+neither: a run stopped by SIGTERM before its first step.
 """
 
 
@@ -11,6 +12,11 @@ class UserError(ValueError):
 
   It is a ValueError so that code catching bad values (and older tests) keeps working.
   """
+
+
+class Preempted(Exception):
+  """SIGTERM came before the run trained a step: nothing new to save, so it stopped at once
+  (`monitor.Preemption`). Not an error: the `bert-jax` command exits with status 0."""
 
 
 # Marks a user's mistake found inside a tf.data graph (a `tf.debugging.Assert` message): TF

@@ -39,6 +39,7 @@ import numpy as np
 
 from bert_jax import batching
 from bert_jax import convert
+from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
@@ -49,17 +50,19 @@ _CHUNK_BATCHES = 50  # Lines are processed (and JSONL written) in chunks of this
 
 def read_input(path: str) -> list[tuple[int, str, str | None]]:
   """(line number, text_a, text_b or None) of every non-blank line; ' ||| ' splits a pair."""
-  if not os.path.isfile(path):
-    raise UserError(f'--input: no file {path}')
   lines, blank = [], 0
-  with open(path, encoding='utf-8') as f:
-    for number, line in enumerate(f, 1):
-      line = line.strip()
-      if not line:
-        blank += 1
-        continue
-      a, sep, b = line.rpartition(' ||| ')
-      lines.append((number, a, b) if sep else (number, line, None))
+  # Universal newlines, as open() reads text (str.splitlines would also split on U+0085).
+  rows = fileio.read_user_text(path, '--input').replace('\r\n', '\n').replace('\r', '\n')
+  rows = rows.split('\n')
+  if not rows[-1]:
+    rows.pop()  # What follows the last line's newline is no line.
+  for number, line in enumerate(rows, 1):
+    line = line.strip()
+    if not line:
+      blank += 1
+      continue
+    a, sep, b = line.rpartition(' ||| ')
+    lines.append((number, a, b) if sep else (number, line, None))
   if blank:
     logging.warning('%s: skipped %d blank lines', path, blank)
   if not lines:
@@ -137,6 +140,7 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
   suffix = os.path.splitext(output)[1]
   if suffix not in ('.jsonl', '.npz', '.npy'):
     raise UserError(f'--output={output}: the name must end in .jsonl, .npz or .npy')
+  fileio.check_output_file(output, '--output')
   unknown = sorted(set(pooling) - set(POOLINGS))
   if unknown:
     raise UserError(f'pooling {unknown} not in {POOLINGS}')
@@ -178,6 +182,8 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
           if suffix != '.jsonl' else None}
   cls = np.zeros((n, config.hidden_size), np.float32)
   mean = np.zeros((n, len(chosen), config.hidden_size), np.float32)
+  if os.path.dirname(output):
+    os.makedirs(os.path.dirname(output), exist_ok=True)  # As predict makes its output's folder.
   # pylint: disable-next=consider-using-with  (closed in the finally below)
   out_file = open(output, 'w', encoding='utf-8') if suffix == '.jsonl' else None
   try:

@@ -14,7 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from bert_jax import gcs
 from bert_jax.errors import UserError
+
+# Effective ids: what open() will be allowed (os.access checks the real ids by default).
+_EFFECTIVE = os.access in os.supports_effective_ids
 
 
 @functools.cache
@@ -68,6 +72,106 @@ def read_text(path: str, encoding: str = 'utf-8') -> str:
     return f.read().decode(encoding)
 
 
+def read_user_text(path: str, flag: str = '') -> str:
+  """A text file the user named (`flag`: how, e.g. '--input'), decoded from UTF-8 with or
+  without a byte-order mark; newlines kept as they are (readers accept CRLF).
+
+  A missing path, a folder, a file that cannot be read or is not UTF-8 text is a UserError
+  naming the flag, the path and, for bad bytes, the line and byte offset: one line instead of a
+  traceback from deep inside a reader.
+  """
+  where = f'{flag}: {path}' if flag else path
+  if not exists(path):
+    raise UserError(f'{where}: no such file')
+  if isdir(path):
+    raise UserError(f'{where} is a directory; name a file')
+  if not is_remote(path) and not os.path.isfile(path):
+    # A named pipe or a device: reading it could wait forever or never end.
+    raise UserError(f'{where} is not a regular file')
+  try:
+    with (gfile().GFile(path, 'rb') if is_remote(path) else open(path, 'rb')) as f:
+      data = f.read()
+  except OSError as e:
+    raise UserError(f'{where}: cannot be read ({e.strerror or e})') from None
+  except tensorflow().errors.OpError as e:
+    raise UserError(f'{where}: cannot be read ({e.message})') from None
+  try:
+    return data.decode('utf-8-sig')
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b'\n') + 1
+    raise UserError(f'{where}:{line}: not UTF-8 text (byte {e.start} is '
+                    f'0x{data[e.start]:02x}); save it as UTF-8') from None
+
+
+def check_readable(path: str, flag: str) -> None:
+  """Raises a UserError naming `flag` if the local file `path` is not a regular file (a named
+  pipe would block a reader) or cannot be opened for reading. Remote paths show on reading."""
+  if is_remote(path):
+    return
+  if not os.path.isfile(path):
+    raise UserError(f'{flag}: {path} is not a regular file')
+  try:
+    open(path, 'rb').close()  # pylint: disable=consider-using-with
+  except OSError as e:
+    raise UserError(f'{flag}: {path} cannot be read ({e.strerror or e})') from None
+
+
+def check_readable_dir(path: str, flag: str = '') -> None:
+  """Raises a UserError naming `flag` and `path` if this user cannot list and enter the local
+  folder `path`."""
+  if not is_remote(path) and not os.access(path, os.R_OK | os.X_OK, effective_ids=_EFFECTIVE):
+    raise UserError(f'{f"{flag}: " if flag else ""}{path}: cannot be read (Permission denied)')
+
+
+def check_input_dir(path: str, flag: str) -> None:
+  """Raises a UserError naming `flag` if the folder `path` is missing, is a file or (locally)
+  cannot be read: the one line a folder of inputs (config.data_dir) gets, before its files'."""
+  if not exists(path):
+    raise UserError(f'{flag}={path}: no such folder')
+  if not isdir(path):
+    raise UserError(f'{flag}={path} is a file, not a folder: name the folder that holds the '
+                    'files')
+  check_readable_dir(path, flag)
+
+
+def check_output_file(path: str, flag: str) -> None:
+  """Raises a UserError naming `flag` if `path` cannot become a file: it is a folder, a file
+  stands where a parent folder should, or (locally) the folder that would hold it is not
+  writable. Called before the work whose result goes there, not after it."""
+  if isdir(path):
+    raise UserError(f'{flag}={path} is a directory; name a file to write')
+  _check_parents(path, flag)
+
+
+def check_output_dir(path: str, flag: str) -> None:
+  """Raises a UserError naming `flag` if `path` cannot become a folder (a file is there, or in
+  the place of a parent, or the nearest existing parent is not writable)."""
+  if isfile(path):
+    raise UserError(f'{flag}={path} is a file, not a folder: name a folder (it is created if '
+                    'missing)')
+  if isdir(path):
+    if not is_remote(path) and not _writable(path):
+      raise UserError(f'{flag}={path}: this folder is not writable by this user')
+    return
+  _check_parents(path, flag)
+
+
+def _writable(folder: str) -> bool:
+  return os.access(folder, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE)
+
+
+def _check_parents(path: str, flag: str) -> None:
+  if is_remote(path):
+    return  # Buckets have no folders to be in the way; permissions show on the first write.
+  parent = os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise UserError(f'{flag}={path}: {parent} is a file, so no folder can be made there')
+  if not _writable(parent):
+    raise UserError(f'{flag}={path}: {parent} is not writable by this user')
+
+
 def write_text(path: str, text: str) -> None:
   """Writes `text` (UTF-8), making the folder first."""
   folder = path.rsplit('/', 1)[0] if '/' in path else ''
@@ -103,12 +207,16 @@ def make_dirs(path: str, flag: str) -> None:
   """Makes the folder `path` (and its parents); a file in the way, a path that cannot be made or
   a local folder that cannot be written is a UserError naming `flag` (`--workdir`)."""
   tf = tensorflow()
+  if gcs.is_gcs(path):
+    gcs.check_access(path, flag)  # A missing bucket or permission: one line, not a traceback.
   if isfile(path):
     raise UserError(f'{flag}={path} is a file, not a folder: name a folder (it is created if '
                     'missing)')
+  if not isdir(path):
+    _check_parents(path, flag)
   try:
     gfile().makedirs(path)
   except tf.errors.OpError as e:
     raise UserError(f'{flag}={path}: cannot create this folder ({e.message})') from e
-  if '://' not in path and not os.access(path, os.W_OK | os.X_OK):
+  if not is_remote(path) and not _writable(path):
     raise UserError(f'{flag}={path}: this folder is not writable by this user')

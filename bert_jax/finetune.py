@@ -33,6 +33,7 @@ import functools
 import itertools
 import math
 import os
+import time
 from typing import Any, Sequence
 
 from absl import logging
@@ -140,19 +141,31 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   the first dev set), epoch, step, learning_rate, and one dict of metrics per dev set ('dev';
   MNLI: 'dev_matched' and 'dev_mismatched'), plus 'test' for NER with predict_test. None when
   the run stopped early (SIGTERM, train.stop_at_step) with a checkpoint to resume from: the
-  same call continues it. One run at a time per workdir, as in pre-training: a second one is
-  refused while this one holds the workdir's lock.
+  same call continues it. SIGTERM before the first step (nothing new to save) stops the run at
+  once with `errors.Preempted`. One run at a time per workdir, as in pre-training: a second one
+  is refused while this one holds the workdir's lock.
   """
   defaults.check_moved_keys(config)
   task_table.kind_of(config.task)  # A misspelt task fails before the workdir and the checkpoint.
   workdir = fileio.workdir_path(workdir)
-  with ckpt_lib.workdir_lock(workdir):
-    return _finetune(config, workdir)
+  preemption = monitor.Preemption()  # From the start: SIGTERM during start-up is heard too.
+  try:
+    with ckpt_lib.workdir_lock(workdir):
+      preemption.check()
+      return _finetune(config, workdir, preemption)
+  finally:
+    preemption.restore()
 
 
-def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
+class _EvalStopped(Exception):
+  """SIGTERM between two evaluation batches: the evaluation is dropped (redone on resume)."""
+
+
+def _finetune(config: ml_collections.ConfigDict, workdir: str,
+              preemption: monitor.Preemption) -> dict[str, Any] | None:
   # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
+  ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   is_main = jax.process_index() == 0
   if config.train.epochs < 1:
     raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')
@@ -176,6 +189,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   bert_config = _model_config(config, pre_config)
   task = task_table.make_task(config, tok, bert_config, lower_case)
   buckets, sort_window = _batch_settings(config, task.train, batch_size)
+  preemption.check()
 
   # ---- Model and optimizer -------------------------------------------------------------------
   steps_per_epoch = math.ceil(len(task.train['input_ids']) / batch_size)
@@ -211,7 +225,10 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
     with sharding_lib.activate(mesh, rules):
       return state_lib.state_from_params(params, tx, shardings)
 
-  start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract, init)
+  # A fresh head compiles its initializers: SIGTERM does not wait for them.
+  start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
+                                                lambda: preemption.wait(init))
+  preemption.check()
   best: dict[str, Any] | None = meta.get('best')
   pretrained = None  # The host copy of the checkpoint is not needed any more.
   step = int(state.step)
@@ -229,12 +246,47 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
     return sharding_lib.make_global_batch(batching.local_rows(batch), batch_sharding)
 
   def predict(params, eval_set: tasks.EvalSet) -> list[np.ndarray]:
-    with sharding_lib.activate(mesh, rules):
-      return batching.predict_rows(lambda batch: jit_predict(params, to_device(batch)),
-                                   eval_set.features, eval_batch_size, buckets)
+    """Every row's prediction; `_EvalStopped` at SIGTERM (the notice is too short to finish)."""
 
-  def save() -> None:
-    ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed))
+    def predict_batch(batch):
+      if preemption.requested:
+        raise _EvalStopped()
+      return jit_predict(params, to_device(batch))
+
+    with sharding_lib.activate(mesh, rules):
+      return batching.predict_rows(predict_batch, eval_set.features, eval_batch_size, buckets)
+
+  # ---- Every shape the run trains and predicts, compiled before its first step -----------------
+  # Each length bucket's step would otherwise compile when its first batch comes, where SIGTERM
+  # cannot stop it (the notice is about 30 s).
+  first_epoch, last_epoch = step // steps_per_epoch + 1, math.ceil(stop_at / steps_per_epoch)
+  train_shapes = batching.batch_shapes(
+      task.train, batch_size, buckets, window_batches=sort_window,
+      seeds=[config.train.seed * 1_000_003 + e for e in range(first_epoch, last_epoch + 1)])
+  predict_shapes = {}
+  for eval_set in task.dev + (task.test if stop_at == total_steps else []):
+    for shape in batching.batch_shapes(eval_set.features, eval_batch_size, buckets):
+      predict_shapes[str(shape)] = shape
+
+  def compile_steps() -> None:
+    with_sharding = lambda shape: {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                           sharding=batch_sharding)
+                                   for k, v in shape.items()}
+    with sharding_lib.activate(mesh, rules):
+      for shape in train_shapes:
+        train_step.jitted.lower(abstract, with_sharding(shape)).compile()
+      for shape in predict_shapes.values():
+        jit_predict.lower(abstract.params, with_sharding(shape)).compile()
+
+  logging.info('Compiling the train step for %d length bucket(s) and the prediction step for '
+               '%d', len(train_shapes), len(predict_shapes))
+  started = time.time()
+  preemption.wait(compile_steps)
+  logging.info('Compiled in %.1f s', time.time() - started)
+
+  def save(eval_pending: bool = False) -> None:
+    ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed,
+                                                      eval_pending=eval_pending))
     # Kept: this step (to resume from) and the best epoch's (its weights are the result).
     for old in manager.all_steps():
       if old != step and (best is None or old != best['step']):
@@ -244,7 +296,6 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   # Rows past the checkpoint are from an attempt that did not save them: written again below.
   monitor.truncate_metrics(workdir, start)
   log = monitor.MetricsLog(workdir)
-  preemption = monitor.Preemption()
   predictions_dir = os.path.join(workdir, PREDICTIONS_DIR)
 
   # ---- Loop: epochs of steps, each epoch evaluated on dev; the best epoch is kept -------------
@@ -254,8 +305,48 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
   bar = monitor.progress(total_steps, step, is_main and config.log.progress)
   chrono = monitor.Chrono(step)
   every = int(config.checkpoint.every_steps)
-  history, stopped = [], False
+  # pending: SIGTERM cut an epoch's evaluation short; its rerun evaluates first.
+  history, stopped, pending = [], False, False
+
+  def end_epoch(epoch: int, saved: bool = False) -> bool:
+    """Evaluates on every dev set, keeps the epoch if it is the best, saves (unless `saved`:
+    this step's checkpoint is there); False when SIGTERM cut the evaluation short (then the
+    state is saved with the evaluation still to do)."""
+    nonlocal best
+    with chrono.excluded():
+      try:
+        evaluated = [(s, *s.evaluate(predict(state.params, s))) for s in task.dev]
+      except _EvalStopped:
+        logging.warning('Evaluation of epoch %d stopped by SIGTERM: saving step %d, the rerun '
+                        'evaluates it', epoch, step)
+        if not saved:
+          save(eval_pending=True)
+        return False
+      results, writers = {}, {}
+      for eval_set, scores, writers[eval_set.name] in evaluated:
+        results[eval_set.name] = fileio.json_safe(scores)
+        log.eval(step, _scalars(scores), eval_set.name, split=eval_set.name, epoch=epoch)
+      score = float(results[task.dev[0].name][task.main_metric])
+      logging.info('Epoch %d (step %d): %s', epoch, step,
+                   {n: _scalars(r) for n, r in results.items()})
+      bar.set_postfix(**{task.main_metric: f'{score:.4f}'})
+      # A NaN score (e.g. the correlation of constant predictions) never counts as best.
+      if best is None or score > best['score'] or math.isnan(best['score']):
+        best = dict(task=config.task, main_metric=task.main_metric, score=score,
+                    epoch=epoch, step=step, learning_rate=float(config.train.learning_rate),
+                    **results)
+        if is_main:
+          for write in writers.values():
+            if write:
+              write(predictions_dir)
+      if not saved:
+        save()
+    return True
+
   try:
+    if meta.get('eval_pending'):  # Stopped inside the evaluation of the epoch that ends here.
+      # Its checkpoint stays as it is: later saves carry the new best.
+      pending = stopped = not end_epoch(step // steps_per_epoch, saved=True)
     while step < stop_at and not stopped:
       epoch = step // steps_per_epoch + 1
       epoch_end = epoch * steps_per_epoch
@@ -288,32 +379,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
         if every and step % every == 0:
           save()
 
-      if step == epoch_end:  # Evaluate on every dev set; keep the epoch if it is the best.
-        with chrono.excluded():
-          results, writers = {}, {}
-          for eval_set in task.dev:
-            scores, writers[eval_set.name] = eval_set.evaluate(predict(state.params, eval_set))
-            results[eval_set.name] = fileio.json_safe(scores)
-            log.eval(step, _scalars(scores), eval_set.name, split=eval_set.name, epoch=epoch)
-          score = float(results[task.dev[0].name][task.main_metric])
-          logging.info('Epoch %d (step %d): %s', epoch, step,
-                       {n: _scalars(r) for n, r in results.items()})
-          bar.set_postfix(**{task.main_metric: f'{score:.4f}'})
-          # A NaN score (e.g. the correlation of constant predictions) never counts as best.
-          if best is None or score > best['score'] or math.isnan(best['score']):
-            best = dict(task=config.task, main_metric=task.main_metric, score=score,
-                        epoch=epoch, step=step, learning_rate=float(config.train.learning_rate),
-                        **results)
-            if is_main:
-              for write in writers.values():
-                if write:
-                  write(predictions_dir)
-          save()
-        stopped = stopped or preemption.stop_now(step, manager)
+      if step == epoch_end:
+        pending = not end_epoch(epoch)
+        stopped = pending or stopped or preemption.stop_now(step, manager)
       elif stopped:  # Inside an epoch: saved where it stopped, to resume there.
         save()
 
-    if step < total_steps:
+    if step < total_steps or pending:
       logging.warning('Stopped at step %d of %d; rerun the same command to resume.', step,
                       total_steps)
       if is_main:
@@ -328,7 +400,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]
       if best['step'] != step:
         params = ckpt_lib.restore_params(manager, best['step'], abstract.params)
       for eval_set in task.test:
-        scores, write = eval_set.evaluate(predict(params, eval_set))
+        try:
+          rows = predict(params, eval_set)
+        except _EvalStopped:
+          logging.warning('Test predictions stopped by SIGTERM; rerun the same command to '
+                          'make them.')
+          return None
+        scores, write = eval_set.evaluate(rows)
         if scores is not None:
           best[eval_set.name] = fileio.json_safe(scores)
           log.eval(best['step'], _scalars(scores), eval_set.name, split=eval_set.name,

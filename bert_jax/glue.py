@@ -129,9 +129,9 @@ def task_info(task: str) -> tuple[list[str] | None, tuple[str, ...]]:
 
 def _read_rows(path: str) -> Iterator[tuple[int, list[str]]]:
   """(1-based line number, tab-separated fields); quotes are literal, as GLUE's files need."""
-  # utf-8-sig: MRPC's header starts with a byte-order mark. newline='\n': a stray '\r' inside a
-  # sentence must not end the row.
-  for number, line in enumerate(fileio.read_text(path, 'utf-8-sig').split('\n'), 1):
+  # read_user_text drops a byte-order mark (MRPC's header starts with one). Rows end at '\n' (and
+  # CRLF): a stray '\r' inside a sentence must not end the row.
+  for number, line in enumerate(fileio.read_user_text(path).split('\n'), 1):
     line = line.rstrip('\r')
     if line:
       yield number, line.split('\t')
@@ -216,7 +216,7 @@ def read_file(task: str, path: str) -> list[Example]:
   """Examples of a TSV file in the layout of the task's dev file (with labels) or test file
   (without); which one is told by its header (CoLA's dev file has none: labelled)."""
   name, spec = _task(task)
-  first = fileio.read_text(path, 'utf-8-sig').split('\n', 1)[0].rstrip('\r').split('\t')
+  first = fileio.read_user_text(path).split('\n', 1)[0].rstrip('\r').split('\t')
   dev = [s for s in spec.files if s.startswith('dev')][0]
   test = [s for s in spec.files if s.startswith('test')][0]
   labelled = dev in spec.headerless_splits or (isinstance(spec.label, str)
@@ -429,6 +429,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   if config.data_source == 'tsv':
     if not config.data_dir:
       raise UserError('config.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
+    fileio.check_input_dir(config.data_dir, 'config.data_dir')
     read = lambda task, split: read_task(task, config.data_dir, split)
   elif config.data_source == 'tfds':
     read = lambda task, split: read_tfds(task, split, config.data.tfds_data_dir or None)
@@ -495,7 +496,7 @@ def read_jsonl(path: str) -> list[Example]:
   """Unlabelled examples of a JSONL file: {"text_a", "text_b"} per line (also "sentence",
   "sentence1", "question" for the first text and "sentence2" for the second)."""
   examples = []
-  for number, line in enumerate(fileio.read_text(path).split('\n'), 1):
+  for number, line in enumerate(fileio.read_user_text(path).split('\n'), 1):
     if not line.strip():
       continue
     try:

@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from bert_jax import documents
+from bert_jax import fileio
 from bert_jax import masking
 from bert_jax import objectives
 from bert_jax import packing
@@ -122,7 +123,7 @@ def _pair_function(vocab_file: str, version: tuple[int, int], lower_case: bool, 
         doc_tokens, ids, tf.random.experimental.stateless_fold_in(seed, index),
         seq_len=seq_len, short_seq_prob=short_seq_prob, objective=objective,
         check_documents=False, **specials)
-    if objective == 'sop':
+    if not objectives.get(objective).other_documents:
       return pairs, tf.constant(False)
     return pairs, pairing.single_document(doc_tokens, ids)
 
@@ -299,8 +300,32 @@ def _compression(path: str) -> str:
   return 'GZIP' if path.endswith('.gz') else ''
 
 
+def check_record_framing(path: str) -> None:
+  """Walks the length headers of a local, uncompressed TFRecord file to its end, seeking over
+  the records: a file cut short (or not TFRecords at all) is a UserError naming it and the byte
+  where its last record breaks off. tf.data would raise a DataLossError naming neither, at that
+  record, mid-run. (.gz files are read to their end by documents.check_gzip; a remote file would
+  cost a request per record, so it is left to tf.data.)"""
+  if fileio.is_remote(path) or _compression(path):
+    return
+  size = os.path.getsize(path)
+  offset = 0
+  with open(path, 'rb') as f:
+    while offset < size:
+      header = f.read(12)  # uint64 length, uint32 masked CRC of the length.
+      end = offset + 12 + (int.from_bytes(header[:8], 'little') + 4 if len(header) == 12 else 0)
+      if len(header) < 12 or end > size:
+        raise UserError(f'{path} is truncated or not a TFRecord file: the record at byte '
+                        f'{offset} ends past the end of the file ({size:,} bytes); copy it '
+                        'again, or write the records again')
+      offset = end
+      f.seek(offset)
+
+
 def check_tfrecord(path: str, seq_len: int, max_predictions: int) -> None:
-  """Raises ValueError naming the file and feature if its first record does not fit."""
+  """Raises ValueError naming the file and feature if its first record does not fit, or the
+  file is cut short (`check_record_framing`)."""
+  check_record_framing(path)
   for record in tf.data.TFRecordDataset(path, _compression(path)).take(1):
     example = tf.train.Example.FromString(record.numpy())
     for name, (size, dtype) in _record_spec(seq_len, max_predictions).items():
@@ -490,6 +515,7 @@ def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
     return data.vocab_file
   check_vocab_given(data)
   if workdir:
+    fileio.check_output_dir(workdir, '--workdir')  # A file there: one line, not a traceback.
     path = os.path.join(workdir, 'vocab.txt')
   else:
     key = json.dumps([data.input, int(data.vocab_size), bool(data.lower_case)])

@@ -7,7 +7,8 @@
   `train/<name>` for training metrics, `eval/<name>` for evaluations (a run with several
   evaluation sets: `eval/<set>/<name>`).
 - `progress`: the tqdm bar of the loop.
-- `Preemption`: SIGTERM as a flag the loop polls, so it saves before exiting.
+- `Preemption`: SIGTERM as a flag the loop polls, so it saves before exiting; before the first
+  step (nothing new to save) it stops the run at once (`Preempted`).
 """
 
 import collections
@@ -17,13 +18,15 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
 from absl import logging
 
 from bert_jax import fileio
+from bert_jax import gcs
+from bert_jax.errors import Preempted
 
 METRICS_FILE = 'metrics.jsonl'
 
@@ -96,18 +99,31 @@ class Chrono:
     return rates
 
 
+# On Cloud Storage, TensorBoard scalars are held back and written this many rows at a time.
+EVENTS_BATCH_ROWS = 100
+
+
 class MetricsLog:
   """metrics.jsonl + TensorBoard (clu) on process 0; nothing elsewhere.
 
   A jsonl row is {step, **extra, **scalars} (scalars without their tag prefix).
+
+  On a gs:// workdir every write must cost the same however long the run: an object cannot be
+  appended to, and TensorFlow uploads an events file whole at every flush (every ~10 scalars).
+  So rows are composed onto metrics.jsonl (gcs.append), and TensorBoard scalars are written
+  EVENTS_BATCH_ROWS rows at a time, each batch into an events file of its own (TensorBoard
+  reads every events file of the folder), and at `close`.
   """
 
   def __init__(self, workdir: str):
     from clu import metric_writers  # pylint: disable=g-import-not-at-top  (TensorFlow)
     self.active = jax.process_index() == 0
+    self.workdir = workdir
+    self.batched = gcs.is_gcs(workdir)
     self.writer = metric_writers.create_default_writer(
-        workdir, just_logging=not self.active, asynchronous=False)
+        workdir, just_logging=not self.active or self.batched, asynchronous=False)
     self.path = os.path.join(workdir, METRICS_FILE)
+    self._pending: list[tuple[int, dict[str, Any]]] = []
 
   def train(self, step: int, scalars: dict[str, Any], **extra) -> None:
     self._write(step, scalars, 'train/', extra)
@@ -118,12 +134,34 @@ class MetricsLog:
   def _write(self, step: int, scalars: dict[str, Any], prefix: str, extra: dict) -> None:
     if not self.active:
       return
-    self.writer.write_scalars(step, {prefix + k: v for k, v in scalars.items() if v is not None})
-    # gfile appends on Cloud Storage too (it rewrites the object).
-    with fileio.gfile().GFile(self.path, 'a') as f:
-      f.write(json.dumps(dict(step=step, **extra, **scalars)) + '\n')
+    tagged = {prefix + k: v for k, v in scalars.items() if v is not None}
+    self.writer.write_scalars(step, tagged)  # Only logs them when batched.
+    line = json.dumps(dict(step=step, **extra, **scalars)) + '\n'
+    if not self.batched:
+      with fileio.gfile().GFile(self.path, 'a') as f:
+        f.write(line)
+      return
+    gcs.append(self.path, line.encode())
+    self._pending.append((step, tagged))
+    if len(self._pending) >= EVENTS_BATCH_ROWS:
+      self._write_events()
+
+  def _write_events(self) -> None:
+    """The held-back scalars, into a new events file: one upload."""
+    if not self._pending:
+      return
+    tf = fileio.tensorflow()
+    writer = tf.summary.create_file_writer(self.workdir, max_queue=10**6, flush_millis=10**9)
+    with writer.as_default():
+      for step, tagged in self._pending:
+        for tag, value in tagged.items():
+          tf.summary.scalar(tag, value, step=step)
+    writer.close()
+    self._pending = []
 
   def close(self) -> None:
+    if self.active and self.batched:
+      self._write_events()
     self.writer.flush()
     self.writer.close()
 
@@ -154,8 +192,13 @@ def progress(total: int, initial: int, enabled: bool):
 class Preemption:
   """Turns SIGTERM into a flag the loop polls, so it can save before exiting.
 
+  Spot VMs get about 30 s between SIGTERM and the kill. Before a run's first step (input
+  start-up, restore, compiles) there is nothing new to save: `check` and `wait` then stop the
+  run at once with `Preempted`, even in the middle of a compile that would outlast the notice.
+
   With several processes, jax.distributed's preemption service catches SIGTERM instead and
-  makes every process stop at the same step: ask `stop_now(step, manager)`.
+  makes every process stop at the same step: ask `stop_now(step, manager)`. The flag stays
+  unset there (one process alone must not stop early).
   """
 
   def __init__(self):
@@ -170,8 +213,41 @@ class Preemption:
 
   def _handle(self, signum, frame):
     del signum, frame
-    logging.warning('SIGTERM received: saving a checkpoint and stopping.')
+    logging.warning('SIGTERM received: stopping (with a checkpoint if there is anything new '
+                    'to save).')
     self.requested = True
+
+  def check(self) -> None:
+    """Raises Preempted if SIGTERM came (call it where nothing new would be saved)."""
+    if self.requested:
+      raise Preempted('stopped by SIGTERM before the first step: nothing new to save since '
+                      'the last checkpoint; rerun the same command to resume')
+
+  def wait(self, fn: Callable[[], Any]) -> Any:
+    """fn() on a worker thread while this one waits for it or for SIGTERM (`check`).
+
+    Python runs signal handlers only between the main thread's bytecodes, never inside a
+    compile. Stopped by SIGTERM, the worker is left to finish on its own: an XLA compile cut
+    short by the interpreter's exit aborts the process, so the CLI ends with `os._exit`.
+    """
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def work():
+      try:
+        result.append(fn())
+      except BaseException as e:  # pylint: disable=broad-except  (raised in the caller)
+        error.append(e)
+
+    worker = threading.Thread(target=work, name='bert_jax_startup', daemon=True)
+    worker.start()
+    while worker.is_alive():
+      self.check()
+      worker.join(0.05)
+    self.check()
+    if error:
+      raise error[0]
+    return result[0]
 
   def stop_now(self, step: int, manager) -> bool:
     """Whether the run must save and stop after `step` (every process agrees)."""

@@ -49,7 +49,7 @@ def _check_tag(tag: str, where: str) -> None:
 def _lines(path: str) -> list[str]:
   """The file's lines with universal newlines, as open() reads text (str.splitlines would also
   split on U+0085)."""
-  return fileio.read_text(path).replace('\r\n', '\n').replace('\r', '\n').split('\n')
+  return fileio.read_user_text(path).replace('\r\n', '\n').replace('\r', '\n').split('\n')
 
 
 def read_conll(path: str, has_tags: bool = True, to_iob2: bool = False) -> list[Sentence]:
@@ -323,6 +323,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   del lower_case  # Words are tagged as the tokenizer splits them, cased or not.
   if not config.data_dir:
     raise UserError('config.data_dir is empty: the folder of train.txt, valid.txt, test.txt')
+  fileio.check_input_dir(config.data_dir, 'config.data_dir')
   train_sentences = read_conll(_conll_file(config.data_dir, ['train.txt'], 'training'))
   label_list = list(config.label_list)
   if not label_list:

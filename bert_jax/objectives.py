@@ -21,8 +21,9 @@ Losses follow the convention of every objective and fine-tuning task (`train_sta
 
 Adding an objective: an entry in OBJECTIVES (a sentence-pair objective's loss and metrics come
 with it; another kind of loss goes into `loss`), its pairs in `pairing.make_pairs` (which
-input_pipeline calls with the objective's name), and, for a head of its own, the head in
-BertForPreTraining and its names in HEAD_NAMES.
+input_pipeline calls with the objective's name; `other_documents` says whether they need more
+than one document), and, for a head of its own, the head in BertForPreTraining and its names in
+HEAD_NAMES.
 """
 
 import dataclasses
@@ -42,10 +43,13 @@ class Objective:
   head: str | None
   # What labels 0 and 1 of a pair mean (`bert-jax data` shows them).
   label_names: tuple[str, str] | None
+  # Whether its pairs draw B from another document: a batch of one document repeated then
+  # cannot make them, and input_pipeline stops with pairing.NOT_ENOUGH_DOCUMENTS.
+  other_documents: bool = False
 
 
 OBJECTIVES = {
-    'nsp': Objective('nsp', head='nsp', label_names=('IsNext', 'NotNext')),
+    'nsp': Objective('nsp', head='nsp', label_names=('IsNext', 'NotNext'), other_documents=True),
     'sop': Objective('sop', head='nsp', label_names=('in order', 'swapped')),
     'none': Objective('none', head=None, label_names=None),
 }

@@ -56,6 +56,8 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
   from bert_jax import task_table  # pylint: disable=g-import-not-at-top
   input_pipeline.hide_accelerators_from_tf()
   task_path = f'{workdir}/task.json'
+  if fileio.isdir(workdir):
+    fileio.check_readable_dir(workdir, '--workdir')  # Else its files would look missing.
   if not fileio.exists(task_path):
     raise UserError(f'--workdir={workdir} has no task.json: not a bert_jax fine-tuning workdir')
   if not fileio.exists(f'{workdir}/metrics.json'):
@@ -65,8 +67,11 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
   run = ml_collections.ConfigDict(fileio.read_json(f'{workdir}/config.json'))
   kind = info['kind']
   module = task_table.KINDS[kind]
+  if fileio.isdir(input_path):
+    raise UserError(f'--input={input_path} is a directory; name a file')
   if not fileio.isfile(input_path):
     raise UserError(f'--input={input_path}: no such file')
+  fileio.check_output_file(output_path, '--output')  # Before the work, not after it.
   if batch_size < 0:
     raise UserError(f'--batch_size={batch_size} must be positive (or 0: the run\'s '
                     'eval.batch_size)')

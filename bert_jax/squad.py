@@ -79,7 +79,7 @@ def read_squad(source: str | Mapping, is_training: bool) -> list[SquadExample]:
   name = source if isinstance(source, str) else '<SQuAD dict>'
   if isinstance(source, str):
     try:
-      source = json.loads(fileio.read_text(source))
+      source = json.loads(fileio.read_user_text(source))
     except json.JSONDecodeError as e:
       raise UserError(f'{name}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}') from None
   if not isinstance(source, Mapping) or 'data' not in source:
@@ -503,8 +503,8 @@ def write_predictions(output_dir: str, predictions: Mapping[str, str],
 
 
 def _read_squad(path: str, is_training: bool, flag: str) -> list[SquadExample]:
-  if not fileio.isfile(path):
-    raise UserError(f'{flag}: no SQuAD file {path}')
+  if not fileio.exists(path):
+    raise UserError(f'{flag}: no SQuAD file {path}')  # A folder or unreadable: read_squad says.
   # Errors name the file and the line (invalid JSON) or the question (missing fields).
   return read_squad(path, is_training)
 

@@ -21,7 +21,8 @@
                                  task.json; run: its config)
 
 Adding a task: a module with these parts, an entry in KINDS, and a config in configs/ that
-starts from `defaults.finetune(task)` and adds the task's own keys.
+starts from `defaults.finetune(task)` and adds the task's own keys (a new predict format also
+goes into `cli.INPUT_FORMATS`, which --help reads without loading the tasks).
 """
 
 import ml_collections

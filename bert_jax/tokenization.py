@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_text as tf_text
 
+from bert_jax import fileio
 from bert_jax.errors import UserError
 
 PAD, UNK, CLS, SEP, MASK = '[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'
@@ -194,16 +195,13 @@ def _read_lines(path: str) -> list[str]:
   if tf.io.gfile.isdir(path):
     raise UserError(f'Vocabulary {path} is a directory: name the vocab.txt file in it')
   try:
-    with tf.io.gfile.GFile(path, 'rb') as f:
-      raw = f.read()
-  except tf.errors.OpError as e:
-    raise UserError(f'Vocabulary {path} cannot be read: {e.message}') from e
-  try:
-    return raw.decode('utf-8-sig').splitlines()  # A byte-order mark (Windows editors) is dropped.
-  except UnicodeDecodeError as e:
-    line = raw[:e.start].count(b'\n') + 1
-    raise UserError(f'{path}:{line}: not UTF-8 text (byte {e.start}); a vocab.txt is one UTF-8 '
-                    'token a line (a SentencePiece .model file must end in .model)') from e
+    # A byte-order mark (Windows editors) is dropped; CRLF line ends are line ends.
+    return fileio.read_user_text(path).splitlines()
+  except UserError as e:
+    if 'not UTF-8 text' not in str(e):
+      raise
+    raise UserError(f'{e} (a vocab.txt is one UTF-8 token a line; a SentencePiece model '
+                    'file must end in .model)') from None
 
 
 def load_vocab(path: str) -> list[str]:

@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import os
+import time
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -24,6 +25,7 @@ from jax.experimental import multihost_utils
 
 from bert_jax import attention
 from bert_jax import checkpoint as ckpt_lib
+from bert_jax import config_checks
 from bert_jax import fileio
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
@@ -68,31 +70,16 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_li
 def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
   """`train.phases` ('0.9:128:20,0.1:512:80') -> Phases covering [0, train.steps)."""
   steps = int(config.train.steps)
-  spec = config.train.phases.strip()
-  if not spec:
+  parts = config_checks.phase_specs(config)  # Checked where the config was loaded, too.
+  if not parts:
     # train.phases is empty: the run uses data.max_seq_length.
     model_lib.check_seq_len(config.data.max_seq_length, config.model.max_position_embeddings)
     return [Phase(0, 0, steps, config.data.max_seq_length, config.data.max_predictions_per_seq)]
-  parts = []
-  for item in spec.split(','):
-    try:
-      frac, seq_len, preds = item.split(':')
-      parts.append((float(frac), int(seq_len), int(preds)))
-    except ValueError:
-      raise UserError(f'train.phases: {item!r} is not fraction:seq_len:max_predictions') from None
-  if abs(sum(p[0] for p in parts) - 1.0) > 1e-6:
-    raise UserError(f'train.phases fractions sum to {sum(p[0] for p in parts)}, not 1: {spec}')
   phases, start, cumulative = [], 0, 0.0
   for i, (frac, seq_len, preds) in enumerate(parts):
-    if frac < 0 or not 8 <= seq_len or not 1 <= preds <= seq_len:
-      raise UserError(f'train.phases: {spec.split(",")[i]!r} needs fraction >= 0, seq_len '
-                      '>= 8 and 1 <= max_predictions <= seq_len')
     cumulative += frac
     # Rounded where each phase ends, not by length, so that no phase overshoots the schedule.
     end = steps if i == len(parts) - 1 else max(start, int(round(cumulative * steps)))
-    if seq_len > config.model.max_position_embeddings:
-      raise UserError(f'train.phases: seq_len {seq_len} exceeds '
-                      f'model.max_position_embeddings={config.model.max_position_embeddings}')
     phases.append(Phase(i, start, end, seq_len, preds))
     start = end
   return [p for p in phases if p.end > p.start]
@@ -226,8 +213,10 @@ def _max_over_processes(n: int) -> int:
 
 def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any,
                     p_eval_step: Callable, mesh: jax.sharding.Mesh, rules, vocab_file: str,
-                    check_nsp_share: bool = False) -> dict[str, float]:
-  """MLM (and NSP) metrics of `params` on eval.steps batches of the phase's held-out data.
+                    check_nsp_share: bool = False,
+                    stop: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
+  """MLM (and NSP) metrics of `params` on eval.steps batches of the phase's held-out data;
+  None when `stop()` turns true between batches (SIGTERM: the notice is too short to finish).
 
   With check_nsp_share, NSP/SOP metrics of labels far from half NotNext are refused
   (`check_label_share`)."""
@@ -249,6 +238,8 @@ def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any
   results = []
   with sharding_lib.activate(mesh, rules):
     for local in batches:
+      if stop():
+        return None
       results.append(p_eval_step(params, sharding_lib.make_global_batch(local, batch_sharding)))
   return monitor.summarize(jax.device_get(results))
 
@@ -271,9 +262,9 @@ def check_label_share(batches: list[dict[str, Any]], data: ml_collections.Config
     where = (f'data.eval_input={data.eval_input!r}' if data.eval_input
              else f'the held-out share of data.input={data.input!r}')
     raise UserError(f'{where}: {share:.0%} of its {examples} evaluation pairs are '
-                    f'{"NotNext" if data.objective == "nsp" else "swapped"} instead of about '
-                    'half (too few documents), so nsp_accuracy would mean nothing; give more '
-                    'documents, or --config.data.objective=none for MLM metrics only')
+                    f'{objectives.get(data.objective).label_names[1]} instead of about half '
+                    f'(too few documents), so {data.objective}_accuracy would mean nothing; '
+                    'give more documents, or --config.data.objective=none for MLM metrics only')
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> dict[str, Any]:
@@ -320,6 +311,14 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
                             check_nsp_share=objective != 'none')
   return dict(metrics, checkpoint=checkpoint, step=steps[-1] if steps else None,
               seq_len=phase.seq_len)
+
+
+def _global_batch_spec(element_spec, sharding: jax.sharding.NamedSharding
+                       ) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch `make_global_batch` builds from every process's batches of this spec."""
+  return {k: jax.ShapeDtypeStruct((spec.shape[0] * jax.process_count(), *spec.shape[1:]),
+                                  spec.dtype.as_numpy_dtype, sharding=sharding)
+          for k, spec in element_spec.items()}
 
 
 def _empty_batch(element_spec) -> dict[str, np.ndarray]:
@@ -381,19 +380,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics.
 
   One run at a time per workdir: a second one is refused while this one holds its lock.
+  SIGTERM after the first step saves where the run is and returns; before it (nothing new to
+  save) the run stops at once with `errors.Preempted`.
   """
   workdir = fileio.workdir_path(workdir)
-  with ckpt_lib.workdir_lock(workdir):
-    return _train_and_evaluate(config, workdir)
+  preemption = monitor.Preemption()  # From the start: SIGTERM during start-up is heard too.
+  try:
+    with ckpt_lib.workdir_lock(workdir):
+      preemption.check()
+      return _train_and_evaluate(config, workdir, preemption)
+  finally:
+    preemption.restore()
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        preemption: monitor.Preemption) -> dict[str, float]:
   # TensorFlow is imported only when data is needed.
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
 
   # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
+  ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   is_main = jax.process_index() == 0
   objective = objectives.get(config.data.objective).name
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)
@@ -430,7 +438,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         process_index=jax.process_index(), process_count=jax.process_count(),
         vocab_file=vocab_file)
 
+  logging.info('Checking the input of %d phase(s)', len(phases))
   _check_phase_data(config, phases, dataset_for)
+  preemption.check()
 
   # ---- Model and optimizer -------------------------------------------------------------------
   bert_config = model_config(config, tokenizer.vocab_size)
@@ -461,7 +471,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     return state_lib.state_from_params(state_lib.put_sharded(params, state_shardings.params),
                                        tx, state_shardings)
 
-  start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract, init)
+  # A fresh init compiles (minutes for a large model on a pod): SIGTERM does not wait for it.
+  start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
+                                                lambda: preemption.wait(init))
+  preemption.check()
   # Rows past the checkpoint are from a run that died after it: they are logged again.
   monitor.truncate_metrics(workdir, start)
   if start is not None and meta.get('seed') != config.train.seed:
@@ -477,8 +490,24 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
                         in_shardings=(state_shardings.params,
                                       sharding_lib.batch_sharding(mesh)))
   batch_sharding = sharding_lib.batch_sharding(mesh)
+  eval_local = config.eval.batch_size // jax.process_count()
+  # Every phase this run trains, compiled before its first step: a compile of the next phase
+  # thousands of steps in would not stop for SIGTERM (the notice is about 30 s).
+  remaining = [p for p in phases if p.end > step and p.start < stop_at]
+
+  def compile_steps() -> None:
+    with sharding_lib.activate(mesh, rules):
+      for phase in remaining:
+        p_train_step.jitted.lower(abstract, _global_batch_spec(
+            dataset_for(phase, True).element_spec, batch_sharding)).compile()
+        p_eval_step.lower(abstract.params, _global_batch_spec(
+            dataset_for(phase, False, eval_local).element_spec, batch_sharding)).compile()
+
+  logging.info('Compiling the train and eval steps of %d phase(s)', len(remaining))
+  started = time.time()
+  preemption.wait(compile_steps)
+  logging.info('Compiled in %.1f s', time.time() - started)
   log = monitor.MetricsLog(workdir)
-  preemption = monitor.Preemption()
 
   def save(phase: Phase, data_it) -> None:
     ckpt_lib.save(manager, workdir, step, state,
@@ -494,6 +523,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   bar = monitor.progress(stop_at, step, is_main and config.log.progress)
   chrono = monitor.Chrono(step)
   history, last_saved, preempted = [], start, False
+  first_step = step
   try:
     while step < stop_at and not preempted:
       phase = phase_at(phases, step)
@@ -508,7 +538,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       first_in_segment = True
       while step < min(phase.end, stop_at) and not preempted:
         with chrono.waiting():
-          local = next(data_it)
+          # The run's first batch fills the shuffle buffer; nothing is trained yet, so SIGTERM
+          # does not wait for it.
+          local = (preemption.wait(lambda: next(data_it)) if step == first_step
+                   else next(data_it))
         batch = sharding_lib.make_global_batch(local, batch_sharding)
         if first_in_segment:  # It compiles: its time and the step are not throughput.
           jax.block_until_ready(state)  # Earlier steps are training time, not compile time.
@@ -550,10 +583,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
           jax.block_until_ready(state)
           with chrono.excluded():
             ckpt_lib.wait_for_saves(manager, workdir)
-            eval_metrics = evaluate_params(config, phase, state.params, p_eval_step, mesh,
-                                           rules, vocab_file)
-          log.eval(step, eval_metrics, eval=True)
-          logging.info('Step %d eval: %s', step, eval_metrics)
+            evaluated = evaluate_params(config, phase, state.params, p_eval_step, mesh,
+                                        rules, vocab_file, stop=lambda: preemption.requested)
+          if evaluated is None:  # SIGTERM: the evaluation is dropped, the step is saved.
+            preempted = True
+            if last_saved != step:
+              save(phase, data_it)
+              last_saved = step
+          else:
+            eval_metrics = evaluated
+            log.eval(step, eval_metrics, eval=True)
+            logging.info('Step %d eval: %s', step, eval_metrics)
     if preempted:
       logging.warning('Stopped for preemption at step %d; rerun to resume.', step)
   finally:
@@ -561,7 +601,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     ckpt_lib.wait_for_saves(manager, workdir)
     manager.close()
     log.close()
-    preemption.restore()
 
   if is_main:
     if eval_metrics:

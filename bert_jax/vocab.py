@@ -30,6 +30,7 @@ import tensorflow as tf
 import tqdm
 
 from bert_jax import documents
+from bert_jax import fileio
 from bert_jax import tokenization
 from bert_jax.errors import UserError
 
@@ -323,6 +324,8 @@ def run(input_patterns: Sequence[str], output: str, vocab_size: int,
     raise UserError('num_unused is for WordPiece vocabularies only.')
   if isinstance(input_patterns, str):
     input_patterns = [input_patterns]
+  fileio.check_output_file(output if kind == 'wordpiece'
+                           else output.removesuffix('.model') + '.model', '--output')
   tfds_specs = [p for p in input_patterns if documents.input_kind(p) == 'tfds']
   file_patterns = [p for p in input_patterns if p not in tfds_specs]
   # Expanded here, before any work, so that a pattern matching nothing fails at once.

@@ -185,11 +185,13 @@ def _losses(workdir):
     return [row['loss'] for row in map(json.loads, f) if 'loss' in row]
 
 
-def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, monkeypatch):
+def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, monkeypatch,
+                                                        caplog):
   """A run stopped inside an epoch (train.stop_at_step, or SIGTERM) saves where it stopped;
   rerunning the same call continues at that step and ends with exactly the metrics, best epoch
-  and checkpoint of an uninterrupted run. The task data lies on a non-local filesystem
-  (TensorFlow's ram://, standing in for Cloud Storage)."""
+  and checkpoint of an uninterrupted run, as does one whose latest checkpoint is corrupt (it
+  resumes from the one before). The task data lies on a non-local filesystem (TensorFlow's
+  ram://, standing in for Cloud Storage)."""
   data_dir = 'ram://bert_jax_finetune_test/glue'
   rng = random.Random(3)
   for split, n in (('train', 64), ('dev', 32)):
@@ -212,6 +214,22 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
                                         **settings, **{'train.stop_at_step': 6}), stopped) is None
   assert ckpt_lib.checkpoint_steps(stopped) == [4, 6]
   assert _dev_rows(stopped)[1] == list(range(1, 7))
+  # The same stopped run with step 6's largest array file cut in half: fine-tuning resumes
+  # through restore_or_init as pre-training does, so step 6 is named, moved aside and the run
+  # redoes steps 5-8 from step 4, ending as the uninterrupted run.
+  corrupt = str(tmp_path / 'corrupt')
+  shutil.copytree(stopped, corrupt)
+  latest = os.path.join(corrupt, ckpt_lib.CHECKPOINT_DIR, '6')
+  data_files = sorted(glob.glob(os.path.join(latest, 'params', '**', 'd', '*'), recursive=True),
+                      key=os.path.getsize)
+  with open(data_files[-1], 'r+b') as f:
+    f.truncate(os.path.getsize(data_files[-1]) // 2)
+  with caplog.at_level('WARNING'):
+    assert finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
+                             corrupt) == full
+  assert any(f'Checkpoint {latest} cannot be read' in r.getMessage() for r in caplog.records)
+  assert os.path.isdir(latest + '.corrupt')
+  assert _dev_rows(corrupt) == (full_dev, full_steps)
   resumed = finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
                               stopped)
   assert resumed == full
@@ -233,6 +251,65 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
   assert finetune.finetune(config, signalled) == full
   assert _dev_rows(signalled) == (full_dev, full_steps)
+
+  # SIGTERM as epoch 1's evaluation starts: the evaluation is dropped (the notice is too short
+  # for a real dev set) and step 4 saved with it still to do; the rerun evaluates epoch 1
+  # first and ends as the uninterrupted run.
+  predict_rows = batching.predict_rows
+
+  def sigterm_then_predict(*args, **kwargs):
+    monkeypatch.setattr(batching, 'predict_rows', predict_rows)
+    signal.raise_signal(signal.SIGTERM)
+    return predict_rows(*args, **kwargs)
+  monkeypatch.setattr(batching, 'predict_rows', sigterm_then_predict)
+  in_eval = str(tmp_path / 'in_eval')
+  assert finetune.finetune(config, in_eval) is None
+  assert ckpt_lib.checkpoint_steps(in_eval) == [4]
+  assert _dev_rows(in_eval) == ([], [1, 2, 3, 4])
+  assert finetune.finetune(config, in_eval) == full
+  assert _dev_rows(in_eval) == (full_dev, full_steps)
+
+
+def test_sigterm_before_the_first_step_stops_at_once(checkpoints, tmp_path, monkeypatch):
+  """SIGTERM while the task data is read, or while a step compiles (one that would take 10
+  minutes), stops the run at once: nothing new to save, no checkpoint, the lock released."""
+  data_dir = _write_sst2(str(tmp_path / 'glue'), seed=5)
+  config = _glue_config(checkpoints['bert_jax'], data_dir)
+  signalled_at = []
+
+  def sigterm():
+    signalled_at.append(time.time())
+    signal.raise_signal(signal.SIGTERM)
+
+  make_task = finetune.task_table.make_task
+
+  def sigterm_then_make_task(*args, **kwargs):
+    sigterm()
+    return make_task(*args, **kwargs)
+  monkeypatch.setattr(finetune.task_table, 'make_task', sigterm_then_make_task)
+  reading = str(tmp_path / 'reading')
+  with pytest.raises(errors.Preempted, match='before the first step'):
+    finetune.finetune(config, reading)
+  monkeypatch.setattr(finetune.task_table, 'make_task', make_task)
+  assert ckpt_lib.checkpoint_steps(reading) == []
+
+  released = threading.Event()
+
+  def sigterm_then_endless_compile(self, *args, **kwargs):
+    sigterm()
+    released.wait(600)
+    raise RuntimeError('this compile was abandoned')
+  monkeypatch.setattr(jax.stages.Lowered, 'compile', sigterm_then_endless_compile)
+  compiling = str(tmp_path / 'compiling')
+  try:
+    with pytest.raises(errors.Preempted, match='before the first step'):
+      finetune.finetune(config, compiling)
+    assert time.time() - signalled_at[-1] < 5
+  finally:
+    released.set()
+  assert ckpt_lib.checkpoint_steps(compiling) == []
+  for workdir in (reading, compiling):
+    assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
 
 
 def _write_sst2(data_dir, seed, sizes=(('train', 64), ('dev', 32))):
@@ -482,7 +559,12 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
 
 
 def test_length_sort_window_must_be_positive(checkpoints, glue_dir, tmp_path):
-  config = _glue_config(checkpoints['hf'], glue_dir[0], **{'train.length_sort_window': 0})
+  # Loading the config refuses it (config_checks); one changed after loading meets finetune's
+  # own check.
+  with pytest.raises(errors.UserError, match=r'config\.train\.length_sort_window=0'):
+    _glue_config(checkpoints['hf'], glue_dir[0], **{'train.length_sort_window': 0})
+  config = _glue_config(checkpoints['hf'], glue_dir[0])
+  config.train.length_sort_window = 0
   with pytest.raises(errors.UserError, match=r'config\.train\.length_sort_window=0'):
     finetune.finetune(config, str(tmp_path / 'run'))
 
@@ -501,7 +583,7 @@ def test_a_workdir_in_use_is_refused(checkpoints, glue_dir, tmp_path):
     config = _glue_config(checkpoints['hf'], glue_dir[0])
     with pytest.raises(errors.UserError, match=rf'is in use by another run \(pid {live.pid} '):
       finetune.finetune(config, workdir)
-    assert json.load(open(lock))['pid'] == live.pid  # The live run's lock stays.
+    assert fileio.read_json(lock)['pid'] == live.pid  # The live run's lock stays.
   finally:
     live.kill()
     live.wait()

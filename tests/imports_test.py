@@ -23,7 +23,7 @@ LAYERS = (
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
               'vocab', 'sample_corpus', 'batching'}),
     ('what is trained', {'objectives', 'tasks'}),
-    ('foundations', {'config_files', 'defaults', 'fileio', 'errors'}),
+    ('foundations', {'config_files', 'config_checks', 'defaults', 'fileio', 'gcs', 'errors'}),
 )
 # The drivers: one straight function each, from a config to a trained model.
 DRIVERS = {'train', 'finetune'}

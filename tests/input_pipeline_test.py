@@ -481,9 +481,10 @@ def test_bad_inputs(corpora, tmp_path):
   tiny.write_text('r0s0 r0s0\n\nr1s0\n')
   with pytest.raises(ValueError, match='held-out.*data.eval_input'):
     make(corpora.config(input=str(tiny)), train=False)
-  # One document: NotNext is impossible.
+  # One document: NotNext is impossible; SOP swaps within a document, so one is enough.
   with pytest.raises(tf.errors.InvalidArgumentError, match='at least two different documents'):
     _batches(make(corpora.config(input=_one_doc(tmp_path))), 1)
+  assert _batches(make(corpora.config(input=_one_doc(tmp_path), objective='sop')), 1)
   # Settings.
   with pytest.raises(ValueError, match='seq_len=7'):
     make(corpora.config(), seq_len=7)

@@ -555,7 +555,10 @@ def test_every_process_evaluates_the_same_number_of_batches():
     ('0.9:128:20,0.1:1024:80', 'exceeds model.max_position_embeddings'),
 ])
 def test_bad_phases_are_named(phases, message):
-  config = config_files.load_config('configs/bert_base.py', {'train.phases': phases})
+  with pytest.raises(ValueError, match=message):  # Where the config is loaded.
+    config_files.load_config('configs/bert_base.py', {'train.phases': phases})
+  config = config_files.load_config('configs/bert_base.py')
+  config.train.phases = phases  # Set after loading (a notebook): the driver refuses it too.
   with pytest.raises(ValueError, match=message):
     train.parse_phases(config)
 
@@ -574,15 +577,19 @@ def test_paper_phases():
 
 
 def test_stop_at_step_beyond_the_schedule_is_refused(tmp_path):
-  config = config_files.load_config('smoke', {'train.stop_at_step': 301})
-  with pytest.raises(ValueError,
-                     match=r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'):
+  message = r'train.stop_at_step=301 must lie in \[1, train.steps=300\]'
+  with pytest.raises(ValueError, match=message):  # Where the config is loaded.
+    config_files.load_config('smoke', {'train.stop_at_step': 301})
+  config = config_files.load_config('smoke')
+  config.train.stop_at_step = 301  # Set after loading: the driver refuses it too.
+  with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(config, str(tmp_path))
 
 
 def test_batch_that_does_not_split_is_named():
   from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  config = config_files.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 3})
+  config = config_files.load_config('smoke', {'train.batch_size': 16})
+  config.train.grad_accum_steps = 3  # After loading, which refuses it (inputs_test.py).
   mesh = sharding_lib.make_mesh(config.mesh)
   with pytest.raises(ValueError, match='train.batch_size=16 does not divide by '
                      'train.grad_accum_steps=3'):
@@ -610,6 +617,18 @@ def test_dropout_rng_impl_is_checked():
     train_state.dropout_rng(config.train)
 
 
+def test_a_lopsided_sop_evaluation_is_named_as_sop():
+  """SOP is logged as sop_*, and the refusal of a held-out set without swapped pairs says so."""
+  data = config_files.load_config('smoke.py').data
+  data.objective, data.eval_input = 'sop', 'held_out.txt'
+  batch = {'next_sentence_labels': np.ones((40, 1), np.int32),
+           'input_mask': np.ones((40, 4), np.int32)}
+  with pytest.raises(UserError, match=r"data.eval_input='held_out.txt': 100% of its 40 "
+                     r'evaluation pairs are swapped instead of about half \(too few documents\), '
+                     'so sop_accuracy would mean nothing'):
+    train.check_label_share([batch], data)
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults: SIGKILL at any moment, a second run, corrupt checkpoints, a full disk
 # ---------------------------------------------------------------------------------------------
@@ -619,6 +638,11 @@ def test_dropout_rng_impl_is_checked():
 #   kill_commit:S SIGKILL just before Orbax commits step S (its files are written, the rename
 #                 that commits them is not done)
 #   kill_eval     SIGKILL as the evaluation starts
+# and SIGTERM (the preemption notice) in each phase of a run, the marker's content the time:
+#   sigterm_input     as the input starts (its first batch fills the shuffle buffer)
+#   sigterm_compile   as the steps compile; the compile then takes 10 minutes
+#   sigterm_commit:S  as Orbax commits step S; the commit then takes 3 s more
+#   sigterm_eval      as the evaluation starts
 _FAULTY_RUN = '''
 import os, signal, sys, time
 from bert_jax import cli, train
@@ -628,6 +652,11 @@ marker = os.environ['BERT_JAX_TEST_MARKER']
 def die():
   open(marker, 'w').close()
   os.kill(os.getpid(), signal.SIGKILL)
+
+def sigterm():
+  with open(marker, 'w') as f:
+    f.write(repr(time.time()))
+  os.kill(os.getpid(), signal.SIGTERM)
 
 if fault == 'hang_step':
   build = train.build_train_step
@@ -640,6 +669,7 @@ if fault == 'hang_step':
         open(marker, 'w').close()
         time.sleep(600)
       return out
+    step.jitted = run.jitted  # Compiled before the first step.
     return step
   train.build_train_step = build_hanging
 elif fault == 'kill_commit':
@@ -652,6 +682,34 @@ elif fault == 'kill_commit':
   atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_die
 elif fault == 'kill_eval':
   train.eval_batches = lambda *args, **kwargs: die()
+elif fault == 'sigterm_input':
+  from bert_jax import input_pipeline
+  make_iterator = input_pipeline.make_iterator
+  def iterator_after_sigterm(*args):
+    sigterm()
+    return make_iterator(*args)
+  input_pipeline.make_iterator = iterator_after_sigterm
+elif fault == 'sigterm_compile':
+  import jax
+  def endless_compile(self, *args, **kwargs):
+    sigterm()
+    time.sleep(600)
+  jax.stages.Lowered.compile = endless_compile
+elif fault == 'sigterm_commit':
+  from orbax.checkpoint._src.path import atomicity
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+  async def slow_finalize(self, *args, **kwargs):
+    if self._final_path.name == arg:
+      sigterm()
+      time.sleep(3)
+    return await finalize(self, *args, **kwargs)
+  atomicity.AtomicRenameTemporaryPath.finalize = slow_finalize
+elif fault == 'sigterm_eval':
+  batches = train.eval_batches
+  def batches_after_sigterm(*args, **kwargs):
+    sigterm()
+    return batches(*args, **kwargs)
+  train.eval_batches = batches_after_sigterm
 cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
 '''
 
@@ -788,3 +846,77 @@ def test_full_disk_fails_the_save_cleanly(tmp_path, reference, vocab_file, monke
   assert not glob.glob(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '*.orbax-checkpoint-tmp*'))
   _assert_same_params(_params(workdir), ckpt_lib.load_pretrained_from_workdir(reference, 4)[1])
   assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+
+
+# Spot VMs get about 30 s between SIGTERM and the kill.
+NOTICE_SECONDS = 30
+
+
+def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, vocab_file,
+                                                        compilation_cache):
+  """SIGTERM during input start-up and during a compile (one that would take 10 minutes) stops
+  the run at once without a checkpoint (nothing new to save), its lock released; during a
+  checkpoint's commit, the commit completes and the next step is saved; during an evaluation,
+  the evaluation is dropped and its step saved. Each time the process exits with status 0
+  inside the notice, and the resumed runs log exactly the reference's losses."""
+  workdir = str(tmp_path / 'run')
+  overrides = dict(TINY, **{'data.vocab_file': vocab_file,
+                            'train.stop_at_step': REFERENCE_STEPS})
+
+  def run(fault, **more):
+    proc, marker = _faulty_run(tmp_path, workdir, fault, dict(overrides, **more),
+                               compilation_cache)
+    out, err = _communicate(proc, 400)
+    ended = time.time()
+    assert proc.returncode == 0 and os.path.exists(marker), err[-5000:]
+    with open(marker) as f:
+      seconds = ended - float(f.read())
+    assert seconds < NOTICE_SECONDS, f'{fault}: {seconds:.1f} s from SIGTERM to exit'
+    print(f'{fault}: {seconds:.1f} s from SIGTERM to exit')
+    assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+    return out
+
+  for fault in ('sigterm_input', 'sigterm_compile'):
+    out = run(fault)
+    assert 'stopped by SIGTERM before the first step' in out, (fault, out)
+    assert ckpt_lib.checkpoint_steps(workdir) == []
+  # Orbax commits in the background: the loop may have gone a few steps past 4 by then.
+  run('sigterm_commit:4')
+  saved = ckpt_lib.checkpoint_steps(workdir)
+  assert saved[0] == 4 and len(saved) == 2 and saved[1] > 4
+  assert max(_losses(workdir)) == saved[1]
+  run('sigterm_eval', **{'eval.every_steps': saved[1] + 2})
+  assert ckpt_lib.checkpoint_steps(workdir)[-1] == saved[1] + 2
+  assert max(_losses(workdir)) == saved[1] + 2 and not _rows(workdir)[1]
+
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
+  assert _losses(workdir) == _losses(reference)
+  _assert_same_params(_params(workdir), _params(reference))
+
+
+def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, vocab_file,
+                                                                      compilation_cache):
+  """With no cache set outside the config, a run keeps its compiled train and eval steps in
+  <workdir>/compilation_cache (checkpoint.compilation_cache_dir); the rerun loads them from
+  there and compiles nothing new. A cache set outside the config (this module's) is kept."""
+  assert ckpt_lib.use_compilation_cache(str(tmp_path), 'compilation_cache') == compilation_cache
+  workdir = str(tmp_path / 'run')
+  cache = os.path.join(workdir, 'compilation_cache')
+  env = processes.env(compilation_cache)
+  del env['JAX_COMPILATION_CACHE_DIR'], env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']
+  env['JAX_LOG_COMPILES'] = '1'  # Logs each cache hit.
+  entries, logs = [], []
+  for stop_at in (2, 3):
+    overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'train.stop_at_step': stop_at})
+    proc = subprocess.run(
+        [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+        _flags(overrides), cwd=_ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    entries.append(sorted(os.listdir(cache)))
+    logs.append(proc.stderr)
+  assert any(e.startswith('jit_step-') for e in entries[0]), entries[0]
+  assert any(e.startswith('jit_eval_step-') for e in entries[0]), entries[0]
+  assert entries[1] == entries[0]
+  for name in ('jit_step', 'jit_eval_step'):
+    assert f"Persistent compilation cache hit for '{name}'" not in logs[0]
+    assert f"Persistent compilation cache hit for '{name}'" in logs[1], logs[1][-5000:]

@@ -1,0 +1,143 @@
+"""What Cloud Storage (gs://) offers beyond `tf.io.gfile`: atomic preconditions, server-side
+appends, and access errors a user can read.
+
+`tf.io.gfile` reads and writes gs:// objects, but an object store has no exclusive create and no
+append: gfile's append downloads the whole object and uploads it again. Here, through
+google-cloud-storage:
+  - `create_if_absent`, `replace_if_generation`, `delete_if_generation`: writes that succeed only
+    when the object is as the caller last saw it (generation preconditions), for the workdir
+    lock;
+  - `append`: uploads the new bytes as a small object and composes it onto the end of the
+    object server-side, so an append costs the same whether the object holds 1 KB or 1 GB;
+  - `check_access`: a bucket that does not exist, missing credentials or a missing permission as
+    one UserError naming the path and the fix, before a run starts.
+The client follows google-cloud-storage's rules (Application Default Credentials;
+STORAGE_EMULATOR_HOST for a test server).
+"""
+
+import functools
+import uuid
+
+from bert_jax.errors import UserError
+
+_FIX_CREDENTIALS = ('give this machine Google credentials: `gcloud auth application-default '
+                    'login`, or run on a Cloud VM whose service account has access')
+
+
+def is_gcs(path: str) -> bool:
+  return path.startswith('gs://')
+
+
+def split(path: str) -> tuple[str, str]:
+  """gs://bucket/a/b -> ('bucket', 'a/b')."""
+  bucket, _, name = path[len('gs://'):].partition('/')
+  return bucket, name
+
+
+@functools.cache
+def client():
+  from google.cloud import storage  # pylint: disable=g-import-not-at-top
+  return storage.Client()
+
+
+def _blob(path: str):
+  bucket, name = split(path)
+  return client().bucket(bucket).blob(name)
+
+
+def _precondition_failed(error: BaseException) -> bool:
+  from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+  return isinstance(error, (exceptions.PreconditionFailed, exceptions.NotFound))
+
+
+def read(path: str) -> tuple[bytes, int] | None:
+  """(contents, generation) of an object, or None if there is none."""
+  blob = client().bucket(split(path)[0]).get_blob(split(path)[1])
+  if blob is None:
+    return None
+  try:
+    return blob.download_as_bytes(if_generation_match=blob.generation), blob.generation
+  except Exception as e:  # pylint: disable=broad-except
+    if _precondition_failed(e):
+      return None  # Replaced or deleted between the two requests: as if absent now.
+    raise
+
+
+def create_if_absent(path: str, data: bytes) -> int | None:
+  """Writes a new object; its generation, or None if the object exists (atomic)."""
+  blob = _blob(path)
+  try:
+    blob.upload_from_string(data, if_generation_match=0)
+  except Exception as e:  # pylint: disable=broad-except
+    if _precondition_failed(e):
+      return None
+    raise
+  return blob.generation
+
+
+def replace_if_generation(path: str, data: bytes, generation: int) -> int | None:
+  """Replaces the object if it is still at `generation`; the new generation, or None."""
+  blob = _blob(path)
+  try:
+    blob.upload_from_string(data, if_generation_match=generation)
+  except Exception as e:  # pylint: disable=broad-except
+    if _precondition_failed(e):
+      return None
+    raise
+  return blob.generation
+
+
+def delete_if_generation(path: str, generation: int) -> bool:
+  """Deletes the object if it is still at `generation` (fake-gcs-server, the tests' server,
+  ignores this precondition; Cloud Storage honours it)."""
+  try:
+    _blob(path).delete(if_generation_match=generation)
+  except Exception as e:  # pylint: disable=broad-except
+    if _precondition_failed(e):
+      return False
+    raise
+  return True
+
+
+# Objects this process has appended to: they exist, so their appends go straight to compose.
+_appended: set[str] = set()
+
+
+def append(path: str, data: bytes) -> None:
+  """Appends `data` to the object (creating it): a small upload composed onto its end, so the
+  cost does not grow with the object (3 requests). Not atomic against another writer: one
+  writer per file."""
+  if path not in _appended:
+    _appended.add(path)
+    if create_if_absent(path, data) is not None:
+      return
+  bucket = client().bucket(split(path)[0])
+  target = _blob(path)
+  part = bucket.blob(f'{split(path)[1]}.part-{uuid.uuid4().hex}')
+  part.upload_from_string(data)
+  try:
+    target.compose([target, part])
+  finally:
+    part.delete()
+
+
+def check_access(path: str, flag: str) -> None:
+  """Lists one object under `path`: a missing bucket, no credentials or no permission becomes a
+  UserError naming `flag`, the path and the fix."""
+  from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+  import google.auth.exceptions  # pylint: disable=g-import-not-at-top
+  bucket, name = split(path)
+  where = f'{flag}={path}' if flag else path
+  try:
+    next(iter(client().list_blobs(bucket, prefix=name, max_results=1)), None)
+  except google.auth.exceptions.GoogleAuthError as e:
+    raise UserError(f'{where}: no Google credentials to reach Cloud Storage ({e}); '
+                    f'{_FIX_CREDENTIALS}') from e
+  except exceptions.NotFound as e:
+    raise UserError(f'{where}: the bucket gs://{bucket} does not exist; create it (`gcloud '
+                    f'storage buckets create gs://{bucket}`) or fix the name') from e
+  except (exceptions.Forbidden, exceptions.Unauthorized) as e:
+    raise UserError(f'{where}: no permission on gs://{bucket} ({e.message}); grant this '
+                    "machine's account roles/storage.objectAdmin on the bucket "
+                    f'(`gcloud storage buckets add-iam-policy-binding gs://{bucket} ...`), or '
+                    f'{_FIX_CREDENTIALS}') from e

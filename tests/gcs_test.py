@@ -1,0 +1,509 @@
+"""Every gs:// path of bert_jax against a Cloud Storage server on loopback (tests/gcs_server.py).
+
+The corpus, its vocabulary, the workdirs and the fine-tuning data all live in the test bucket;
+`bert-jax` subprocesses run in the server's network namespace (nothing leaves loopback). Runs are
+a tiny BERT (2 layers, width 128, batch 8, sequences of 32) on a slice of the sample corpus, all
+on one schedule so that a persistent compilation cache lets later runs skip their compiles.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from bert_jax import checkpoint as ckpt_lib
+from bert_jax import config_files
+from bert_jax import fileio
+from bert_jax import gcs as gcs_lib
+from bert_jax import monitor
+from bert_jax import sample_corpus
+from bert_jax import train
+from bert_jax import vocab as vocab_lib
+import processes
+import records
+
+TOTAL_STEPS = 200  # The schedule; runs stop early with train.stop_at_step.
+REFERENCE_STEPS = 8
+TINY = {
+    'model.size': 'tiny',
+    'data.max_seq_length': 32,
+    'data.max_predictions_per_seq': 5,
+    'data.shuffle_buffer': 50,
+    'train.steps': TOTAL_STEPS,
+    'train.batch_size': 8,
+    'train.warmup_steps': 2,
+    'train.learning_rate': 1e-3,
+    'checkpoint.every_steps': 4,
+    'eval.every_steps': 1000,  # Only at the end of a run.
+    'eval.steps': 1,
+    'eval.batch_size': 8,
+    'log.every_steps': 1,
+    'log.progress': False,
+}
+
+
+@pytest.fixture(scope='module')
+def cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp('jax_cache'))
+
+
+@pytest.fixture(scope='module')
+def data(gcs):
+  """A slice of the sample corpus (train and held-out text) and its 1,000-token vocabulary, in
+  the bucket; the vocabulary is trained straight into it."""
+  with open(sample_corpus.sample_corpus_path(), encoding='utf-8') as f:
+    lines = f.read().splitlines()[:6000]
+  train_text, eval_text = '\n'.join(lines[:5000]) + '\n', '\n'.join(lines[5000:]) + '\n'
+  paths = {'input': gcs.url('corpus/train.txt'), 'eval_input': gcs.url('corpus/eval.txt'),
+           'vocab_file': gcs.url('corpus/vocab.txt')}
+  fileio.write_text(paths['input'], train_text)
+  fileio.write_text(paths['eval_input'], eval_text)
+  vocab_lib.train_wordpiece(train_text.splitlines(), paths['vocab_file'], 1000)
+  return paths
+
+
+def _overrides(data, **extra):
+  values = dict(TINY, **{f'data.{k}': v for k, v in data.items()})
+  values.update({k.replace('__', '.'): v for k, v in extra.items()})
+  return values
+
+
+def _flags(overrides):
+  return [f'--config.{k}={v}' for k, v in overrides.items()]
+
+
+def _pretrain(gcs, cache, workdir, overrides, script=None, env=None):
+  """`bert-jax pretrain` (or `script` with the same flags) in the server's namespace."""
+  argv = [sys.executable, script] if script else [sys.executable, '-m', 'bert_jax.cli',
+                                                  'pretrain']
+  return subprocess.Popen(
+      gcs.command(argv + [f'--workdir={workdir}'] + _flags(overrides)), cwd=processes.ROOT,
+      env=dict(processes.env(cache), **(env or {})), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+
+
+def _communicate(proc, timeout):
+  try:
+    return proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, err = proc.communicate()
+    pytest.fail(f'subprocess timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err[-5000:]}')
+
+
+def _rows(workdir):
+  """(train rows, held-out rows) of a workdir's metrics.jsonl."""
+  path = os.path.join(workdir, monitor.METRICS_FILE)
+  if not fileio.exists(path):
+    return [], []
+  rows = [json.loads(line) for line in fileio.read_text(path).splitlines() if line.strip()]
+  held_out = [r.get('eval') or 'split' in r for r in rows]  # Pre-training's, fine-tuning's.
+  return ([r for r, h in zip(rows, held_out) if not h], [r for r, h in zip(rows, held_out) if h])
+
+
+def _losses(workdir):
+  steps = [r['step'] for r in _rows(workdir)[0]]
+  assert len(steps) == len(set(steps)), f'a step was logged twice: {steps}'
+  return {r['step']: r['loss'] for r in _rows(workdir)[0]}
+
+
+@pytest.fixture(scope='module')
+def reference(gcs, cache, data):
+  """An uninterrupted `bert-jax pretrain` to REFERENCE_STEPS on a gs:// workdir, with its
+  corpus and vocabulary read from the bucket."""
+  workdir = gcs.url('reference')
+  proc = _pretrain(gcs, cache, workdir, _overrides(data, train__stop_at_step=REFERENCE_STEPS))
+  out, err = _communicate(proc, 600)
+  assert proc.returncode == 0, err[-5000:]
+  return workdir, out
+
+
+def test_pretrain_writes_its_workdir_to_the_bucket(reference):
+  workdir, out = reference
+  assert f'step {REFERENCE_STEPS}/{TOTAL_STEPS} in {workdir}' in out
+  train_rows, eval_rows = _rows(workdir)
+  assert [r['step'] for r in train_rows] == list(range(1, REFERENCE_STEPS + 1))
+  assert all(np.isfinite(r['loss']) for r in train_rows)
+  assert [r['step'] for r in eval_rows] == [REFERENCE_STEPS]
+  assert ckpt_lib.checkpoint_steps(workdir) == [4, REFERENCE_STEPS]
+  assert fileio.glob(os.path.join(workdir, ckpt_lib.DATA_STATE_DIR, str(REFERENCE_STEPS), '*'))
+  assert fileio.glob(os.path.join(workdir, 'events.out.tfevents.*'))
+  config = fileio.read_json(os.path.join(workdir, 'config.json'))
+  assert config['data']['input'].startswith('gs://')
+  for name in ('bert_config.json', 'vocab.txt'):
+    assert fileio.exists(os.path.join(workdir, name)), name
+  assert not fileio.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))  # Released at the end.
+  config, params = ckpt_lib.load_pretrained_from_workdir(workdir)
+  assert config.num_hidden_layers == 2
+
+
+# Runs `bert-jax pretrain`, SIGKILLed as Orbax is about to commit step BERT_JAX_TEST_KILL_AT. On
+# Cloud Storage Orbax writes a step in place and commits it by writing commit_success.txt last.
+_KILLED_AT_COMMIT = '''
+import os, signal, sys
+from orbax.checkpoint._src.path import atomicity
+from bert_jax import cli
+step = os.environ['BERT_JAX_TEST_KILL_AT']
+for cls in (atomicity.CommitFileTemporaryPath, atomicity.AtomicRenameTemporaryPath):
+  def patch(cls=cls, finalize=cls.finalize):
+    async def finalize_or_die(self, *args, **kwargs):
+      if self._final_path.name == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+      return await finalize(self, *args, **kwargs)
+    cls.finalize = finalize_or_die
+  patch()
+cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
+'''
+
+
+def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
+    gcs, cache, data, reference, tmp_path):
+  """On a gs:// workdir: SIGTERM mid-run saves where it stops (the lock is in the bucket while
+  it runs); a rerun SIGKILLed while step 8 is being committed leaves step 8 uncommitted; the
+  next rerun resumes from the last complete checkpoint. The log ends up with exactly the
+  reference run's losses, each step once."""
+  workdir = gcs.url('interrupted')
+  overrides = _overrides(data, checkpoint__every_steps=1000)
+  proc = _pretrain(gcs, cache, workdir, overrides)
+  try:
+    deadline = time.time() + 400
+    while len(_rows(workdir)[0]) < 2 and proc.poll() is None and time.time() < deadline:
+      time.sleep(0.2)
+    assert proc.poll() is None, 'the run ended before it could be interrupted'
+    assert fileio.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+    proc.send_signal(signal.SIGTERM)
+  except BaseException:
+    proc.kill()
+    raise
+  out, err = _communicate(proc, 200)
+  assert proc.returncode == 0, err[-5000:]
+  stopped = max(_losses(workdir))
+  assert ckpt_lib.checkpoint_steps(workdir) == [stopped]
+  assert stopped < REFERENCE_STEPS, f'the signal landed too late to test a resume ({stopped})'
+
+  script = tmp_path / 'killed_at_commit.py'
+  script.write_text(_KILLED_AT_COMMIT)
+  proc = _pretrain(gcs, cache, workdir, _overrides(data, train__stop_at_step=REFERENCE_STEPS),
+                   script=str(script), env={'BERT_JAX_TEST_KILL_AT': str(REFERENCE_STEPS)})
+  _, err = _communicate(proc, 400)
+  assert proc.returncode == -signal.SIGKILL, err[-5000:]
+  committed = ckpt_lib.checkpoint_steps(workdir)
+  assert REFERENCE_STEPS not in committed and max(committed) >= stopped
+  assert fileio.exists(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, str(REFERENCE_STEPS)))
+
+  proc = _pretrain(gcs, cache, workdir, _overrides(data, train__stop_at_step=REFERENCE_STEPS))
+  _, err = _communicate(proc, 400)
+  assert proc.returncode == 0, err[-5000:]
+  assert 'Taking over the stale lock' in err
+  assert _losses(workdir) == _losses(reference[0])
+  assert ckpt_lib.checkpoint_steps(workdir)[-1] == REFERENCE_STEPS
+
+
+# Takes the lock of a workdir in rounds: waits for <go>_<round> to appear, tries the lock, and
+# prints `held <round>` (then holds it a while and releases it) or `refused <round> <message>`.
+_LOCK_TAKER = '''
+import os, sys, time
+from bert_jax import checkpoint
+from bert_jax.errors import UserError
+workdir, go, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+print('ready', flush=True)
+for r in range(rounds):
+  while not os.path.exists(f'{go}_{r}'):
+    time.sleep(0.0005)
+  try:
+    with checkpoint.workdir_lock(workdir):
+      print(f'held {r}', flush=True)
+      time.sleep(1.5)
+    print(f'released {r}', flush=True)
+  except UserError as e:
+    print(f'refused {r} {e}', flush=True)
+'''
+
+
+def test_two_runs_started_at_once_on_a_gs_workdir_one_is_refused(gcs, tmp_path):
+  """Three processes race for the lock of one gs:// workdir, released at the same moment, over
+  several rounds: each round exactly one holds it and the others are refused."""
+  script, go, rounds, n = tmp_path / 'lock_taker.py', str(tmp_path / 'go'), 4, 3
+  script.write_text(_LOCK_TAKER)
+  workdir = gcs.url('race')
+  procs = [subprocess.Popen(gcs.command([sys.executable, str(script), workdir, go, str(rounds)]),
+                            cwd=processes.ROOT, env=processes.env(str(tmp_path / 'cache')),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for _ in range(n)]
+  try:
+    assert [p.stdout.readline().strip() for p in procs] == ['ready'] * n
+    for r in range(rounds):
+      open(f'{go}_{r}', 'w').close()
+      results = [p.stdout.readline().strip() for p in procs]
+      held = [i for i, line in enumerate(results) if line == f'held {r}']
+      assert len(held) == 1, results
+      for i, line in enumerate(results):
+        if i not in held:
+          assert line.startswith(f'refused {r} --workdir={workdir}'), line
+      assert procs[held[0]].stdout.readline().strip() == f'released {r}'
+    for p in procs:
+      assert p.wait(60) == 0, p.stderr.read()[-3000:]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.communicate()
+  assert gcs_lib.read(os.path.join(workdir, ckpt_lib.LOCK_FILE)) is None
+
+
+def _cost(requests, name):
+  """(requests, bytes sent and received) of the requests that name the object `name`."""
+  hits = [q for q in requests if name in q['object']]
+  return len(hits), sum(q['sent'] + q['received'] for q in hits)
+
+
+def test_a_logged_step_costs_the_same_however_long_the_run(gcs):
+  """An object cannot be appended to: metrics.jsonl's rows are composed onto it server-side,
+  and TensorBoard's scalars go out monitor.EVENTS_BATCH_ROWS rows at a time into events files of
+  their own. The 300th row costs the requests and bytes of the 2nd, each batch of events those
+  of the first, and both read back whole."""
+  workdir = gcs.url('cost')
+  log = monitor.MetricsLog(workdir)
+  row = {k: 0.123456789 for k in ('loss', 'mlm_loss', 'mlm_accuracy', 'nsp_loss',
+                                  'nsp_accuracy', 'learning_rate', 'grad_norm',
+                                  'steps_per_second', 'tokens_per_second')}
+  rows, events = [], []
+  for step in range(1, 3 * monitor.EVENTS_BATCH_ROWS + 1):
+    gcs.reset_log()
+    log.train(step, row)
+    rows.append(_cost(gcs.requests(), monitor.METRICS_FILE))
+    events.append(_cost(gcs.requests(), 'tfevents'))
+  log.close()
+  early, late = rows[1:11], rows[-10:]
+  assert {c[0] for c in early} == {c[0] for c in late} == {3}, (early, late)
+  assert max(c[1] for c in late) < 1.1 * min(c[1] for c in early), (early, late)
+  batches = [c for c in events if c[0]]
+  assert len(batches) == 3 and max(c[1] for c in batches) < 1.1 * min(c[1] for c in batches)
+  assert [r['step'] for r in _rows(workdir)[0]] == list(range(1, len(rows) + 1))
+  tf = fileio.tensorflow()
+  logged = sorted(e.step for path in fileio.glob(os.path.join(workdir, 'events.out.tfevents.*'))
+                  for e in tf.compat.v1.train.summary_iterator(path)
+                  for v in e.summary.value if v.tag == 'train/loss')
+  assert logged == list(range(1, len(rows) + 1))
+
+
+def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
+  monkeypatch.setattr(ckpt_lib, '_LOCK_HEARTBEAT_SECONDS', 0.3)
+  workdir = gcs.url('heartbeat')
+  with ckpt_lib.workdir_lock(workdir):
+    gcs.reset_log()
+    time.sleep(1.6)
+    beats = [q for q in gcs.requests() if ckpt_lib.LOCK_FILE in q['object']]
+    holder = json.loads(fileio.read_text(os.path.join(workdir, ckpt_lib.LOCK_FILE)))
+  assert len(beats) >= 3 and {q['method'] for q in beats} == {'POST'}, beats
+  assert all('ifGenerationMatch=' in q['query'] for q in beats), beats
+  assert time.time() - holder['heartbeat'] < 1
+  # Asked of the server: TensorFlow's GCS filesystem caches what it stat-ed for 5 s.
+  assert gcs_lib.read(os.path.join(workdir, ckpt_lib.LOCK_FILE)) is None
+
+
+def _same_params(a, b, atol=0.0):
+  flat_a, flat_b = (jax.tree_util.tree_leaves_with_path(t) for t in (a, b))
+  assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+  for (path, x), (_, y) in zip(flat_a, flat_b):
+    np.testing.assert_allclose(x, y, rtol=0 if not atol else 1e-6, atol=atol,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_init_checkpoint_on_gs_and_tfrecords_on_gs(gcs, data, reference):
+  """train.init_checkpoint naming a gs:// pre-training workdir, and the same weights converted
+  into a Google TF checkpoint on gs://; the corpus as TFRecords on gs://. With a learning rate
+  of 1e-30 (a step that moves nothing but zeros) the run's weights are the initial
+  checkpoint's."""
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  inputs = {}
+  for split, n in (('train', 40), ('eval', 8)):
+    inputs[split] = gcs.url(f'records/{split}.tfrecord')
+    records.write_pretraining_records(inputs[split], [dict(
+        input_ids=rng.randint(5, 1000, 32), input_mask=np.ones(32, int),
+        segment_ids=(np.arange(32) >= 16).astype(int),
+        masked_lm_positions=np.sort(rng.choice(np.arange(1, 32), 5, False)),
+        masked_lm_ids=rng.randint(5, 1000, 5), next_sentence_labels=rng.randint(0, 2, 1),
+        masked_lm_weights=np.ones(5)) for _ in range(n)])
+  google = gcs.url('google_ckpt')
+  convert.convert(reference[0], google, 'google')
+  reference_params = ckpt_lib.load_pretrained_from_workdir(reference[0])[1]
+  for name, init in (('from_workdir', reference[0]), ('from_google', google)):
+    workdir = gcs.url(name)
+    config = config_files.load_config('smoke', _overrides(
+        dict(data, input=inputs['train'], eval_input=inputs['eval']), train__stop_at_step=1,
+        train__learning_rate=1e-30, train__init_checkpoint=init))
+    train.train_and_evaluate(config, workdir)
+    assert [r['step'] for r in _rows(workdir)[0]] == [1]
+    _same_params(ckpt_lib.load_pretrained_from_workdir(workdir)[1], reference_params, 1e-28)
+
+
+def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monkeypatch,
+                                                     tmp_path):
+  """Fine-tuning with its workdir, task data and initial checkpoint on gs://: a SIGTERM and a
+  rerun end as an uninterrupted run. Then predict, eval, features, fill-mask and convert read
+  their checkpoints and inputs from gs:// (predict and convert write there too)."""
+  from bert_jax import convert, features, fill_mask, finetune, predict  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(1)
+  words = fileio.read_text(data['input']).split()[:400]
+  data_dir = gcs.url('glue')
+  for split, n in (('train', 32), ('dev', 16)):
+    rows = [f'{" ".join(rng.choice(words, 6))}\t{rng.randint(0, 2)}' for _ in range(n)]
+    fileio.write_text(f'{data_dir}/SST-2/{split}.tsv', 'sentence\tlabel\n' + '\n'.join(rows) +
+                      '\n')
+  config = config_files.load_config('finetune_glue.py:sst2', {
+      'train.init_checkpoint': reference[0], 'data_dir': data_dir, 'data.max_seq_length': 32,
+      'buckets': (), 'train.batch_size': 8, 'eval.batch_size': 16, 'train.epochs': 1,
+      'checkpoint.every_steps': 2, 'log.every_steps': 1, 'log.progress': False})
+  full = finetune.finetune(config, gcs.url('sst2_full'))
+
+  log_train = monitor.MetricsLog.train
+
+  def train_then_sigterm(self, step, scalars, **extra):
+    log_train(self, step, scalars, **extra)
+    if step == 2:
+      signal.raise_signal(signal.SIGTERM)
+  monkeypatch.setattr(monitor.MetricsLog, 'train', train_then_sigterm)
+  workdir = gcs.url('sst2')
+  assert finetune.finetune(config, workdir) is None
+  assert ckpt_lib.checkpoint_steps(workdir) == [2]
+  monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
+  assert finetune.finetune(config, workdir) == full
+  assert _losses(workdir) == _losses(gcs.url('sst2_full'))
+
+  texts = gcs.url('use/texts.txt')
+  fileio.write_text(texts, 'the module returns a list\nan object of the class\n')
+  fileio.write_text(gcs.url('use/predict.jsonl'),
+                    '{"text_a": "the module returns a list"}\n{"text_a": "an object"}\n')
+  predict.predict(workdir, gcs.url('use/predict.jsonl'), gcs.url('use/predictions.jsonl'))
+  assert len(fileio.read_text(gcs.url('use/predictions.jsonl')).splitlines()) == 2
+
+  evaluated = train.evaluate_checkpoint(
+      config_files.load_config('smoke', _overrides(data, train__stop_at_step=REFERENCE_STEPS)),
+      reference[0])
+  last = _rows(reference[0])[1][-1]
+  for key in ('mlm_loss', 'nsp_loss'):
+    assert abs(evaluated[key] - last[key]) < 1e-5, (evaluated, last)
+
+  out = str(tmp_path / 'features.jsonl')  # Its outputs are local files.
+  features.extract_features(reference[0], texts, out, layers=(-1,))
+  assert len(fileio.read_text(out).splitlines()) == 2
+
+  filled = fill_mask.fill_mask(reference[0], ['the [MASK] returns a list'], top_k=3)
+  assert len(filled[0]['masks'][0]['predictions']) == 3
+
+  exported = gcs.url('use/bert_jax')  # Hugging Face directories are read from local disk only.
+  convert.convert(reference[0], exported, 'bert_jax')
+  _same_params(convert.load_pretrained(exported)[1], convert.load_pretrained(reference[0])[1])
+  assert convert.read_metadata(exported)['format'] == 'bert_jax'
+
+
+def test_a_bucket_that_does_not_exist_is_one_line_before_anything_runs(gcs, data, cache):
+  proc = _pretrain(gcs, cache, 'gs://no-such-bucket/run', _overrides(data))
+  out, err = _communicate(proc, 300)
+  assert proc.returncode == 2, err[-3000:]
+  assert err.strip().splitlines()[-1] == (
+      'bert-jax pretrain: error: --workdir=gs://no-such-bucket/run: the bucket '
+      'gs://no-such-bucket does not exist; create it (`gcloud storage buckets create '
+      'gs://no-such-bucket`) or fix the name')
+  assert 'Traceback' not in err and 'Model tiny' not in err
+
+
+def test_no_credentials_is_one_line_naming_the_path(gcs, tmp_path):
+  """Without a test server's settings, google-cloud-storage looks for credentials; there are
+  none in the namespace (no metadata server either)."""
+  env = {k: v for k, v in processes.env(str(tmp_path)).items()
+         if k not in ('STORAGE_EMULATOR_HOST', 'GOOGLE_AUTH_TOKEN_FOR_TESTING')}
+  env.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / 'gcloud'))
+  code = ('from bert_jax import gcs, errors\n'
+          'try:\n'
+          f'  gcs.check_access({gcs.url("run")!r}, "--workdir")\n'
+          'except errors.UserError as e:\n'
+          '  print(e)\n')
+  proc = subprocess.run(gcs.command([sys.executable, '-c', code]), cwd=processes.ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.stdout.startswith(f'--workdir={gcs.url("run")}: no Google credentials'), (
+      proc.stdout + proc.stderr[-3000:])
+  assert 'gcloud auth application-default login' in proc.stdout
+
+
+def test_launch_watch_recovers_a_preempted_finetuning_run_on_gs(gcs, tmp_path):
+  """launch_test's recovery test (`watch --mode=finetune`: the first run is preempted after a
+  logged step, the TPU is recreated, the rerun resumes) with its workdir, data and initial
+  checkpoint in the bucket instead of a folder standing in for it: the fake VM runs the remote
+  commands unchanged, in the server's namespace."""
+  import random  # pylint: disable=g-import-not-at-top
+  from bert_jax import convert, finetune, model as model_lib  # pylint: disable=g-import-not-at-top
+  import launch_test  # pylint: disable=g-import-not-at-top
+  fake_vm = launch_test._FAKE_TPU_VM  # pylint: disable=protected-access
+  for old, new in (
+      ("  remote = remote.replace('gs://', GCS + '/')\n", ''),
+      ("subprocess.Popen(['bash', '-c', remote]", "subprocess.Popen(NETNS + ['bash', '-c', remote]"),
+      ("os.path.exists(metrics) and '\"loss\"' in open(metrics).read()",
+       "'\"loss\"' in read_gs(metrics)"),
+      ('verb = args[3]\n', 'verb = args[3]\nNETNS = {netns!r}\n\n\ndef read_gs(path):\n'
+       '  from google.cloud import storage\n'
+       "  bucket, name = path[len('gs://'):].split('/', 1)\n"
+       '  blob = storage.Client().bucket(bucket).get_blob(name)\n'
+       "  return blob.download_as_text() if blob else ''\n\n\n")):
+    assert old in fake_vm, f'launch_test._FAKE_TPU_VM changed: {old!r} is gone'
+    fake_vm = fake_vm.replace(old, new)
+
+  vm, runs = tmp_path / 'vm', tmp_path / 'runs'
+  runs.mkdir()
+  words = launch_test._SST2_WORDS  # pylint: disable=protected-access
+  vocab = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + sum(words.values(), [])
+  (tmp_path / 'vocab.txt').write_text(''.join(w + '\n' for w in vocab))
+  tiny = model_lib.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, intermediate_size=64,
+                              max_position_embeddings=32)
+  convert.export_bert_jax(tiny, model_lib.init_params(tiny, jax.random.key(0)),
+                          gcs.url('watch/tiny'), vocab_file=str(tmp_path / 'vocab.txt'),
+                          lower_case=True)
+  rng = random.Random(0)
+  for split, n in (('train', 64), ('dev', 32)):
+    local = str(tmp_path / 'glue' / f'{split}.tsv')
+    launch_test._sst2(local, n, rng)  # pylint: disable=protected-access
+    with open(local) as f:
+      fileio.write_text(gcs.url(f'watch/glue/SST-2/{split}.tsv'), f.read())
+  overrides = {'train.init_checkpoint': gcs.url('watch/tiny'), 'data_dir': gcs.url('watch/glue'),
+               'data.max_seq_length': 16, 'buckets': '()', 'train.batch_size': 8,
+               'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
+               'log.every_steps': 1, 'log.progress': False}
+  reference = str(tmp_path / 'reference')
+  expected = finetune.finetune(config_files.load_config(
+      'finetune_glue.py:sst2', dict(overrides, buckets=())), reference)
+
+  state, calls = tmp_path / 'state', tmp_path / 'calls'
+  gcloud = launch_test._write_exe(tmp_path / 'gcloud', fake_vm.format(  # pylint: disable=protected-access
+      python=sys.executable, repo=processes.ROOT, state=str(state), calls=str(calls),
+      vm=str(vm), gcs=str(tmp_path / 'unused'), runs=str(runs), netns=gcs.command([])))
+  workdir = gcs.url('watch/sst2')
+  tpu = launch_test.tpu
+  status = tpu.main(
+      ['watch', '--mode=finetune', '--name=ft', '--zone=us-central2-b', '--accelerator_type=v4-8',
+       f'--config={processes.ROOT}/configs/finetune_glue.py:sst2', f'--workdir={workdir}',
+       '--install=bert_jax[tpu]', '--poll_seconds=0', f'--gcloud={gcloud}'] +
+      [f'--config.{k}={v}' for k, v in overrides.items()],
+      tpu.Shell(dry_run=False, sleep=lambda s: None))
+  first, second = (runs / '1.log').read_text(), (runs / '2.log').read_text()
+  assert status == 0, second[-5000:]
+  assert json.loads((runs / '1.status').read_text()) == 0, first[-5000:]
+  stopped = re.search(r'stopped at step (\d+) of 16', first)
+  assert stopped, first[-5000:]
+  assert f'Resumed from step {stopped.group(1)} ' in second
+  assert fileio.read_json(os.path.join(workdir, 'metrics.json')) == expected
+  with open(os.path.join(reference, monitor.METRICS_FILE)) as f:
+    reference_losses = [json.loads(line).get('loss') for line in f]
+  rows = sum(_rows(workdir), [])
+  assert [r['step'] for r in rows if 'loss' in r] == list(range(1, 17))
+  assert [r['loss'] for r in rows if 'loss' in r] == [
+      l for l in reference_losses if l is not None]
