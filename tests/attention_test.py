@@ -187,6 +187,7 @@ def test_fused_kernels_refuse_attention_dropout_and_the_wrong_backend():
 
 def test_pretraining_checks_the_attention_config_before_reading_data(tmp_path):
   config = config_files.load_config('configs/smoke.py', {'model.attention_impl': 'splash',
-                                                'model.attention_probs_dropout_prob': 0.0})
+                                                'model.attention_probs_dropout_prob': 0.0,
+                                                'data.max_seq_length': 128})
   with pytest.raises(UserError, match="model.attention_impl='splash' runs on TPUs only"):
     train.train_and_evaluate(config, str(tmp_path))

@@ -79,6 +79,22 @@ def _flags(overrides):
   return [f'--config.{k}={v}' for k, v in overrides.items()]
 
 
+# Runs `bert-jax pretrain` with 3 s after each logged training row past step 2: the test's
+# SIGTERM, sent once it sees 2 rows in the bucket, lands well before the run would end, however
+# loaded the machine.
+_SLOW_AFTER_STEP_2 = '''
+import sys, time
+from bert_jax import cli, monitor
+train = monitor.MetricsLog.train
+def slow_train(self, step, *args, **kwargs):
+  train(self, step, *args, **kwargs)
+  if step >= 2:
+    time.sleep(3)
+monitor.MetricsLog.train = slow_train
+cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
+'''
+
+
 def _pretrain(gcs, cache, workdir, overrides, script=None, env=None):
   """`bert-jax pretrain` (or `script` with the same flags) in the server's namespace."""
   argv = [sys.executable, script] if script else [sys.executable, '-m', 'bert_jax.cli',
@@ -171,7 +187,9 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   reference run's losses, each step once."""
   workdir = gcs.url('interrupted')
   overrides = _overrides(data, checkpoint__every_steps=1000)
-  proc = _pretrain(gcs, cache, workdir, overrides)
+  slow = tmp_path / 'slow_after_step_2.py'
+  slow.write_text(_SLOW_AFTER_STEP_2)
+  proc = _pretrain(gcs, cache, workdir, overrides, script=str(slow))
   try:
     deadline = time.time() + 400
     while len(_rows(workdir)[0]) < 2 and proc.poll() is None and time.time() < deadline:

@@ -916,7 +916,10 @@ def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, v
     logs.append(proc.stderr)
   assert any(e.startswith('jit_step-') for e in entries[0]), entries[0]
   assert any(e.startswith('jit_eval_step-') for e in entries[0]), entries[0]
-  assert entries[1] == entries[0]
+  # The steps come from the cache: no new entry of theirs. (Small programs that happened to
+  # take over the 0.2 s threshold only on a loaded machine may add entries of their own.)
+  steps = lambda e: [x for x in e if x.startswith(('jit_step-', 'jit_eval_step-'))]
+  assert steps(entries[1]) == steps(entries[0])
   for name in ('jit_step', 'jit_eval_step'):
     assert f"Persistent compilation cache hit for '{name}'" not in logs[0]
     assert f"Persistent compilation cache hit for '{name}'" in logs[1], logs[1][-5000:]
