@@ -456,6 +456,7 @@ def use_compilation_cache(workdir: str, cache_dir: str) -> str | None:
     logging.info('Compilation cache: %s', path)
   return path
 
+
 def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:
   return ocp.args.PyTreeRestore(
       abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))

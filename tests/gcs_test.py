@@ -101,7 +101,8 @@ def _pretrain(gcs, cache, workdir, overrides, script=None, env=None):
                                                   'pretrain']
   return subprocess.Popen(
       gcs.command(argv + [f'--workdir={workdir}'] + _flags(overrides)), cwd=processes.ROOT,
-      env=dict(processes.env(cache), **(env or {})), stdout=subprocess.PIPE,
+      env={k: v for k, v in dict(processes.env(cache), **(env or {})).items() if v is not None},
+      stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True)
 
 
@@ -189,7 +190,11 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   overrides = _overrides(data, checkpoint__every_steps=1000)
   slow = tmp_path / 'slow_after_step_2.py'
   slow.write_text(_SLOW_AFTER_STEP_2)
-  proc = _pretrain(gcs, cache, workdir, overrides, script=str(slow))
+  # This workdir's runs keep their compiled steps in its gs:// compilation cache (the default
+  # checkpoint.compilation_cache_dir), not in the suite's local one.
+  own_cache = {'JAX_COMPILATION_CACHE_DIR': None,
+               'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': None, 'JAX_LOG_COMPILES': '1'}
+  proc = _pretrain(gcs, cache, workdir, overrides, script=str(slow), env=own_cache)
   try:
     deadline = time.time() + 400
     while len(_rows(workdir)[0]) < 2 and proc.poll() is None and time.time() < deadline:
@@ -205,6 +210,9 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   stopped = max(_losses(workdir))
   assert ckpt_lib.checkpoint_steps(workdir) == [stopped]
   assert stopped < REFERENCE_STEPS, f'the signal landed too late to test a resume ({stopped})'
+  cached = [os.path.basename(p)
+            for p in fileio.glob(os.path.join(workdir, 'compilation_cache', '*'))]
+  assert any(e.startswith('jit_step-') for e in cached), cached
 
   script = tmp_path / 'killed_at_commit.py'
   script.write_text(_KILLED_AT_COMMIT)
@@ -216,10 +224,12 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   assert REFERENCE_STEPS not in committed and max(committed) >= stopped
   assert fileio.exists(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, str(REFERENCE_STEPS)))
 
-  proc = _pretrain(gcs, cache, workdir, _overrides(data, train__stop_at_step=REFERENCE_STEPS))
+  proc = _pretrain(gcs, cache, workdir, _overrides(data, train__stop_at_step=REFERENCE_STEPS),
+                   env=own_cache)
   _, err = _communicate(proc, 400)
   assert proc.returncode == 0, err[-5000:]
   assert 'Taking over the stale lock' in err
+  assert "Persistent compilation cache hit for 'jit_step'" in err  # Read back from gs://.
   assert _losses(workdir) == _losses(reference[0])
   assert ckpt_lib.checkpoint_steps(workdir)[-1] == REFERENCE_STEPS
 
