@@ -28,25 +28,10 @@ from bert_jax import train
 from bert_jax import vocab as vocab_lib
 import processes
 import records
+# The same tiny run as train_test's (its schedule; runs stop early with train.stop_at_step).
+from train_test import TINY, TOTAL_STEPS
 
-TOTAL_STEPS = 200  # The schedule; runs stop early with train.stop_at_step.
 REFERENCE_STEPS = 8
-TINY = {
-    'model.size': 'tiny',
-    'data.max_seq_length': 32,
-    'data.max_predictions_per_seq': 5,
-    'data.shuffle_buffer': 50,
-    'train.steps': TOTAL_STEPS,
-    'train.batch_size': 8,
-    'train.warmup_steps': 2,
-    'train.learning_rate': 1e-3,
-    'checkpoint.every_steps': 4,
-    'eval.every_steps': 1000,  # Only at the end of a run.
-    'eval.steps': 1,
-    'eval.batch_size': 8,
-    'log.every_steps': 1,
-    'log.progress': False,
-}
 
 
 @pytest.fixture(scope='module')
