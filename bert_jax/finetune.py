@@ -148,13 +148,10 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   defaults.check_moved_keys(config)
   task_table.kind_of(config.task)  # A misspelt task fails before the workdir and the checkpoint.
   workdir = fileio.workdir_path(workdir)
-  preemption = monitor.Preemption()  # From the start: SIGTERM during start-up is heard too.
-  try:
-    with ckpt_lib.workdir_lock(workdir):
-      preemption.check()
-      return _finetune(config, workdir, preemption)
-  finally:
-    preemption.restore()
+  # From the start, before the lock: SIGTERM during start-up is heard too.
+  with monitor.Preemption() as preemption, ckpt_lib.workdir_lock(workdir):
+    preemption.check()
+    return _finetune(config, workdir, preemption)
 
 
 class _EvalStopped(Exception):
@@ -419,7 +416,6 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
     manager.wait_until_finished()
     manager.close()
     log.close()
-    preemption.restore()
 
   # metrics.json marks the run finished; then only the best epoch's checkpoint is kept.
   if is_main:

@@ -256,3 +256,9 @@ class Preemption:
   def restore(self) -> None:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
+
+  def __enter__(self) -> 'Preemption':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.restore()

@@ -384,13 +384,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   save) the run stops at once with `errors.Preempted`.
   """
   workdir = fileio.workdir_path(workdir)
-  preemption = monitor.Preemption()  # From the start: SIGTERM during start-up is heard too.
-  try:
-    with ckpt_lib.workdir_lock(workdir):
-      preemption.check()
-      return _train_and_evaluate(config, workdir, preemption)
-  finally:
-    preemption.restore()
+  # From the start, before the lock: SIGTERM during start-up is heard too.
+  with monitor.Preemption() as preemption, ckpt_lib.workdir_lock(workdir):
+    preemption.check()
+    return _train_and_evaluate(config, workdir, preemption)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
