@@ -25,8 +25,8 @@ and named in the error; the checkpoints before it stay usable.
 
 One run at a time per workdir: `workdir_lock` holds `<workdir>/run.lock` (pid, host, heartbeat)
 on process 0 and refuses a second run while the holder is alive; it is created exclusively
-(on Cloud Storage with a generation precondition), so two runs started together cannot both
-take it.
+and a stale one is replaced only as it was read (on Cloud Storage both with generation
+preconditions), so two runs started together cannot both take it.
 
 Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) works like a
 local one (Orbax handles its own paths).
@@ -35,6 +35,7 @@ local one (Orbax handles its own paths).
 import asyncio
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -307,23 +308,52 @@ def _holder_alive(holder: dict) -> bool:
 
 
 def _create_lock(path: str, record: dict) -> int | None:
-  """Writes the lock if there is none, atomically where the filesystem can: O_EXCL locally,
-  a generation precondition (create-if-absent) on Cloud Storage. Its generation on Cloud
-  Storage, 0 elsewhere; None if another run's lock is there."""
+  """Writes the lock if there is none, atomically where the filesystem can: locally a complete
+  file hard-linked into place (a reader never sees it half written), on Cloud Storage a
+  generation precondition (create-if-absent). Its generation on Cloud Storage, 0 elsewhere; None
+  if another run's lock is there."""
   text = json.dumps(record)
   if gcs.is_gcs(path):
     return gcs.create_if_absent(path, text.encode())
   if not fileio.is_remote(path):
+    tmp = f'{path}.{record["token"]}'
+    with open(tmp, 'w') as f:
+      f.write(text)
     try:
-      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      os.link(tmp, path)  # Fails if the lock exists: the exclusive create.
     except FileExistsError:
       return None
-    with os.fdopen(fd, 'w') as f:
-      f.write(text)
+    finally:
+      os.remove(tmp)
     return 0
   # Other filesystems (ram://) have no exclusive create: write, then read back who won.
   fileio.write_json(path, record)
   return 0 if (_read_lock(path)[0] or {}).get('token') == record['token'] else None
+
+
+def _take_over(path: str, stale: dict | None, generation: int | None,
+               record: dict) -> int | None:
+  """Replaces the stale lock as it was read (`stale`; on Cloud Storage its `generation`) with
+  `record`, so that of several runs taking over the same stale lock exactly one gets it: on
+  Cloud Storage a single upload conditional on that generation; locally, under an flock of the
+  workdir, a removal only if the lock is still the stale one, then the exclusive create. As
+  `_create_lock`."""
+  if gcs.is_gcs(path):
+    if generation is None:
+      return _create_lock(path, record)
+    return gcs.replace_if_generation(path, json.dumps(record).encode(), generation)
+  if not fileio.is_remote(path):
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX)  # Released with the descriptor.
+      if _read_lock(path)[0] == stale:
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(path)
+      return _create_lock(path, record)
+    finally:
+      os.close(fd)
+  _remove_lock(path, generation)
+  return _create_lock(path, record)
 
 
 def _remove_lock(path: str, generation: int | None) -> None:
@@ -346,9 +376,10 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   Process 0 takes it (all processes learn the outcome); the holder is alive when it is a live
   pid on this host, or, on another host, when its heartbeat (rewritten every minute) is younger
   than LOCK_STALE_SECONDS. A stale lock (a killed run) is taken over with a warning. Taking it
-  is an exclusive create (O_EXCL; on Cloud Storage create-if-absent), so of two runs started
-  at the same moment one is refused; on Cloud Storage the heartbeat and the release, too, only
-  touch the generation this run wrote. Writing the lock is also the check that the workdir is
+  is an exclusive create (a hard link; on Cloud Storage create-if-absent), and taking over a
+  stale one replaces exactly the lock that was read (`_take_over`), so of two runs started at
+  the same moment one is refused, whether the lock was free or stale; on Cloud Storage the
+  heartbeat and the release, too, only touch the generation this run wrote. Writing the lock is also the check that the workdir is
   writable.
   """
   path = os.path.join(workdir, LOCK_FILE)
@@ -367,11 +398,15 @@ def workdir_lock(workdir: str) -> Iterator[None]:
                    'Wait for it to end or stop it, or use another --workdir; if no such run is '
                    f'alive, delete {path}.')
         break
-      if holder is not None or held is not None or fileio.gfile().exists(path):
-        logging.warning('Taking over the stale lock %s of a run that is gone: %s', path, holder)
-        _remove_lock(path, held)
+      stale = holder is not None or held is not None or (
+          not gcs.is_gcs(path) and fileio.gfile().exists(path))  # Unreadable: stale too.
       try:
-        generation = _create_lock(path, record)
+        if stale:
+          logging.warning('Taking over the stale lock %s of a run that is gone: %s', path,
+                          holder)
+          generation = _take_over(path, holder, held, record)
+        else:
+          generation = _create_lock(path, record)
       except Exception as e:  # pylint: disable=broad-except
         raise UserError(f'--workdir={workdir} is not writable ({path}: {e}); choose a '
                         'directory this job can write to') from e

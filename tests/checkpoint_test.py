@@ -15,6 +15,7 @@ from bert_jax import checkpoint
 from bert_jax import fileio
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
+import processes
 
 
 class _Manager:
@@ -113,6 +114,25 @@ def test_workdir_lock_refuses_a_live_run_and_takes_over_a_dead_one(tmp_path, whe
   finally:
     live.kill()
     live.wait()
+
+
+def test_runs_started_at_once_on_a_local_workdir_one_takes_the_lock(tmp_path):
+  """Three processes race for a local workdir's lock over several rounds: each round exactly one
+  holds it, whether the lock was free or left stale by a dead process on this host (only the
+  racer that still finds the stale lock under the workdir's flock replaces it)."""
+  workdir = str(tmp_path / 'w')
+  os.makedirs(workdir)
+  path = os.path.join(workdir, checkpoint.LOCK_FILE)
+  dead = subprocess.Popen(['true'])
+  dead.wait()
+
+  def before_round(r):
+    if r % 2:
+      with open(path, 'w') as f:
+        f.write(_lock_record(pid=dead.pid, host=socket.gethostname()))
+
+  processes.race_for_lock(workdir, str(tmp_path), before_round=before_round)
+  assert os.listdir(workdir) == []  # Released, and no temporary lock file left.
 
 
 def _sharded_state(step):

@@ -1,7 +1,11 @@
-"""What tests that start `bert-jax` subprocesses share: their environment and a free port."""
+"""What tests that start `bert-jax` subprocesses share: their environment, a free port, and a
+race of processes for a workdir's lock."""
 
 import os
 import socket
+import subprocess
+import sys
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,3 +28,61 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
+
+
+# Takes the lock of a workdir in rounds: waits for <go>_<round> to appear (then, in some rounds,
+# up to 5 or 30 ms more, so that the racers' requests overlap in some rounds and interleave in
+# others), tries the lock, and prints `held <round>` (then holds it a while and releases it) or `refused <round> <message>`.
+_LOCK_TAKER = '''
+import os, random, sys, time
+from bert_jax import checkpoint
+from bert_jax.errors import UserError
+workdir, go, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+print('ready', flush=True)
+for r in range(rounds):
+  while not os.path.exists(f'{go}_{r}'):
+    time.sleep(0.0005)
+  time.sleep(random.random() * (0, 0.005, 0.03)[r % 3])
+  try:
+    with checkpoint.workdir_lock(workdir):
+      print(f'held {r}', flush=True)
+      time.sleep(1.5)
+    print(f'released {r}', flush=True)
+  except UserError as e:
+    print(f'refused {r} {e}', flush=True)
+'''
+
+
+def race_for_lock(workdir: str, folder: str, rounds: int = 6, racers: int = 3,
+                  before_round: Callable[[int], None] = lambda r: None,
+                  wrap: Callable[[list[str]], list[str]] = list) -> None:
+  """`racers` processes race for the lock of `workdir`, released at the same moment, `rounds`
+  times (`before_round(r)` prepares each round, e.g. leaves a stale lock); asserts that each
+  round exactly one holds it and the others are refused naming the workdir. `wrap` wraps each
+  process's argv (a network namespace)."""
+  script, go = os.path.join(folder, 'lock_taker.py'), os.path.join(folder, 'go')
+  with open(script, 'w') as f:
+    f.write(_LOCK_TAKER)
+  procs = [subprocess.Popen(wrap([sys.executable, script, workdir, go, str(rounds)]), cwd=ROOT,
+                            env=env(os.path.join(folder, 'cache')), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+           for _ in range(racers)]
+  try:
+    assert [p.stdout.readline().strip() for p in procs] == ['ready'] * racers
+    for r in range(rounds):
+      before_round(r)
+      open(f'{go}_{r}', 'w').close()
+      results = [p.stdout.readline().strip() for p in procs]
+      held = [i for i, line in enumerate(results) if line == f'held {r}']
+      assert len(held) == 1, (r, results)
+      for i, line in enumerate(results):
+        if i not in held:
+          assert line.startswith(f'refused {r} --workdir={workdir}'), (r, line)
+      assert procs[held[0]].stdout.readline().strip() == f'released {r}'
+    for p in procs:
+      assert p.wait(60) == 0, p.stderr.read()[-3000:]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.communicate()
