@@ -379,8 +379,8 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   is an exclusive create (a hard link; on Cloud Storage create-if-absent), and taking over a
   stale one replaces exactly the lock that was read (`_take_over`), so of two runs started at
   the same moment one is refused, whether the lock was free or stale; on Cloud Storage the
-  heartbeat and the release, too, only touch the generation this run wrote. Writing the lock is also the check that the workdir is
-  writable.
+  heartbeat and the release, too, only touch the generation this run wrote. Writing the lock is
+  also the check that the workdir is writable.
   """
   path = os.path.join(workdir, LOCK_FILE)
   token = uuid.uuid4().hex

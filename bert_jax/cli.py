@@ -26,6 +26,7 @@ from bert_jax import config_files
 from bert_jax.config_files import configs_dir  # Where each command's default config is.
 from bert_jax import config_checks
 from bert_jax import errors
+from bert_jax import gcs
 from bert_jax.errors import UserError
 
 FLAGS = flags.FLAGS
@@ -398,6 +399,9 @@ def user_error_message(error: BaseException) -> str | None:
   carried = errors.from_tensorflow(error)  # A mistake found inside tf.data (one document).
   if carried is not None:
     return str(carried)
+  refused = gcs.denied(error)  # Cloud Storage refused a path no check named before.
+  if refused is not None:
+    return str(refused)
   if isinstance(error, (flags.Error, app.UsageError)):
     return str(error)
   if isinstance(error, SyntaxError) and error.filename and not os.path.realpath(

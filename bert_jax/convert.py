@@ -496,6 +496,9 @@ def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = N
   if not path:
     raise UserError(f'{flag} is empty: name a pre-trained checkpoint (bert_jax, Hugging Face, '
                     'Google TF, or a training workdir)')
+  fileio.check_bucket(path, flag)
+  if vocab_file:
+    fileio.check_bucket(vocab_file, 'vocab_file')
   bert_config, params = load_pretrained(path, scan_layers=scan_layers)
   vocab = vocab_file or find_vocab(path)
   if not vocab:

@@ -57,6 +57,7 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
   text = input_kind(spec) == 'text'
   files = []
   for pattern in patterns:
+    fileio.check_bucket(pattern, flag)
     matched = sorted(tf.io.gfile.glob(pattern))
     if not matched:
       raise UserError(f'{flag}: {pattern!r} matches no file')

@@ -103,10 +103,20 @@ def read_user_text(path: str, flag: str = '') -> str:
                     f'0x{data[e.start]:02x}); save it as UTF-8') from None
 
 
+def check_bucket(path: str, flag: str, write: bool = False) -> None:
+  """On Cloud Storage, raises a UserError naming `flag` if `path`'s bucket does not exist or this
+  machine may not read it (`write`: write to it); nothing for other paths. Before the work, so
+  that a missing permission is one line, not a traceback from whichever read meets it first."""
+  if gcs.is_gcs(path):
+    gcs.check_access(path, flag, write)
+
+
 def check_readable(path: str, flag: str) -> None:
   """Raises a UserError naming `flag` if the local file `path` is not a regular file (a named
-  pipe would block a reader) or cannot be opened for reading. Remote paths show on reading."""
+  pipe would block a reader) or cannot be opened for reading, or if this machine may not read
+  its bucket. Other remote paths show on reading."""
   if is_remote(path):
+    check_bucket(path, flag)
     return
   if not os.path.isfile(path):
     raise UserError(f'{flag}: {path} is not a regular file')
@@ -118,7 +128,8 @@ def check_readable(path: str, flag: str) -> None:
 
 def check_readable_dir(path: str, flag: str = '') -> None:
   """Raises a UserError naming `flag` and `path` if this user cannot list and enter the local
-  folder `path`."""
+  folder `path`, or may not read its bucket."""
+  check_bucket(path, flag)
   if not is_remote(path) and not os.access(path, os.R_OK | os.X_OK, effective_ids=_EFFECTIVE):
     raise UserError(f'{f"{flag}: " if flag else ""}{path}: cannot be read (Permission denied)')
 
@@ -126,6 +137,7 @@ def check_readable_dir(path: str, flag: str = '') -> None:
 def check_input_dir(path: str, flag: str) -> None:
   """Raises a UserError naming `flag` if the folder `path` is missing, is a file or (locally)
   cannot be read: the one line a folder of inputs (config.data_dir) gets, before its files'."""
+  check_bucket(path, flag)
   if not exists(path):
     raise UserError(f'{flag}={path}: no such folder')
   if not isdir(path):
@@ -207,8 +219,7 @@ def make_dirs(path: str, flag: str) -> None:
   """Makes the folder `path` (and its parents); a file in the way, a path that cannot be made or
   a local folder that cannot be written is a UserError naming `flag` (`--workdir`)."""
   tf = tensorflow()
-  if gcs.is_gcs(path):
-    gcs.check_access(path, flag)  # A missing bucket or permission: one line, not a traceback.
+  check_bucket(path, flag, write=True)
   if isfile(path):
     raise UserError(f'{flag}={path} is a file, not a folder: name a folder (it is created if '
                     'missing)')
@@ -216,6 +227,10 @@ def make_dirs(path: str, flag: str) -> None:
     _check_parents(path, flag)
   try:
     gfile().makedirs(path)
+  except tf.errors.PermissionDeniedError as e:
+    if gcs.is_gcs(path):  # A bucket it may read but not write (roles/storage.objectViewer).
+      raise gcs.no_permission(path, flag, e, write=True) from e
+    raise UserError(f'{flag}={path}: cannot create this folder ({e.message})') from e
   except tf.errors.OpError as e:
     raise UserError(f'{flag}={path}: cannot create this folder ({e.message})') from e
   if not is_remote(path) and not _writable(path):

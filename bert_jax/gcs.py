@@ -16,6 +16,7 @@ STORAGE_EMULATOR_HOST for a test server).
 """
 
 import functools
+import re
 import uuid
 
 from bert_jax.errors import UserError
@@ -121,15 +122,71 @@ def append(path: str, data: bytes) -> None:
     part.delete()
 
 
-def check_access(path: str, flag: str) -> None:
-  """Lists one object under `path`: a missing bucket, no credentials or no permission becomes a
-  UserError naming `flag`, the path and the fix."""
+def _reason(error: BaseException) -> str:
+  """Cloud Storage's own words for a refusal: the "message" of its JSON error (which
+  google-cloud-storage keeps in `errors`, and TensorFlow quotes in its text), else the first
+  line of the error."""
+  for detail in getattr(error, 'errors', None) or []:
+    if isinstance(detail, dict) and detail.get('message'):
+      return detail['message']
+  text = getattr(error, 'message', None) or str(error)
+  if match := re.search(r'"message":\s*"((?:[^"\\]|\\.)*)"', text):
+    return match.group(1).replace('\\"', '"')
+  return (text.strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def no_permission(path: str, flag: str, error: BaseException, write: bool = False) -> UserError:
+  """The UserError for a request on `path` that Cloud Storage refused (403): names `flag` (if
+  any), the path, the server's reason, and the role to grant."""
+  bucket = split(path)[0]
+  where = f'{flag}={path}' if flag else path
+  role = 'roles/storage.objectAdmin' if write else 'roles/storage.objectViewer'
+  return UserError(
+      f'{where}: no permission to {"write to" if write else "read"} gs://{bucket} '
+      f'({_reason(error)}); grant this machine\'s account {role} on the bucket (`gcloud storage '
+      f'buckets add-iam-policy-binding gs://{bucket} --member=... --role={role}`), or '
+      f'{_FIX_CREDENTIALS}')
+
+
+def _refused(error: BaseException) -> bool:
+  """Whether `error` is Cloud Storage refusing access: TensorFlow's PermissionDeniedError,
+  google-cloud-storage's Forbidden, tensorstore's PERMISSION_DENIED."""
+  name = type(error).__name__
+  return (name in ('PermissionDeniedError', 'Forbidden') or
+          'PERMISSION_DENIED' in str(error) or 'HTTP response code 403' in str(error))
+
+
+def denied(error: BaseException) -> UserError | None:
+  """The UserError for a Cloud Storage refusal anywhere in `error`'s chain, naming the gs://
+  path the error names (TensorFlow and tensorstore quote it; google-cloud-storage's URL holds
+  the bucket); None for anything else, a local permission error included."""
+  seen = []
+  while error is not None and error not in seen:
+    seen.append(error)
+    text = str(error)
+    if _refused(error):
+      if match := re.search(r'gs://[^\s\'"]+', text):
+        return no_permission(match.group(0).rstrip('.,;:)'), '', error,
+                             write=bool(re.search(r'\b(upload|writ|creat|delet)', text, re.I)))
+      if match := re.search(r'/storage/v1/b/([^/?\s]+)', text):
+        return no_permission(f'gs://{match.group(1)}', '', error,
+                             write=bool(re.match(r'(POST|PUT|PATCH|DELETE) ', text)))
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def check_access(path: str, flag: str, write: bool = False) -> None:
+  """Lists one object under `path` (a glob: under its part before the first wildcard): a missing
+  bucket, no credentials or no permission becomes a
+  UserError naming `flag`, the path and the fix (`write`: the path is to be written, so the
+  role to grant is objectAdmin)."""
   from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
   import google.auth.exceptions  # pylint: disable=g-import-not-at-top
   bucket, name = split(path)
   where = f'{flag}={path}' if flag else path
   try:
-    next(iter(client().list_blobs(bucket, prefix=name, max_results=1)), None)
+    prefix = re.split(r'[*?[]', name, maxsplit=1)[0]
+    next(iter(client().list_blobs(bucket, prefix=prefix, max_results=1)), None)
   except google.auth.exceptions.GoogleAuthError as e:
     raise UserError(f'{where}: no Google credentials to reach Cloud Storage ({e}); '
                     f'{_FIX_CREDENTIALS}') from e
@@ -137,7 +194,4 @@ def check_access(path: str, flag: str) -> None:
     raise UserError(f'{where}: the bucket gs://{bucket} does not exist; create it (`gcloud '
                     f'storage buckets create gs://{bucket}`) or fix the name') from e
   except (exceptions.Forbidden, exceptions.Unauthorized) as e:
-    raise UserError(f'{where}: no permission on gs://{bucket} ({e.message}); grant this '
-                    "machine's account roles/storage.objectAdmin on the bucket "
-                    f'(`gcloud storage buckets add-iam-policy-binding gs://{bucket} ...`), or '
-                    f'{_FIX_CREDENTIALS}') from e
+    raise no_permission(path, flag, e, write) from e

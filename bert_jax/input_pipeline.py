@@ -512,6 +512,7 @@ def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
   written atomically, so processes training it side by side never see a partial file.
   """
   if data.vocab_file:
+    fileio.check_bucket(data.vocab_file, 'data.vocab_file')
     return data.vocab_file
   check_vocab_given(data)
   if workdir:

@@ -424,6 +424,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   for phase in phases:
     input_pipeline.check_vocab_given(phase_data(config, phase), f'phase {phase.index + 1} reads ')
   # A vocab trained here comes from the first phase's input.
+  fileio.check_bucket(config.train.init_checkpoint, 'train.init_checkpoint')  # Not at init.
   vocab_file = input_pipeline.resolve_vocab(phase_data(config, phases[0]), workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   local_batch = config.train.batch_size // jax.process_count()

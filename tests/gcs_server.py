@@ -11,7 +11,9 @@ separate process (`python3 tests/gcs_server.py proxy ...`):
     the `Transfer-Encoding: identity` that fake-gcs-server rejects on empty bodies, and points the
     upload URLs the server hands out back at the name the client asked for.
 The proxy logs every request (method, path, bytes each way) to a file: the tests count what a run
-costs on an object store from it.
+costs on an object store from it. It also plays IAM for two more buckets, answering as Cloud
+Storage does when a permission is missing (403 and its JSON error): FORBIDDEN_BUCKET (no access)
+and READ_ONLY_BUCKET (roles/storage.objectViewer).
 
 Where the tests run as root, the server, the proxy's inner side and every `bert-jax` subprocess
 live in a network namespace of their own that holds only loopback (`unshare -n`): nothing they do
@@ -45,6 +47,12 @@ _HOSTS = ('www.googleapis.com', 'storage.googleapis.com')
 _HOP_BY_HOP = {'connection', 'proxy-connection', 'keep-alive', 'transfer-encoding', 'te',
                'trailer', 'upgrade', 'content-length', 'proxy-authorization'}
 BUCKET = 'bert-jax-test'
+# Buckets whose access the proxy refuses as Cloud Storage does when IAM denies it (the server
+# itself has no access control): the test account has no role on FORBIDDEN_BUCKET (every request
+# is a 403) and can only read READ_ONLY_BUCKET (a write is a 403).
+FORBIDDEN_BUCKET = 'bert-jax-forbidden'
+READ_ONLY_BUCKET = 'bert-jax-read-only'
+_ACCOUNT = 'ci@bert-jax-test.iam.gserviceaccount.com'
 
 
 def server_binary() -> str:
@@ -156,14 +164,15 @@ class GcsServer:
     _wait_for_port(self.port, proxy, 'the GCS proxy')
     url = f'http://127.0.0.1:{self.port}'
     deadline = time.time() + 30
-    while True:  # The server starts behind the proxy: 502 until it listens.
+    buckets = [BUCKET, FORBIDDEN_BUCKET, READ_ONLY_BUCKET]
+    while buckets:  # The server starts behind the proxy: 502 until it listens.
       try:
         request = urllib.request.Request(
-            f'{url}/storage/v1/b?project=test', data=json.dumps({'name': BUCKET}).encode(),
+            f'{url}/storage/v1/b?project=test', data=json.dumps({'name': buckets[0]}).encode(),
             headers={'Content-Type': 'application/json'}, method='POST')
         with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request) as r:
           r.read()
-        break
+        buckets.pop(0)
       except OSError as e:
         if server.poll() is not None or time.time() > deadline:
           raise RuntimeError(f'fake-gcs-server did not start: {e}; '
@@ -248,6 +257,29 @@ def _object_name(path: str, query: str, body: bytes) -> str:
   return ''
 
 
+def _bucket(path: str, host: str) -> str:
+  """The bucket a request names: JSON API /storage/v1/b/BUCKET/... (uploads and downloads too),
+  or the public host's path-style /BUCKET/NAME."""
+  if match := re.match(r'/(?:upload/|download/)?storage/v1/b/([^/?]+)', path):
+    return urllib.parse.unquote(match.group(1))
+  if host == 'storage.googleapis.com' and (match := re.match(r'/([^/?]+)/', path)):
+    return urllib.parse.unquote(match.group(1))
+  return ''
+
+
+def _denied(method: str, path: str, host: str) -> str:
+  """The permission Cloud Storage would deny this request ('' if none)."""
+  bucket = _bucket(path, host)
+  write = method in ('POST', 'PUT', 'PATCH', 'DELETE')
+  if bucket == FORBIDDEN_BUCKET or (bucket == READ_ONLY_BUCKET and write):
+    if method == 'DELETE':
+      return 'storage.objects.delete'
+    if write:
+      return 'storage.objects.create'
+    return 'storage.objects.get' if re.search(r'/o/', path) else 'storage.objects.list'
+  return ''
+
+
 def _handler(server_port: int, cert: str, key: str, log):
   tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
   tls.load_cert_chain(cert, key)
@@ -298,6 +330,16 @@ def _handler(server_port: int, cert: str, key: str, log):
       headers['Host'] = self.tls_host or f'127.0.0.1:{server_port}'
       if body or self.command in ('POST', 'PUT', 'PATCH'):
         headers['Content-Length'] = str(len(body))
+      path_only, _, query = path.partition('?')
+      if permission := _denied(self.command, path_only, self.tls_host):
+        message = (f'{_ACCOUNT} does not have {permission} access to the Google Cloud Storage '
+                   f'bucket. Permission \'{permission}\' denied on resource (or it may not '
+                   'exist).')
+        self._answer(403, 'Forbidden', json.dumps({'error': {
+            'code': 403, 'message': message,
+            'errors': [{'message': message, 'domain': 'global', 'reason': 'forbidden'}]}}
+                                                  ).encode(), path_only, query, body)
+        return
       for attempt in range(2):
         try:
           if self.upstream is None:
@@ -313,16 +355,19 @@ def _handler(server_port: int, cert: str, key: str, log):
           if attempt:
             self.send_error(502)
             return
+      self._answer(resp.status, resp.reason, data, path_only, query, body, resp.getheaders())
+
+    def _answer(self, status, reason, data, path, query, body, headers=(
+        ('Content-Type', 'application/json; charset=UTF-8'),)):
       # Logged before the client has its answer: a test that counts after a call sees it.
-      path_only, _, query = path.partition('?')
-      record = dict(method=self.command, host=self.tls_host or 'http', path=path_only,
-                    query=query, object=_object_name(path_only, query, body), sent=len(body),
-                    received=len(data), status=resp.status)
+      record = dict(method=self.command, host=self.tls_host or 'http', path=path,
+                    query=query, object=_object_name(path, query, body), sent=len(body),
+                    received=len(data), status=status)
       with lock:
         log.write(json.dumps(record) + '\n')
         log.flush()
-      self.send_response(resp.status, resp.reason)
-      for k, v in resp.getheaders():
+      self.send_response(status, reason)
+      for k, v in headers:
         if k.lower() in _HOP_BY_HOP:
           continue
         if k.lower() == "location" and self.tls_host:

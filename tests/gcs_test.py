@@ -20,12 +20,14 @@ import pytest
 
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_files
+from bert_jax import errors
 from bert_jax import fileio
 from bert_jax import gcs as gcs_lib
 from bert_jax import monitor
 from bert_jax import sample_corpus
 from bert_jax import train
 from bert_jax import vocab as vocab_lib
+import gcs_server
 import processes
 import records
 # The same tiny run as train_test's (its schedule; runs stop early with train.stop_at_step).
@@ -411,6 +413,70 @@ def test_no_credentials_is_one_line_naming_the_path(gcs, tmp_path):
   assert proc.stdout.startswith(f'--workdir={gcs.url("run")}: no Google credentials'), (
       proc.stdout + proc.stderr[-3000:])
   assert 'gcloud auth application-default login' in proc.stdout
+
+
+def test_a_missing_permission_is_one_line_naming_the_key_and_the_role(gcs, data, cache,
+                                                                     tmp_path):
+  """The proxy refuses requests as Cloud Storage does when IAM denies them (403 and its JSON
+  message): no role at all on one bucket, read-only on another. A workdir, corpus, held-out text,
+  vocabulary or initial checkpoint there stops `bert-jax pretrain` with one line naming the key,
+  the bucket and the role to grant, before the model is built."""
+  forbidden, read_only = (f'gs://{b}' for b in (gcs_server.FORBIDDEN_BUCKET,
+                                                gcs_server.READ_ONLY_BUCKET))
+  local = str(tmp_path / 'run{}')
+  cases = [  # (workdir, overrides, the key the line names, its bucket, read or write)
+      (f'{forbidden}/run', {}, '--workdir', forbidden, 'write to'),
+      (f'{read_only}/run', {}, '--workdir', read_only, 'write to'),
+      (local.format(1), {'data.input': f'{forbidden}/corpus/*.txt'}, 'data.input', forbidden,
+       'read'),
+      (local.format(2), {'data.eval_input': f'{forbidden}/eval.txt'}, 'data.eval_input',
+       forbidden, 'read'),
+      (local.format(3), {'data.vocab_file': f'{forbidden}/vocab.txt'}, 'data.vocab_file',
+       forbidden, 'read'),
+      (local.format(4), {'train.init_checkpoint': f'{forbidden}/bert'}, 'train.init_checkpoint',
+       forbidden, 'read')]
+  procs = [_pretrain(gcs, cache, workdir, _overrides(data, **{k.replace('.', '__'): v
+                                                             for k, v in extra.items()}))
+           for workdir, extra, *_ in cases]  # At once: each stops within seconds.
+  for proc, (workdir, extra, key, bucket, access) in zip(procs, cases):
+    out, err = _communicate(proc, 300)
+    value = workdir if key == '--workdir' else extra[key]
+    role = 'objectAdmin' if access == 'write to' else 'objectViewer'
+    assert proc.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf'bert-jax pretrain: error: (.*: )?{re.escape(key)}={re.escape(value)}: no permission '
+        rf'to {access} {bucket} \(ci@\S+ does not have storage\.objects\.\w+ access .*\); '
+        rf'grant this machine\'s account roles/storage\.{role} on the bucket .*', last), last
+    assert 'Traceback' not in err and 'Model tiny' not in err
+
+
+def test_a_refusal_no_check_named_is_still_one_line_naming_the_path(gcs):
+  """Past the checks, whatever meets a 403 first (TensorFlow's file system, google-cloud-storage,
+  a fine-tuning data_dir or a workdir read by the commands that use a model) becomes the same
+  one line (`cli.user_error_message`), naming the object's path."""
+  from bert_jax import cli  # pylint: disable=g-import-not-at-top
+  forbidden = f'gs://{gcs_server.FORBIDDEN_BUCKET}'
+  with pytest.raises(Exception) as tf_error:
+    fileio.read_text(f'{forbidden}/data/train.tsv')
+  with pytest.raises(Exception) as client_error:
+    gcs_lib.read(f'{forbidden}/run/run.lock')
+  with pytest.raises(Exception) as upload_error:
+    fileio.write_text(f'gs://{gcs_server.READ_ONLY_BUCKET}/out/predictions.jsonl', 'x')
+  messages = [cli.user_error_message(e.value) for e in (tf_error, client_error, upload_error)]
+  assert messages[0].startswith(f'{forbidden}/data/train.tsv: no permission to read {forbidden} '
+                                '(ci@'), messages[0]
+  assert messages[1].startswith(f'{forbidden}: no permission to read {forbidden} (ci@')
+  # Its folder first (a folder marker object).
+  assert messages[2].startswith(f'gs://{gcs_server.READ_ONLY_BUCKET}/out/: no permission to '
+                                'write to'), messages[2]
+  for flag, check in (('data.data_dir', fileio.check_input_dir),
+                      ('--workdir', fileio.check_readable_dir)):
+    with pytest.raises(errors.UserError, match=re.escape(
+        f'{flag}={forbidden}/glue: no permission to read {forbidden} (')):
+      check(f'{forbidden}/glue', flag)
+  local = PermissionError(13, 'Permission denied', '/root/secret.txt')
+  assert cli.user_error_message(local) is None  # Not Cloud Storage's: a bug until named.
 
 
 def test_launch_watch_recovers_a_preempted_finetuning_run_on_gs(gcs, tmp_path):

@@ -32,7 +32,8 @@ def free_port() -> int:
 
 # Takes the lock of a workdir in rounds: waits for <go>_<round> to appear (then, in some rounds,
 # up to 5 or 30 ms more, so that the racers' requests overlap in some rounds and interleave in
-# others), tries the lock, and prints `held <round>` (then holds it a while and releases it) or `refused <round> <message>`.
+# others), tries the lock, and prints `held <round>` (then holds it a while and releases it) or
+# `refused <round> <message>`.
 _LOCK_TAKER = '''
 import os, random, sys, time
 from bert_jax import checkpoint
