@@ -216,7 +216,8 @@ def restore_latest(manager: ocp.CheckpointManager, workdir: str, abstract_state:
   skipped = []
   for step in sorted(manager.all_steps(), reverse=True):
     try:
-      metadata = manager.item_metadata(step)['params']
+      with _reads_end_their_tasks():  # Its metadata reads, too.
+        metadata = manager.item_metadata(step)['params']
       _check_shapes(metadata, abstract_state.params, os.path.join(ckpt_dir, str(step)))
       state, meta = restore(manager, step, abstract_state)
     except UserError:
@@ -504,8 +505,19 @@ class _TaskEndingLoop(asyncio.SelectorEventLoop):
   ending its tasks: when one array of a checkpoint cannot be read, the reads of the others are
   left suspended, and whenever the garbage collector later closes them, Orbax's reader turns
   that into an exception nobody can catch ("Exception ignored in: <coroutine object
-  _read_array_index_and_device_put>"). Cancelled here instead, they end inside their loop.
+  _read_array_index_and_device_put>"). Cancelled here instead, they end inside their loop. A
+  read that tensorstore finishes after that still hands its result to the loop from its own
+  thread; with nothing left to wait for it, the result is dropped rather than raised there
+  ("Event loop is closed", which no one could catch either).
   """
+
+  def call_soon_threadsafe(self, callback, *args, context=None):
+    try:
+      return super().call_soon_threadsafe(callback, *args, context=context)
+    except RuntimeError:
+      if self.is_closed():
+        return None
+      raise
 
   def close(self) -> None:
     pending = [task for task in asyncio.all_tasks(self) if not task.done()]
