@@ -170,7 +170,7 @@ def denied(error: BaseException) -> UserError | None:
                              write=bool(re.search(r'\b(upload|writ|creat|delet)', text, re.I)))
       if match := re.search(r'/storage/v1/b/([^/?\s]+)', text):
         return no_permission(f'gs://{match.group(1)}', '', error,
-                             write=bool(re.match(r'(POST|PUT|PATCH|DELETE) ', text)))
+                             write=bool(re.search(r'\b(POST|PUT|PATCH|DELETE) https?://', text)))
     error = error.__cause__ or error.__context__
   return None
 

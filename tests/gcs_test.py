@@ -244,11 +244,13 @@ def _cost(requests, name):
   return len(hits), sum(q['sent'] + q['received'] for q in hits)
 
 
-def test_a_logged_step_costs_the_same_however_long_the_run(gcs):
+def test_a_logged_step_costs_the_same_however_long_the_run(gcs, monkeypatch):
   """An object cannot be appended to: metrics.jsonl's rows are composed onto it server-side,
-  and TensorBoard's scalars go out monitor.EVENTS_BATCH_ROWS rows at a time into events files of
-  their own. The 300th row costs the requests and bytes of the 2nd, each batch of events those
+  and TensorBoard's scalars go out monitor.EVENTS_BATCH_ROWS rows at a time (30 here, 100 in a
+  run) into events files of their own. The 90th row costs the requests and bytes of the 2nd
+  (rewriting the file whole, it would cost over ten times the bytes), each batch of events those
   of the first, and both read back whole."""
+  monkeypatch.setattr(monitor, 'EVENTS_BATCH_ROWS', 30)
   workdir = gcs.url('cost')
   log = monitor.MetricsLog(workdir)
   row = {k: 0.123456789 for k in ('loss', 'mlm_loss', 'mlm_accuracy', 'nsp_loss',
@@ -463,13 +465,18 @@ def test_a_refusal_no_check_named_is_still_one_line_naming_the_path(gcs):
     gcs_lib.read(f'{forbidden}/run/run.lock')
   with pytest.raises(Exception) as upload_error:
     fileio.write_text(f'gs://{gcs_server.READ_ONLY_BUCKET}/out/predictions.jsonl', 'x')
-  messages = [cli.user_error_message(e.value) for e in (tf_error, client_error, upload_error)]
+  with pytest.raises(Exception) as client_upload_error:
+    gcs_lib.create_if_absent(f'gs://{gcs_server.READ_ONLY_BUCKET}/run/run.lock', b'{}')
+  messages = [cli.user_error_message(e.value) for e in (tf_error, client_error, upload_error,
+                                                        client_upload_error)]
   assert messages[0].startswith(f'{forbidden}/data/train.tsv: no permission to read {forbidden} '
                                 '(ci@'), messages[0]
   assert messages[1].startswith(f'{forbidden}: no permission to read {forbidden} (ci@')
   # Its folder first (a folder marker object).
   assert messages[2].startswith(f'gs://{gcs_server.READ_ONLY_BUCKET}/out/: no permission to '
                                 'write to'), messages[2]
+  assert messages[3].startswith(f'gs://{gcs_server.READ_ONLY_BUCKET}: no permission to write '
+                                'to'), messages[3]
   for flag, check in (('data.data_dir', fileio.check_input_dir),
                       ('--workdir', fileio.check_readable_dir)):
     with pytest.raises(errors.UserError, match=re.escape(
