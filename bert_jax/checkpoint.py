@@ -324,12 +324,34 @@ def _create_lock(path: str, record: dict) -> int | None:
       os.link(tmp, path)  # Fails if the lock exists: the exclusive create.
     except FileExistsError:
       return None
+    except OSError as e:
+      if e.errno not in _NO_HARD_LINKS:
+        raise
+      return _create_exclusive(path, text)
     finally:
       os.remove(tmp)
     return 0
   # Other filesystems (ram://) have no exclusive create: write, then read back who won.
   fileio.write_json(path, record)
   return 0 if (_read_lock(path)[0] or {}).get('token') == record['token'] else None
+
+
+# What link() says on filesystems without hard links (Cloud Storage FUSE mounts, some others).
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)
+# An unreadable local lock younger than this may be one being written (_create_exclusive).
+_LOCK_WRITE_SECONDS = 10
+
+
+def _create_exclusive(path: str, text: str) -> int | None:
+  """O_EXCL, then the contents: where there are no hard links. A reader can see the lock empty
+  for a moment; `_take_over` leaves a young unreadable lock alone."""
+  try:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+  except FileExistsError:
+    return None
+  with os.fdopen(fd, 'w') as f:
+    f.write(text)
+  return 0
 
 
 def _take_over(path: str, stale: dict | None, generation: int | None,
@@ -347,6 +369,9 @@ def _take_over(path: str, stale: dict | None, generation: int | None,
     fd = os.open(os.path.dirname(path), os.O_RDONLY)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX)  # Released with the descriptor.
+      with contextlib.suppress(FileNotFoundError):
+        if stale is None and time.time() - os.path.getmtime(path) < _LOCK_WRITE_SECONDS:
+          return None  # Perhaps another run's lock, being written.
       if _read_lock(path)[0] == stale:
         with contextlib.suppress(FileNotFoundError):
           os.remove(path)

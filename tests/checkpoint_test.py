@@ -3,6 +3,7 @@ Cloud Storage, which the machines that run these tests cannot reach."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -116,10 +117,32 @@ def test_workdir_lock_refuses_a_live_run_and_takes_over_a_dead_one(tmp_path, whe
     live.wait()
 
 
-def test_runs_started_at_once_on_a_local_workdir_one_takes_the_lock(tmp_path):
+def test_an_empty_local_lock_is_left_alone_while_young(tmp_path):
+  """Without hard links a lock is created empty and then written: an empty lock younger than
+  _LOCK_WRITE_SECONDS may be another run's being written, so it is not taken over; an older one
+  is a run that died there."""
+  workdir = str(tmp_path / 'w')
+  os.makedirs(workdir)
+  path = os.path.join(workdir, checkpoint.LOCK_FILE)
+  open(path, 'w').close()
+  with pytest.raises(UserError, match=re.escape(
+      f'--workdir={workdir}: could not take the lock {path} (another run starts?)')):
+    with checkpoint.workdir_lock(workdir):
+      pass
+  assert os.path.getsize(path) == 0
+  old = time.time() - checkpoint._LOCK_WRITE_SECONDS - 1  # pylint: disable=protected-access
+  os.utime(path, (old, old))
+  with checkpoint.workdir_lock(workdir):
+    assert json.loads(open(path).read())['pid'] == os.getpid()
+  assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize('hard_links', [True, False])
+def test_runs_started_at_once_on_a_local_workdir_one_takes_the_lock(tmp_path, hard_links):
   """Three processes race for a local workdir's lock over several rounds: each round exactly one
   holds it, whether the lock was free or left stale by a dead process on this host (only the
-  racer that still finds the stale lock under the workdir's flock replaces it)."""
+  racer that still finds the stale lock under the workdir's flock replaces it), and whether the
+  filesystem has hard links (the lock appears whole) or not (O_EXCL, then its contents)."""
   workdir = str(tmp_path / 'w')
   os.makedirs(workdir)
   path = os.path.join(workdir, checkpoint.LOCK_FILE)
@@ -131,7 +154,8 @@ def test_runs_started_at_once_on_a_local_workdir_one_takes_the_lock(tmp_path):
       with open(path, 'w') as f:
         f.write(_lock_record(pid=dead.pid, host=socket.gethostname()))
 
-  processes.race_for_lock(workdir, str(tmp_path), before_round=before_round)
+  processes.race_for_lock(workdir, str(tmp_path), before_round=before_round,
+                          hard_links=hard_links)
   assert os.listdir(workdir) == []  # Released, and no temporary lock file left.
 
 

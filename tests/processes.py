@@ -35,10 +35,14 @@ def free_port() -> int:
 # others), tries the lock, and prints `held <round>` (then holds it a while and releases it) or
 # `refused <round> <message>`.
 _LOCK_TAKER = '''
-import os, random, sys, time
+import errno, os, random, sys, time
 from bert_jax import checkpoint
 from bert_jax.errors import UserError
-workdir, go, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+workdir, go, rounds, hard_links = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1'
+if not hard_links:  # As on a Cloud Storage FUSE mount.
+  def link(*args, **kwargs):
+    raise OSError(errno.ENOTSUP, 'Operation not supported')
+  os.link = link
 print('ready', flush=True)
 for r in range(rounds):
   while not os.path.exists(f'{go}_{r}'):
@@ -56,15 +60,18 @@ for r in range(rounds):
 
 def race_for_lock(workdir: str, folder: str, rounds: int = 6, racers: int = 3,
                   before_round: Callable[[int], None] = lambda r: None,
-                  wrap: Callable[[list[str]], list[str]] = list) -> None:
+                  wrap: Callable[[list[str]], list[str]] = list, hard_links: bool = True
+                  ) -> None:
   """`racers` processes race for the lock of `workdir`, released at the same moment, `rounds`
   times (`before_round(r)` prepares each round, e.g. leaves a stale lock); asserts that each
   round exactly one holds it and the others are refused naming the workdir. `wrap` wraps each
-  process's argv (a network namespace)."""
+  process's argv (a network namespace); `hard_links=False` makes os.link fail in the racers, as
+  on filesystems without hard links."""
   script, go = os.path.join(folder, 'lock_taker.py'), os.path.join(folder, 'go')
   with open(script, 'w') as f:
     f.write(_LOCK_TAKER)
-  procs = [subprocess.Popen(wrap([sys.executable, script, workdir, go, str(rounds)]), cwd=ROOT,
+  procs = [subprocess.Popen(wrap([sys.executable, script, workdir, go, str(rounds),
+                                  str(int(hard_links))]), cwd=ROOT,
                             env=env(os.path.join(folder, 'cache')), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
            for _ in range(racers)]
