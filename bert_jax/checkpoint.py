@@ -368,7 +368,12 @@ def _take_over(path: str, stale: dict | None, generation: int | None,
   if not fileio.is_remote(path):
     fd = os.open(os.path.dirname(path), os.O_RDONLY)
     try:
-      fcntl.flock(fd, fcntl.LOCK_EX)  # Released with the descriptor.
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # Released with the descriptor.
+      except OSError:
+        # NFS emulates flock with byte-range locks, which need a file open for writing, never a
+        # folder (flock(2)): taken over unserialised there.
+        pass
       with contextlib.suppress(FileNotFoundError):
         if stale is None and time.time() - os.path.getmtime(path) < _LOCK_WRITE_SECONDS:
           return None  # Perhaps another run's lock, being written.

@@ -137,6 +137,24 @@ def test_an_empty_local_lock_is_left_alone_while_young(tmp_path):
   assert not os.path.exists(path)
 
 
+def test_a_stale_lock_is_taken_over_where_the_workdir_cannot_be_flocked(tmp_path, monkeypatch):
+  """On NFS, flock of a folder fails (EBADF): the stale lock is still taken over."""
+  import errno  # pylint: disable=g-import-not-at-top
+  import fcntl  # pylint: disable=g-import-not-at-top
+
+  def refused(*args):
+    raise OSError(errno.EBADF, 'Bad file descriptor')
+
+  monkeypatch.setattr(fcntl, 'flock', refused)
+  workdir = str(tmp_path / 'w')
+  os.makedirs(workdir)
+  path = os.path.join(workdir, checkpoint.LOCK_FILE)
+  with open(path, 'w') as f:
+    f.write(_lock_record(heartbeat=time.time() - 3600))
+  with checkpoint.workdir_lock(workdir):
+    assert json.loads(open(path).read())['pid'] == os.getpid()
+
+
 @pytest.mark.parametrize('hard_links', [True, False])
 def test_runs_started_at_once_on_a_local_workdir_one_takes_the_lock(tmp_path, hard_links):
   """Three processes race for a local workdir's lock over several rounds: each round exactly one
