@@ -11,11 +11,35 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              ' --xla_force_host_platform_device_count=8').strip()
-# Compile time dominates the tiny models of the tests.
+# Compile time dominates the tiny models of most tests; modules whose runs take many steps opt
+# out (OPTIMIZE_XLA, below).
 os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
 
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.fixture(scope='module', autouse=True)
+def xla_optimizations(request):
+  """XLA's optimizations for a module that sets `OPTIMIZE_XLA = True`, in this process and the
+  subprocesses it starts meanwhile (their environment): its runs take enough steps, each about
+  eight times slower unoptimized on CPU, to outweigh the slower compiles (train_test: about a
+  third less time). Every run of such a module compiles alike, so their losses compare
+  exactly."""
+  if not getattr(request.module, 'OPTIMIZE_XLA', False):
+    yield
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  previous = jax.config.read('jax_disable_most_optimizations')
+  previous_env = os.environ.get('JAX_DISABLE_MOST_OPTIMIZATIONS')
+  jax.config.update('jax_disable_most_optimizations', False)
+  os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'] = '0'
+  yield
+  jax.config.update('jax_disable_most_optimizations', previous)
+  if previous_env is None:
+    os.environ.pop('JAX_DISABLE_MOST_OPTIMIZATIONS', None)
+  else:
+    os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'] = previous_env
 
 
 @pytest.fixture(scope='module')

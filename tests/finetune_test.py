@@ -33,6 +33,8 @@ from bert_jax import predict
 
 import processes
 
+# Runs of many steps: compiled with XLA's optimizations (conftest.xla_optimizations).
+OPTIMIZE_XLA = True
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POSITIVE = ['good', 'great', 'fine', 'nice', 'happy', 'superb', 'lovely', 'brilliant']
 NEGATIVE = ['bad', 'awful', 'poor', 'sad', 'terrible', 'dull', 'boring', 'ugly']

@@ -34,6 +34,8 @@ import processes
 import records
 from tolerance import assert_close
 
+# Runs of many steps: compiled with XLA's optimizations (conftest.xla_optimizations).
+OPTIMIZE_XLA = True
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Schedule length of the shared runs; they stop early with train.stop_at_step.
 TOTAL_STEPS = 200
