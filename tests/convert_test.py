@@ -1,4 +1,8 @@
-"""Weights in and out: round trips through every format, the strictness of loading, readers."""
+"""Weights in and out: round trips through every format, the strictness of loading, readers.
+
+The Hugging Face checkpoints are written by transformers on torch, or where torch is not
+installed come from a recording (tests/torch_reference.py).
+"""
 
 import json
 import os
@@ -11,11 +15,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import tensorflow as tf
-import torch
-import transformers
 
 from bert_jax import convert
 from bert_jax import model
+import torch_reference
 
 HF_CONFIG = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=37, max_position_embeddings=40, type_vocab_size=2)
@@ -23,7 +26,10 @@ VOCAB = (['[PAD]'] + [f'[unused{i}]' for i in range(10)] + ['[UNK]', '[CLS]', '[
          [f'tok{i}' for i in range(79)] + ['##s', '##ed', '.', ',', 'the'])
 
 
-def _hf_model(cls, seed: int, **kwargs):
+def _hf_model(cls_name: str, seed: int, **kwargs):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  cls = getattr(transformers, cls_name)
   torch.manual_seed(seed)
   hf = cls(transformers.BertConfig(**HF_CONFIG, **kwargs)).eval()
   with torch.no_grad():
@@ -49,7 +55,8 @@ def _assert_same(a: dict, b: dict) -> None:
     np.testing.assert_array_equal(x, flat_b[path], err_msg=path)
 
 
-def _torch_outputs(hf, seed=0):
+def _torch_outputs(hf, seed=0) -> list[np.ndarray]:
+  import torch  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(seed)
   ids = torch.tensor(rng.randint(0, HF_CONFIG['vocab_size'], (2, 9)))
   mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
@@ -59,14 +66,31 @@ def _torch_outputs(hf, seed=0):
   return [v.numpy() for v in out.values()]
 
 
+def _outputs(recorded: dict) -> list[np.ndarray]:
+  return [recorded[f'output{i}'] for i in range(len(recorded))]
+
+
 @pytest.fixture(scope='module')
 def hf_dir(tmp_path_factory):
-  """A random BertForPreTraining saved by transformers, with a vocab.txt."""
-  folder = str(tmp_path_factory.mktemp('hf'))
-  hf = _hf_model(transformers.BertForPreTraining, seed=0)
-  hf.save_pretrained(folder)
-  _write_vocab(folder)
-  return folder, hf
+  """A random BertForPreTraining saved by transformers in hf/, with a vocab.txt, and its
+  state_dict saved by torch in bin/ and (the legacy format) legacy/; its outputs
+  (`_torch_outputs`)."""
+
+  def make(folder):
+    import torch  # pylint: disable=g-import-not-at-top
+    hf = _hf_model('BertForPreTraining', seed=0)
+    hf.save_pretrained(os.path.join(folder, 'hf'))
+    for sub, new_zipfile in (('bin', True), ('legacy', False)):
+      os.makedirs(os.path.join(folder, sub))
+      torch.save(hf.state_dict(), os.path.join(folder, sub, 'pytorch_model.bin'),
+                 _use_new_zipfile_serialization=new_zipfile)
+    return {f'output{i}': x for i, x in enumerate(_torch_outputs(hf))}
+
+  folder = tmp_path_factory.mktemp('hf')
+  recorded = torch_reference.reference('convert_pretraining', folder, make)
+  _write_vocab(str(folder / 'hf'))
+  return str(folder / 'hf'), {'outputs': _outputs(recorded), 'bin': str(folder / 'bin'),
+                              'legacy': str(folder / 'legacy')}
 
 
 @pytest.fixture(scope='module')
@@ -103,8 +127,28 @@ def test_hf_import_finds_heads_and_layout(reference):
   assert flat['bert/encoder/layer_1/attention/output/kernel'].shape == (4, 8, 32)
 
 
+def _assert_same_tensors(folder: str, reference_folder: str) -> None:
+  """The same model.safetensors (names, dtypes, values) and model config as transformers
+  wrote: what transformers reloads from the one it reloads from the other."""
+  import transformers  # pylint: disable=g-import-not-at-top  # Its configs need no torch.
+  ours = safetensors.numpy.load_file(os.path.join(folder, 'model.safetensors'))
+  theirs = safetensors.numpy.load_file(os.path.join(reference_folder, 'model.safetensors'))
+  assert sorted(ours) == sorted(theirs)
+  for name, x in theirs.items():
+    assert ours[name].dtype == x.dtype, name
+    np.testing.assert_array_equal(ours[name], x, err_msg=name)
+  keys = ('architectures', 'vocab_size', 'hidden_size', 'num_hidden_layers',
+          'num_attention_heads', 'intermediate_size', 'hidden_act', 'max_position_embeddings',
+          'type_vocab_size', 'layer_norm_eps', 'id2label')
+  ours, theirs = (transformers.BertConfig.from_pretrained(f).to_dict()
+                  for f in (folder, reference_folder))
+  assert {k: ours.get(k) for k in keys} == {k: theirs.get(k) for k in keys}
+
+
 def test_hf_roundtrip_is_bitwise_and_loads_in_transformers(hf_dir, reference, tmp_path):
-  src, hf = hf_dir
+  """Where torch is installed, transformers loads the export and computes the original's
+  outputs; elsewhere the export is checked to hold what transformers wrote, bit for bit."""
+  src, recorded = hf_dir
   config, params = reference
   out = str(tmp_path / 'export')
   convert.export_hf(config, model.stack_layers(params), out,
@@ -112,29 +156,35 @@ def test_hf_roundtrip_is_bitwise_and_loads_in_transformers(hf_dir, reference, tm
   config2, params2 = convert.load_pretrained(out)
   assert config2 == config
   _assert_same(params, params2)
-  names = set(safetensors.numpy.load_file(os.path.join(out, 'model.safetensors')))
   # As save_pretrained: the tied decoder (weight and bias) is not stored.
-  assert names == set(safetensors.numpy.load_file(os.path.join(src, 'model.safetensors')))
-  reloaded, info = transformers.BertForPreTraining.from_pretrained(out, output_loading_info=True)
-  assert not any(info.values()), info
-  for ours, theirs in zip(_torch_outputs(reloaded.eval()), _torch_outputs(hf)):
-    np.testing.assert_array_equal(ours, theirs)
+  _assert_same_tensors(out, src)
+  if torch_reference.HAVE_TORCH:
+    import transformers  # pylint: disable=g-import-not-at-top
+    reloaded, info = transformers.BertForPreTraining.from_pretrained(out,
+                                                                     output_loading_info=True)
+    assert not any(info.values()), info
+    for ours, theirs in zip(_torch_outputs(reloaded.eval()), recorded['outputs']):
+      np.testing.assert_array_equal(ours, theirs)
   assert open(os.path.join(out, 'vocab.txt')).read() == open(os.path.join(src, 'vocab.txt')).read()
   assert convert.read_metadata(out)['lower_case'] is True
 
 
-def test_hf_bert_model_without_prefix_or_heads(reference, tmp_path):
-  _, params = reference
-  hf = _hf_model(transformers.BertModel, seed=1)
-  hf.save_pretrained(str(tmp_path))
+def test_hf_bert_model_without_prefix_or_heads(tmp_path):
+
+  def make(folder):
+    hf = _hf_model('BertModel', seed=1)
+    hf.save_pretrained(folder)
+    return {'word_embeddings': hf.embeddings.word_embeddings.weight.detach().numpy(),
+            'pooler': hf.pooler.dense.weight.detach().numpy()}
+
+  theirs = torch_reference.reference('convert_bert_model', tmp_path, make)
   names = safetensors.numpy.load_file(str(tmp_path / 'model.safetensors'))
   assert 'embeddings.word_embeddings.weight' in names  # No 'bert.' prefix.
   config, loaded = convert.load_pretrained(str(tmp_path))
   assert set(loaded) == {'bert'}
   np.testing.assert_array_equal(loaded['bert']['embeddings']['word_embeddings']['embedding'],
-                                hf.embeddings.word_embeddings.weight.detach().numpy())
-  np.testing.assert_array_equal(loaded['bert']['pooler']['kernel'],
-                                hf.pooler.dense.weight.detach().numpy().T)
+                                theirs['word_embeddings'])
+  np.testing.assert_array_equal(loaded['bert']['pooler']['kernel'], theirs['pooler'].T)
 
 
 def test_hf_old_names_tied_decoder_and_buffers(hf_dir, reference, tmp_path):
@@ -169,16 +219,24 @@ def test_hf_sharded_safetensors(hf_dir, reference, tmp_path):
 
 
 def test_hf_finetuned_heads_export_and_reload(tmp_path):
-  hf = _hf_model(transformers.BertForSequenceClassification, seed=2, num_labels=3)
-  hf.save_pretrained(str(tmp_path / 'src'))
+
+  def make(folder):
+    hf = _hf_model('BertForSequenceClassification', seed=2, num_labels=3)
+    hf.save_pretrained(folder)
+    return {'logits': _torch_outputs(hf)[0]}
+
+  theirs = torch_reference.reference('convert_classifier', tmp_path / 'src', make)
   config, params = convert.load_pretrained(str(tmp_path / 'src'))
   assert set(params) == {'bert', 'classifier'}
   assert params['classifier']['kernel'].shape == (32, 3)
   convert.export_hf(config, params, str(tmp_path / 'hf'))
-  reloaded, info = transformers.BertForSequenceClassification.from_pretrained(
-      str(tmp_path / 'hf'), output_loading_info=True)
-  assert not any(info.values()), info
-  np.testing.assert_array_equal(_torch_outputs(reloaded.eval())[0], _torch_outputs(hf)[0])
+  _assert_same_tensors(str(tmp_path / 'hf'), str(tmp_path / 'src'))
+  if torch_reference.HAVE_TORCH:
+    import transformers  # pylint: disable=g-import-not-at-top
+    reloaded, info = transformers.BertForSequenceClassification.from_pretrained(
+        str(tmp_path / 'hf'), output_loading_info=True)
+    assert not any(info.values()), info
+    np.testing.assert_array_equal(_torch_outputs(reloaded.eval())[0], theirs['logits'])
   convert.export_google(config, params, str(tmp_path / 'google'))
   names = dict(tf.train.list_variables(str(tmp_path / 'google' / 'bert_model.ckpt')))
   assert names['output_weights'] == [3, 32]  # The original run_classifier.py's [labels, hidden].
@@ -186,8 +244,12 @@ def test_hf_finetuned_heads_export_and_reload(tmp_path):
 
 
 def test_hf_qa_model_without_pooler(tmp_path):
-  hf = _hf_model(transformers.BertForQuestionAnswering, seed=3)
-  hf.save_pretrained(str(tmp_path))
+
+  def make(folder):
+    _hf_model('BertForQuestionAnswering', seed=3).save_pretrained(folder)
+    return {}
+
+  torch_reference.reference('convert_qa', tmp_path, make)
   _, params = convert.load_pretrained(str(tmp_path))
   assert set(params) == {'bert', 'qa_outputs'}
   # HF's QA model has no pooler; ours gets a fresh (random, non-zero) one.
@@ -199,9 +261,10 @@ def test_hf_qa_model_without_pooler(tmp_path):
 
 
 def test_pytorch_bin_reads_without_torch(hf_dir, reference, tmp_path, monkeypatch):
-  src, hf = hf_dir
+  src, recorded = hf_dir
   shutil.copy(os.path.join(src, 'config.json'), tmp_path)
-  torch.save(hf.state_dict(), str(tmp_path / 'pytorch_model.bin'))  # Tied decoder included.
+  # torch.save of the state_dict: the tied decoder included.
+  shutil.copy(os.path.join(recorded['bin'], 'pytorch_model.bin'), tmp_path)
   monkeypatch.setitem(sys.modules, 'torch', None)
   with pytest.raises(ImportError):
     import torch as _  # pylint: disable=g-import-not-at-top,reimported
@@ -210,11 +273,11 @@ def test_pytorch_bin_reads_without_torch(hf_dir, reference, tmp_path, monkeypatc
 
 
 def test_legacy_pytorch_file_needs_torch(hf_dir, reference, tmp_path, monkeypatch):
-  src, hf = hf_dir
+  src, recorded = hf_dir
   shutil.copy(os.path.join(src, 'config.json'), tmp_path)
-  torch.save(hf.state_dict(), str(tmp_path / 'pytorch_model.bin'),
-             _use_new_zipfile_serialization=False)
-  _assert_same(reference[1], convert.load_pretrained(str(tmp_path))[1])
+  shutil.copy(os.path.join(recorded['legacy'], 'pytorch_model.bin'), tmp_path)
+  if torch_reference.HAVE_TORCH:
+    _assert_same(reference[1], convert.load_pretrained(str(tmp_path))[1])
   monkeypatch.setitem(sys.modules, 'torch', None)
   with pytest.raises(ValueError, match=r'pytorch_model\.bin is a legacy.*safetensors'):
     convert.load_pretrained(str(tmp_path))

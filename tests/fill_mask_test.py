@@ -1,4 +1,5 @@
-"""`bert-jax fill-mask` against transformers' BertForMaskedLM on the same random weights."""
+"""`bert-jax fill-mask` against transformers' BertForMaskedLM on the same random weights (where
+torch is not installed, as recorded where it is: tests/torch_reference.py)."""
 
 import json
 import os
@@ -7,11 +8,10 @@ import sys
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from bert_jax import fill_mask
 from tolerance import assert_close
+import torch_reference
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]', 'the', 'capital', 'of', 'france', 'is',
@@ -21,41 +21,51 @@ TEXTS = ['The capital of France is [MASK].', '[MASK] dog sat on a [MASK] mat.']
 
 @pytest.fixture(scope='module')
 def hf_dir(tmp_path_factory):
-  """A tiny random BertForMaskedLM saved as Hugging Face does, with an uncased vocab."""
-  path = str(tmp_path_factory.mktemp('hf_mlm'))
-  config = transformers.BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, intermediate_size=37,
-                                   max_position_embeddings=40, attn_implementation='eager')
-  torch.manual_seed(0)
-  model = transformers.BertForMaskedLM(config).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():  # Spread the logits: no near-ties in the top k.
-      noise = 0.3 * torch.randn(p.shape)
-      p.copy_(1.0 + noise if name.endswith('LayerNorm.weight') else noise)
-  model.save_pretrained(path)
-  with open(os.path.join(path, 'vocab.txt'), 'w') as f:
-    f.write('\n'.join(VOCAB) + '\n')
-  with open(os.path.join(path, 'tokenizer_config.json'), 'w') as f:
-    json.dump({'do_lower_case': True}, f)
-  return path, model
+  """A tiny random BertForMaskedLM saved as Hugging Face does, with an uncased vocab, and
+  transformers' token ids and probabilities for each of TEXTS."""
+
+  def make(path):
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+    config = transformers.BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=37,
+                                     max_position_embeddings=40, attn_implementation='eager')
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(config).eval()
+    with torch.no_grad():
+      for name, p in model.named_parameters():  # Spread the logits: no near-ties in the top k.
+        noise = 0.3 * torch.randn(p.shape)
+        p.copy_(1.0 + noise if name.endswith('LayerNorm.weight') else noise)
+    model.save_pretrained(path)
+    with open(os.path.join(path, 'vocab.txt'), 'w') as f:
+      f.write('\n'.join(VOCAB) + '\n')
+    with open(os.path.join(path, 'tokenizer_config.json'), 'w') as f:
+      json.dump({'do_lower_case': True}, f)
+    tokenizer = transformers.BertTokenizer(os.path.join(path, 'vocab.txt'), do_lower_case=True)
+    outputs = {}
+    for i, text in enumerate(TEXTS):
+      encoded = tokenizer(text, return_tensors='pt')
+      with torch.no_grad():
+        outputs[f'probs{i}'] = torch.softmax(model(**encoded).logits[0], -1).numpy()
+      outputs[f'ids{i}'] = encoded['input_ids'][0].numpy()
+    return outputs
+
+  path = tmp_path_factory.mktemp('hf_mlm')
+  return str(path), torch_reference.reference('fill_mask', path, make)
 
 
 def test_top_k_equals_transformers(hf_dir):
-  path, model = hf_dir
+  path, theirs = hf_dir
   ours = fill_mask.fill_mask(path, TEXTS, top_k=5)
-  tokenizer = transformers.BertTokenizer(os.path.join(path, 'vocab.txt'), do_lower_case=True)
-  for text, result in zip(TEXTS, ours):
-    encoded = tokenizer(text, return_tensors='pt')
-    with torch.no_grad():
-      probs = torch.softmax(model(**encoded).logits[0], -1).numpy()
-    ids = encoded['input_ids'][0].numpy()
+  for i, (text, result) in enumerate(zip(TEXTS, ours)):
+    probs, ids = theirs[f'probs{i}'], theirs[f'ids{i}']
     positions = list(np.flatnonzero(ids == VOCAB.index('[MASK]')))
     assert result['text'] == text
     assert [m['position'] for m in result['masks']] == positions
     for mask, position in zip(result['masks'], positions):
       expected_ids = list(np.argsort(-probs[position])[:5])
       assert [p['token_id'] for p in mask['predictions']] == expected_ids
-      assert [p['token'] for p in mask['predictions']] == [VOCAB[i] for i in expected_ids]
+      assert [p['token'] for p in mask['predictions']] == [VOCAB[j] for j in expected_ids]
       assert_close([p['probability'] for p in mask['predictions']],
                    probs[position][expected_ids], 1e-5, what=text)
 

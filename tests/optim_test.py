@@ -9,6 +9,7 @@ import pytest
 from bert_jax import model as model_lib
 from bert_jax import optim
 from bert_jax import defaults
+import torch_reference
 
 
 def test_paper_schedule_values():
@@ -22,23 +23,28 @@ def test_paper_schedule_values():
   assert float(schedule(999_999)) > 0.0
 
 
-def test_fine_tuning_schedule_is_transformers_linear_warmup_step_for_step():
+def test_fine_tuning_schedule_is_transformers_linear_warmup_step_for_step(tmp_path):
   """The rate each update uses, as transformers' get_linear_schedule_with_warmup steps it in a
   torch loop (the first update at rate 0, the peak at `warmup`, 0 after the last)."""
-  torch = pytest.importorskip('torch')
-  transformers = pytest.importorskip('transformers')
   total, warmup, peak = 114, 11, 5e-5
+
+  def make(_):
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    sched = transformers.get_linear_schedule_with_warmup(opt, warmup, total)
+    rates = []
+    for _ in range(total):
+      rates.append(opt.param_groups[0]['lr'])  # The rate of this update.
+      opt.step()
+      sched.step()
+    return {'rates': np.array(rates)}
+
+  theirs = torch_reference.reference('linear_warmup_schedule', tmp_path, make)['rates']
   train = defaults.finetune('sst2').train
   train.unlock()
   train.update(warmup_steps=warmup, learning_rate=peak)
   ours = optim.make_schedule(train, total)
-  opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
-  sched = transformers.get_linear_schedule_with_warmup(opt, warmup, total)
-  theirs = []
-  for _ in range(total):
-    theirs.append(opt.param_groups[0]['lr'])  # The rate of this update.
-    opt.step()
-    sched.step()
   np.testing.assert_allclose([float(ours(i)) for i in range(total)], theirs, rtol=1e-6,
                              atol=1e-12)
   assert theirs[0] == 0.0 and theirs[warmup] == peak

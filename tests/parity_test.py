@@ -1,19 +1,19 @@
 """Parity with Hugging Face transformers' PyTorch BERT, through `convert.load_pretrained`.
 
 Small random float32 models (every weight random, LayerNorm included), a batch with padding
-inside it and both segments. Run with -s to see the measured differences.
+inside it and both segments. Run with -s to see the measured differences. Where torch is not
+installed, the references come from a recording (tests/torch_reference.py).
 """
 
 import os
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from bert_jax import convert
 from bert_jax import model
 from tolerance import assert_close, assert_moved_close
+import torch_reference
 
 # Errors are bounded relative to the largest value compared (see tests/tolerance.py): the two
 # frameworks sum in different orders, so they differ by a few ulps of the activations' scale
@@ -25,7 +25,10 @@ HF_CONFIG = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attenti
 LENGTHS = (16, 11, 5)  # One row per length: padding inside the batch.
 
 
-def _hf_model(cls, seed: int, **kwargs):
+def _hf_model(cls_name: str, seed: int, **kwargs):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  cls = getattr(transformers, cls_name)
   config = transformers.BertConfig(**HF_CONFIG, attn_implementation='eager', **kwargs)
   torch.manual_seed(seed)
   hf = cls(config).eval()
@@ -49,6 +52,7 @@ def _batch():
 
 
 def _torch_inputs(ids, mask, segments):
+  import torch  # pylint: disable=g-import-not-at-top
   return dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
               token_type_ids=torch.tensor(segments))
 
@@ -65,70 +69,103 @@ def _report(name: str, ours, theirs, valid=None) -> None:
 
 @pytest.fixture(scope='module')
 def pretraining(tmp_path_factory):
-  """The HF model and its checkpoint as model.safetensors and as pytorch_model.bin."""
-  hf = _hf_model(transformers.BertForPreTraining, seed=0)
-  safetensors_dir = str(tmp_path_factory.mktemp('safetensors'))
-  hf.save_pretrained(safetensors_dir)
-  # transformers 5 writes safetensors even with safe_serialization=False: write the .bin.
-  bin_dir = str(tmp_path_factory.mktemp('bin'))
-  hf.config.to_json_file(os.path.join(bin_dir, 'config.json'))
-  torch.save(hf.state_dict(), os.path.join(bin_dir, 'pytorch_model.bin'))
-  return hf, {'safetensors': safetensors_dir, 'bin': bin_dir}
+  """HF's outputs on `_batch()` and its checkpoint as model.safetensors and pytorch_model.bin."""
+
+  def make(folder):
+    import torch  # pylint: disable=g-import-not-at-top
+    hf = _hf_model('BertForPreTraining', seed=0)
+    hf.save_pretrained(os.path.join(folder, 'safetensors'))
+    # transformers 5 writes safetensors even with safe_serialization=False: write the .bin.
+    os.makedirs(os.path.join(folder, 'bin'))
+    hf.config.to_json_file(os.path.join(folder, 'bin', 'config.json'))
+    torch.save(hf.state_dict(), os.path.join(folder, 'bin', 'pytorch_model.bin'))
+    ids, mask, segments, positions = _batch()
+    with torch.no_grad():
+      out = hf(**_torch_inputs(ids, mask, segments), output_hidden_states=True)
+      base = hf.bert(**_torch_inputs(ids, mask, segments))
+    np.testing.assert_array_equal(out.hidden_states[-1].numpy(), base.last_hidden_state.numpy())
+    return dict(sequence_output=base.last_hidden_state.numpy(),
+                pooled_output=base.pooler_output.numpy(),
+                mlm_logits=np.take_along_axis(out.prediction_logits.numpy(),
+                                              positions[..., None], axis=1),
+                nsp_logits=out.seq_relationship_logits.numpy())
+
+  folder = tmp_path_factory.mktemp('pretraining')
+  outputs = torch_reference.reference('parity_pretraining', folder, make)
+  return outputs, {'safetensors': str(folder / 'safetensors'), 'bin': str(folder / 'bin')}
 
 
 @pytest.mark.parametrize('scan_layers', [False, True], ids=['unscanned', 'scanned'])
 @pytest.mark.parametrize('weights', ['safetensors', 'bin'])
 def test_pretraining_parity(pretraining, weights, scan_layers):
-  hf, dirs = pretraining
+  theirs, dirs = pretraining
   config, params = convert.load_pretrained(dirs[weights], scan_layers=scan_layers)
   assert config.scan_layers == scan_layers
   assert ('layers' in params['bert']['encoder']) == scan_layers
   ids, mask, segments, positions = _batch()
-  with torch.no_grad():
-    out = hf(**_torch_inputs(ids, mask, segments), output_hidden_states=True)
-    base = hf.bert(**_torch_inputs(ids, mask, segments))
   sequence, pooled = model.encode(config, params, ids, mask, segments)
   mlm, nsp = model.BertForPreTraining(config).apply(
       {'params': params}, ids, mask, segments, positions)
   tag = f'{weights},{"scanned" if scan_layers else "unscanned"}'
   # Padded positions are don't-care: compare the real tokens.
-  _report(f'sequence_output[{tag}]', sequence, out.hidden_states[-1].numpy(), mask.astype(bool))
-  np.testing.assert_array_equal(out.hidden_states[-1].numpy(), base.last_hidden_state.numpy())
-  _report(f'pooled_output[{tag}]', pooled, base.pooler_output.numpy())
-  mlm_ref = np.take_along_axis(out.prediction_logits.numpy(), positions[..., None], axis=1)
-  _report(f'mlm_logits[{tag}]', mlm, mlm_ref)
-  _report(f'nsp_logits[{tag}]', nsp, out.seq_relationship_logits.numpy())
+  _report(f'sequence_output[{tag}]', sequence, theirs['sequence_output'], mask.astype(bool))
+  _report(f'pooled_output[{tag}]', pooled, theirs['pooled_output'])
+  _report(f'mlm_logits[{tag}]', mlm, theirs['mlm_logits'])
+  _report(f'nsp_logits[{tag}]', nsp, theirs['nsp_logits'])
+
+
+_HEADS = {  # head: (HF class, seed, HF kwargs, our class, our kwargs)
+    'sequence_classification': ('BertForSequenceClassification', 3, {'num_labels': 3},
+                                model.BertForSequenceClassification, {'num_labels': 3}),
+    'token_classification': ('BertForTokenClassification', 5, {'num_labels': 5},
+                             model.BertForTokenClassification, {'num_labels': 5}),
+    'question_answering': ('BertForQuestionAnswering', 3, {}, model.BertForQuestionAnswering,
+                           {}),
+}
+
+
+@pytest.fixture(scope='module')
+def finetuned(tmp_path_factory):
+  """head -> (HF's outputs on `_batch()`, the folder of its checkpoint)."""
+
+  def make_head(head):
+    def make(folder):
+      import torch  # pylint: disable=g-import-not-at-top
+      hf_cls, seed, hf_kwargs, _, _ = _HEADS[head]
+      hf = _hf_model(hf_cls, seed=seed, **hf_kwargs)
+      hf.save_pretrained(folder)
+      ids, mask, segments, _ = _batch()
+      with torch.no_grad():
+        out = hf(**_torch_inputs(ids, mask, segments))
+      if head == 'question_answering':
+        return dict(start_logits=out.start_logits.numpy(), end_logits=out.end_logits.numpy())
+      return dict(logits=out.logits.numpy())
+    return make
+
+  found = {}
+  for head in _HEADS:
+    folder = tmp_path_factory.mktemp(head)
+    found[head] = (torch_reference.reference(f'parity_{head}', folder, make_head(head)),
+                   str(folder))
+  return found
 
 
 @pytest.mark.parametrize('scan_layers', [False, True], ids=['unscanned', 'scanned'])
-@pytest.mark.parametrize('head', ['sequence_classification', 'token_classification',
-                                  'question_answering'])
-def test_finetuning_head_parity(tmp_path, head, scan_layers):
+@pytest.mark.parametrize('head', list(_HEADS))
+def test_finetuning_head_parity(finetuned, head, scan_layers):
+  theirs, folder = finetuned[head]
   ids, mask, segments, _ = _batch()
-  if head == 'question_answering':
-    hf = _hf_model(transformers.BertForQuestionAnswering, seed=3)
-    ours_cls, kwargs = model.BertForQuestionAnswering, {}
-  else:
-    labels = 3 if head == 'sequence_classification' else 5
-    hf_cls = (transformers.BertForSequenceClassification if labels == 3 else
-              transformers.BertForTokenClassification)
-    hf = _hf_model(hf_cls, seed=labels, num_labels=labels)
-    ours_cls = (model.BertForSequenceClassification if labels == 3 else
-                model.BertForTokenClassification)
-    kwargs = {'num_labels': labels}
-  hf.save_pretrained(str(tmp_path))
-  config, params = convert.load_pretrained(str(tmp_path), scan_layers=scan_layers)
+  config, params = convert.load_pretrained(folder, scan_layers=scan_layers)
   expected_head = 'qa_outputs' if head == 'question_answering' else 'classifier'
   assert set(params) == {'bert', expected_head}
-  with torch.no_grad():
-    out = hf(**_torch_inputs(ids, mask, segments))
+  _, _, _, ours_cls, kwargs = _HEADS[head]
   ours = ours_cls(config, **kwargs).apply({'params': params}, ids, mask, segments)
   tag = f'{head},{"scanned" if scan_layers else "unscanned"}'
   if head == 'question_answering':
-    _report(f'start_logits[{tag}]', ours[0], out.start_logits.numpy())
-    _report(f'end_logits[{tag}]', ours[1], out.end_logits.numpy())
+    _report(f'start_logits[{tag}]', ours[0], theirs['start_logits'])
+    _report(f'end_logits[{tag}]', ours[1], theirs['end_logits'])
   else:
-    _report(f'logits[{tag}]', ours, out.logits.numpy())
+    _report(f'logits[{tag}]', ours, theirs['logits'])
 
 
 def test_train_step_parity(tmp_path):
@@ -143,23 +180,48 @@ def test_train_step_parity(tmp_path):
   from bert_jax import defaults  # pylint: disable=g-import-not-at-top
 
   lr, steps = 1e-3, 2
-  hf = _hf_model(transformers.BertForPreTraining, seed=5, hidden_dropout_prob=0.0,
-                 attention_probs_dropout_prob=0.0).train()
-  hf.save_pretrained(str(tmp_path / 'init'))
-  config, params = convert.load_pretrained(str(tmp_path / 'init'))
+  train_config = defaults.pretrain().train
+  train_config.unlock()
+  train_config.update(warmup_steps=0, decay='constant', learning_rate=lr, steps=steps)
   ids, mask, segments, positions = _batch()
   masked_ids = np.take_along_axis(ids, positions, axis=1)
   nsp_labels = np.array([0, 1, 1])
+
+  def make(folder):
+    """HF's model trained `steps` steps: init/ and stepped/ checkpoints, (loss, norm) rows."""
+    import torch  # pylint: disable=g-import-not-at-top
+    hf = _hf_model('BertForPreTraining', seed=5, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0).train()
+    hf.save_pretrained(os.path.join(folder, 'init'))
+    named = list(hf.named_parameters())
+    no_decay = [p for n, p in named if n.endswith('bias') or 'LayerNorm' in n]
+    decay = [p for n, p in named if not (n.endswith('bias') or 'LayerNorm' in n)]
+    opt = torch.optim.AdamW([{'params': decay, 'weight_decay': train_config.weight_decay},
+                             {'params': no_decay, 'weight_decay': 0.0}], lr=lr,
+                            betas=(train_config.beta1, train_config.beta2), eps=train_config.eps)
+    labels = np.full(ids.shape, -100)
+    np.put_along_axis(labels, positions, masked_ids, axis=1)
+    rows = []
+    for _ in range(steps):
+      opt.zero_grad()
+      loss = hf(**_torch_inputs(ids, mask, segments), labels=torch.tensor(labels),
+                next_sentence_label=torch.tensor(nsp_labels)).loss
+      loss.backward()
+      norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), train_config.max_grad_norm)
+      opt.step()
+      rows.append((loss.item(), norm.item()))
+    hf.save_pretrained(os.path.join(folder, 'stepped'))
+    return {'loss_and_grad_norm': np.array(rows)}
+
+  theirs = torch_reference.reference('parity_train_step', tmp_path / 'hf',
+                                     make)['loss_and_grad_norm'].tolist()
+  config, params = convert.load_pretrained(str(tmp_path / 'hf' / 'init'))
   batch = dict(input_ids=ids, input_mask=mask, segment_ids=segments,
                masked_lm_positions=positions, masked_lm_ids=masked_ids,
                masked_lm_weights=np.ones(positions.shape, np.float32),
                next_sentence_labels=nsp_labels)
   batch = {k: np.asarray(v, np.float32 if k == 'masked_lm_weights' else np.int32)
            for k, v in batch.items()}
-
-  train_config = defaults.pretrain().train
-  train_config.unlock()
-  train_config.update(warmup_steps=0, decay='constant', learning_rate=lr, steps=steps)
   tx, _ = optim.make_optimizer(train_config)
   step_fn = jax.jit(functools.partial(
       train.train_step, model=model.BertForPreTraining(config), tx=tx,
@@ -169,30 +231,12 @@ def test_train_step_parity(tmp_path):
   for _ in range(steps):
     state, metrics = step_fn(state, batch)
     ours.append((float(metrics['loss']), float(metrics['grad_norm'])))
-
-  no_decay = [p for n, p in hf.named_parameters() if n.endswith('bias') or 'LayerNorm' in n]
-  decay = [p for n, p in hf.named_parameters() if not (n.endswith('bias') or 'LayerNorm' in n)]
-  opt = torch.optim.AdamW([{'params': decay, 'weight_decay': train_config.weight_decay},
-                           {'params': no_decay, 'weight_decay': 0.0}], lr=lr,
-                          betas=(train_config.beta1, train_config.beta2), eps=train_config.eps)
-  labels = np.full(ids.shape, -100)
-  np.put_along_axis(labels, positions, masked_ids, axis=1)
-  theirs = []
-  for _ in range(steps):
-    opt.zero_grad()
-    loss = hf(**_torch_inputs(ids, mask, segments), labels=torch.tensor(labels),
-              next_sentence_label=torch.tensor(nsp_labels)).loss
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), train_config.max_grad_norm)
-    opt.step()
-    theirs.append((loss.item(), norm.item()))
   print(f'\nparity train step (loss, grad_norm): ours {ours}, HF+torch {theirs}')
-  assert norm > train_config.max_grad_norm  # Clipping was exercised.
+  assert theirs[-1][1] > train_config.max_grad_norm  # Clipping was exercised.
   # Relative: the loss and the norm are sums over the batch and every weight (measured 2e-6).
   np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
-  hf.save_pretrained(str(tmp_path / 'stepped'))
-  _, expected = convert.load_pretrained(str(tmp_path / 'stepped'))
+  _, expected = convert.load_pretrained(str(tmp_path / 'hf' / 'stepped'))
   flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v)
                        for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
   flat_ours, flat_theirs, flat_init = flat(state.params), flat(expected), flat(params)
