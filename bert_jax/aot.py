@@ -17,6 +17,7 @@ Pallas), whose analytic FLOPs are added; and for GPU targets `cost_analysis()` i
 the compiled module is costed by XLA's HLO cost analysis on the host.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from jax.experimental import topologies
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from bert_jax import attention
 from bert_jax import flops as flops_lib
@@ -159,7 +161,24 @@ def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfi
   platform = 'gpu' if devices[0].platform in ('gpu', 'cuda') else devices[0].platform
   with sharding_lib.activate(mesh, rules), attention.lowering_for(platform):
     lowered = step.jitted.lower(abstract, batch)
-  return lowered.compile(), model_lib.count_params(abstract.params)
+  with _without_persistent_cache():
+    compiled = lowered.compile()
+  return compiled, model_lib.count_params(abstract.params)
+
+
+@contextlib.contextmanager
+def _without_persistent_cache():
+  """JAX's persistent compilation cache off. XLA cannot load a deviceless executable back
+  ("PjRtCompiler must be constructed with a Client"), so a cache the user configured
+  (JAX_COMPILATION_CACHE_DIR, say) would only collect entries that warn when read again."""
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  jax_cache.reset_cache()  # JAX decides once per process whether the cache is used.
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_compilation_cache', enabled)
+    jax_cache.reset_cache()
 
 
 def _cost(compiled, platform: str) -> dict[str, float]:

@@ -1,5 +1,8 @@
 """Ahead-of-time compilation for a TPU slice from this CPU machine (libtpu topologies)."""
 
+import os
+import warnings
+
 import pytest
 
 from bert_jax import aot
@@ -38,6 +41,37 @@ def test_compile_reports_memory_flops_and_a_roofline_bound():
   for a, b in zip(scanned, unrolled):
     assert a['flops']['xla_per_chip'] == pytest.approx(b['flops']['xla_per_chip'], rel=1e-6)
   assert 'roofline bound (not a measurement)' in aot.format_report(scanned[0])
+
+
+def test_a_configured_compilation_cache_gets_no_deviceless_executable(tmp_path):
+  """A deviceless executable cannot be read back from JAX's persistent cache: one stored there
+  would warn at every later compile."""
+  import jax  # pylint: disable=g-import-not-at-top
+  keys = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
+          'jax_persistent_cache_min_entry_size_bytes', 'jax_enable_compilation_cache')
+  saved = {k: getattr(jax.config, k) for k in keys}
+  cache = tmp_path / 'cache'
+  try:
+    jax.config.update('jax_compilation_cache_dir', str(cache))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+    jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+    jax.config.update('jax_enable_compilation_cache', True)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      for _ in range(2):
+        aot.compile_for_topology(_config(), 'v5e:2x2')
+    assert jax.config.jax_enable_compilation_cache  # Restored.
+    stored = os.listdir(cache) if cache.exists() else []
+    assert not [n for n in stored if n.startswith('jit_step')]
+    # The cache is in use again afterwards: a new host computation is stored.
+    jax.jit(lambda x: x * 3.25 + 0.5)(jax.numpy.arange(7.0)).block_until_ready()
+    assert [n for n in os.listdir(cache) if n.startswith('jit__lambda')]
+    assert not [w for w in caught if 'compilation cache' in str(w.message)]
+  finally:
+    for k, v in saved.items():
+      jax.config.update(k, v)
+    from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
+    compilation_cache.reset_cache()
 
 
 def test_fsdp_and_tensor_meshes_compile_on_a_v4_slice():
