@@ -2,6 +2,7 @@
 
 These variables must be set before jax is imported, which is why they live here.
 """
+import gc
 import os
 import sys
 
@@ -17,6 +18,15 @@ os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
 
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def pytest_sessionfinish(session):  # pylint: disable=unused-argument
+  """Collects garbage once and freezes what survives, so pytest's five collections at exit (to
+  report unraisable exceptions) skip the millions of JAX and TensorFlow objects still alive.
+  They took several seconds, and execnet interrupts a test worker still busy 5 s after the run
+  (a KeyboardInterrupt in jax's gc callback, reported as a warning)."""
+  gc.collect()
+  gc.freeze()
 
 
 @pytest.fixture(scope='module', autouse=True)
