@@ -70,8 +70,7 @@ def test_a_configured_compilation_cache_gets_no_deviceless_executable(tmp_path):
   finally:
     for k, v in saved.items():
       jax.config.update(k, v)
-    from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
-    compilation_cache.reset_cache()
+    aot.jax_cache.reset_cache()
 
 
 def test_fsdp_and_tensor_meshes_compile_on_a_v4_slice():

@@ -66,10 +66,6 @@ def _torch_outputs(hf, seed=0) -> list[np.ndarray]:
   return [v.numpy() for v in out.values()]
 
 
-def _outputs(recorded: dict) -> list[np.ndarray]:
-  return [recorded[f'output{i}'] for i in range(len(recorded))]
-
-
 @pytest.fixture(scope='module')
 def hf_dir(tmp_path_factory):
   """A random BertForPreTraining saved by transformers in hf/, with a vocab.txt, and its
@@ -89,7 +85,8 @@ def hf_dir(tmp_path_factory):
   folder = tmp_path_factory.mktemp('hf')
   recorded = torch_reference.reference('convert_pretraining', folder, make)
   _write_vocab(str(folder / 'hf'))
-  return str(folder / 'hf'), {'outputs': _outputs(recorded), 'bin': str(folder / 'bin'),
+  outputs = [recorded[f'output{i}'] for i in range(len(recorded))]
+  return str(folder / 'hf'), {'outputs': outputs, 'bin': str(folder / 'bin'),
                               'legacy': str(folder / 'legacy')}
 
 

@@ -20,7 +20,6 @@ def _record(tmp_path, monkeypatch):
   monkeypatch.setenv(torch_reference.ENV, str(tmp_path / 'refs'))
   (tmp_path / 'refs').mkdir()
   monkeypatch.setattr(torch_reference, 'HAVE_TORCH', True)
-  monkeypatch.setattr(torch_reference.importlib.metadata, 'version', lambda _: '0')
   return torch_reference.reference('example', tmp_path / 'recorded', _make)
 
 
