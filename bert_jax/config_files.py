@@ -16,6 +16,7 @@ import difflib
 import importlib.metadata
 import os
 import sys
+import warnings
 from typing import Any
 
 import ml_collections
@@ -70,7 +71,12 @@ def file_parser():
   class Parser(config_flags.ConfigFileFlagParser):
 
     def parse(self, path):
-      return super().parse(resolve_config_path(path))
+      with warnings.catch_warnings():
+        # ml_collections loads the file with importlib's deprecated load_module(): its
+        # warning, not the user's, and nothing a user can act on.
+        warnings.filterwarnings('ignore', r'the load_module\(\) method is deprecated',
+                                DeprecationWarning)
+        return super().parse(resolve_config_path(path))
   return Parser(name='config', lock_config=True)
 
 

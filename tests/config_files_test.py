@@ -3,6 +3,8 @@
 (Loading from any directory, user files and shipped names: cli_test.py, as the command runs it.)
 """
 
+import warnings
+
 import pytest
 
 from bert_jax import config_files
@@ -44,3 +46,11 @@ def test_a_misspelt_override_names_the_closest_key():
   # Pre-training never had these keys at the top level: no 'moved' hint there.
   with pytest.raises(UserError, match=r'has no key config\.vocab_file'):
     config_files.load_config('smoke', {'vocab_file': 'x'})
+
+
+def test_loading_a_config_warns_of_nothing():
+  """ml_collections reads the file with importlib's deprecated load_module(); that warning is
+  its own and must not reach a user who runs with warnings as errors."""
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    assert config_files.load_config('smoke').model.size == 'tiny'
