@@ -11,6 +11,15 @@ is organised"; tests/imports_test.py): `cli.py` and `aot.py`; the drivers `train
 (`objectives.py`, `tasks.py`); and the foundations (`config_files`, `defaults`, `fileio`).
 """
 
+import os
+
+# TensorFlow's Cloud Storage file system trusts what it stat-ed for 5 s, but bert_jax also writes
+# objects through google-cloud-storage (metrics.jsonl rows, the workdir lock) and other hosts
+# write the same workdir: a stale size silently cuts a read short. Read when TensorFlow is
+# imported, hence here, before any module of the package can import it.
+os.environ.setdefault('GCS_STAT_CACHE_MAX_AGE', '0')
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from bert_jax.convert import load_pretrained
 from bert_jax.model import BertConfig, config_for_size, encode
 

@@ -105,9 +105,12 @@ def _communicate(proc, timeout):
 def _rows(workdir):
   """(train rows, held-out rows) of a workdir's metrics.jsonl."""
   path = os.path.join(workdir, monitor.METRICS_FILE)
-  if not fileio.exists(path):
-    return [], []
-  rows = [json.loads(line) for line in fileio.read_text(path).splitlines() if line.strip()]
+  if gcs_lib.is_gcs(path):  # As the server has it, whenever and however TensorFlow was imported.
+    found = gcs_lib.read(path)
+    text = found[0].decode() if found else ''
+  else:
+    text = fileio.read_text(path) if fileio.exists(path) else ''
+  rows = [json.loads(line) for line in text.splitlines() if line.strip()]
   held_out = [r.get('eval') or 'split' in r for r in rows]  # Pre-training's, fine-tuning's.
   return ([r for r, h in zip(rows, held_out) if not h], [r for r, h in zip(rows, held_out) if h])
 
@@ -274,6 +277,32 @@ def test_a_logged_step_costs_the_same_however_long_the_run(gcs, monkeypatch):
                   for e in tf.compat.v1.train.summary_iterator(path)
                   for v in e.summary.value if v.tag == 'train/loss')
   assert logged == list(range(1, len(rows) + 1))
+
+
+# A command's process: TensorFlow checks a file's size, google-cloud-storage appends to it (as
+# metrics.jsonl's rows are), TensorFlow reads it.
+_READ_AFTER_APPEND = """
+import sys
+from bert_jax import fileio, gcs
+path = sys.argv[1]
+gcs.append(path, b'row 1\\n')
+assert fileio.exists(path) and fileio.read_text(path) == 'row 1\\n'
+gcs.append(path, b'row 2\\n')
+print(repr(fileio.read_text(path)))
+"""
+
+
+def test_a_read_after_another_clients_append_is_whole(gcs, tmp_path):
+  """TensorFlow's file system trusts a size it stat-ed for 5 s (GCS_STAT_CACHE_MAX_AGE): a read
+  of an object appended to meanwhile by google-cloud-storage came back cut at the old size,
+  without an error. Importing bert_jax turns that cache off."""
+  proc = subprocess.run(gcs.command([sys.executable, '-c', _READ_AFTER_APPEND,
+                                     gcs.url('appended.jsonl')]),
+                        cwd=processes.ROOT, env={k: v for k, v in processes.env(str(tmp_path)).items()
+                                                 if k != 'GCS_STAT_CACHE_MAX_AGE'},
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.strip() == repr('row 1\nrow 2\n')
 
 
 def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
