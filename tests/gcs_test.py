@@ -296,11 +296,10 @@ def test_a_read_after_another_clients_append_is_whole(gcs, tmp_path):
   """TensorFlow's file system trusts a size it stat-ed for 5 s (GCS_STAT_CACHE_MAX_AGE): a read
   of an object appended to meanwhile by google-cloud-storage came back cut at the old size,
   without an error. Importing bert_jax turns that cache off."""
+  env = {k: v for k, v in processes.env(str(tmp_path)).items() if k != 'GCS_STAT_CACHE_MAX_AGE'}
   proc = subprocess.run(gcs.command([sys.executable, '-c', _READ_AFTER_APPEND,
                                      gcs.url('appended.jsonl')]),
-                        cwd=processes.ROOT, env={k: v for k, v in processes.env(str(tmp_path)).items()
-                                                 if k != 'GCS_STAT_CACHE_MAX_AGE'},
-                        capture_output=True, text=True, timeout=120)
+                        cwd=processes.ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.strip() == repr('row 1\nrow 2\n')
 
