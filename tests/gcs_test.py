@@ -105,12 +105,9 @@ def _communicate(proc, timeout):
 def _rows(workdir):
   """(train rows, held-out rows) of a workdir's metrics.jsonl."""
   path = os.path.join(workdir, monitor.METRICS_FILE)
-  if gcs_lib.is_gcs(path):  # As the server has it, whenever and however TensorFlow was imported.
-    found = gcs_lib.read(path)
-    text = found[0].decode() if found else ''
-  else:
-    text = fileio.read_text(path) if fileio.exists(path) else ''
-  rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+  if not fileio.exists(path):
+    return [], []
+  rows = [json.loads(line) for line in fileio.read_text(path).splitlines() if line.strip()]
   held_out = [r.get('eval') or 'split' in r for r in rows]  # Pre-training's, fine-tuning's.
   return ([r for r, h in zip(rows, held_out) if not h], [r for r, h in zip(rows, held_out) if h])
 
