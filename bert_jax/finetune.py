@@ -33,8 +33,7 @@ import functools
 import itertools
 import math
 import os
-import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 import flax.linen as nn
@@ -253,33 +252,17 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
     with sharding_lib.activate(mesh, rules):
       return batching.predict_rows(predict_batch, eval_set.features, eval_batch_size, buckets)
 
-  # ---- Every shape the run trains and predicts, compiled before its first step -----------------
-  # Each length bucket's step would otherwise compile when its first batch comes, where SIGTERM
-  # cannot stop it (the notice is about 30 s).
-  first_epoch, last_epoch = step // steps_per_epoch + 1, math.ceil(stop_at / steps_per_epoch)
-  train_shapes = batching.batch_shapes(
-      task.train, batch_size, buckets, window_batches=sort_window,
-      seeds=[config.train.seed * 1_000_003 + e for e in range(first_epoch, last_epoch + 1)])
-  predict_shapes = {}
-  for eval_set in task.dev + (task.test if stop_at == total_steps else []):
-    for shape in batching.batch_shapes(eval_set.features, eval_batch_size, buckets):
-      predict_shapes[str(shape)] = shape
-
-  def compile_steps() -> None:
-    with_sharding = lambda shape: {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                           sharding=batch_sharding)
-                                   for k, v in shape.items()}
-    with sharding_lib.activate(mesh, rules):
-      for shape in train_shapes:
-        train_step.jitted.lower(abstract, with_sharding(shape)).compile()
-      for shape in predict_shapes.values():
-        jit_predict.lower(abstract.params, with_sharding(shape)).compile()
-
-  logging.info('Compiling the train step for %d length bucket(s) and the prediction step for '
-               '%d', len(train_shapes), len(predict_shapes))
-  started = time.time()
-  preemption.wait(compile_steps)
-  logging.info('Compiled in %.1f s', time.time() - started)
+  # ---- Every shape the run trains and predicts, compiled before its first step ---------------
+  train_shapes, predict_shapes = _batch_shapes(
+      task, config, range(step // steps_per_epoch + 1, math.ceil(stop_at / steps_per_epoch) + 1),
+      buckets, sort_window, with_test=stop_at == total_steps)
+  spec = lambda shape: {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
+                        for k, v in shape.items()}
+  preemption.wait(lambda: state_lib.compile_ahead(
+      [(train_step.jitted, (abstract, spec(s))) for s in train_shapes] +
+      [(jit_predict, (abstract.params, spec(s))) for s in predict_shapes], mesh, rules,
+      f'the train step for {len(train_shapes)} length bucket(s) and the prediction step for '
+      f'{len(predict_shapes)}'))
 
   def save(eval_pending: bool = False) -> None:
     ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed,
@@ -350,7 +333,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
       # The epoch's batches are planned from its seed alone, so a resumed run skips exactly
       # the ones it had trained on.
       plan = batching.batches(task.train, batch_size, buckets, shuffle=True,
-                              seed=config.train.seed * 1_000_003 + epoch,
+                              seed=_epoch_seed(config, epoch),
                               window_batches=sort_window)
       for batch in itertools.islice(plan, step - (epoch - 1) * steps_per_epoch, None):
         state, step_metrics = train_step(state, to_device(batch))
@@ -396,21 +379,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
       params = state.params
       if best['step'] != step:
         params = ckpt_lib.restore_params(manager, best['step'], abstract.params)
-      for eval_set in task.test:
-        try:
-          rows = predict(params, eval_set)
-        except _EvalStopped:
-          logging.warning('Test predictions stopped by SIGTERM; rerun the same command to '
-                          'make them.')
-          return None
-        scores, write = eval_set.evaluate(rows)
-        if scores is not None:
-          best[eval_set.name] = fileio.json_safe(scores)
-          log.eval(best['step'], _scalars(scores), eval_set.name, split=eval_set.name,
-                   epoch=best['epoch'])
-        if write and is_main:
-          write(predictions_dir)
-      logging.info('Test predictions in %s', predictions_dir)
+      if not _predict_test(task.test, predict, params, best, log, predictions_dir, is_main):
+        return None
   finally:
     bar.close()
     manager.wait_until_finished()
@@ -421,6 +391,48 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
   if is_main:
     fileio.write_json(metrics_path, best)
   return _finished(workdir, metrics_path, fresh=True)
+
+
+def _epoch_seed(config: ml_collections.ConfigDict, epoch: int) -> int:
+  """The seed of an epoch's batch plan: a resumed run plans the same batches."""
+  return config.train.seed * 1_000_003 + epoch
+
+
+def _batch_shapes(task: tasks.Task, config: ml_collections.ConfigDict, epochs: range,
+                  buckets: tuple[int, ...], sort_window: int, with_test: bool
+                  ) -> tuple[list[dict], list[dict]]:
+  """Every batch shape the train step meets in `epochs`, and every one the prediction step
+  meets on dev (and test, `with_test`): each compiles before the first step."""
+  train_shapes = batching.batch_shapes(
+      task.train, int(config.train.batch_size), buckets, window_batches=sort_window,
+      seeds=[_epoch_seed(config, e) for e in epochs])
+  predict_shapes = {}
+  for eval_set in task.dev + (task.test if with_test else []):
+    for shape in batching.batch_shapes(eval_set.features, int(config.eval.batch_size), buckets):
+      predict_shapes[str(shape)] = shape
+  return train_shapes, list(predict_shapes.values())
+
+
+def _predict_test(test_sets: list[tasks.EvalSet], predict: Callable, params: Any,
+                  best: dict[str, Any], log: monitor.MetricsLog, predictions_dir: str,
+                  is_main: bool) -> bool:
+  """Predicts each test set with the best epoch's `params`, writes the predictions and adds
+  the scores of a labelled set to `best`; False when SIGTERM stopped it."""
+  for eval_set in test_sets:
+    try:
+      rows = predict(params, eval_set)
+    except _EvalStopped:
+      logging.warning('Test predictions stopped by SIGTERM; rerun the same command to make them.')
+      return False
+    scores, write = eval_set.evaluate(rows)
+    if scores is not None:
+      best[eval_set.name] = fileio.json_safe(scores)
+      log.eval(best['step'], _scalars(scores), eval_set.name, split=eval_set.name,
+               epoch=best['epoch'])
+    if write and is_main:
+      write(predictions_dir)
+  logging.info('Test predictions in %s', predictions_dir)
+  return True
 
 
 def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertConfig

@@ -11,7 +11,6 @@ import itertools
 import json
 import math
 import os
-import time
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -493,18 +492,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   # thousands of steps in would not stop for SIGTERM (the notice is about 30 s).
   remaining = [p for p in phases if p.end > step and p.start < stop_at]
 
-  def compile_steps() -> None:
-    with sharding_lib.activate(mesh, rules):
-      for phase in remaining:
-        p_train_step.jitted.lower(abstract, _global_batch_spec(
-            dataset_for(phase, True).element_spec, batch_sharding)).compile()
-        p_eval_step.lower(abstract.params, _global_batch_spec(
-            dataset_for(phase, False, eval_local).element_spec, batch_sharding)).compile()
+  def steps_to_compile():  # Lazy: the datasets are made on the compiling thread too.
+    for phase in remaining:
+      yield p_train_step.jitted, (abstract, _global_batch_spec(
+          dataset_for(phase, True).element_spec, batch_sharding))
+      yield p_eval_step, (abstract.params, _global_batch_spec(
+          dataset_for(phase, False, eval_local).element_spec, batch_sharding))
 
-  logging.info('Compiling the train and eval steps of %d phase(s)', len(remaining))
-  started = time.time()
-  preemption.wait(compile_steps)
-  logging.info('Compiled in %.1f s', time.time() - started)
+  preemption.wait(lambda: state_lib.compile_ahead(
+      steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
   log = monitor.MetricsLog(workdir)
 
   def save(phase: Phase, data_it) -> None:
@@ -601,19 +597,25 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     log.close()
 
   if is_main:
-    if eval_metrics:
-      last_eval = json.dumps({k: round(v, 4) for k, v in eval_metrics.items()})
-    elif start is not None and start >= stop_at:  # Resumed a run that had already finished.
-      last_eval = (f'none in this run: the workdir was already at step {step} (see '
-                   'metrics.jsonl; use another --workdir or raise train.steps to go on)')
-    else:
-      last_eval = f'none: stopped at step {step} before the first evaluation'
-    print(f'\nbert_jax: step {step}/{config.train.steps} in {workdir}\n'
-          f'  checkpoints:  {os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)}\n'
-          f'  metrics:      {os.path.join(workdir, "metrics.jsonl")}\n'
-          f'  TensorBoard:  tensorboard --logdir {workdir}\n'
-          f'  last eval:    {last_eval}', flush=True)
+    _print_summary(config, workdir, step, stop_at, start, eval_metrics)
   return eval_metrics
+
+
+def _print_summary(config: ml_collections.ConfigDict, workdir: str, step: int, stop_at: int,
+                   start: int | None, eval_metrics: dict[str, float]) -> None:
+  """Where the run's files are, and its last evaluation."""
+  if eval_metrics:
+    last_eval = json.dumps({k: round(v, 4) for k, v in eval_metrics.items()})
+  elif start is not None and start >= stop_at:  # Resumed a run that had already finished.
+    last_eval = (f'none in this run: the workdir was already at step {step} (see '
+                 'metrics.jsonl; use another --workdir or raise train.steps to go on)')
+  else:
+    last_eval = f'none: stopped at step {step} before the first evaluation'
+  print(f'\nbert_jax: step {step}/{config.train.steps} in {workdir}\n'
+        f'  checkpoints:  {os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)}\n'
+        f'  metrics:      {os.path.join(workdir, "metrics.jsonl")}\n'
+        f'  TensorBoard:  tensorboard --logdir {workdir}\n'
+        f'  last eval:    {last_eval}', flush=True)
 
 
 def _check_phase_data(config: ml_collections.ConfigDict, phases: list[Phase],

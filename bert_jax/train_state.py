@@ -7,11 +7,14 @@
   whose gradients are accumulated, jitted with explicit shardings and the state donated. The
   model and the loss come from the caller (a pre-training objective's, a fine-tuning task's),
   and every loss is normalized the same way (`Loss`, `normalize`).
+- `compile_ahead`: every shape a run will use, compiled before its first step.
 """
 
 import functools
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterable
 
+from absl import logging
 import flax
 import flax.linen as nn
 import jax
@@ -193,6 +196,20 @@ def jit_step(apply: Apply, loss: Loss, tx: optax.GradientTransformation,
       return jitted(state, batch)
   run.jitted = jitted
   return run
+
+
+def compile_ahead(calls: Iterable[tuple[Any, tuple]], mesh: jax.sharding.Mesh, rules,
+                  what: str) -> None:
+  """Compiles each jitted function for its abstract arguments (`calls`: (jitted, args) pairs,
+  possibly lazy), logging `what` and the time taken. A run compiles every shape it will use
+  this way before its first step: a compile mid-run would not stop for SIGTERM, whose notice
+  is about 30 s."""
+  logging.info('Compiling %s', what)
+  started = time.time()
+  with sharding_lib.activate(mesh, rules):
+    for jitted, args in calls:
+      jitted.lower(*args).compile()
+  logging.info('Compiled in %.1f s', time.time() - started)
 
 
 def check_accumulation(batch_size: int, accum_steps: int, mesh: jax.sharding.Mesh,
