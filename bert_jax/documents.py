@@ -99,8 +99,36 @@ def check_text(path: str, flag: str) -> None:
 _GZIP_CHECKED: set[tuple[str, int, int]] = set()
 
 
+class _Trickle:
+  """A binary file read as it is up to byte `slow_from`, then a byte per read of compressed
+  data (gzip's small header and trailer reads are served whole): a decompressor reading through
+  it fails with `tell()` just past the byte that it cannot decode."""
+
+  def __init__(self, f, slow_from: int):
+    self._f, self._slow_from, self._pos = f, slow_from, 0
+
+  def read(self, size: int = -1) -> bytes:
+    if self._pos >= self._slow_from:
+      size = 1 if size < 0 or size > 16 else size
+    elif size < 0 or self._pos + size > self._slow_from:
+      size = self._slow_from - self._pos
+    data = self._f.read(size)
+    self._pos += len(data)
+    return data
+
+  def tell(self) -> int:
+    return self._pos
+
+
+def _read_gzip(raw) -> None:
+  with gzip.GzipFile(fileobj=raw, mode='rb') as f:
+    while f.read(1 << 22):
+      pass
+
+
 def check_gzip(path: str, flag: str) -> None:
-  """Reads a .gz file to its end: a damaged or truncated one is a UserError naming the file.
+  """Reads a .gz file to its end: a damaged or truncated one is a UserError naming the file
+  and the byte where decompression fails.
 
   tf.data's GZIP reader stops at the damage without an error (training would silently run on
   part of the corpus), so every .gz input is decompressed once at start-up (and remembered).
@@ -111,9 +139,7 @@ def check_gzip(path: str, flag: str) -> None:
     return
   with tf.io.gfile.GFile(path, 'rb') as raw:
     try:
-      with gzip.GzipFile(fileobj=raw) as f:
-        while f.read(1 << 22):
-          pass
+      _read_gzip(raw)
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
       if isinstance(e, EOFError):
         problem = (f'is truncated: its compressed data stops unfinished at byte {stat.length}, '
@@ -121,7 +147,20 @@ def check_gzip(path: str, flag: str) -> None:
       elif isinstance(e, gzip.BadGzipFile) and raw.tell() <= 10:
         problem = 'is not gzip data, though its name ends in .gz'
       else:
-        problem = f'is damaged near compressed byte {raw.tell()} of {stat.length} ({e})'
+        # The fast read failed somewhere in its last buffer: read again, a byte at a time
+        # from well before it, to name the byte.
+        with tf.io.gfile.GFile(path, 'rb') as again:
+          trickle = _Trickle(again, max(0, raw.tell() - (1 << 20)))
+          try:
+            _read_gzip(trickle)
+          except (EOFError, gzip.BadGzipFile, zlib.error):
+            pass
+        if 'CRC check failed' in str(e) or 'incorrect data check' in str(e):
+          # Deflate data damaged in a way that still decodes shows only at the checksum.
+          problem = (f'is damaged: the gzip member that ends at compressed byte '
+                     f'{trickle.tell()} (of {stat.length}) does not match its checksum')
+        else:
+          problem = f'is damaged at compressed byte {trickle.tell() - 1} of {stat.length} ({e})'
       raise UserError(f'{flag}: {path} {problem}; copy it again, or decompress what is left '
                       '(tf.data would silently stop at the damage)') from e
   _GZIP_CHECKED.add(key)

@@ -69,9 +69,9 @@ def _half(data: bytes) -> bytes:
   return data[:len(data) // 2]
 
 
-def _damage(data: bytes) -> bytes:
-  middle = len(data) // 2
-  return data[:middle] + bytes(b ^ 0x5A for b in data[middle:middle + 16]) + data[middle + 16:]
+def _damage(data: bytes, at: float = 0.5) -> bytes:
+  start = int(len(data) * at)
+  return data[:start] + bytes(b ^ 0x5A for b in data[start:start + 16]) + data[start + 16:]
 
 
 @contextlib.contextmanager
@@ -127,6 +127,8 @@ _MAKERS = {
     'gz': lambda p: open(p, 'wb').write(_gzip(_corpus_text(30))),
     'truncated_gz': lambda p: open(p, 'wb').write(_half(_gzip(_corpus_text(300)))),
     'damaged_gz': lambda p: open(p, 'wb').write(_damage(_gzip(_corpus_text(300)))),
+    # Damage that still decodes, seen only by the checksum at the end.
+    'damaged_crc_gz': lambda p: open(p, 'wb').write(_damage(_gzip(_corpus_text(300)), 0.9)),
     'not_gzip_gz': lambda p: open(p, 'wb').write(_corpus_text(30)),
     'fifo': os.mkfifo,
     'unreadable': lambda p: (open(p, 'wb').write(_corpus_text(30)), os.chmod(p, 0)),
@@ -161,7 +163,8 @@ CORPUS_ROWS = [
     ('crlf', 'ok'),
     ('gz', 'ok'),
     ('truncated_gz', 'is truncated: its compressed data stops unfinished at byte'),
-    ('damaged_gz', 'is damaged near compressed byte'),
+    ('damaged_gz', 'is damaged at compressed byte'),
+    ('damaged_crc_gz', 'does not match its checksum'),
     ('not_gzip_gz', 'is not gzip data, though its name ends in .gz'),
     ('fifo', 'is not a regular file'),
     ('unreadable', 'cannot be read (Permission denied)'),
@@ -204,6 +207,27 @@ def test_a_truncated_gz_is_refused_before_tf_data_reads_half_of_it(tmp_path):
   assert count is None or count < 300 * 5
   with pytest.raises(UserError, match=r'truncated_gz.gz is truncated: .* at byte \d+'):
     documents.expand_files(path)
+
+
+def test_damage_in_a_gz_is_named_where_it_is(tmp_path):
+  data = _gzip(_corpus_text(300))
+  start = len(data) // 2
+  path = tmp_path / 'damaged.gz'
+  path.write_bytes(_damage(data))
+  with pytest.raises(UserError, match=r'damaged.gz is damaged at compressed byte (\d+) of') as e:
+    documents.check_gzip(str(path), 'data.input')
+  assert start <= int(e.value.args[0].split('byte ')[1].split()[0]) < start + 16
+  # Damage that still decodes shows at the checksum, which ends the member: that byte.
+  path.write_bytes(_damage(data, 0.9))
+  with pytest.raises(UserError, match=rf'the gzip member that ends at compressed byte '
+                     rf'{len(data)} \(of {len(data)}\) does not match its checksum'):
+    documents.check_gzip(str(path), 'data.input')
+  # Two members, the second damaged: the byte counts from the file's start.
+  path.write_bytes(data + _damage(data))
+  with pytest.raises(UserError, match=r'damaged at compressed byte (\d+) of') as e:
+    documents.check_gzip(str(path), 'data.input')
+  assert len(data) + start <= int(e.value.args[0].split('byte ')[1].split()[0])
+  assert int(e.value.args[0].split('byte ')[1].split()[0]) < len(data) + start + 16
 
 
 def _vocab_bytes(crlf=False):
