@@ -66,7 +66,7 @@ def read_input(path: str) -> list[tuple[int, str, str | None]]:
   if blank:
     logging.warning('%s: skipped %d blank lines', path, blank)
   if not lines:
-    raise UserError(f'{path}: no text (the file is empty{" or blank" if blank else ""})')
+    raise UserError(f'--input: {path}: no text (the file is empty{" or blank" if blank else ""})')
   return lines
 
 

@@ -300,7 +300,7 @@ def _compression(path: str) -> str:
   return 'GZIP' if path.endswith('.gz') else ''
 
 
-def check_record_framing(path: str) -> None:
+def check_record_framing(path: str, flag: str = 'data.input') -> None:
   """Walks the length headers of a local, uncompressed TFRecord file to its end, seeking over
   the records: a file cut short (or not TFRecords at all) is a UserError naming it and the byte
   where its last record breaks off. tf.data would raise a DataLossError naming neither, at that
@@ -315,22 +315,23 @@ def check_record_framing(path: str) -> None:
       header = f.read(12)  # uint64 length, uint32 masked CRC of the length.
       end = offset + 12 + (int.from_bytes(header[:8], 'little') + 4 if len(header) == 12 else 0)
       if len(header) < 12 or end > size:
-        raise UserError(f'{path} is truncated or not a TFRecord file: the record at byte '
+        raise UserError(f'{flag}: {path} is truncated or not a TFRecord file: the record at byte '
                         f'{offset} ends past the end of the file ({size:,} bytes); copy it '
                         'again, or write the records again')
       offset = end
       f.seek(offset)
 
 
-def check_tfrecord(path: str, seq_len: int, max_predictions: int) -> None:
-  """Raises ValueError naming the file and feature if its first record does not fit, or the
-  file is cut short (`check_record_framing`)."""
-  check_record_framing(path)
+def check_tfrecord(path: str, seq_len: int, max_predictions: int, flag: str = 'data.input'
+                   ) -> None:
+  """A UserError naming `flag`, the file and the feature if its first record does not fit, or
+  the file is cut short (`check_record_framing`)."""
+  check_record_framing(path, flag)
   for record in tf.data.TFRecordDataset(path, _compression(path)).take(1):
     example = tf.train.Example.FromString(record.numpy())
     for name, (size, dtype) in _record_spec(seq_len, max_predictions).items():
       if name not in example.features.feature:
-        raise UserError(f'{path}: the records have no feature {name!r}; expected the '
+        raise UserError(f'{flag}: {path}: the records have no feature {name!r}; expected the '
                         f'features of create_pretraining_data.py: {list(FEATURES)}')
       feature = example.features.feature[name]
       values = (feature.float_list.value if dtype == tf.float32 else feature.int64_list.value)
@@ -338,7 +339,7 @@ def check_tfrecord(path: str, seq_len: int, max_predictions: int) -> None:
         setting = 'seq_len' if size == seq_len and 'masked' not in name else 'max_predictions'
         if name == 'next_sentence_labels':
           setting = 'one label per example'
-        raise UserError(f'{path}: feature {name!r} has {len(values)} values, but '
+        raise UserError(f'{flag}: {path}: feature {name!r} has {len(values)} values, but '
                         f'{setting} asks for {size}')
 
 
@@ -365,7 +366,7 @@ def _tfrecord_dataset(data, *, batch_size, seq_len, max_predictions, train, proc
   if not by_record:
     files = files[process_index::process_count]
   for path in files:
-    check_tfrecord(path, seq_len, max_predictions)
+    check_tfrecord(path, seq_len, max_predictions, flag)
   ds = tf.data.Dataset.from_tensor_slices(files)
   if train and len(files) > 1:
     ds = ds.shuffle(len(files), seed=_shuffle_seed(seed, process_index, 0),

@@ -209,6 +209,10 @@ def load_vocab(path: str) -> list[str]:
   tokens = [line.strip() for line in _read_lines(path)]
   while tokens and not tokens[-1]:
     tokens.pop()
+  if not tokens:
+    raise UserError(f'Vocabulary {path} is empty: a BERT vocab.txt has one token a line, '
+                    f'{", ".join(SPECIAL_TOKENS)} among them (or train a vocabulary with '
+                    '`bert-jax vocab`).')
   seen = {}
   for i, tok in enumerate(tokens):
     if not tok:

@@ -247,7 +247,7 @@ VOCAB_MAKERS = {
 VOCAB_ROWS = [
     ('missing', 'Vocabulary file not found'),
     ('directory', 'is a directory'),
-    ('empty', 'lacks special tokens'),
+    ('empty', 'is empty: a BERT vocab.txt has one token a line'),
     ('binary', 'not UTF-8 text'),
     ('bom', 'ok'),
     ('crlf', 'ok'),
@@ -302,7 +302,8 @@ def _tfrecord_outcome(root: str, kind: str) -> tuple[str, str]:
   path = os.path.join(root, f'{kind}.tfrecord')
   make(path)
   seq_len = 64 if kind == 'other_lengths' else 32
-  return path, _outcome(lambda: input_pipeline.check_tfrecord(path, seq_len, 5))
+  return path, _outcome(lambda: input_pipeline.check_tfrecord(path, seq_len, 5,
+                                                              'data.eval_input'))
 
 
 @pytest.mark.parametrize('kind, expected', [(k, e) for k, _, e in TFRECORD_ROWS],
@@ -313,6 +314,24 @@ def test_tfrecord_paths(tmp_path, kind, expected):
     assert outcome == 'ok', outcome
   else:
     assert expected in outcome and path in outcome, outcome
+    assert outcome.startswith(f'data.eval_input: {path}'), outcome
+
+
+def test_a_damaged_tfrecord_is_named_by_the_key_that_gave_it(tmp_path):
+  whole, cut = str(tmp_path / 'train.tfrecord'), str(tmp_path / 'eval.tfrecord')
+  _records(whole)
+  _records(cut, lambda d: d[:-1])
+  vocab = tmp_path / 'vocab.txt'
+  vocab.write_bytes(_vocab_bytes())
+  data = defaults.pretrain().data
+  data.input, data.eval_input, data.vocab_file = whole, cut, str(vocab)
+  with pytest.raises(UserError, match=rf'^data.eval_input: {cut} is truncated'):
+    input_pipeline.make_pretraining_dataset(data, batch_size=2, seq_len=32, max_predictions=5,
+                                            train=False)
+  data.input = cut
+  with pytest.raises(UserError, match=rf'^data.input: {cut} is truncated'):
+    input_pipeline.make_pretraining_dataset(data, batch_size=2, seq_len=32, max_predictions=5,
+                                            train=True)
 
 
 def _lock(path: str) -> None:
@@ -423,10 +442,10 @@ FILE_EXCEPTIONS = {
     ('config.train_file / predict_file, predict --input (SQuAD)', 'empty'): 'not valid JSON',
     ('config.data_dir (CoNLL train.txt)', 'empty'): 'no sentences',
     ('predict --input (NER text or CoNLL)', 'empty'): 'no sentences',
-    ('features --input', 'empty'): 'no text (the file is empty)',
+    ('features --input', 'empty'): '--input: PATH: no text (the file is empty)',
     ('data.vocab_file, --vocab_file', 'missing'): 'Vocabulary file not found',
     ('data.vocab_file, --vocab_file', 'dangling_symlink'): 'Vocabulary file not found',
-    ('data.vocab_file, --vocab_file', 'empty'): 'lacks special tokens',
+    ('data.vocab_file, --vocab_file', 'empty'): 'is empty: a BERT vocab.txt',
 }
 FILE_ROWS = [(surface, kind, FILE_EXCEPTIONS.get((surface, kind), expected))
              for surface in FILE_SURFACES for kind, expected in FILE_KINDS.items()]
@@ -479,8 +498,8 @@ def test_file_paths(open_dir, surface, kind, expected):
   path, outcome = _file_outcome(open_dir, surface, kind)
   if expected == 'ok':
     assert outcome == 'ok', outcome
-  else:
-    assert expected in outcome and path in outcome, outcome
+  else:  # PATH in an expectation stands for the path.
+    assert expected.replace('PATH', path) in outcome and path in outcome, outcome
 
 
 def _checkpoint_kinds():
