@@ -661,8 +661,10 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   except (KeyError, FileNotFoundError, ValueError) as e:
     # A step folder without its files (copied in part, deleted in part): Orbax's own error is
     # a KeyError or a missing-metadata error from deep inside it.
-    raise UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint ({e}); delete that '
-                    'folder to use an earlier step') from e
+    reason = ('it holds no params' if isinstance(e, KeyError) and 'params' in str(e)
+              else str(e))
+    raise UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint ({reason}); delete '
+                    'that folder to use an earlier step') from e
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored['params'])
   manager.close()
   params = dict(params)

@@ -539,7 +539,7 @@ def _checkpoint_kinds():
                                          'params__x': None}),
                                 'damaged or incomplete checkpoint'),
       'workdir_empty_step': (files(**{'bert_config.json': config, 'checkpoints__7__x': None}),
-                             'damaged or incomplete checkpoint'),
+                             'damaged or incomplete checkpoint (it holds no params)'),
       'workdir_without_config': (files(**{'checkpoints__x': None}), 'has no bert_config.json'),
   }
 
