@@ -300,12 +300,13 @@ def _compression(path: str) -> str:
   return 'GZIP' if path.endswith('.gz') else ''
 
 
-def check_record_framing(path: str, flag: str = 'data.input') -> None:
+def check_record_framing(path: str, flag: str) -> None:
   """Walks the length headers of a local, uncompressed TFRecord file to its end, seeking over
-  the records: a file cut short (or not TFRecords at all) is a UserError naming it and the byte
-  where its last record breaks off. tf.data would raise a DataLossError naming neither, at that
-  record, mid-run. (.gz files are read to their end by documents.check_gzip; a remote file would
-  cost a request per record, so it is left to tf.data.)"""
+  the records: a file cut short (or not TFRecords at all) is a UserError naming `flag` (the key
+  that gave the file), the file and the byte where its last record breaks off. tf.data would
+  raise a DataLossError naming neither, at that record, mid-run. (.gz files are read to their
+  end by documents.check_gzip; a remote file would cost a request per record, so it is left to
+  tf.data.)"""
   if fileio.is_remote(path) or _compression(path):
     return
   size = os.path.getsize(path)
@@ -322,8 +323,7 @@ def check_record_framing(path: str, flag: str = 'data.input') -> None:
       f.seek(offset)
 
 
-def check_tfrecord(path: str, seq_len: int, max_predictions: int, flag: str = 'data.input'
-                   ) -> None:
+def check_tfrecord(path: str, seq_len: int, max_predictions: int, flag: str) -> None:
   """A UserError naming `flag`, the file and the feature if its first record does not fit, or
   the file is cut short (`check_record_framing`)."""
   check_record_framing(path, flag)
