@@ -226,8 +226,8 @@ def _compile_flags():
   return run
 
 
-@_command('finetune', 'Fine-tune on a GLUE task, SQuAD or NER; --sweep runs the paper\'s '
-          'learning-rate search.')
+@_command('finetune', 'Fine-tune on a task (configs/finetune_*.py: GLUE, SQuAD, ...); --sweep '
+          'runs the paper\'s learning-rate search.')
 def _finetune_flags():
   _define_config_flag(os.path.join(configs_dir(), 'finetune_glue.py'))
   flags.DEFINE_string('workdir', '', 'Where the best checkpoint, metrics.json, predictions and '
@@ -318,23 +318,18 @@ def _eval_flags():
   return run
 
 
-# 'auto' and every task module's PREDICT_FORMATS (task_table.py), written out so that `--help`
-# does not load the tasks (and TensorFlow); tests/cli_test.py checks that they agree.
-INPUT_FORMATS = ('auto', 'tsv', 'jsonl', 'squad', 'conll', 'text')
-
-
-@_command('predict', 'A fine-tuned model on new inputs: GLUE labels and probabilities (JSONL), '
-          'SQuAD answers (JSON), NER tags (CoNLL); inputs with labels are also scored.')
+@_command('predict', 'A fine-tuned model on new inputs, in the formats of its task (README, '
+          '"Using a model from the command line"); inputs with labels are also scored.')
 def _predict_flags():
   flags.DEFINE_string('workdir', None, 'A finished `bert-jax finetune` workdir.')
-  flags.DEFINE_string('input', None, 'GLUE: a TSV file in the layout of the task\'s dev or test '
-                      'file, or JSONL of {"text_a": ..., "text_b": ...}. SQuAD: a SQuAD-format '
-                      'JSON file. NER: CoNLL, or plain text with a sentence per line.')
-  flags.DEFINE_string('output', None, 'Where the predictions go: JSONL (GLUE), JSON (SQuAD; '
-                      'with .nbest.json and, for 2.0, .null_odds.json beside it), CoNLL (NER).')
-  flags.DEFINE_enum('input_format', 'auto', list(INPUT_FORMATS),
-                    'What --input is; auto: by the task, the file name (.jsonl) and, for NER, '
-                    'whether the file looks like CoNLL.')
+  flags.DEFINE_string('input', None, 'New inputs in a format of the run\'s task: its dev file\'s '
+                      '(e.g. a GLUE TSV, SQuAD JSON, CoNLL) or another it reads (JSONL, text).')
+  flags.DEFINE_string('output', None, 'Where the predictions go, in the task\'s output format '
+                      '(GLUE: JSONL; SQuAD: JSON, with .nbest.json beside it; NER: CoNLL; ...).')
+  from bert_jax import task_table  # pylint: disable=g-import-not-at-top  (the table, no task)
+  flags.DEFINE_enum('input_format', 'auto', list(task_table.predict_formats()),
+                    'What --input is (the task\'s formats: task_table.KINDS); auto: by the '
+                    'task, the file name (.jsonl) and, for NER, whether it looks like CoNLL.')
   flags.DEFINE_integer('batch_size', 0, 'Examples (SQuAD: windows) per batch; 0 = the run\'s '
                        'eval.batch_size, the batches of its dev predictions.')
   flags.mark_flags_as_required(['workdir', 'input', 'output'])

@@ -189,7 +189,7 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config adds its own keys. Settings that pre-training has too are where pre-training has them
   (`data.vocab_file`, `data.max_seq_length`, `train.init_checkpoint`, the optimizer's)."""
   config = ml_collections.ConfigDict()
-  # GLUE task name, 'squad_v1' / 'squad_v2', or 'ner'.
+  # A task name that a module of task_table.KINDS accepts (each finetune_*.py config sets it).
   config.task = task
   # Directory of the task's files (see each config's docstring).
   config.data_dir = ''
@@ -262,11 +262,12 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # Evaluation happens after every epoch, on every dev set.
   config.eval.batch_size = 64
   # The metric that picks the best epoch; '' = the task's headline metric (MRPC/QQP: f1,
-  # STS-B: spearman, CoLA: mcc, SQuAD and NER: f1, others: accuracy).
+  # STS-B: spearman, CoLA: mcc, SQuAD and NER: f1, others: accuracy; each module says its own).
   config.eval.main_metric = ''
 
   # Also predict the test set(s) with the best epoch's weights (GLUE: the leaderboard's TSV
-  # files, MNLI also AX.tsv when diagnostic/diagnostic.tsv exists; NER: test.txt is scored).
+  # files, MNLI also AX.tsv when diagnostic/diagnostic.tsv exists; tasks with labelled test
+  # files: scored).
   config.predict_test = False
 
   config.mesh = pretrain().mesh

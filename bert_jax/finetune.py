@@ -1,4 +1,4 @@
-"""Fine-tuning: GLUE, SQuAD v1.1/v2.0 and CoNLL-2003 NER with the paper's recipe.
+"""Fine-tuning on the tasks of task_table.py (GLUE, SQuAD v1.1/v2.0, NER, ...), the paper's recipe.
 
 `finetune(config, workdir)` runs, in order: setup -> mesh -> pre-trained encoder and tokenizer ->
 task data -> model & optimizer -> abstract init & shardings -> init (pre-trained encoder, fresh
@@ -19,8 +19,9 @@ Workdir:
   metrics.jsonl + TensorBoard events   training metrics and each epoch's dev metrics
   metrics.json         the best epoch's dev metrics (what `finetune` returns); marks the run
                        finished
-  predictions/         SQuAD predictions.json (+ null_odds.json), NER CoNLL files (dev, test),
-                       GLUE test TSVs in the leaderboard's format (with config.predict_test)
+  predictions/         the task's files: SQuAD predictions.json (+ null_odds.json), NER CoNLL
+                       files (dev, test), GLUE test TSVs in the leaderboard's format (with
+                       config.predict_test)
 Resume: rerunning the same call continues from the latest checkpoint that reads back whole
 (saved every checkpoint.every_steps, after each epoch's evaluation and on SIGTERM;
 `checkpoint.restore_or_init`, pre-training's resume order) at its step inside its epoch, and

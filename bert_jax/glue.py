@@ -27,10 +27,6 @@ from bert_jax import model as model_lib
 from bert_jax import tasks
 from bert_jax.errors import UserError
 
-# How `task_table` knows this module: config.task names, and what `bert-jax predict` reads.
-DESCRIPTION = 'a GLUE task'
-PREDICT_FORMATS = ('tsv', 'jsonl')
-
 # ---------------------------------------------------------------------------------------------
 # Tasks
 # ---------------------------------------------------------------------------------------------

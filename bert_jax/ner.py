@@ -21,10 +21,6 @@ from bert_jax import model as model_lib
 from bert_jax import tasks
 from bert_jax.errors import UserError
 
-# How `task_table` knows this module: config.task names, and what `bert-jax predict` reads.
-DESCRIPTION = 'ner'
-PREDICT_FORMATS = ('conll', 'text')
-
 # The CoNLL-2003 tag set (IOB1 and IOB2 use the same tags, only their placement differs).
 CONLL_LABELS = ('O', 'B-PER', 'I-PER', 'B-ORG', 'I-ORG', 'B-LOC', 'I-LOC', 'B-MISC', 'I-MISC')
 _PREFIXES = ('B-', 'I-', 'E-', 'S-')

@@ -1,22 +1,12 @@
 """A fine-tuned model on new inputs: `bert-jax predict --workdir=FINETUNED --input --output`.
 
 The workdir says what it is (task.json, config.json, tokenizer_config.json) and holds the best
-epoch's weights. Inputs and outputs by task:
+epoch's weights. What each task reads and writes is its module's `prediction` (task_table.py
+lists them; README, "Using a model from the command line"), for example GLUE: a TSV in the
+layout of the task's dev or test file, or JSONL -> JSONL with each row's label and
+probabilities; SQuAD: SQuAD JSON -> {question id: answer}; NER: CoNLL or text -> CoNLL.
 
-  GLUE (classification, regression): a TSV file in the layout of the task's dev or test file,
-    or JSONL of {"text_a": ..., "text_b": ...} (also "sentence" / "sentence1" / "sentence2")
-    -> JSONL, one object per input row: the label and every label's probability (STS-B: the
-    score).
-  SQuAD: a SQuAD-format JSON file -> JSON {question id: answer text} (the official evaluation
-    script's input), and beside it <output>.nbest.json (the n best answers with probabilities)
-    and, for SQuAD 2.0, <output>.null_odds.json (no-answer score minus best-span score).
-  NER: CoNLL (a word per line, first column; blank lines between sentences; tags in the last
-    column if any) or plain text (a sentence per non-blank line, split into words as BERT's
-    basic tokenizer splits them: punctuation apart, so `U.S.` is 4 words) -> CoNLL: 'word gold
-    predicted' lines (conlleval's input) for tagged input, 'word predicted' otherwise; a block
-    per sentence (blank input lines have none).
-
-An input with labels (GLUE labels, SQuAD answers, CoNLL tags) is also scored, with the same
+An input with labels (GLUE labels, SQuAD answers, CoNLL tags, ...) is also scored, with the same
 features, batches, decoding and metrics as `finetune` scores its dev set, in the dtype the run
 evaluated in: on the task's dev file the metrics are those the run reported for its best epoch
 (exactly on the kind of machine the run evaluated on, where XLA computes the same logits; the
@@ -46,7 +36,7 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
     input_path, output_path: local or gs:// files.
     batch_size: examples (SQuAD: windows) per batch; 0 = the run's eval.batch_size, the
       batches its dev predictions were made in.
-    input_format: 'auto' or one of the task module's PREDICT_FORMATS (task_table.py).
+    input_format: 'auto' or one of the task's predict formats (task_table.KINDS).
 
   Returns:
     {'task', 'input_format' (as read), 'examples', 'output'} (+ 'files': the other files
@@ -66,7 +56,7 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
   info = fileio.read_json(task_path)
   run = ml_collections.ConfigDict(fileio.read_json(f'{workdir}/config.json'))
   kind = info['kind']
-  module = task_table.KINDS[kind]
+  module = task_table.module(kind)
   if fileio.isdir(input_path):
     raise UserError(f'--input={input_path} is a directory; name a file')
   if not fileio.isfile(input_path):
@@ -76,9 +66,10 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
     raise UserError(f'--batch_size={batch_size} must be positive (or 0: the run\'s '
                     'eval.batch_size)')
   batch_size = batch_size or int(run.eval.batch_size)
-  if input_format != 'auto' and input_format not in module.PREDICT_FORMATS:
+  formats = task_table.KINDS[kind].predict_formats
+  if input_format != 'auto' and input_format not in formats:
     raise UserError(f'--input_format={input_format} does not fit a {kind} model: expected auto '
-                    f'or one of {", ".join(module.PREDICT_FORMATS)}')
+                    f'or one of {", ".join(formats)}')
   bert_config, params, tok, _, lower_case = convert.load_checkpoint(workdir, flag='--workdir')
   # The dtype the run evaluated in (workdirs written before task.json recorded it: the config's,
   # resolved here); XLA attention, which runs anywhere.

@@ -28,10 +28,6 @@ from bert_jax import tasks
 from bert_jax import tokenization
 from bert_jax.errors import UserError
 
-# How `task_table` knows this module: config.task names, and what `bert-jax predict` reads.
-DESCRIPTION = 'squad_v1, squad_v2'
-PREDICT_FORMATS = ('squad',)
-
 
 @dataclasses.dataclass
 class SquadExample:

@@ -1,16 +1,14 @@
 """The fine-tuning tasks: one table from a kind of task to the module that implements it.
 
-  kind   config.task (configs/)                module    head      loss (tasks.py)    predict
-  glue   cola, sst2, mrpc, stsb, qqp, mnli,    glue.py   sequence  classification,    tsv, jsonl
-         qnli, rte, wnli (finetune_glue.py)                        regression (STS-B)
-  squad  squad_v1, squad_v2                    squad.py  span      span               squad
-         (finetune_squad.py)
-  ner    ner (finetune_ner.py)                 ner.py    token     token              conll, text
+KINDS maps each kind to its module, `bert_jax.<kind>`, with what can be known of it without
+importing it (which would load TensorFlow): the config.task names it takes, for errors, and the
+formats `bert-jax predict --input_format` reads. Each module's docstring says its data, head,
+loss and outputs; its config in configs/ sets config.task. Modules are imported when a task is
+built, as big_vision picks its models by name.
 
-`finetune` and `predict` reach a task only through here. Every task module has the same parts:
+`finetune`, `predict`, the command line and tests/imports_test.py reach a task only through
+here. Every task module has the same parts:
 
-  DESCRIPTION, PREDICT_FORMATS   its config.task names for errors; the formats `bert-jax
-                                 predict --input_format` reads (besides 'auto')
   accepts(task)                  whether config.task names one of its tasks
   make_task(config, tok, bert_config, lower_case) -> tasks.Task
                                  reader, features, model (head) and loss; dev and test sets
@@ -20,29 +18,53 @@
                                  output files and scores of new inputs (info: the run's
                                  task.json; run: its config)
 
-Adding a task: a module with these parts, an entry in KINDS, and a config in configs/ that
-starts from `defaults.finetune(task)` and adds the task's own keys (a new predict format also
-goes into `cli.INPUT_FORMATS`, which --help reads without loading the tasks).
+Adding a task: a module with these parts, an entry in KINDS, a config in configs/ that starts
+from `defaults.finetune(task)` and adds the task's own keys, and a test.
 """
+
+import dataclasses
+import importlib
+import types
 
 import ml_collections
 
-from bert_jax import glue
 from bert_jax import model as model_lib
-from bert_jax import ner
-from bert_jax import squad
 from bert_jax import tasks
 from bert_jax.errors import UserError
 
-KINDS = {'glue': glue, 'squad': squad, 'ner': ner}
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  description: str  # The config.task names the module accepts, for errors.
+  predict_formats: tuple[str, ...]  # What `bert-jax predict` reads besides 'auto'.
+
+
+KINDS = {
+    'glue': Kind('a GLUE task', ('tsv', 'jsonl')),
+    'squad': Kind('squad_v1, squad_v2', ('squad',)),
+    'ner': Kind('ner', ('conll', 'text')),
+}
+
+
+def module(kind: str) -> types.ModuleType:
+  """The module of a kind of task (a key of KINDS)."""
+  return importlib.import_module(f'bert_jax.{kind}')
+
+
+def predict_formats() -> tuple[str, ...]:
+  """Every format `bert-jax predict` reads, 'auto' (by the task and the file) first."""
+  formats = ['auto']
+  for kind in KINDS.values():
+    formats.extend(f for f in kind.predict_formats if f not in formats)
+  return tuple(formats)
 
 
 def kind_of(task: str) -> str:
   """The kind of config.task: a key of KINDS (an unknown name is an error)."""
-  for kind, module in KINDS.items():
-    if module.accepts(task):
+  for kind in KINDS:
+    if module(kind).accepts(task):
       return kind
-  descriptions = [module.DESCRIPTION for module in KINDS.values()]
+  descriptions = [kind.description for kind in KINDS.values()]
   raise UserError(f'config.task={task!r}: expected {", ".join(descriptions[:-1])} or '
                   f'{descriptions[-1]}')
 
@@ -50,7 +72,7 @@ def kind_of(task: str) -> str:
 def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
               lower_case: bool) -> tasks.Task:
   """The task's data (tokenized), model, loss and scoring from a fine-tuning config."""
-  task = KINDS[kind_of(config.task)].make_task(config, tok, bert_config, lower_case)
+  task = module(kind_of(config.task)).make_task(config, tok, bert_config, lower_case)
   if config.eval.main_metric:
     if config.eval.main_metric not in task.metric_names:
       raise UserError(f'config.eval.main_metric={config.eval.main_metric!r} is not a metric of '

@@ -1,10 +1,10 @@
 """What a fine-tuning task is: its data, model head, loss and scoring.
 
-Each task module (glue.py, squad.py, ner.py; task_table.py lists them) builds its `Task` from a
-fine-tuning config with `make_task`, and a `Prediction` of new inputs with `prediction`;
-`finetune.py` trains and evaluates any `Task` the same way, `predict.py` runs any `Prediction`.
-Losses return sums and counts (`train_state.Loss`), so padded rows and uneven batches average
-exactly. The heads ('sequence', 'token', 'span') say what a prediction step returns per row.
+Each task module (task_table.py lists them) builds its `Task` from a fine-tuning config with
+`make_task`, and a `Prediction` of new inputs with `prediction`; `finetune.py` trains and
+evaluates any `Task` the same way, `predict.py` runs any `Prediction`. Losses return sums and
+counts (`train_state.Loss`), so padded rows and uneven batches average exactly. The
+heads ('sequence', 'token', 'span') say what a prediction step returns per row.
 """
 
 import dataclasses
@@ -48,7 +48,7 @@ class Prediction:
 
 @dataclasses.dataclass
 class Task:
-  kind: str  # A key of task_table.KINDS: 'glue', 'squad', 'ner'.
+  kind: str  # A key of task_table.KINDS, the task's module.
   head: str  # 'sequence', 'token', 'span': what the prediction step returns per row.
   model: nn.Module
   loss_fn: Callable

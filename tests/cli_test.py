@@ -172,15 +172,6 @@ def test_flag_and_config_mistakes_are_one_message(args, fragments):
   _assert_user_error(_cli(args), args[0], *fragments)
 
 
-def test_predict_input_formats_are_the_task_modules():
-  """--input_format's choices are written out in cli.py (--help must not load the tasks): they
-  are the task modules' PREDICT_FORMATS, so a task with a new format adds it there too."""
-  from bert_jax import cli  # pylint: disable=g-import-not-at-top
-  from bert_jax import task_table  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  formats = {f for module in task_table.KINDS.values() for f in module.PREDICT_FORMATS}
-  assert set(cli.INPUT_FORMATS) == {'auto'} | formats
-
-
 def test_unknown_command_suggests_the_closest():
   proc = _cli(['pretrian'])
   assert proc.returncode == 2
