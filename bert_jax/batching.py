@@ -9,9 +9,11 @@
 - `predict_rows`: every example's output of a prediction step, in example order.
 
 Features are dicts of numpy arrays: `input_ids`, `input_mask`, `segment_ids` [N, L] and per-row
-arrays such as labels and `example_index` / `feature_index` [N].
+arrays such as labels and `example_index` / `feature_index` [N]. A multiple-choice example is
+several sequences, [N, C, L]: its choices stay together, and its longest one picks the bucket.
 """
 
+import math
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -52,11 +54,28 @@ def _batchable(features: dict[str, Any]) -> tuple[dict[str, np.ndarray], int, in
             if isinstance(v, np.ndarray) and v.dtype != object}
   if 'input_mask' not in arrays:
     raise ValueError('features need an input_mask array to be bucketed')
-  n, length = arrays['input_mask'].shape
+  n, length = len(arrays['input_mask']), arrays['input_mask'].shape[-1]
   for k, v in arrays.items():
     if v.shape[0] != n:
       raise ValueError(f'feature {k!r} has {v.shape[0]} rows, input_mask has {n}')
   return arrays, n, length
+
+
+def _sequence_shape(arrays: dict[str, np.ndarray]) -> tuple[int, ...]:
+  """What follows N in a token array: (L,), or (C, L) for C choices per example."""
+  return arrays['input_mask'].shape[1:]
+
+
+def _is_tokens(v: np.ndarray, shape: tuple[int, ...]) -> bool:
+  """Whether `v` holds a value per token ([N, *shape, ...]): cut to the bucket."""
+  return v.shape[1:1 + len(shape)] == shape
+
+
+def _cut(v: np.ndarray, idx: np.ndarray, shape: tuple[int, ...], size: int) -> np.ndarray:
+  """Rows `idx` of `v`, its token axis cut to `size` when it has one."""
+  if not _is_tokens(v, shape):
+    return v[idx]
+  return v[idx][(slice(None),) * len(shape) + (slice(0, size),)]
 
 
 def _bucket_plan(features, batch_size, buckets, shuffle, seed, window_batches, drop_remainder
@@ -65,7 +84,8 @@ def _bucket_plan(features, batch_size, buckets, shuffle, seed, window_batches, d
   if batch_size < 1:
     raise UserError(f'batch_size must be positive, got {batch_size}')
   sizes = sorted({min(int(b), length) for b in buckets} | {length})
-  lengths = arrays['input_mask'].sum(1)
+  # An example's length is that of its longest sequence (choice).
+  lengths = arrays['input_mask'].reshape(n, -1, length).sum(-1).max(-1)
   rng = np.random.default_rng(seed)
   order = rng.permutation(n) if shuffle else np.arange(n)
   window = batch_size * window_batches
@@ -95,15 +115,14 @@ def bucket_batches(features: dict[str, Any], batch_size: int,
   Examples are (optionally) shuffled, sorted by length within windows of `window_batches`
   batches, cut into batches, and the batch order is shuffled. Every example appears exactly
   once per epoch (the last batch may be smaller unless `drop_remainder`). Arrays of shape
-  [N, L, ...] are cut to the bucket; [N] arrays (labels, indices) are gathered; non-array
+  [N, L, ...] ([N, C, L, ...]: C choices) are cut to the bucket; [N] arrays (labels, indices) are gathered; non-array
   entries are left out. Use `example_index`/`feature_index` to map results back.
   """
   arrays, planned = _bucket_plan(features, batch_size, buckets, shuffle, seed, window_batches,
                                  drop_remainder)
-  length = arrays['input_mask'].shape[1]
+  shape = _sequence_shape(arrays)
   for idx, size in planned:
-    yield {k: (v[idx, :size] if v.ndim >= 2 and v.shape[1] == length else v[idx])
-           for k, v in arrays.items()}
+    yield {k: _cut(v, idx, shape, size) for k, v in arrays.items()}
 
 
 def padding_savings(features: dict[str, Any], batch_size: int,
@@ -112,13 +131,15 @@ def padding_savings(features: dict[str, Any], batch_size: int,
   """Share of padded tokens with fixed-length batches vs bucketed ones (one shuffled epoch)."""
   arrays, planned = _bucket_plan(features, batch_size, buckets, True, seed, window_batches,
                                  False)
-  n, length = arrays['input_mask'].shape
+  shape = _sequence_shape(arrays)
+  sequences = math.prod(shape[:-1])  # Per example: 1, or its choices.
+  fixed = len(arrays['input_mask']) * math.prod(shape)
   real = int(arrays['input_mask'].sum())
-  bucketed = sum(len(idx) * size for idx, size in planned)
-  return {'real_tokens': real, 'fixed_tokens': n * length, 'bucketed_tokens': bucketed,
-          'fixed_pad_share': 1 - real / (n * length),
+  bucketed = sum(len(idx) * sequences * size for idx, size in planned)
+  return {'real_tokens': real, 'fixed_tokens': fixed, 'bucketed_tokens': bucketed,
+          'fixed_pad_share': 1 - real / fixed,
           'bucketed_pad_share': 1 - real / bucketed,
-          'tokens_saved_share': 1 - bucketed / (n * length)}
+          'tokens_saved_share': 1 - bucketed / fixed}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,8 +148,8 @@ def padding_savings(features: dict[str, Any], batch_size: int,
 
 
 def _pad_rows(batch: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
-  """Pads a partial batch to `batch_size` rows of weight 0 (a lone [CLS]-sized row each, so
-  attention never sees an all-masked row)."""
+  """Pads a partial batch to `batch_size` rows of weight 0 (a lone [CLS]-sized sequence each,
+  every choice too, so attention never sees an all-masked row)."""
   n = len(batch['weight'])
   if n == batch_size:
     return batch
@@ -136,7 +157,7 @@ def _pad_rows(batch: dict[str, np.ndarray], batch_size: int) -> dict[str, np.nda
   for k, v in batch.items():
     fill = -1 if k == 'labels' else 0
     out[k] = np.concatenate([v, np.full((batch_size - n,) + v.shape[1:], fill, v.dtype)])
-  out['input_mask'][n:, 0] = 1
+  out['input_mask'][n:, ..., 0] = 1
   return out
 
 
@@ -168,9 +189,9 @@ def batch_shapes(features: dict[str, np.ndarray], batch_size: int, buckets: Sequ
     arrays, planned = _bucket_plan(features, batch_size, tuple(buckets), seed is not None,
                                    seed or 0, window_batches, False)
     sizes.update(size for _, size in planned)
-  length = arrays['input_mask'].shape[1]
-  return [{k: jax.ShapeDtypeStruct((batch_size, size, *v.shape[2:]) if v.ndim >= 2 and
-                                   v.shape[1] == length else (batch_size, *v.shape[1:]),
+  shape = _sequence_shape(arrays)
+  return [{k: jax.ShapeDtypeStruct((batch_size, *shape[:-1], size, *v.shape[1 + len(shape):])
+                                   if _is_tokens(v, shape) else (batch_size, *v.shape[1:]),
                                    v.dtype)
            for k, v in arrays.items()} for size in sorted(sizes)]
 
