@@ -43,6 +43,7 @@ KINDS = {
     'glue': Kind('a GLUE task', ('tsv', 'jsonl')),
     'squad': Kind('squad_v1, squad_v2', ('squad',)),
     'ner': Kind('ner', ('conll', 'text')),
+    'swag': Kind('swag (or multiple_choice)', ('csv', 'jsonl')),
 }
 
 
