@@ -23,11 +23,6 @@ warning, moved aside to `<step>.corrupt`, and the one before it is used; one who
 match the config is an error (never a partial load). A save that fails (a full disk) is removed
 and named in the error; the checkpoints before it stay usable.
 
-One run at a time per workdir: `workdir_lock` holds `<workdir>/run.lock` (pid, host, heartbeat)
-on process 0 and refuses a second run while the holder is alive; it is created exclusively
-and a stale one is replaced only as it was read (on Cloud Storage both with generation
-preconditions), so two runs started together cannot both take it.
-
 Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) works like a
 local one (Orbax handles its own paths).
 """
@@ -35,15 +30,11 @@ local one (Orbax handles its own paths).
 import asyncio
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import re
-import socket
-import threading
 import time
 from typing import Any, Callable, Iterator
-import uuid
 
 import jax
 import numpy as np
@@ -52,18 +43,13 @@ from absl import logging
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from bert_jax import fileio
-from bert_jax import gcs
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
 DATA_STATE_DIR = 'data_state'
-LOCK_FILE = 'run.lock'
 # orbax.checkpoint's COMMIT_SUCCESS_FILE (in a private module).
 _GCS_COMMIT_FILE = 'commit_success.txt'
-# A lock whose holder runs on another host is stale when its heartbeat is older than this.
-LOCK_STALE_SECONDS = 300
-_LOCK_HEARTBEAT_SECONDS = 60
 
 
 def _registry(replica_parallel: bool):
@@ -272,223 +258,6 @@ def _move_aside(ckpt_dir: str, step: int) -> None:
     multihost_utils.sync_global_devices(f'bert_jax_move_aside_{step}')
 
 
-# ---- One run per workdir ---------------------------------------------------------------------
-
-
-def _read_lock(path: str) -> tuple[dict | None, int | None]:
-  """(record, generation): the lock's holder (None: no lock, or half written / unreadable) and,
-  on Cloud Storage, the object's generation (None when there is no object)."""
-  if gcs.is_gcs(path):
-    got = gcs.read(path)
-    if got is None:
-      return None, None
-    try:
-      return json.loads(got[0] or b'null'), got[1]
-    except ValueError:
-      return None, got[1]
-  try:
-    with fileio.gfile().GFile(path) as f:
-      return json.loads(f.read() or 'null'), None
-  except Exception:  # pylint: disable=broad-except  (gone meanwhile, or half written)
-    return None, None
-
-
-def _holder_alive(holder: dict) -> bool:
-  if holder.get('host') == socket.gethostname():
-    pid = int(holder.get('pid', -1))
-    if pid == os.getpid():
-      return False  # An earlier run in this very process that did not release it.
-    try:
-      os.kill(pid, 0)
-    except ProcessLookupError:
-      return False
-    except PermissionError:
-      return True  # Alive, another user's.
-    return True
-  return time.time() - float(holder.get('heartbeat', 0)) < LOCK_STALE_SECONDS
-
-
-def _create_lock(path: str, record: dict) -> int | None:
-  """Writes the lock if there is none, atomically where the filesystem can: locally a complete
-  file hard-linked into place (a reader never sees it half written), on Cloud Storage a
-  generation precondition (create-if-absent). Its generation on Cloud Storage, 0 elsewhere; None
-  if another run's lock is there."""
-  text = json.dumps(record)
-  if gcs.is_gcs(path):
-    return gcs.create_if_absent(path, text.encode())
-  if not fileio.is_remote(path):
-    tmp = f'{path}.{record["token"]}'
-    with open(tmp, 'w') as f:
-      f.write(text)
-    try:
-      os.link(tmp, path)  # Fails if the lock exists: the exclusive create.
-    except FileExistsError:
-      return None
-    except OSError as e:
-      if e.errno not in _NO_HARD_LINKS:
-        raise
-      return _create_exclusive(path, text)
-    finally:
-      os.remove(tmp)
-    return 0
-  # Other filesystems (ram://) have no exclusive create: write, then read back who won.
-  fileio.write_json(path, record)
-  return 0 if (_read_lock(path)[0] or {}).get('token') == record['token'] else None
-
-
-# What link() says on filesystems without hard links (Cloud Storage FUSE mounts, some others).
-_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)
-# An unreadable local lock younger than this may be one being written (_create_exclusive).
-_LOCK_WRITE_SECONDS = 10
-
-
-def _create_exclusive(path: str, text: str) -> int | None:
-  """O_EXCL, then the contents: where there are no hard links. A reader can see the lock empty
-  for a moment; `_take_over` leaves a young unreadable lock alone."""
-  try:
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-  except FileExistsError:
-    return None
-  with os.fdopen(fd, 'w') as f:
-    f.write(text)
-  return 0
-
-
-def _take_over(path: str, stale: dict | None, generation: int | None,
-               record: dict) -> int | None:
-  """Replaces the stale lock as it was read (`stale`; on Cloud Storage its `generation`) with
-  `record`, so that of several runs taking over the same stale lock exactly one gets it: on
-  Cloud Storage a single upload conditional on that generation; locally, under an flock of the
-  workdir, a removal only if the lock is still the stale one, then the exclusive create. As
-  `_create_lock`."""
-  if gcs.is_gcs(path):
-    if generation is None:
-      return _create_lock(path, record)
-    return gcs.replace_if_generation(path, json.dumps(record).encode(), generation)
-  if not fileio.is_remote(path):
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # Released with the descriptor.
-      except OSError:
-        # NFS emulates flock with byte-range locks, which need a file open for writing, never a
-        # folder (flock(2)): taken over unserialised there.
-        pass
-      with contextlib.suppress(FileNotFoundError):
-        if stale is None and time.time() - os.path.getmtime(path) < _LOCK_WRITE_SECONDS:
-          return None  # Perhaps another run's lock, being written.
-      if _read_lock(path)[0] == stale:
-        with contextlib.suppress(FileNotFoundError):
-          os.remove(path)
-      return _create_lock(path, record)
-    finally:
-      os.close(fd)
-  _remove_lock(path, generation)
-  return _create_lock(path, record)
-
-
-def _remove_lock(path: str, generation: int | None) -> None:
-  """Removes a lock; on Cloud Storage only the `generation` read, so that a lock another
-  starter wrote meanwhile stays."""
-  try:
-    if gcs.is_gcs(path):
-      if generation is not None:
-        gcs.delete_if_generation(path, generation)
-    else:
-      fileio.gfile().remove(path)
-  except Exception:  # pylint: disable=broad-except  (another starter removed it)
-    pass
-
-
-@contextlib.contextmanager
-def workdir_lock(workdir: str) -> Iterator[None]:
-  """Holds `<workdir>/run.lock` for the duration of a run; refuses if a live run holds it.
-
-  Process 0 takes it (all processes learn the outcome); the holder is alive when it is a live
-  pid on this host, or, on another host, when its heartbeat (rewritten every minute) is younger
-  than LOCK_STALE_SECONDS. A stale lock (a killed run) is taken over with a warning. Taking it
-  is an exclusive create (a hard link; on Cloud Storage create-if-absent), and taking over a
-  stale one replaces exactly the lock that was read (`_take_over`), so of two runs started at
-  the same moment one is refused, whether the lock was free or stale; on Cloud Storage the
-  heartbeat and the release, too, only touch the generation this run wrote. Writing the lock is
-  also the check that the workdir is writable.
-  """
-  path = os.path.join(workdir, LOCK_FILE)
-  token = uuid.uuid4().hex
-  refusal = ''
-  generation = None
-  if jax.process_index() == 0:
-    fileio.make_dirs(workdir, '--workdir')
-    record = dict(pid=os.getpid(), host=socket.gethostname(), token=token,
-                  started=time.strftime('%Y-%m-%d %H:%M:%S %Z'), heartbeat=time.time())
-    for _ in range(3):
-      holder, held = _read_lock(path)
-      if holder is not None and _holder_alive(holder):
-        refusal = (f'--workdir={workdir} is in use by another run (pid {holder.get("pid")} on '
-                   f'{holder.get("host")}, started {holder.get("started")}; lock file {path}). '
-                   'Wait for it to end or stop it, or use another --workdir; if no such run is '
-                   f'alive, delete {path}.')
-        break
-      stale = holder is not None or held is not None or (
-          not gcs.is_gcs(path) and fileio.gfile().exists(path))  # Unreadable: stale too.
-      try:
-        if stale:
-          logging.warning('Taking over the stale lock %s of a run that is gone: %s', path,
-                          holder)
-          generation = _take_over(path, holder, held, record)
-        else:
-          generation = _create_lock(path, record)
-      except Exception as e:  # pylint: disable=broad-except
-        raise UserError(f'--workdir={workdir} is not writable ({path}: {e}); choose a '
-                        'directory this job can write to') from e
-      if generation is not None:
-        break
-    else:
-      refusal = f'--workdir={workdir}: could not take the lock {path} (another run starts?)'
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    refused = int(multihost_utils.broadcast_one_to_all(np.int32(bool(refusal))))
-    if refused and not refusal:
-      refusal = f'--workdir={workdir} is in use by another run (see process 0\'s message)'
-  if refusal:
-    raise UserError(refusal)
-
-  stop = threading.Event()
-
-  def heartbeat():
-    nonlocal generation
-    while not stop.wait(_LOCK_HEARTBEAT_SECONDS):
-      record['heartbeat'] = time.time()
-      try:
-        if gcs.is_gcs(path):
-          # One conditional upload a minute: the lock is replaced only if it is still ours.
-          new = gcs.replace_if_generation(path, json.dumps(record).encode(), generation)
-          if new is None:
-            logging.warning('The lock %s was taken over by another run', path)
-            return
-          generation = new
-        elif (_read_lock(path)[0] or {}).get('token') == token:
-          fileio.write_json(path, record)  # Replaced whole: a reader never sees half a lock.
-      except Exception as e:  # pylint: disable=broad-except  (retried next time)
-        logging.warning('Could not refresh %s: %s', path, e)
-
-  beat = None
-  if jax.process_index() == 0:
-    beat = threading.Thread(target=heartbeat, name='bert_jax_lock_heartbeat', daemon=True)
-    beat.start()
-  try:
-    yield
-  finally:
-    stop.set()
-    if beat is not None:
-      beat.join()
-      if gcs.is_gcs(path):
-        _remove_lock(path, generation)
-      elif (_read_lock(path)[0] or {}).get('token') == token:
-        fileio.gfile().remove(path)
-
-
-
 # The cache directory this module last gave JAX; any other value was set by the user.
 _cache_dir_set_here: str | None = None
 # Programs that compile faster than this are not worth a file (and, on Cloud Storage, a
@@ -594,10 +363,6 @@ def restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: A
         params=_pytree_restore(abstract_params)))['params']
 
 
-def restore_meta(manager: ocp.CheckpointManager, step: int) -> dict:
-  return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
-
-
 def restore_data_state(workdir: str, step: int, data_iterator: Any) -> bool:
   """Restores this process's input position of `step`; False if none was saved."""
   path = _data_state_path(workdir, step)
@@ -687,11 +452,3 @@ def checkpoint_steps(workdir: str) -> list[int]:
     steps = [s for s in steps
              if fileio.gfile().exists(os.path.join(d, str(s), _GCS_COMMIT_FILE))]
   return steps
-
-
-def read_run_config(workdir: str) -> dict | None:
-  p = os.path.join(workdir, 'config.json')
-  if not fileio.gfile().exists(p):
-    return None
-  with fileio.gfile().GFile(p) as f:
-    return json.load(f)

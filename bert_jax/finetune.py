@@ -55,6 +55,7 @@ from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import optim
+from bert_jax import run_lock
 from bert_jax import sharding as sharding_lib
 from bert_jax import task_table
 from bert_jax import tasks
@@ -149,7 +150,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   task_table.kind_of(config.task)  # A misspelt task fails before the workdir and the checkpoint.
   workdir = fileio.workdir_path(workdir)
   # From the start, before the lock: SIGTERM during start-up is heard too.
-  with monitor.Preemption() as preemption, ckpt_lib.workdir_lock(workdir):
+  with monitor.Preemption() as preemption, run_lock.hold(workdir):
     preemption.check()
     return _finetune(config, workdir, preemption)
 

@@ -31,6 +31,7 @@ from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import objectives
 from bert_jax import optim
+from bert_jax import run_lock
 from bert_jax import sharding as sharding_lib
 from bert_jax import train_state as state_lib
 from bert_jax.errors import UserError
@@ -384,7 +385,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   workdir = fileio.workdir_path(workdir)
   # From the start, before the lock: SIGTERM during start-up is heard too.
-  with monitor.Preemption() as preemption, ckpt_lib.workdir_lock(workdir):
+  with monitor.Preemption() as preemption, run_lock.hold(workdir):
     preemption.check()
     return _train_and_evaluate(config, workdir, preemption)
 

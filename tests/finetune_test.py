@@ -30,6 +30,7 @@ from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import ner
 from bert_jax import predict
+from bert_jax import run_lock
 
 import processes
 
@@ -311,7 +312,7 @@ def test_sigterm_before_the_first_step_stops_at_once(checkpoints, tmp_path, monk
     released.set()
   assert ckpt_lib.checkpoint_steps(compiling) == []
   for workdir in (reading, compiling):
-    assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+    assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
 
 
 def _write_sst2(data_dir, seed, sizes=(('train', 64), ('dev', 32))):
@@ -576,7 +577,7 @@ def test_a_workdir_in_use_is_refused(checkpoints, glue_dir, tmp_path):
   # resume from and overwrite the same checkpoints, is refused before it loads anything.
   workdir = str(tmp_path / 'run')
   os.makedirs(workdir)
-  lock = os.path.join(workdir, ckpt_lib.LOCK_FILE)
+  lock = os.path.join(workdir, run_lock.LOCK_FILE)
   live = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
   try:
     with open(lock, 'w') as f:

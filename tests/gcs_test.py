@@ -24,6 +24,7 @@ from bert_jax import errors
 from bert_jax import fileio
 from bert_jax import gcs as gcs_lib
 from bert_jax import monitor
+from bert_jax import run_lock
 from bert_jax import sample_corpus
 from bert_jax import train
 from bert_jax import vocab as vocab_lib
@@ -143,7 +144,7 @@ def test_pretrain_writes_its_workdir_to_the_bucket(reference):
   assert config['data']['input'].startswith('gs://')
   for name in ('bert_config.json', 'vocab.txt'):
     assert fileio.exists(os.path.join(workdir, name)), name
-  assert not fileio.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))  # Released at the end.
+  assert not fileio.exists(os.path.join(workdir, run_lock.LOCK_FILE))  # Released at the end.
   config, params = ckpt_lib.load_pretrained_from_workdir(workdir)
   assert config.num_hidden_layers == 2
 
@@ -187,7 +188,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
     while len(_rows(workdir)[0]) < 2 and proc.poll() is None and time.time() < deadline:
       time.sleep(0.2)
     assert proc.poll() is None, 'the run ended before it could be interrupted'
-    assert fileio.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+    assert fileio.exists(os.path.join(workdir, run_lock.LOCK_FILE))
     proc.send_signal(signal.SIGTERM)
   except BaseException:
     proc.kill()
@@ -227,7 +228,7 @@ def test_runs_started_at_once_on_a_gs_workdir_one_takes_the_lock(gcs, tmp_path):
   was free or left stale by a dead run on another host (then each racer tries to replace the
   same generation, and only one replacement succeeds)."""
   workdir = gcs.url('race')
-  path = os.path.join(workdir, ckpt_lib.LOCK_FILE)
+  path = os.path.join(workdir, run_lock.LOCK_FILE)
   stale = json.dumps(dict(pid=1, host='elsewhere', started='then', heartbeat=0.0, token='x'))
 
   def before_round(r):
@@ -302,18 +303,18 @@ def test_a_read_after_another_clients_append_is_whole(gcs, tmp_path):
 
 
 def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
-  monkeypatch.setattr(ckpt_lib, '_LOCK_HEARTBEAT_SECONDS', 0.3)
+  monkeypatch.setattr(run_lock, '_LOCK_HEARTBEAT_SECONDS', 0.3)
   workdir = gcs.url('heartbeat')
-  with ckpt_lib.workdir_lock(workdir):
+  with run_lock.hold(workdir):
     gcs.reset_log()
     time.sleep(1.6)
-    beats = [q for q in gcs.requests() if ckpt_lib.LOCK_FILE in q['object']]
-    holder = json.loads(fileio.read_text(os.path.join(workdir, ckpt_lib.LOCK_FILE)))
+    beats = [q for q in gcs.requests() if run_lock.LOCK_FILE in q['object']]
+    holder = json.loads(fileio.read_text(os.path.join(workdir, run_lock.LOCK_FILE)))
   assert len(beats) >= 3 and {q['method'] for q in beats} == {'POST'}, beats
   assert all('ifGenerationMatch=' in q['query'] for q in beats), beats
   assert time.time() - holder['heartbeat'] < 1
   # Asked of the server: TensorFlow's GCS filesystem caches what it stat-ed for 5 s.
-  assert gcs_lib.read(os.path.join(workdir, ckpt_lib.LOCK_FILE)) is None
+  assert gcs_lib.read(os.path.join(workdir, run_lock.LOCK_FILE)) is None
 
 
 def _same_params(a, b, atol=0.0):

@@ -21,7 +21,7 @@ LAYERS = (
     # The task modules are the table's (task_table.py imports none of them).
     ('fine-tuning tasks', {'task_table', 'metrics', *task_table.KINDS}),
     ('training', {'train_state', 'optim', 'sharding', 'monitor'}),
-    ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint'}),
+    ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint', 'run_lock'}),
     ('model', {'model', 'attention', 'flops'}),
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
               'vocab', 'sample_corpus', 'batching'}),

@@ -335,8 +335,8 @@ def test_a_damaged_tfrecord_is_named_by_the_key_that_gave_it(tmp_path):
 
 
 def _lock(path: str) -> None:
-  from bert_jax import checkpoint  # pylint: disable=g-import-not-at-top
-  with checkpoint.workdir_lock(path):
+  from bert_jax import run_lock  # pylint: disable=g-import-not-at-top
+  with run_lock.hold(path):
     pass
 
 

@@ -36,7 +36,7 @@ def free_port() -> int:
 # `refused <round> <message>`.
 _LOCK_TAKER = '''
 import errno, os, random, sys, time
-from bert_jax import checkpoint
+from bert_jax import run_lock
 from bert_jax.errors import UserError
 workdir, go, rounds, hard_links = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1'
 if not hard_links:  # As on a Cloud Storage FUSE mount.
@@ -49,7 +49,7 @@ for r in range(rounds):
     time.sleep(0.0005)
   time.sleep(random.random() * (0, 0.005, 0.03)[r % 3])
   try:
-    with checkpoint.workdir_lock(workdir):
+    with run_lock.hold(workdir):
       print(f'held {r}', flush=True)
       time.sleep(1.5)
     print(f'released {r}', flush=True)

@@ -27,6 +27,7 @@ import pytest
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_files
 from bert_jax import input_pipeline
+from bert_jax import run_lock
 from bert_jax import train
 from bert_jax import train_state
 from bert_jax.errors import UserError
@@ -776,7 +777,7 @@ def test_sigkill_mid_step_mid_save_mid_eval_resumes_exactly(tmp_path, reference,
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
   assert _losses(workdir) == _losses(reference)
   _assert_same_params(_params(workdir), _params(reference))
-  assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+  assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
 
 
 def test_corrupt_checkpoint_is_named_and_skipped(tmp_path, reference, vocab_file, caplog):
@@ -819,7 +820,7 @@ def test_eval_settings_and_held_out_data_are_checked_before_the_first_step(tmp_p
                      'data.eval_input='):
     train.train_and_evaluate(_config(vocab_file, data__eval_input=str(empty)), workdir)
   assert not os.path.exists(os.path.join(workdir, 'metrics.jsonl'))  # No step was taken.
-  assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+  assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
 
 
 def test_full_disk_fails_the_save_cleanly(tmp_path, reference, vocab_file, monkeypatch):
@@ -847,7 +848,7 @@ def test_full_disk_fails_the_save_cleanly(tmp_path, reference, vocab_file, monke
   assert ckpt_lib.checkpoint_steps(workdir) == [4]
   assert not glob.glob(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '*.orbax-checkpoint-tmp*'))
   _assert_same_params(_params(workdir), ckpt_lib.load_pretrained_from_workdir(reference, 4)[1])
-  assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+  assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
 
 
 # Spot VMs get about 30 s between SIGTERM and the kill.
@@ -875,7 +876,7 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
       seconds = ended - float(f.read())
     assert seconds < NOTICE_SECONDS, f'{fault}: {seconds:.1f} s from SIGTERM to exit'
     print(f'{fault}: {seconds:.1f} s from SIGTERM to exit')
-    assert not os.path.exists(os.path.join(workdir, ckpt_lib.LOCK_FILE))
+    assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
     return out
 
   for fault in ('sigterm_input', 'sigterm_compile'):
