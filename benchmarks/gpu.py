@@ -257,24 +257,19 @@ class JaxCase:
 
   def build(self, rows: int):
     import jax  # pylint: disable=g-import-not-at-top
-    from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
-    from bert_jax import optim, sharding as sharding_lib, train as train_lib
-    from bert_jax import train_state as state_lib
+    from bert_jax import pretraining  # pylint: disable=g-import-not-at-top
+    from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
     s, a = self.spec, self.args
     self.rows = rows
     self.config = _bert_jax_config(a, s['size'], s['seq_len'], rows, s['max_predictions'],
                                    s['packing'], s['attention_impl'], s['attention_dropout'],
                                    s['scan_layers'])
-    self.bert_config = train_lib.model_config(self.config, a.vocab_size)
-    train_lib.check_attention(self.config, jax.default_backend())
+    pretraining.check_attention(self.config, jax.default_backend())
     self.mesh = sharding_lib.make_mesh(self.config.mesh)
     self.rules = sharding_lib.rules_from_config(self.config.mesh)
-    model = model_lib.BertForPreTraining(self.bert_config)
-    tx, _ = optim.make_optimizer(self.config.train)
-    self.abstract, self.shardings, self.init = train_lib.abstract_state_and_shardings(
-        model, tx, self.mesh, self.rules)
-    self.step = train_lib.build_train_step(model, tx, self.mesh, self.rules, self.shardings,
-                                           state_lib.dropout_rng(self.config.train), 1, 'nsp')
+    built = pretraining.build_step(self.config, self.mesh, a.vocab_size)  # The driver's step.
+    self.bert_config, self.step = built.bert_config, built.train_step
+    self.abstract, self.shardings, self.init = built.abstract, built.shardings, built.init
     make = packed_batch if s['packing'] else padded_batch
     self.host_batches = [make(rows, s['seq_len'], s['max_predictions'], a.vocab_size,
                               s['fill'], seed=i) for i in range(2)]

@@ -33,10 +33,9 @@ from bert_jax import config_files
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import monitor
-from bert_jax import optim
+from bert_jax import pretraining
 from bert_jax import sharding as sharding_lib
 from bert_jax import train as train_lib
-from bert_jax import train_state as state_lib
 
 # (sequence length, max predictions per sequence, batch rows) of each setting.
 SETTINGS = {128: (128, 20, 32), 512: (512, 80, 8)}
@@ -73,17 +72,12 @@ def padding(args):
 
 def _stepper(config, batches):
   """(run(n) -> (seconds, real tokens) of n train steps over `batches`, cycled)."""
-  bert_config = train_lib.model_config(config, config.model.vocab_size)
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
-  model = model_lib.BertForPreTraining(bert_config)
-  tx, _ = optim.make_optimizer(config.train)
-  _, shardings, init = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
+  built = pretraining.build_step(config, mesh, config.model.vocab_size)  # The driver's step.
+  step = built.train_step
   with sharding_lib.activate(mesh, rules):
-    state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
-  step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
-                                    state_lib.dropout_rng(config.train), 1,
-                                    config.data.objective)
+    state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(0))
   bsh = sharding_lib.batch_sharding(mesh)
   placed = [sharding_lib.make_global_batch(b, bsh) for b in batches]
   real = [int(b['input_mask'].sum()) for b in batches]
@@ -164,9 +158,9 @@ def learning(args):
     params[packing] = ckpt_lib.load_pretrained_from_workdir(workdir)[1]
   # The same held-out, padded batches for both models.
   config = _config(args, seq_len, preds, batch, False)
-  bert_config = train_lib.model_config(config, len(open(vocab).read().splitlines()))
+  bert_config = pretraining.model_config(config, len(open(vocab).read().splitlines()))
   model = model_lib.BertForPreTraining(bert_config)
-  step = jax.jit(lambda p, b: train_lib.eval_step(p, b, model=model, objective='nsp'))
+  step = jax.jit(lambda p, b: pretraining.eval_step(p, b, model=model, objective='nsp'))
   ds = input_pipeline.make_pretraining_dataset(config.data, batch_size=batch, seq_len=seq_len,
                                                max_predictions=preds, train=False,
                                                vocab_file=vocab)

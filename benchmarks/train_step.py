@@ -24,11 +24,8 @@ import numpy as np
 
 from bert_jax import config_files  # pylint: disable=g-import-not-at-top
 from bert_jax import flops as flops_lib
-from bert_jax import model as model_lib
-from bert_jax import optim
+from bert_jax import pretraining
 from bert_jax import sharding as sharding_lib
-from bert_jax import train as train_lib
-from bert_jax import train_state as state_lib
 
 
 def synthetic_batch(batch_size, seq_len, preds, vocab_size, seed=0):
@@ -46,18 +43,13 @@ def synthetic_batch(batch_size, seq_len, preds, vocab_size, seed=0):
 
 def setup_jax(args, config):
   """(run(n) -> seconds waiting for input over n steps, finish() -> result dict)."""
-  bert_config = train_lib.model_config(config, args.vocab_size)
-  train_lib.check_attention(config, jax.default_backend())
+  pretraining.check_attention(config, jax.default_backend())
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
-  model = model_lib.BertForPreTraining(bert_config)
-  tx, _ = optim.make_optimizer(config.train)
-  _, shardings, init = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
+  built = pretraining.build_step(config, mesh, args.vocab_size)  # The driver's step.
+  bert_config, step = built.bert_config, built.train_step
   with sharding_lib.activate(mesh, rules):
-    state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
-  step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
-                                    state_lib.dropout_rng(config.train),
-                                    config.train.grad_accum_steps, 'nsp')
+    state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(0))
   bsh = sharding_lib.batch_sharding(mesh)
   if args.real_data:
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top

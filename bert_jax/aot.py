@@ -1,13 +1,14 @@
 """Ahead-of-time compilation of the train step for a Cloud TPU slice or NVIDIA GPUs, anywhere.
 
 `bert-jax compile --config=configs/bert_large.py --topology=v5e:16x16` lowers and compiles the
-exact sharded train step of `train.py` against libtpu's description of the slice, then reports
-per-chip memory against HBM and a roofline bound on the step time from XLA's cost analysis.
-`--topology=h100:8` (h100, h200, a100, b200; `:N` GPUs on one host, `:HxN` on H hosts) does the
-same for NVIDIA GPUs without one: XLA compiles for a description of the GPU (`_gpu_target`)
-from a CPU-only machine, given the CUDA compiler wheels of the `gpu_aot` extra. The fused
-attention kernel follows the target (`attention.lowering_for`), so `model.attention_impl=cudnn`
-compiles from a CPU host and its cuDNN calls appear in the program.
+exact sharded train step that `train.py` runs (`pretraining.build_step`) against libtpu's
+description of the slice, then reports per-chip memory against HBM and a roofline bound on
+the step time from XLA's cost analysis. `--topology=h100:8` (h100, h200, a100, b200; `:N` GPUs
+on one host, `:HxN` on H hosts) does the same for NVIDIA GPUs without one: XLA compiles for a
+description of the GPU (`_gpu_target`) from a CPU-only machine, given the CUDA compiler
+wheels of the `gpu_aot` extra. The fused attention kernel follows the target
+(`attention.lowering_for`), so `model.attention_impl=cudnn` compiles from a CPU host and its
+cuDNN calls appear in the program.
 
 Caveats of XLA's numbers, handled here: `optimal_seconds` is not usable (it comes back
 negative), so the bound is computed from FLOPs and bytes; the cost analysis counts the body of
@@ -18,6 +19,7 @@ the compiled module is costed by XLA's HLO cost analysis on the host.
 """
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -32,10 +34,8 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from bert_jax import attention
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
-from bert_jax import optim
+from bert_jax import pretraining
 from bert_jax import sharding as sharding_lib
-from bert_jax import train as train_lib
-from bert_jax import train_state as state_lib
 from bert_jax.errors import UserError
 
 # Accepted spellings of TPU generations -> libtpu's topology prefix and our chip table key.
@@ -145,25 +145,20 @@ def _abstract_batch(config: ml_collections.ConfigDict, seq_len: int, preds: int,
   return batch
 
 
-def _compile(config: ml_collections.ConfigDict, bert_config: model_lib.BertConfig, devices,
-             seq_len: int, preds: int):
+def _compile(config: ml_collections.ConfigDict, vocab_size: int, devices, seq_len: int,
+             preds: int):
+  """The train step of `pretraining.build_step`, the one the driver runs, compiled."""
   mesh = sharding_lib.make_mesh(config.mesh, devices)
   rules = sharding_lib.rules_from_config(config.mesh)
-  train_lib.check_batch(config, mesh)
-  model = model_lib.BertForPreTraining(bert_config)
-  tx, _ = optim.make_optimizer(config.train)
-  abstract, shardings, _ = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
-  step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
-                                    state_lib.dropout_rng(config.train),
-                                    config.train.grad_accum_steps,
-                                    config.data.objective)
+  pretraining.check_batch(config, mesh)
+  built = pretraining.build_step(config, mesh, vocab_size)
   batch = _abstract_batch(config, seq_len, preds, sharding_lib.batch_sharding(mesh))
   platform = 'gpu' if devices[0].platform in ('gpu', 'cuda') else devices[0].platform
   with sharding_lib.activate(mesh, rules), attention.lowering_for(platform):
-    lowered = step.jitted.lower(abstract, batch)
+    lowered = built.train_step.jitted.lower(built.abstract, batch)
   with _without_persistent_cache():
     compiled = lowered.compile()
-  return compiled, model_lib.count_params(abstract.params)
+  return compiled, model_lib.count_params(built.abstract.params)
 
 
 @contextlib.contextmanager
@@ -198,7 +193,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
   """Compiles the train step of every phase of `config` for `topology`; one report each."""
   target = parse_topology(topology)
   chip = target.chip
-  train_lib.check_attention(config, target.platform)
+  pretraining.check_attention(config, target.platform)
   devices = _devices(target)
   if target.platform == 'gpu':
     hw = {k: flops_lib.GPU_CHIPS[chip][k] for k in ('peak_flops', 'hbm_bytes', 'hbm_bandwidth')}
@@ -210,19 +205,22 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     per_chip = len(devices) // max(chips, 1)
     hw = {k: v / per_chip for k, v in flops_lib.TPU_CHIPS[chip].items()}
   dtype = 'bfloat16' if config.model.dtype == 'auto' else config.model.dtype
-  bert_config = train_lib.model_config(config, config.model.vocab_size or vocab_size)
-  bert_config = bert_config.replace(dtype=dtype)
+  # The accelerator's dtype, not this host's ('auto' resolves by the backend that runs it).
+  config = copy.deepcopy(config)
+  config.model.dtype = dtype
+  vocab_size = config.model.vocab_size or vocab_size
+  bert_config = pretraining.model_config(config, vocab_size)
   reports = []
   mesh_sizes = dict(zip(sharding_lib.MESH_AXES,
                         sharding_lib.mesh_shape(config.mesh, len(devices))))
-  for phase in train_lib.parse_phases(config):
+  for phase in pretraining.parse_phases(config):
     header = dict(topology=topology, platform=target.platform, chips=chips,
                   devices=len(devices), chip=chip,
                   model=config.model.size, dtype=dtype, batch_size=config.train.batch_size,
                   seq_len=phase.seq_len, max_predictions=phase.max_predictions,
                   mesh=mesh_sizes, attention_impl=bert_config.attention_impl)
     try:
-      compiled, n_params = _compile(config, bert_config, devices, phase.seq_len,
+      compiled, n_params = _compile(config, vocab_size, devices, phase.seq_len,
                                     phase.max_predictions)
     except jax.errors.JaxRuntimeError as e:
       if 'RESOURCE_EXHAUSTED' not in str(e):
@@ -233,8 +231,9 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
       continue
     mem = compiled.memory_analysis()
     if bert_config.scan_layers:
-      costed, _ = _compile(config, bert_config.replace(scan_layers=False), devices,
-                           phase.seq_len, phase.max_predictions)
+      unscanned = copy.deepcopy(config)
+      unscanned.model.scan_layers = False
+      costed, _ = _compile(unscanned, vocab_size, devices, phase.seq_len, phase.max_predictions)
     else:
       costed = compiled
     cost = _cost(costed, target.platform)

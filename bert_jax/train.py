@@ -1,11 +1,11 @@
 """BERT pre-training: one straight function from a config to a trained, checkpointed model.
 
-Sections of `train_and_evaluate`, in order: setup -> mesh -> data -> model & optimizer ->
-abstract init & shardings -> init or restore -> steps -> loop (log, eval, checkpoint,
-preemption). The step functions are pure and module-level.
+Sections of `train_and_evaluate`, in order: setup -> mesh -> data -> model, optimizer, abstract
+init, shardings and steps (`pretraining.build_step`, which `aot.py` and the benchmarks use too)
+-> init or restore -> loop (log, eval, checkpoint, preemption). The step functions are pure and
+live in `pretraining.py`.
 """
 
-import dataclasses
 import functools
 import itertools
 import json
@@ -13,179 +13,24 @@ import math
 import os
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 from absl import logging
 from jax.experimental import multihost_utils
 
-from bert_jax import attention
 from bert_jax import checkpoint as ckpt_lib
-from bert_jax import config_checks
 from bert_jax import fileio
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import objectives
-from bert_jax import optim
+from bert_jax import pretraining
 from bert_jax import run_lock
 from bert_jax import sharding as sharding_lib
 from bert_jax import train_state as state_lib
 from bert_jax.errors import UserError
-
-
-@dataclasses.dataclass(frozen=True)
-class Phase:
-  """Steps [start, end) run at one sequence length and number of predictions."""
-  index: int
-  start: int
-  end: int
-  seq_len: int
-  max_predictions: int
-
-
-# ---------------------------------------------------------------------------------------------
-# Config decoding
-# ---------------------------------------------------------------------------------------------
-
-
-def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_lib.BertConfig:
-  """The BertConfig of `config.model`, with the vocabulary size of the tokenizer."""
-  m = config.model
-  if m.vocab_size and m.vocab_size < vocab_size:
-    raise UserError(f'model.vocab_size={m.vocab_size} is smaller than the vocabulary '
-                    f'({vocab_size} tokens in data.vocab_file)')
-  return model_lib.config_for_size(
-      m.size, vocab_size=m.vocab_size or vocab_size,
-      max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size,
-      hidden_dropout_prob=m.hidden_dropout_prob,
-      attention_probs_dropout_prob=m.attention_probs_dropout_prob,
-      dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
-      remat_policy=m.remat_policy, attention_impl=m.attention_impl)
-
-
-def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
-  """`train.phases` ('0.9:128:20,0.1:512:80') -> Phases covering [0, train.steps)."""
-  steps = int(config.train.steps)
-  parts = config_checks.phase_specs(config)  # Checked where the config was loaded, too.
-  if not parts:
-    # train.phases is empty: the run uses data.max_seq_length.
-    model_lib.check_seq_len(config.data.max_seq_length, config.model.max_position_embeddings)
-    return [Phase(0, 0, steps, config.data.max_seq_length, config.data.max_predictions_per_seq)]
-  phases, start, cumulative = [], 0, 0.0
-  for i, (frac, seq_len, preds) in enumerate(parts):
-    cumulative += frac
-    # Rounded where each phase ends, not by length, so that no phase overshoots the schedule.
-    end = steps if i == len(parts) - 1 else max(start, int(round(cumulative * steps)))
-    phases.append(Phase(i, start, end, seq_len, preds))
-    start = end
-  return [p for p in phases if p.end > p.start]
-
-
-def _per_phase(config: ml_collections.ConfigDict, key: str) -> list[str]:
-  """data.<key> ('a;b', one entry per train.phases entry; '' entries = the default input)."""
-  spec = config.data[key].strip()
-  count = max(1, len([p for p in config.train.phases.split(',') if p.strip()]))
-  if not spec:
-    return [''] * count
-  entries = [e.strip() for e in spec.split(';')]
-  if len(entries) != count:
-    raise UserError(f'data.{key} has {len(entries)} entries separated by ";", train.phases has '
-                    f'{count} phases: give one input per phase (an empty entry keeps the '
-                    'default)')
-  return entries
-
-
-def phase_data(config: ml_collections.ConfigDict, phase: Phase) -> ml_collections.ConfigDict:
-  """config.data with the phase's own inputs, when data.phase_inputs / phase_eval_inputs name
-  them (TFRecords of create_pretraining_data.py hold one sequence length each)."""
-  train_input = _per_phase(config, 'phase_inputs')[phase.index]
-  eval_input = _per_phase(config, 'phase_eval_inputs')[phase.index]
-  data = config.data.copy_and_resolve_references()
-  if train_input:
-    data.input = train_input
-  if eval_input:
-    data.eval_input = eval_input
-  return data
-
-
-def phase_at(phases: list[Phase], step: int) -> Phase:
-  for p in phases:
-    if p.start <= step < p.end:
-      return p
-  return phases[-1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure steps
-# ---------------------------------------------------------------------------------------------
-
-
-# Inputs of packed rows (data.packing, `packing.py`) that the model takes besides the usual.
-PACKED_INPUTS = ('position_ids', 'sequence_ids', 'next_sentence_positions')
-
-
-def apply_model(model: nn.Module, params: Any, batch: dict[str, jax.Array], **kwargs):
-  """BertForPreTraining on a batch of rows, packed or not."""
-  packed = {k: batch[k] for k in PACKED_INPUTS if k in batch}
-  return model.apply({'params': params}, batch['input_ids'], batch['input_mask'],
-                     batch['segment_ids'], batch['masked_lm_positions'], **packed, **kwargs)
-
-
-def pretraining_apply(model: nn.Module) -> state_lib.Apply:
-  """BertForPreTraining in training mode (dropout on): (MLM logits, sentence logits)."""
-  return lambda params, batch, rng: apply_model(model, params, batch, deterministic=False,
-                                                rngs={'dropout': rng})
-
-
-def pretraining_loss(objective: objectives.Objective) -> state_lib.Loss:
-  """The objective's loss (`objectives.loss`), plus the real tokens and sequences per row that
-  the rates in metrics.jsonl need ((sum, rows) pairs add up over micro-batches)."""
-
-  def loss(outputs, batch):
-    sums, counts, metrics = objectives.loss(objective, outputs, batch)
-    rows = jnp.float32(batch['input_ids'].shape[0])
-    metrics.update(
-        real_tokens_per_row=(jnp.sum(batch['input_mask'].astype(jnp.float32)), rows),
-        sequences_per_row=(_sequences(batch), rows))
-    return sums, counts, metrics
-  return loss
-
-
-def _sequences(batch: dict[str, jax.Array]) -> jax.Array:
-  """The batch's sequences: its rows, or with packed rows their sequences (at least 1)."""
-  if 'next_sentence_weights' in batch:
-    return jnp.maximum(jnp.sum(batch['next_sentence_weights'].astype(jnp.float32)), 1.0)
-  return jnp.asarray(batch['input_ids'].shape[0], jnp.float32)
-
-
-def train_step(state: state_lib.TrainState, batch: dict[str, jax.Array], *, model: nn.Module,
-               tx: optax.GradientTransformation, base_rng: jax.Array, accum_steps: int,
-               objective: str) -> tuple[state_lib.TrainState, dict[str, Any]]:
-  """One pre-training optimizer step over the global batch (`train_state.step` with the
-  objective's loss)."""
-  return state_lib.step(state, batch, apply=pretraining_apply(model),
-                        loss=pretraining_loss(objectives.get(objective)), tx=tx,
-                        base_rng=base_rng, accum_steps=accum_steps)
-
-
-def build_train_step(model, tx, mesh, rules, state_shardings, base_rng, accum_steps,
-                     objective: str):
-  """The jitted, sharded, state-donating pre-training step (`train_state.jit_step`)."""
-  return state_lib.jit_step(pretraining_apply(model),
-                            pretraining_loss(objectives.get(objective)), tx, mesh, rules,
-                            state_shardings, base_rng, accum_steps)
-
-
-def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
-              objective: str) -> dict[str, Any]:
-  """The objective's metrics ((sum, count) pairs) of a held-out batch, dropout off."""
-  outputs = apply_model(model, params, batch, deterministic=True)
-  _, _, metrics = objectives.loss(objectives.get(objective), outputs, batch)
-  return metrics
 
 
 def eval_batches(it, steps: int, padding: dict[str, Any],
@@ -211,7 +56,7 @@ def _max_over_processes(n: int) -> int:
   return int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
 
 
-def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any,
+def evaluate_params(config: ml_collections.ConfigDict, phase: pretraining.Phase, params: Any,
                     p_eval_step: Callable, mesh: jax.sharding.Mesh, rules, vocab_file: str,
                     check_nsp_share: bool = False,
                     stop: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
@@ -224,7 +69,7 @@ def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any
   eval_local = config.eval.batch_size // jax.process_count()
   sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
   ds = input_pipeline.make_pretraining_dataset(
-      phase_data(config, phase), batch_size=eval_local, seq_len=phase.seq_len,
+      pretraining.phase_data(config, phase), batch_size=eval_local, seq_len=phase.seq_len,
       max_predictions=phase.max_predictions, train=False, process_index=jax.process_index(),
       process_count=jax.process_count(), vocab_file=vocab_file)
   batches = eval_batches(ds.as_numpy_iterator(), config.eval.steps,
@@ -297,15 +142,17 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   objective = config.data.objective if 'nsp' in params else 'none'
   params = model_lib.with_nsp_head(params, bert_config.hidden_size)  # Not reported without.
   # The phase of the last step: a workdir's latest checkpoint, else where the run would end.
-  phases = parse_phases(config)
+  phases = pretraining.parse_phases(config)
   steps = ckpt_lib.checkpoint_steps(checkpoint) if fileio.isdir(checkpoint) else []
   last = steps[-1] if steps else (int(config.train.stop_at_step) or int(config.train.steps))
-  phase = phase_at(phases, last - 1)
+  phase = pretraining.phase_at(phases, last - 1)
   model = model_lib.BertForPreTraining(bert_config)
-  _, shardings, _ = abstract_state_and_shardings(model, optax.identity(), mesh, rules)
+  _, shardings, _ = pretraining.abstract_state_and_shardings(model, optax.identity(), mesh,
+                                                             rules)
   params = state_lib.put_sharded({k: params[k] for k in shardings.params},
                                  shardings.params)
-  p_eval_step = jax.jit(functools.partial(eval_step, model=model, objective=objective),
+  p_eval_step = jax.jit(functools.partial(pretraining.eval_step, model=model,
+                                          objective=objective),
                         in_shardings=(shardings.params, sharding_lib.batch_sharding(mesh)))
   metrics = evaluate_params(config, phase, params, p_eval_step, mesh, rules, vocab_file,
                             check_nsp_share=objective != 'none')
@@ -325,15 +172,6 @@ def _empty_batch(element_spec) -> dict[str, np.ndarray]:
   """A batch of the dataset's shapes with no tokens and zero weights: it counts for nothing."""
   return {k: np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
           for k, spec in element_spec.items()}
-
-
-def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformation,
-                                 mesh: jax.sharding.Mesh, rules, seq_len: int = 8):
-  """(abstract TrainState, its NamedShardings, init function) without allocating anything."""
-  ids = jnp.zeros((1, seq_len), jnp.int32)
-  return state_lib.abstract_state(
-      lambda rng: model.init({'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32),
-                             deterministic=True)['params'], tx, mesh, rules)
 
 
 def _init_from_checkpoint(path: str, bert_config: model_lib.BertConfig, fresh: dict) -> dict:
@@ -363,19 +201,6 @@ def _init_from_checkpoint(path: str, bert_config: model_lib.BertConfig, fresh: d
 # ---------------------------------------------------------------------------------------------
 
 
-def check_attention(config: ml_collections.ConfigDict, platform: str) -> None:
-  """Clear errors for a model.attention_impl that cannot train on `platform` as configured."""
-  attention.check_config(config.model.attention_impl,
-                         config.model.attention_probs_dropout_prob, platform,
-                         [p.seq_len for p in parse_phases(config)])
-
-
-def check_batch(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
-  """Clear errors for a global batch or micro-batch that does not split over the mesh."""
-  sharding_lib.check_batch_size(config.train.batch_size, mesh)
-  state_lib.check_accumulation(config.train.batch_size, config.train.grad_accum_steps, mesh)
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics.
 
@@ -400,7 +225,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   input_pipeline.hide_accelerators_from_tf()
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   is_main = jax.process_index() == 0
-  objective = objectives.get(config.data.objective).name
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)
   if not 0 < stop_at <= config.train.steps:
     raise UserError(f'train.stop_at_step={config.train.stop_at_step} must lie in '
@@ -409,7 +233,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
-  check_batch(config, mesh)
+  pretraining.check_batch(config, mesh)
   # Evaluation runs thousands of steps in: its settings are checked now.
   sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
   if config.eval.steps < 1 or config.eval.every_steps < 1:
@@ -419,19 +243,20 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                jax.process_count())
 
   # ---- Data ----------------------------------------------------------------------------------
-  phases = parse_phases(config)
-  check_attention(config, jax.default_backend())
+  phases = pretraining.parse_phases(config)
+  pretraining.check_attention(config, jax.default_backend())
   for phase in phases:
-    input_pipeline.check_vocab_given(phase_data(config, phase), f'phase {phase.index + 1} reads ')
+    input_pipeline.check_vocab_given(pretraining.phase_data(config, phase),
+                                     f'phase {phase.index + 1} reads ')
   # A vocab trained here comes from the first phase's input.
   fileio.check_bucket(config.train.init_checkpoint, 'train.init_checkpoint')  # Not at init.
-  vocab_file = input_pipeline.resolve_vocab(phase_data(config, phases[0]), workdir)
+  vocab_file = input_pipeline.resolve_vocab(pretraining.phase_data(config, phases[0]), workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   local_batch = config.train.batch_size // jax.process_count()
 
-  def dataset_for(phase: Phase, train: bool, batch_size: int = local_batch):
+  def dataset_for(phase: pretraining.Phase, train: bool, batch_size: int = local_batch):
     return input_pipeline.make_pretraining_dataset(
-        phase_data(config, phase), batch_size=batch_size, seq_len=phase.seq_len,
+        pretraining.phase_data(config, phase), batch_size=batch_size, seq_len=phase.seq_len,
         max_predictions=phase.max_predictions, train=train,
         process_index=jax.process_index(), process_count=jax.process_count(),
         vocab_file=vocab_file)
@@ -440,15 +265,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   _check_phase_data(config, phases, dataset_for)
   preemption.check()
 
-  # ---- Model and optimizer -------------------------------------------------------------------
-  bert_config = model_config(config, tokenizer.vocab_size)
-  model = model_lib.BertForPreTraining(bert_config)
-  tx, schedule = optim.make_optimizer(config.train)
+  # ---- Model, optimizer, abstract init and shardings, steps (nothing allocated yet) ----------
+  built = pretraining.build_step(config, mesh, tokenizer.vocab_size)
+  bert_config, tx, schedule = built.bert_config, built.tx, built.schedule
+  abstract, state_shardings, init_fn = built.abstract, built.shardings, built.init
   ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), bert_config,
                            vocab_file)
-
-  # ---- Abstract init and shardings (nothing is allocated whole on one device) ----------------
-  abstract, state_shardings, init_fn = abstract_state_and_shardings(model, tx, mesh, rules)
   n_params = model_lib.count_params(abstract.params)
   logging.info('Model %s: %s parameters, dtype %s', config.model.size, f'{n_params:,}',
                bert_config.dtype)
@@ -481,12 +303,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   step = int(state.step)
 
   # ---- Steps ---------------------------------------------------------------------------------
-  base_rng = state_lib.dropout_rng(config.train)
-  p_train_step = build_train_step(model, tx, mesh, rules, state_shardings, base_rng,
-                                  config.train.grad_accum_steps, objective)
-  p_eval_step = jax.jit(functools.partial(eval_step, model=model, objective=objective),
-                        in_shardings=(state_shardings.params,
-                                      sharding_lib.batch_sharding(mesh)))
+  p_train_step, p_eval_step = built.train_step, built.eval_step
   batch_sharding = sharding_lib.batch_sharding(mesh)
   eval_local = config.eval.batch_size // jax.process_count()
   # Every phase this run trains, compiled before its first step: a compile of the next phase
@@ -504,7 +321,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
   log = monitor.MetricsLog(workdir)
 
-  def save(phase: Phase, data_it) -> None:
+  def save(phase: pretraining.Phase, data_it) -> None:
     ckpt_lib.save(manager, workdir, step, state,
                   dict(seed=config.train.seed, data_phase=phase.index), data_it)
 
@@ -521,7 +338,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   first_step = step
   try:
     while step < stop_at and not preempted:
-      phase = phase_at(phases, step)
+      phase = pretraining.phase_at(phases, step)
       data_it = input_pipeline.make_iterator(dataset_for(phase, True))
       if step > 0 and meta.get('data_phase') == phase.index and start == step:
         if not ckpt_lib.restore_data_state(workdir, step, data_it):
@@ -619,7 +436,7 @@ def _print_summary(config: ml_collections.ConfigDict, workdir: str, step: int, s
         f'  last eval:    {last_eval}', flush=True)
 
 
-def _check_phase_data(config: ml_collections.ConfigDict, phases: list[Phase],
+def _check_phase_data(config: ml_collections.ConfigDict, phases: list[pretraining.Phase],
                       dataset_for: Callable) -> None:
   """Every phase's training and held-out data, checked before the first step: not when phase
   2 starts 900,000 steps in (TFRecords fix the sequence length) or at the first evaluation (the
@@ -627,7 +444,7 @@ def _check_phase_data(config: ml_collections.ConfigDict, phases: list[Phase],
   from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
   eval_local = config.eval.batch_size // jax.process_count()
   for phase in phases:
-    data = phase_data(config, phase)
+    data = pretraining.phase_data(config, phase)
     for train in (True, False):
       try:
         ds = dataset_for(phase, train) if train else dataset_for(phase, train, eval_local)
@@ -644,7 +461,7 @@ def _check_phase_data(config: ml_collections.ConfigDict, phases: list[Phase],
 
 
 def _with_rates(summary: dict[str, float], timing: dict[str, float],
-                config: ml_collections.ConfigDict, phase: Phase, flops_per_token: float,
+                config: ml_collections.ConfigDict, phase: pretraining.Phase, flops_per_token: float,
                 learning_rate: float) -> dict[str, float]:
   """A log row: the steps' metrics, the learning rate and the rates of metrics.jsonl (rows,
   sequences, row slots and real tokens per second, input wait, MFU) from the Chrono's."""

@@ -188,14 +188,14 @@ def _where_packed(features, rows):
 def test_packed_sequences_give_the_same_losses_per_sequence():
   import jax  # pylint: disable=g-import-not-at-top
   from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
-  from bert_jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  from bert_jax import pretraining  # pylint: disable=g-import-not-at-top
 
   features, rows = _unpacked_and_packed()
   config = model_lib.BertConfig(**MODEL)
   model = model_lib.BertForPreTraining(config)
   params = model_lib.init_params(config, jax.random.key(0))
-  mlm_u, nsp_u = train_lib.apply_model(model, params, features, deterministic=True)
-  mlm_p, nsp_p = train_lib.apply_model(model, params, rows, deterministic=True)
+  mlm_u, nsp_u = pretraining.apply_model(model, params, features, deterministic=True)
+  mlm_p, nsp_p = pretraining.apply_model(model, params, rows, deterministic=True)
   assert nsp_p.shape == rows['next_sentence_weights'].shape + (2,)
   logp_u = np.asarray(jax.nn.log_softmax(mlm_u))
   logp_p = np.asarray(jax.nn.log_softmax(mlm_p))
@@ -219,7 +219,7 @@ def test_packed_sequences_give_the_same_gradient(mesh_shape):
   import optax  # pylint: disable=g-import-not-at-top
   from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  from bert_jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  from bert_jax import pretraining  # pylint: disable=g-import-not-at-top
   from configs import default  # pylint: disable=g-import-not-at-top
 
   features, rows = _unpacked_and_packed()
@@ -233,10 +233,10 @@ def test_packed_sequences_give_the_same_gradient(mesh_shape):
   def gradient_and_loss(batch, shape):
     mesh = sharding_lib.make_mesh(ml_collections.ConfigDict(
         dict(data=shape[0], fsdp=shape[1], tensor=shape[2])), jax.devices()[:np.prod(shape)])
-    _, shardings, init = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
+    _, shardings, init = pretraining.abstract_state_and_shardings(model, tx, mesh, rules)
     state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
     before = jax.device_get(state.params)
-    step = train_lib.build_train_step(model, tx, mesh, rules, shardings, jax.random.key(1), 1,
+    step = pretraining.build_train_step(model, tx, mesh, rules, shardings, jax.random.key(1), 1,
                                       objective='nsp')
     state, metrics = step(state, sharding_lib.make_global_batch(
         batch, sharding_lib.batch_sharding(mesh)))

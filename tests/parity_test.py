@@ -170,12 +170,12 @@ def test_finetuning_head_parity(finetuned, head, scan_layers):
 
 def test_train_step_parity(tmp_path):
   """Two optimizer steps from the same weights: the paper's AdamW (decay not on LayerNorm and
-  biases, global-norm clipping) in `train.train_step` against HF's model trained with
+  biases, global-norm clipping) in `pretraining.train_step` against HF's model trained with
   torch.optim.AdamW; losses, gradient norms and every updated parameter agree."""
   import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from bert_jax import optim  # pylint: disable=g-import-not-at-top
-  from bert_jax import train  # pylint: disable=g-import-not-at-top
+  from bert_jax import pretraining  # pylint: disable=g-import-not-at-top
   from bert_jax import train_state  # pylint: disable=g-import-not-at-top
   from bert_jax import defaults  # pylint: disable=g-import-not-at-top
 
@@ -224,7 +224,7 @@ def test_train_step_parity(tmp_path):
            for k, v in batch.items()}
   tx, _ = optim.make_optimizer(train_config)
   step_fn = jax.jit(functools.partial(
-      train.train_step, model=model.BertForPreTraining(config), tx=tx,
+      pretraining.train_step, model=model.BertForPreTraining(config), tx=tx,
       base_rng=jax.random.key(0), accum_steps=1, objective='nsp'))
   state = train_state.TrainState(step=np.int32(0), params=params, opt_state=tx.init(params))
   ours = []

@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from bert_jax import model as model_lib
 from bert_jax import optim
+from bert_jax import pretraining
 from bert_jax import sharding as sharding_lib
-from bert_jax import train as train_lib
 from tolerance import assert_close, assert_trees_moved_close
 from bert_jax import defaults
 
@@ -58,10 +58,10 @@ def _one_step(mesh, config=CONFIG, accum=1, batch=None, steps=1, rng_impl='three
   rules = _rules()
   model = model_lib.BertForPreTraining(config)
   tx, _ = optim.make_optimizer(_train_config())
-  _, shardings, init = train_lib.abstract_state_and_shardings(model, tx, mesh, rules)
+  _, shardings, init = pretraining.abstract_state_and_shardings(model, tx, mesh, rules)
   state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
   start = jax.device_get(state.params)  # Before the step donates the state.
-  step = train_lib.build_train_step(model, tx, mesh, rules, shardings,
+  step = pretraining.build_train_step(model, tx, mesh, rules, shardings,
                                     jax.random.key(1, impl=rng_impl), accum, objective='nsp')
   batch = _batch() if batch is None else batch
   losses = []
@@ -76,7 +76,7 @@ def test_partition_specs_follow_the_rules():
   mesh = _mesh(2, 2, 2)
   model = model_lib.BertForPreTraining(CONFIG.replace(scan_layers=True))
   tx, _ = optim.make_optimizer(_train_config())
-  abstract, shardings, _ = train_lib.abstract_state_and_shardings(model, tx, mesh, _rules())
+  abstract, shardings, _ = pretraining.abstract_state_and_shardings(model, tx, mesh, _rules())
   p = shardings.params
   assert p['bert']['embeddings']['word_embeddings']['embedding'].spec == P('tensor', 'fsdp')
   assert p['bert']['embeddings']['position_embeddings']['embedding'].spec == P(None, 'fsdp')
@@ -103,14 +103,14 @@ def test_parameters_that_do_not_divide_over_the_mesh_are_named():
   model = model_lib.BertForPreTraining(config)
   tx, _ = optim.make_optimizer(_train_config())
   with pytest.raises(ValueError) as e:
-    train_lib.abstract_state_and_shardings(model, tx, _mesh(1, 1, 8), _rules())
+    pretraining.abstract_state_and_shardings(model, tx, _mesh(1, 1, 8), _rules())
   msg = str(e.value)
   assert ("bert/encoder/layer_0/attention/query/kernel (32, 4, 8): dimension 1 ('heads', "
           'size 4) is split over mesh.tensor=8') in msg
   assert "bert/embeddings/word_embeddings/embedding (100, 32): dimension 0 ('vocab'" in msg
   assert 'num_attention_heads (model.size)' in msg and 'model.vocab_size may pad' in msg
   # The same model fits a mesh whose axes divide it.
-  train_lib.abstract_state_and_shardings(model, tx, _mesh(2, 2, 2), _rules())
+  pretraining.abstract_state_and_shardings(model, tx, _mesh(2, 2, 2), _rules())
 
 
 # Dropout is on: both PRNGs of train.rng_impl must draw the same masks on every mesh.

@@ -27,6 +27,7 @@ import pytest
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_files
 from bert_jax import input_pipeline
+from bert_jax import pretraining
 from bert_jax import run_lock
 from bert_jax import train
 from bert_jax import train_state
@@ -563,18 +564,18 @@ def test_bad_phases_are_named(phases, message):
   config = config_files.load_config('configs/bert_base.py')
   config.train.phases = phases  # Set after loading (a notebook): the driver refuses it too.
   with pytest.raises(ValueError, match=message):
-    train.parse_phases(config)
+    pretraining.parse_phases(config)
 
 
 def test_phase_ends_are_rounded_cumulatively():
   config = config_files.load_config('configs/bert_base.py', {
       'train.steps': 10, 'train.warmup_steps': 0,
       'train.phases': '0.35:128:20,0.35:256:40,0.3:512:80'})
-  assert [(p.start, p.end) for p in train.parse_phases(config)] == [(0, 4), (4, 7), (7, 10)]
+  assert [(p.start, p.end) for p in pretraining.parse_phases(config)] == [(0, 4), (4, 7), (7, 10)]
 
 
 def test_paper_phases():
-  phases = train.parse_phases(config_files.load_config('configs/bert_base.py'))
+  phases = pretraining.parse_phases(config_files.load_config('configs/bert_base.py'))
   assert [(p.start, p.end, p.seq_len, p.max_predictions) for p in phases] == [
       (0, 900_000, 128, 20), (900_000, 1_000_000, 512, 80)]
 
@@ -596,11 +597,11 @@ def test_batch_that_does_not_split_is_named():
   mesh = sharding_lib.make_mesh(config.mesh)
   with pytest.raises(ValueError, match='train.batch_size=16 does not divide by '
                      'train.grad_accum_steps=3'):
-    train.check_batch(config, mesh)
+    pretraining.check_batch(config, mesh)
   config = config_files.load_config('smoke', {'train.batch_size': 16, 'train.grad_accum_steps': 4})
   with pytest.raises(ValueError, match=f'micro-batch 4 .* does not divide over '
                      f'{jax.device_count()} data-parallel shards'):
-    train.check_batch(config, mesh)
+    pretraining.check_batch(config, mesh)
 
 
 def test_tfrecord_phase_inputs_need_their_vocab(tmp_path):
@@ -648,7 +649,7 @@ def test_a_lopsided_sop_evaluation_is_named_as_sop():
 #   sigterm_eval      as the evaluation starts
 _FAULTY_RUN = '''
 import os, signal, sys, time
-from bert_jax import cli, train
+from bert_jax import cli, pretraining, train
 fault, _, arg = os.environ['BERT_JAX_TEST_FAULT'].partition(':')
 marker = os.environ['BERT_JAX_TEST_MARKER']
 
@@ -662,7 +663,7 @@ def sigterm():
   os.kill(os.getpid(), signal.SIGTERM)
 
 if fault == 'hang_step':
-  build = train.build_train_step
+  build = pretraining.build_train_step
   def build_hanging(*args, **kwargs):
     run, calls = build(*args, **kwargs), [0]
     def step(state, batch):
@@ -674,7 +675,7 @@ if fault == 'hang_step':
       return out
     step.jitted = run.jitted  # Compiled before the first step.
     return step
-  train.build_train_step = build_hanging
+  pretraining.build_train_step = build_hanging
 elif fault == 'kill_commit':
   from orbax.checkpoint._src.path import atomicity
   finalize = atomicity.AtomicRenameTemporaryPath.finalize
