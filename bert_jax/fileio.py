@@ -10,7 +10,7 @@ import functools
 import glob as glob_lib
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -101,6 +101,21 @@ def read_user_text(path: str, flag: str = '') -> str:
     line = data[:e.start].count(b'\n') + 1
     raise UserError(f'{where}:{line}: not UTF-8 text (byte {e.start} is '
                     f'0x{data[e.start]:02x}); save it as UTF-8') from None
+
+
+def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
+  """(1-based line number, object) of every non-blank line of a JSONL file the user named; a
+  line that is not a JSON object is a UserError naming the file and line."""
+  for number, line in enumerate(read_user_text(path).split('\n'), 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise UserError(f'{path}:{number}: not valid JSON: {e.msg}') from None
+    if not isinstance(row, dict):
+      raise UserError(f'{path}:{number}: expected a JSON object, got {type(row).__name__}')
+    yield number, row
 
 
 def check_bucket(path: str, flag: str, write: bool = False) -> None:

@@ -492,15 +492,7 @@ def read_jsonl(path: str) -> list[Example]:
   """Unlabelled examples of a JSONL file: {"text_a", "text_b"} per line (also "sentence",
   "sentence1", "question" for the first text and "sentence2" for the second)."""
   examples = []
-  for number, line in enumerate(fileio.read_user_text(path).split('\n'), 1):
-    if not line.strip():
-      continue
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise UserError(f'{path}:{number}: not valid JSON: {e.msg}') from None
-    if not isinstance(row, dict):
-      raise UserError(f'{path}:{number}: expected a JSON object, got {type(row).__name__}')
+  for number, row in fileio.read_jsonl_objects(path):
     a = next((row[k] for k in ('text_a', 'sentence', 'sentence1', 'question') if k in row), None)
     if not isinstance(a, str):
       raise UserError(f'{path}:{number}: no "text_a" (or "sentence", "sentence1") string')

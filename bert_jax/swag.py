@@ -111,16 +111,8 @@ def read_jsonl(path: str) -> list[Example]:
   """Examples of a JSONL file: {"context", "endings": [...], "start" (optional), "label"
   (optional)} per line, every line with the same number of endings (2 or more)."""
   examples, choices = [], None
-  for number, line in enumerate(fileio.read_user_text(path).split('\n'), 1):
-    if not line.strip():
-      continue
+  for number, row in fileio.read_jsonl_objects(path):
     where = f'{path}:{number}'
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise UserError(f'{where}: not valid JSON: {e.msg}') from None
-    if not isinstance(row, dict):
-      raise UserError(f'{where}: expected a JSON object, got {type(row).__name__}')
     context, start, endings = row.get('context'), row.get('start', ''), row.get('endings')
     if not isinstance(context, str) or not isinstance(start, str):
       raise UserError(f'{where}: "context" (and "start", if given) must be strings')

@@ -42,6 +42,7 @@ from bert_jax import input_pipeline
 from bert_jax import ner
 from bert_jax import pairing
 from bert_jax import squad
+from bert_jax import swag
 from bert_jax import tokenization
 from bert_jax import train
 from bert_jax import vocab as vocab_lib
@@ -418,6 +419,12 @@ FILE_SURFACES = {
     'features --input': ('in.txt', b'The cat sat. ||| A cat sat.\n\nIt rained.\n',
                          features.read_input),
     'data.vocab_file, --vocab_file': ('vocab.txt', _vocab_bytes(), tokenization.load_vocab),
+    'config.data_dir, predict --input (SWAG .csv)':
+        ('swag/train.csv', b'sent1,sent2,ending0,ending1,label\nA man,He,"sits, then",runs,0\n'
+         b'A dog,It,barks,naps,1\n', swag.read_csv),
+    'config.data_dir, predict --input (multiple choice .jsonl)':
+        ('swag/train.jsonl', b'{"context": "A man", "endings": ["sits", "runs"]}\n'
+         b'{"context": "A dog", "endings": ["barks", "naps"], "label": 1}\n', swag.read_jsonl),
 }
 
 # What every file surface answers, unless FILE_EXCEPTIONS says otherwise.
@@ -446,6 +453,8 @@ FILE_EXCEPTIONS = {
     ('data.vocab_file, --vocab_file', 'missing'): 'Vocabulary file not found',
     ('data.vocab_file, --vocab_file', 'dangling_symlink'): 'Vocabulary file not found',
     ('data.vocab_file, --vocab_file', 'empty'): 'is empty: a BERT vocab.txt',
+    ('config.data_dir, predict --input (SWAG .csv)', 'empty'): 'empty file (expected a header',
+    ('config.data_dir, predict --input (multiple choice .jsonl)', 'empty'): 'no examples',
 }
 FILE_ROWS = [(surface, kind, FILE_EXCEPTIONS.get((surface, kind), expected))
              for surface in FILE_SURFACES for kind, expected in FILE_KINDS.items()]
@@ -566,7 +575,7 @@ def test_checkpoint_paths(open_dir, kind):
 
 
 def _data_dir_outcome(root: str, task: str, kind: str) -> tuple[str, str]:
-  """config.data_dir of GLUE and NER fine-tuning, as make_task reads it (before any weights)."""
+  """config.data_dir of GLUE, NER and SWAG fine-tuning, as make_task reads it (no weights)."""
   from bert_jax import task_table  # pylint: disable=g-import-not-at-top
   config = config_files.load_config(task)
   path = os.path.join(root, 'data')
@@ -584,7 +593,8 @@ def _data_dir_outcome(root: str, task: str, kind: str) -> tuple[str, str]:
 DATA_DIR_ROWS = [
     (task, kind, expected)
     for task, empty in (('finetune_glue:mrpc', 'GLUE mrpc dev: no file'),
-                        ('finetune_ner', 'no training file (train.txt)'))
+                        ('finetune_ner', 'no training file (train.txt)'),
+                        ('finetune_swag', 'no train file (train.csv or train.jsonl)'))
     for kind, expected in (('missing', ': no such folder'), ('a_file', 'is a file, not a folder'),
                            ('unreadable', 'cannot be read (Permission denied)'),
                            ('empty_folder', empty))]
