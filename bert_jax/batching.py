@@ -116,7 +116,8 @@ def bucket_batches(features: dict[str, Any], batch_size: int,
   batches, cut into batches, and the batch order is shuffled. Every example appears exactly
   once per epoch (the last batch may be smaller unless `drop_remainder`). Arrays of shape
   [N, L, ...] ([N, C, L, ...]: C choices) are cut to the bucket; [N] arrays (labels, indices)
-  are gathered; non-array entries are left out. Use `example_index`/`feature_index` to map results back.
+  are gathered; non-array entries are left out. Use `example_index`/`feature_index` to map
+  results back.
   """
   arrays, planned = _bucket_plan(features, batch_size, buckets, shuffle, seed, window_batches,
                                  drop_remainder)

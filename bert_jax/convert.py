@@ -583,12 +583,15 @@ def _to_source(flat: dict, fmt: str) -> dict[str, np.ndarray]:
 
 @_to_any_folder
 def export_hf(config: model.BertConfig, params: dict, out_dir: str,
-              vocab_file: str | None = None, lower_case: bool | None = None) -> None:
+              vocab_file: str | None = None, lower_case: bool | None = None,
+              architecture: str | None = None) -> None:
   """A Hugging Face directory: model.safetensors + config.json (+ vocab.txt).
 
   Names are BertForPreTraining's (`bert.` and `cls.` prefixes, plus `classifier.` and
   `qa_outputs.` heads); the tied MLM decoder is left out, as `save_pretrained` does. A known
-  `lower_case` also writes tokenizer_config.json.
+  `lower_case` also writes tokenizer_config.json. `architecture` (config.json's, for
+  transformers' Auto classes) is a fine-tuning run's (its task.json says it: a classifier may be
+  a sequence, token or multiple-choice one); None = the one the heads imply.
   """
   flat, heads = _export_tree(config, params)
   _empty_dir(out_dir)
@@ -599,7 +602,9 @@ def export_hf(config: model.BertConfig, params: dict, out_dir: str,
     labels = flat['classifier/kernel'].shape[1]
     hf_config['id2label'] = {str(i): f'LABEL_{i}' for i in range(labels)}
     hf_config['label2id'] = {f'LABEL_{i}': i for i in range(labels)}
-  if 'mlm' in heads:
+  if architecture:
+    pass
+  elif 'mlm' in heads:
     architecture = 'BertForPreTraining' if 'nsp' in heads else 'BertForMaskedLM'
   elif 'classifier' in heads:
     architecture = 'BertForSequenceClassification'
@@ -668,7 +673,12 @@ def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
   if fmt == 'bert_jax':
     export_bert_jax(config, params, output_dir, vocab, lower_case=lower_case, source=input_path)
   elif fmt == 'hf':
-    export_hf(config, params, output_dir, vocab, lower_case=lower_case)
+    # A fine-tuning workdir's task.json names the transformers class of its head.
+    task_json = os.path.join(input_path, 'task.json')
+    architecture = (fileio.read_json(task_json).get('hf_architecture')
+                    if fileio.isfile(task_json) else None)
+    export_hf(config, params, output_dir, vocab, lower_case=lower_case,
+              architecture=architecture)
   else:
     export_google(config, params, output_dir, vocab)
   logging.info('Wrote %s (%s format)', output_dir, fmt)

@@ -480,7 +480,8 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       label_keys=('label',),
       train=tasks.subset(train, tasks.INPUTS + ('label',)), dev=dev, test=test,
       main_metric=MAIN_METRIC.get(name, 'accuracy'), metric_names=metric_names,
-      info={'task': name, 'labels': label_list})
+      info={'task': name, 'labels': label_list,
+            'hf_architecture': 'BertForSequenceClassification'})
 
 
 # ---------------------------------------------------------------------------------------------

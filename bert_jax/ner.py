@@ -349,7 +349,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       loss_fn=tasks.token_loss, label_keys=('labels',),
       train=tasks.subset(train, tasks.INPUTS + ('labels',)), dev=dev, test=test,
       main_metric='f1', metric_names=('precision', 'recall', 'f1', 'accuracy'),
-      info={'task': 'ner', 'labels': label_list})
+      info={'task': 'ner', 'labels': label_list, 'hf_architecture': 'BertForTokenClassification'})
 
 
 def prediction(input_path: str, input_format: str, tok, bert_config: model_lib.BertConfig,

@@ -550,7 +550,8 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
                          evaluate)],
       test=[],
       main_metric='f1', metric_names=names,
-      info={'task': f'squad_{suffix}', 'version_2': version_2})
+      info={'task': f'squad_{suffix}', 'version_2': version_2,
+            'hf_architecture': 'BertForQuestionAnswering'})
 
 
 def _beside(output_path: str, name: str) -> str:

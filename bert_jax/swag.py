@@ -263,7 +263,8 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       loss_fn=tasks.classification_loss, label_keys=('label',),
       train=tasks.subset(train, tasks.INPUTS + ('label',)), dev=dev, test=test,
       main_metric='accuracy', metric_names=('accuracy',),
-      info={'task': config.task, 'choices': len(train_examples[0].endings)})
+      info={'task': config.task, 'choices': len(train_examples[0].endings),
+            'hf_architecture': 'BertForMultipleChoice'})
 
 
 def prediction(input_path: str, input_format: str, tok, bert_config: model_lib.BertConfig,

@@ -250,3 +250,12 @@ def test_swag_finetunes_and_predicts_the_chosen_ending(tok, tmp_path):
     assert [json.loads(line)['ending'] for line in f] == [l['ending'] for l in dev_lines]
   with pytest.raises(UserError, match='--input_format=conll does not fit a swag model'):
     predict.predict(workdir, jsonl, output, input_format='conll')
+
+  # `bert-jax convert --format=hf` of the run: transformers' class for it, the same weights.
+  exported = str(tmp_path / 'hf')
+  convert.convert(workdir, exported, 'hf')
+  with open(os.path.join(exported, 'config.json')) as f:
+    assert json.load(f)['architectures'] == ['BertForMultipleChoice']
+  _, reloaded = convert.load_pretrained(exported)
+  _, params = convert.load_pretrained(workdir)
+  np.testing.assert_array_equal(reloaded['classifier']['kernel'], params['classifier']['kernel'])
