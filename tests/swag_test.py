@@ -161,11 +161,14 @@ def test_logits_and_loss_match_transformers(hf_multiple_choice):
   ids, mask, segments, labels = _choice_batch()
   logits = swag.BertForMultipleChoice(config).apply({'params': params}, ids, mask, segments)
   assert logits.shape == (2, 4)
-  assert_close(logits, theirs['logits'], RELATIVE_TOLERANCE, what='multiple-choice logits')
+  logits_diff = assert_close(logits, theirs['logits'], RELATIVE_TOLERANCE,
+                             what='multiple-choice logits')
   sums, counts, _ = tasks.classification_loss(
       logits, {'label': labels, 'weight': np.ones(2, np.float32)})
   loss = sums['classification'] / counts['classification']
-  assert_close(loss, theirs['loss'], RELATIVE_TOLERANCE, what='multiple-choice loss')
+  loss_diff = assert_close(loss, theirs['loss'], RELATIVE_TOLERANCE, what='multiple-choice loss')
+  print(f'\nparity multiple choice: logits {logits_diff:.3g}, loss {loss_diff:.3g} of the largest '
+        '|value|')
 
 
 def test_exported_weights_are_the_checkpoints_exactly(hf_multiple_choice, tmp_path):
