@@ -201,8 +201,9 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()
   # WordPiece vocab.txt; '' = the checkpoint's own vocab.txt (which it must then have).
   config.data.vocab_file = ''
-  # Lower-case the text; None = what the checkpoint says (bert_jax.json, tokenizer_config.json,
-  # or guessed from its vocabulary: an uncased one has no upper-case letters).
+  # Lower-case the text; None = what the checkpoint records (bert_jax.json, tokenizer_config.json,
+  # a training workdir's config.json data.lower_case), else guessed from its word pieces (cased
+  # when 1% or more of those with letters change under lower-casing).
   config.data.lower_case = ml_collections.config_dict.placeholder(bool)
   config.data.max_seq_length = 128
 

@@ -966,6 +966,78 @@ def test_messages_quote_a_short_excerpt_of_long_texts(text, fragment, vocab_file
   assert fragment in str(e.value) and len(str(e.value)) < 250, str(e.value)
 
 
+# ---- Casing: the checkpoint's own record first, then its word pieces ---------------------------
+#
+# A wrong guess is silent: an uncased model read as cased turns "The" into [UNK]. What a
+# checkpoint records (tokenizer_config.json do_lower_case, a training workdir's config.json
+# data.lower_case) decides; only without a record are its word pieces counted, and a handful of
+# odd symbols ('ℝ', which Google's uncased vocabulary holds, or 'Ⅰ') do not make it cased.
+
+_LOWER_PIECES = [f'{w}{i}' for i in range(4) for w in ('the', 'quick', 'brown', 'fox', 'jump',
+                                                      '##s', '##ed', 'over', 'lazy', 'dog')]
+_LOWER_PIECES += [f'word{i}' for i in range(160)]
+CASING_VOCABS = {
+    'uncased': _LOWER_PIECES,
+    'uncased_with_ℝ': _LOWER_PIECES + ['ℝ', '##ℝ', 'ℕ'],
+    # Two pieces in 200 that lower-casing changes: odd symbols, not a cased vocabulary.
+    'uncased_with_Ⅰ_Ω': _LOWER_PIECES + ['Ⅰ', '##Ω'],
+    'cased': _LOWER_PIECES + [w.capitalize() for w in _LOWER_PIECES[:40]],
+}
+# layout -> the files that make it one (vocab.txt comes from the row).
+_CASING_LAYOUTS = {
+    'google': {'bert_config.json': '{}', 'bert_model.ckpt.index': ''},
+    'hf': {'config.json': '{}', 'model.safetensors': ''},
+    'pretraining_workdir': {'bert_config.json': '{}', 'checkpoints/1/x': ''},
+    'finetuning_workdir': {'bert_config.json': '{}', 'checkpoints/1/x': ''},
+}
+# (layout, vocab, record, expected): record is a file's JSON, or None.
+CASING_ROWS = [
+    ('google', 'uncased', None, 'uncased: guessed from the word pieces of PATH/vocab.txt'),
+    ('google', 'uncased_with_ℝ', None, 'uncased: guessed'),
+    ('hf', 'uncased_with_ℝ', None, 'uncased: guessed'),
+    ('google', 'uncased_with_Ⅰ_Ω', None, 'uncased: guessed'),
+    ('google', 'cased', None, 'cased: guessed'),
+    ('hf', 'cased', ('tokenizer_config.json', {'do_lower_case': True}),
+     'uncased: PATH/tokenizer_config.json do_lower_case'),
+    ('hf', 'uncased', ('tokenizer_config.json', {'do_lower_case': False}),
+     'cased: PATH/tokenizer_config.json do_lower_case'),
+    ('hf', 'cased', ('tokenizer_config.json', {'tokenizer_class': 'BertTokenizer'}),
+     'cased: guessed'),
+    ('pretraining_workdir', 'cased', ('config.json', {'data': {'lower_case': True}}),
+     'uncased: PATH/config.json data.lower_case'),
+    ('pretraining_workdir', 'uncased_with_ℝ', ('config.json', {'data': {'lower_case': False}}),
+     'cased: PATH/config.json data.lower_case'),
+    ('pretraining_workdir', 'uncased_with_ℝ', ('config.json', {'data': {}}), 'uncased: guessed'),
+    ('finetuning_workdir', 'uncased', ('tokenizer_config.json', {'do_lower_case': False}),
+     'cased: PATH/tokenizer_config.json do_lower_case'),
+]
+
+
+def _casing_outcome(root: str, layout: str, vocab: str, record) -> tuple[str, str]:
+  """(the checkpoint made, 'cased|uncased: where that came from')."""
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  path = os.path.join(root, layout)
+  vocab_text = '\n'.join(SPECIALS + CASING_VOCABS[vocab])
+  files = dict(_CASING_LAYOUTS[layout], **{'vocab.txt': vocab_text})
+  if record:
+    files[record[0]] = json.dumps(record[1])
+  for name, text in files.items():
+    os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
+    with open(os.path.join(path, name), 'w') as f:
+      f.write(text)
+  meta = convert.read_metadata(path)
+  return path, f'{"uncased" if meta["lower_case"] else "cased"}: {meta["lower_case_from"]}'
+
+
+@pytest.mark.parametrize('layout, vocab, record, expected', CASING_ROWS,
+                         ids=[f'{l}-{v}-{r[0] if r else "no_record"}'
+                              for l, v, r, _ in CASING_ROWS])
+def test_casing_comes_from_the_record_before_the_word_pieces(open_dir, layout, vocab, record,
+                                                            expected):
+  path, outcome = _casing_outcome(open_dir, layout, vocab, record)
+  assert outcome.startswith(expected.replace('PATH', path)), outcome
+
+
 # ---- The table of what was tried and what each prints ------------------------------------------
 
 
@@ -1020,6 +1092,10 @@ def table() -> str:
       row(surface, kind, lambda where, s=surface, k=kind: _output_outcome(where, s, k)[1])
     for surface, kind, _ in WORKDIR_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _workdir_outcome(where, s, k)[1])
+    for layout, vocab, record, _ in CASING_ROWS:
+      said = f'{record[0]} {json.dumps(record[1])}' if record else 'no record'
+      row(f'casing of a {layout}', f'vocab {vocab}, {said}',
+          lambda where, l=layout, v=vocab, r=record: _casing_outcome(where, l, v, r)[1])
     for config, key, value in KEY_ROWS:
       row(f'--config={config}', f'{key}={value!r}', lambda where, c=config, k=key, v=value:
           _outcome(lambda: config_files.load_config(c, {k: v})))
