@@ -11,6 +11,9 @@ and override; they import only the installed package, so any of them loads the s
     return config
 
   bert-jax pretrain --config=/path/to/my_config.py --workdir=/tmp/run
+
+Both return a locked ConfigDict: setting a key they lack (`config.train.stepz = 4`) is an
+error, as on the command line; a config's own new keys go inside `with config.unlocked():`.
 """
 
 import ml_collections
@@ -181,6 +184,7 @@ def pretrain() -> ml_collections.ConfigDict:
   # --num_processes, --process_id, --distributed), not config keys: they describe the launch,
   # and the same config runs on any number of hosts.
 
+  config.lock()  # A config file that sets a key this lacks (a misspelling) fails.
   return config
 
 
@@ -275,6 +279,7 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.log = ml_collections.ConfigDict()
   config.log.every_steps = 50
   config.log.progress = True
+  config.lock()  # A config file that sets a key this lacks (a misspelling) fails.
   return config
 
 

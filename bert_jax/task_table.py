@@ -21,8 +21,9 @@
                                  task.json; run: its config)
 
 Adding a task: a module with these parts, an entry in KINDS, and a config in configs/ that
-starts from `defaults.finetune(task)` and adds the task's own keys (a new predict format also
-goes into `cli.INPUT_FORMATS`, which --help reads without loading the tasks).
+starts from `defaults.finetune(task)` and adds the task's own keys inside
+`with config.unlocked():` (the defaults are locked, so that a misspelt key is an error). A new
+predict format also goes into `cli.INPUT_FORMATS`, which --help reads without loading the tasks.
 """
 
 import ml_collections

@@ -966,6 +966,59 @@ def test_messages_quote_a_short_excerpt_of_long_texts(text, fragment, vocab_file
   assert fragment in str(e.value) and len(str(e.value)) < 250, str(e.value)
 
 
+# ---- Config files: every mistake one line naming the file (and line) --------------------------
+
+# case -> (the file's text, or a shipped name; what loading it prints).
+CONFIG_FILE_ROWS = {
+    'misspelt_key': ('from bert_jax import defaults\ndef get_config():\n'
+                     '  c = defaults.pretrain()\n  c.train.stepz = 4\n  return c\n',
+                     "PATH:4: c.train.stepz = 4: no key 'stepz': did you mean steps?"),
+    'misspelt_group': ('from bert_jax import defaults\ndef get_config():\n'
+                       '  c = defaults.pretrain()\n  c.trian = 4\n  return c\n',
+                       "PATH:4: c.trian = 4: no key 'trian': did you mean train?"),
+    'old_fine_tuning_key': ("from bert_jax import defaults\ndef get_config():\n"
+                            "  c = defaults.finetune('mrpc')\n  c.lower_case = True\n"
+                            "  return c\n", 'config.lower_case is now config.data.lower_case'),
+    'no_get_config': ('X = 1\n', '--config=PATH defines no get_config()'),
+    'returns_a_dict': ('def get_config():\n  return {"train": {"steps": 3}}\n',
+                       '--config=PATH: get_config() returned a dict; it returns an '
+                       'ml_collections.ConfigDict'),
+    'returns_none': ('def get_config():\n  pass\n',
+                     '--config=PATH: get_config() returned None (no return statement?)'),
+    'not_python': ('def get_config(:\n', 'PATH:1: invalid syntax'),
+    'an_argument_it_does_not_take': ('from bert_jax import defaults\ndef get_config():\n'
+                                     '  return defaults.pretrain()\n:v2',
+                                     "get_config() takes no argument; drop ':v2'"),
+    'a_directory': (None, '--config=PATH is a directory'),
+    'shipped_variant_misspelt': ('finetune_squad:v3',
+                                 '--config=finetune_squad:v3: no such version; expected one of '
+                                 'v1, v2'),
+    'shipped_phase_misspelt': ('lamb_large_batch:phase3',
+                               '--config=lamb_large_batch:phase3: no such phase'),
+}
+
+
+def _config_file_outcome(root: str, case: str) -> tuple[str, str]:
+  text, _ = CONFIG_FILE_ROWS[case]
+  path = os.path.join(root, 'my_config.py')
+  if text is None:
+    os.makedirs(path)
+    arg = ''
+  elif text.endswith('.py') or '\n' not in text:  # A shipped name.
+    return text, _outcome(lambda: config_files.load_config(text))
+  else:
+    text, _, arg = text.partition('\n:')
+    with open(path, 'w') as f:
+      f.write(text)
+  return path, _outcome(lambda: config_files.load_config(path + (f':{arg}' if arg else '')))
+
+
+@pytest.mark.parametrize('case', list(CONFIG_FILE_ROWS))
+def test_config_file_mistakes(open_dir, case):
+  path, outcome = _config_file_outcome(open_dir, case)
+  assert CONFIG_FILE_ROWS[case][1].replace('PATH', path) in outcome, outcome
+
+
 # ---- Casing: the checkpoint's own record first, then its word pieces ---------------------------
 #
 # A wrong guess is silent: an uncased model read as cased turns "The" into [UNK]. What a
@@ -1092,6 +1145,8 @@ def table() -> str:
       row(surface, kind, lambda where, s=surface, k=kind: _output_outcome(where, s, k)[1])
     for surface, kind, _ in WORKDIR_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _workdir_outcome(where, s, k)[1])
+    for case in CONFIG_FILE_ROWS:
+      row('--config', case, lambda where, c=case: _config_file_outcome(where, c)[1])
     for layout, vocab, record, _ in CASING_ROWS:
       said = f'{record[0]} {json.dumps(record[1])}' if record else 'no record'
       row(f'casing of a {layout}', f'vocab {vocab}, {said}',
