@@ -50,3 +50,21 @@ def excerpt(text: str, limit: int = 60) -> str:
   if len(text) <= limit:
     return repr(text)
   return f'{text[:limit]!r}... ({len(text):,} characters)'
+
+
+# Skipping a few broken rows is right (QQP's released files have some; the original SQuAD code
+# skips questions whose answer is not at its answer_start); skipping more than this share of a
+# file means the file (or its format) is wrong, and training on the rest would hide it.
+MAX_SKIPPED_SHARE = 0.01
+
+
+def check_skipped(path: str, skipped: list, total: int, what: str, fix: str) -> None:
+  """Refuses a file of which more than MAX_SKIPPED_SHARE of `total` items (and more than one)
+  were skipped: `skipped` names them (line numbers, question ids), `what` says what an item is
+  and why it was skipped, `fix` what to do."""
+  if len(skipped) <= 1 or len(skipped) <= MAX_SKIPPED_SHARE * total:
+    return
+  shown = ', '.join(str(s) for s in skipped[:5]) + (', ...' if len(skipped) > 5 else '')
+  raise UserError(f'{path}: {len(skipped):,} of {total:,} {what} '
+                  f'({len(skipped) / total:.0%}, more than the {MAX_SKIPPED_SHARE:.0%} skipped '
+                  f'as broken): {shown}; {fix}')

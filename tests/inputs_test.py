@@ -966,6 +966,69 @@ def test_messages_quote_a_short_excerpt_of_long_texts(text, fragment, vocab_file
   assert fragment in str(e.value) and len(str(e.value)) < 250, str(e.value)
 
 
+# ---- Rows skipped as broken: a few are skipped, most of a file is a mistake --------------------
+
+
+def _qqp(rows: int, malformed: int) -> bytes:
+  lines = ['id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate']
+  lines += [f'{i}\t1\t2\tQ{i}?\tP{i}?\t{i % 2}' if i >= malformed else f'{i}\tbroken row'
+            for i in range(rows)]
+  return ('\n'.join(lines) + '\n').encode()
+
+
+def _squad(questions: int, off: int) -> bytes:
+  qas = [{'id': f'q{i}', 'question': 'Where?',
+          'answers': [{'text': 'on the mat', 'answer_start': 12 if i >= off else 3}]}
+         for i in range(questions)]
+  return json.dumps({'version': '1.1', 'data': [{'title': 't', 'paragraphs': [
+      {'context': 'The cat sat on the mat.', 'qas': qas}]}]}).encode()
+
+
+# case -> (file name, its bytes, the read, what it prints).
+SKIPPED_ROWS = {
+    'glue_qqp_1_of_200_malformed': ('QQP/train.tsv', _qqp(200, 1),
+                                    lambda p: glue.read_task('qqp', '', 'train', path=p), 'ok'),
+    'glue_qqp_2_of_200_malformed': ('QQP/train.tsv', _qqp(200, 2),
+                                    lambda p: glue.read_task('qqp', '', 'train', path=p), 'ok'),
+    'glue_qqp_90%_malformed': ('QQP/train.tsv', _qqp(100, 90),
+                               lambda p: glue.read_task('qqp', '', 'train', path=p),
+                               'PATH: 90 of 100 rows have the wrong number of columns (expected '
+                               '6) (90%, more than the 1% skipped as broken): line 2, line 3,'),
+    'glue_skip_malformed_on_a_broken_file': (
+        'RTE/train.tsv', _qqp(10, 5),
+        lambda p: glue.read_task('qqp', '', 'train', path=p, skip_malformed=True),
+        'PATH: 5 of 10 rows have the wrong number of columns'),
+    'squad_1_of_3_answers_off': ('train.json', _squad(3, 1),
+                                 lambda p: squad.read_squad(p, is_training=True), 'ok'),
+    'squad_every_answer_start_off': ('train.json', _squad(40, 40),
+                                     lambda p: squad.read_squad(p, is_training=True),
+                                     'PATH: 40 of 40 questions have no answer at their '
+                                     'answer_start (100%, more than the 1% skipped as broken): '
+                                     'q0 (data[0].paragraphs[0].qas[0]), q1'),
+    'squad_every_answer_start_off_for_prediction': (
+        'dev.json', _squad(3, 3), lambda p: squad.read_squad(p, is_training=False), 'ok'),
+}
+
+
+def _skipped_outcome(root: str, case: str) -> tuple[str, str]:
+  name, data, read, _ = SKIPPED_ROWS[case]
+  path = os.path.join(root, name)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'wb') as f:
+    f.write(data)
+  return path, _outcome(lambda: read(path))
+
+
+@pytest.mark.parametrize('case', list(SKIPPED_ROWS))
+def test_skipping_most_of_a_file_is_refused(open_dir, case):
+  path, outcome = _skipped_outcome(open_dir, case)
+  expected = SKIPPED_ROWS[case][3]
+  if expected == 'ok':
+    assert outcome == 'ok', outcome
+  else:
+    assert expected.replace('PATH', path) in outcome, outcome
+
+
 # ---- Config files: every mistake one line naming the file (and line) --------------------------
 
 # case -> (the file's text, or a shipped name; what loading it prints).
@@ -1145,6 +1208,9 @@ def table() -> str:
       row(surface, kind, lambda where, s=surface, k=kind: _output_outcome(where, s, k)[1])
     for surface, kind, _ in WORKDIR_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _workdir_outcome(where, s, k)[1])
+    for case in SKIPPED_ROWS:
+      row('config.data_dir, train_file (rows skipped)', case,
+          lambda where, c=case: _skipped_outcome(where, c)[1])
     for case in CONFIG_FILE_ROWS:
       row('--config', case, lambda where, c=case: _config_file_outcome(where, c)[1])
     for layout, vocab, record, _ in CASING_ROWS:
