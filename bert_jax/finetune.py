@@ -265,6 +265,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
       f'{len(predict_shapes)}'))
 
   def save(eval_pending: bool = False) -> None:
+    # The steps since the last log were not checked yet (the log checks its own): a diverged
+    # step's weights are never kept.
+    unchecked = jax.device_get(history) if history else []
+    diverged = monitor.divergence(unchecked, step - len(unchecked) + 1)
+    if diverged:
+      raise UserError(f'{diverged}: stopping without saving it; lower '
+                      'config.train.learning_rate')
     ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed,
                                                       eval_pending=eval_pending))
     # Kept: this step (to resume from) and the best epoch's (its weights are the result).
@@ -342,10 +349,11 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
         chrono.count(sequences=float(batch['weight'].sum()), tokens=batch['input_ids'].size)
         bar.update(1)
         if step % config.log.every_steps == 0 or step == epoch_end or step == stop_at:
-          summary = monitor.summarize(jax.device_get(history))
-          if not math.isfinite(summary['loss']):
-            raise UserError(f'loss is {summary["loss"]} at step {step}: lower '
-                            'config.train.learning_rate')
+          host_history = jax.device_get(history)
+          diverged = monitor.divergence(host_history, step - len(history) + 1)
+          if diverged:
+            raise UserError(f'{diverged}: stopping; lower config.train.learning_rate')
+          summary = monitor.summarize(host_history)
           rates = chrono.report(step)
           summary.update(epoch=epoch, learning_rate=float(schedule(step - 1)),
                          sequences_per_second=rates['sequences_per_second'],

@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import math
 import os
 from typing import Any, Callable
 
@@ -504,6 +503,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   log = monitor.MetricsLog(workdir)
 
   def save(phase: Phase, data_it) -> None:
+    # The steps since the last log were not checked yet (the log checks its own): a diverged
+    # step's weights never become the last good checkpoint.
+    unchecked = jax.device_get(history) if history else []
+    diverged = monitor.divergence(unchecked, step - len(unchecked) + 1)
+    if diverged:
+      raise UserError(f'{diverged}: stopping without saving it; {last_good()}. Lower '
+                      'train.learning_rate or raise train.warmup_steps.')
     ckpt_lib.save(manager, workdir, step, state,
                   dict(seed=config.train.seed, data_phase=phase.index), data_it)
 
@@ -550,11 +556,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         bar.update(1)
 
         if step % config.log.every_steps == 0 or step == stop_at:
-          summary = monitor.summarize(jax.device_get(history))
-          if not math.isfinite(summary['loss']):
-            raise UserError(
-                f'loss is {summary["loss"]} at step {step}: stopping; {last_good()}. Lower '
-                'train.learning_rate or raise train.warmup_steps.')
+          host_history = jax.device_get(history)
+          diverged = monitor.divergence(host_history, step - len(history) + 1)
+          if diverged:
+            raise UserError(f'{diverged}: stopping; {last_good()}. Lower '
+                            'train.learning_rate or raise train.warmup_steps.')
+          summary = monitor.summarize(host_history)
           summary = _with_rates(summary, chrono.report(step), config, phase, flops_per_token,
                                 learning_rate=float(schedule(step - 1)))
           log.train(step, summary)
@@ -564,10 +571,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
         preempted = preemption.stop_now(step, manager)
         if step % config.checkpoint.every_steps == 0 or step == stop_at or preempted:
-          loss = float(jax.device_get(metrics['loss']))
-          if not math.isfinite(loss):
-            raise UserError(
-                f'loss is {loss} at step {step}: stopping without saving; {last_good()}.')
           jax.block_until_ready(state)
           with chrono.excluded():
             save(phase, data_it)

@@ -1029,6 +1029,30 @@ def test_skipping_most_of_a_file_is_refused(open_dir, case):
     assert expected.replace('PATH', path) in outcome, outcome
 
 
+# ---- Steps that diverged: never kept as the last good checkpoint ------------------------------
+
+# case -> (the metrics of steps 5, 6, ...; what the check says, None: nothing diverged).
+DIVERGENCE_ROWS = {
+    'fine': ([{'loss': 7.2, 'grad_norm': 1.5}, {'loss': 7.1, 'grad_norm': 1.4}], None),
+    'loss_nan': ([{'loss': 7.2, 'grad_norm': 1.5}, {'loss': float('nan'), 'grad_norm': 1.4}],
+                 'loss is nan (gradient norm 1.4) at step 6'),
+    'loss_finite_but_absurd_grad_norm_inf': (
+        [{'loss': 6.1e9, 'grad_norm': float('inf')}, {'loss': float('nan'), 'grad_norm': 0.0}],
+        'loss is 6.1e+09 (gradient norm inf) at step 5'),
+    'loss_fine_grad_norm_nan': ([{'loss': 7.0, 'grad_norm': float('nan')}],
+                                'loss is 7 (gradient norm nan) at step 5'),
+    'loss_absurd': ([{'loss': 2e4, 'grad_norm': 3.0}], 'loss is 2e+04 (gradient norm 3) at step 5'),
+    'loss_inf_as_sum_and_count': ([{'loss': (float('inf'), 8.0)}], 'loss is inf at step 5'),
+}
+
+
+@pytest.mark.parametrize('case', list(DIVERGENCE_ROWS))
+def test_a_diverged_step_is_named(case):
+  from bert_jax import monitor  # pylint: disable=g-import-not-at-top
+  metrics, expected = DIVERGENCE_ROWS[case]
+  assert monitor.divergence(metrics, 5) == expected
+
+
 # ---- Config files: every mistake one line naming the file (and line) --------------------------
 
 # case -> (the file's text, or a shipped name; what loading it prints).
@@ -1208,6 +1232,10 @@ def table() -> str:
       row(surface, kind, lambda where, s=surface, k=kind: _output_outcome(where, s, k)[1])
     for surface, kind, _ in WORKDIR_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _workdir_outcome(where, s, k)[1])
+    for case, (metrics, _) in DIVERGENCE_ROWS.items():
+      from bert_jax import monitor  # pylint: disable=g-import-not-at-top
+      row('training steps 5, 6, ... (the check before a log or checkpoint)', case,
+          lambda where, m=metrics: str(monitor.divergence(m, 5) or 'ok'))
     for case in SKIPPED_ROWS:
       row('config.data_dir, train_file (rows skipped)', case,
           lambda where, c=case: _skipped_outcome(where, c)[1])

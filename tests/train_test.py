@@ -27,6 +27,7 @@ import pytest
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_files
 from bert_jax import input_pipeline
+from bert_jax import monitor
 from bert_jax import train
 from bert_jax import train_state
 from bert_jax.errors import UserError
@@ -343,13 +344,16 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, vocab_fil
     train.train_and_evaluate(config, workdir)
   losses = _losses(workdir)  # Steps up to the last finite loss: the bad one is not logged.
   assert sorted(losses) == list(range(1, len(losses) + 1)) and losses, losses
-  assert all(np.isfinite(list(losses.values())))
+  # Not only finite: a loss of 1e9 with an infinite gradient norm leaves NaN weights behind.
+  assert all(np.isfinite(r['grad_norm']) and r['loss'] < monitor.DIVERGED_LOSS
+             for r in _rows(workdir)[0])
   last_good = max(losses)
   message = str(error.value)
-  assert f'at step {last_good + 1}' in message, message
+  assert f'at step {last_good + 1}' in message and 'loss is ' in message, message
   assert f'last good checkpoint (step {last_good})' in message and workdir in message, message
   assert ckpt_lib.checkpoint_steps(workdir)[-1] == last_good
-  ckpt_lib.load_pretrained_from_workdir(workdir, step=last_good)
+  _, params = ckpt_lib.load_pretrained_from_workdir(workdir, step=last_good)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
   # The same divergence before the first checkpoint.
   workdir = str(tmp_path / 'early')
