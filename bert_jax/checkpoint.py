@@ -695,3 +695,18 @@ def read_run_config(workdir: str) -> dict | None:
     return None
   with fileio.gfile().GFile(p) as f:
     return json.load(f)
+
+
+def check_workdir_kind(workdir: str, fine_tuning: bool) -> None:
+  """Refuses a workdir whose config.json is another kind of run's (a pre-training run's for
+  `bert-jax finetune`, a fine-tuning run's for `pretrain`), before anything is written there:
+  its checkpoints could never resume this run, and its record would be overwritten."""
+  record = read_run_config(workdir)
+  if not isinstance(record, dict) or ('task' in record) == fine_tuning:
+    return
+  if fine_tuning:
+    raise UserError(f'--workdir={workdir} holds a pre-training run (its config.json has no '
+                    'task): fine-tune into another --workdir; to start from that run, set '
+                    f'--config.train.init_checkpoint={workdir}')
+  raise UserError(f'--workdir={workdir} holds a fine-tuning run ({record["task"]}, its '
+                  'config.json): pre-train into another --workdir')

@@ -386,6 +386,23 @@ def _usage() -> str:
   return '\n'.join(lines)
 
 
+# absl's own --help/--helpshort list the flags of the module that is `__main__`: the console
+# script's, which defines none. A command's flags are all defined in this module.
+_HELP_FLAGS = ('-h', '--h', '-help', '--help', '-?', '--helpshort', '-helpshort')
+
+
+def command_help(name: str) -> str:
+  """`bert-jax NAME --help`: the command's line of the usage and its flags (defined already)."""
+  module = FLAGS.find_module_defining_flag('traceback')
+  # Less the line that names the module's file.
+  listing = '\n'.join(line for line in FLAGS.module_help(module).splitlines()
+                      if line.startswith(' '))
+  overrides = (' --config.a.b=value overrides a key of\nthe config (each key is defined and '
+               'commented in bert_jax/defaults.py).' if 'config' in FLAGS else '')
+  return (f'usage: bert-jax {name} [--flags]\n\n{_COMMANDS[name][0]}\n\nflags:\n{listing}\n\n'
+          f'--helpfull adds the flags of the libraries.{overrides}')
+
+
 def _traceback_wanted(args: list[str]) -> bool:
   """--traceback on the command line or BERT_JAX_TRACEBACK=1 (read before flags are parsed)."""
   env = os.environ.get('BERT_JAX_TRACEBACK', '').lower() in ('1', 'true', 'yes')
@@ -454,6 +471,9 @@ def _run_command(name: str, args: list[str]) -> None:
   except (KeyError, AttributeError):  # A --config.a.b override misspelt (default --config).
     _explain_config_overrides(args)
     raise
+  if any(a in _HELP_FLAGS for a in args[:args.index('--') if '--' in args else None]):
+    print(command_help(name))
+    sys.exit(0)
 
   def run_after_tensorflow(argv):
     if not _traceback_wanted(args):

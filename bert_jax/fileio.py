@@ -168,6 +168,31 @@ def check_output_dir(path: str, flag: str) -> None:
   _check_parents(path, flag)
 
 
+def same_path(a: str, b: str) -> bool:
+  """Whether `a` and `b` name one file or folder: local paths compared resolved (relative
+  paths, symlinks, `..`) and, when both exist, by inode (hard links); remote ones as written,
+  less a trailing '/'."""
+  if is_remote(a) or is_remote(b):
+    return a.rstrip('/') == b.rstrip('/')
+  if os.path.realpath(a) == os.path.realpath(b):
+    return True
+  try:
+    return os.path.samefile(a, b)
+  except OSError:  # One of them does not exist (yet): then they differ.
+    return False
+
+
+def check_not_an_input(output: str, flag: str, inputs: dict[str, list[str] | str]) -> None:
+  """Raises a UserError naming both flags if the file `output` is one of `inputs` ({flag: its
+  file or files}): writing it would replace what the command reads. Before any work."""
+  for input_flag, paths in inputs.items():
+    for path in [paths] if isinstance(paths, str) else paths:
+      if path and same_path(output, path):
+        shown = path if path == output else f'{path}, the same file'
+        raise UserError(f'{flag}={output} is the input {input_flag}={shown}: writing it would '
+                        f'replace the input; name another {flag}')
+
+
 def _writable(folder: str) -> bool:
   return os.access(folder, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE)
 

@@ -161,6 +161,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
               preemption: monitor.Preemption) -> dict[str, Any] | None:
   # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
+  ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   is_main = jax.process_index() == 0
   if config.train.epochs < 1:
@@ -197,7 +198,6 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
                     'steps; 0 = run to the end)')
   warmup_steps = int(config.train.warmup_proportion * total_steps)
   tx, schedule = optim.make_optimizer(config.train, total_steps, warmup_steps)
-  _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
 
   # ---- Abstract init and shardings -----------------------------------------------------------
   abstract, shardings, _ = state_lib.abstract_state(tasks.init_fn(task.model), tx, mesh,
@@ -225,6 +225,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
                                                 lambda: preemption.wait(init))
   preemption.check()
+  # Only now, with the checkpoint found to match: a refused run leaves the workdir's record as
+  # it was.
+  _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
   best: dict[str, Any] | None = meta.get('best')
   pretrained = None  # The host copy of the checkpoint is not needed any more.
   step = int(state.step)

@@ -396,6 +396,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
+  ckpt_lib.check_workdir_kind(workdir, fine_tuning=False)
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   is_main = jax.process_index() == 0
   objective = objectives.get(config.data.objective).name
@@ -442,8 +443,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   bert_config = model_config(config, tokenizer.vocab_size)
   model = model_lib.BertForPreTraining(bert_config)
   tx, schedule = optim.make_optimizer(config.train)
-  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), bert_config,
-                           vocab_file)
 
   # ---- Abstract init and shardings (nothing is allocated whole on one device) ----------------
   abstract, state_shardings, init_fn = abstract_state_and_shardings(model, tx, mesh, rules)
@@ -471,6 +470,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
                                                 lambda: preemption.wait(init))
   preemption.check()
+  # Only now, with the checkpoint found to match: a refused resume (another model size) leaves
+  # the record of the run it refused to touch as it was.
+  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), bert_config,
+                           vocab_file)
   # Rows past the checkpoint are from a run that died after it: they are logged again.
   monitor.truncate_metrics(workdir, start)
   if start is not None and meta.get('seed') != config.train.seed:

@@ -707,6 +707,103 @@ def test_output_paths(open_dir, surface, kind, expected):
     assert expected in outcome and path in outcome, outcome
 
 
+# Outputs that are inputs: however the path is written (relative, a symlink, a hard link, a
+# glob's match), a command never writes over what it reads. A workdir of another kind of run
+# is refused before anything is written to it.
+def _corpus(root: str) -> str:
+  path = os.path.join(root, 'corpus.txt')
+  with open(path, 'wb') as f:
+    f.write(_corpus_text(30))
+  return path
+
+
+def _vocab_over(how: str):
+  def run(root: str) -> tuple[str, str]:
+    corpus = _corpus(root)
+    output, inputs = corpus, [corpus]
+    if how == 'relative':
+      output = os.path.relpath(corpus)
+    elif how == 'symlink':
+      output = os.path.join(root, 'link.txt')
+      os.symlink(corpus, output)
+    elif how == 'hard_link':
+      output = os.path.join(root, 'hard.txt')
+      os.link(corpus, output)
+    elif how == 'glob':
+      inputs = [os.path.join(root, '*.txt')]
+    return corpus, _outcome(lambda: vocab_lib.run(inputs, output, 100))
+  return run
+
+
+def _predict_over(name: str):
+  def run(root: str) -> tuple[str, str]:
+    call = _predict_output(root)
+    path = os.path.join(root, 'in.jsonl' if name == 'input' else 'finetuned/config.json')
+    return path, _outcome(lambda: call(path))
+  return run
+
+
+def _features_over(root: str) -> tuple[str, str]:
+  path = os.path.join(root, 'in.jsonl')
+  with open(path, 'w') as f:
+    f.write('a text\n')
+  return path, _outcome(lambda: features.extract_features(os.path.join(root, 'no_checkpoint'),
+                                                          path, path))
+
+
+def _run_in_workdir_of(kind: str):
+  def run(root: str) -> tuple[str, str]:
+    from bert_jax import finetune  # pylint: disable=g-import-not-at-top
+    workdir = os.path.join(root, 'work')
+    os.makedirs(os.path.join(workdir, 'checkpoints'))
+    record = {'task': 'mrpc'} if kind == 'fine-tuning' else {'model': {'size': 'tiny'}}
+    fileio.write_json(os.path.join(workdir, 'config.json'), record)
+    if kind == 'fine-tuning':
+      call = lambda: train.train_and_evaluate(config_files.load_config('smoke'), workdir)
+    else:
+      call = lambda: finetune.finetune(config_files.load_config('finetune_glue:mrpc'), workdir)
+    outcome = _outcome(call)
+    if fileio.read_json(os.path.join(workdir, 'config.json')) != record:
+      outcome = f'config.json rewritten; {outcome}'
+    return workdir, outcome
+  return run
+
+
+# case -> (what it does in a folder -> (the input at stake, outcome), what it prints).
+OVER_AN_INPUT_ROWS = {
+    'vocab --output = --input': (_vocab_over('same'),
+                                 '--output=PATH is the input --input=PATH: writing it would '
+                                 'replace the input'),
+    'vocab --output = --input, relative': (_vocab_over('relative'), 'is the input --input=PATH'),
+    'vocab --output = a symlink to --input': (_vocab_over('symlink'),
+                                              'is the input --input=PATH, the same file'),
+    'vocab --output = a hard link to --input': (_vocab_over('hard_link'),
+                                                'is the input --input=PATH, the same file'),
+    'vocab --output matched by the --input glob': (_vocab_over('glob'),
+                                                   'is the input --input=PATH'),
+    'predict --output = --input': (_predict_over('input'), '--output=PATH is the input --input'),
+    "predict --output = the workdir's config.json": (_predict_over('workdir'),
+                                                     'is the input --workdir=PATH'),
+    'features --output = --input': (_features_over, '--output=PATH is the input --input'),
+    'pretrain --workdir of a fine-tuning run': (
+        _run_in_workdir_of('fine-tuning'),
+        '--workdir=PATH holds a fine-tuning run (mrpc, its config.json): pre-train into another'),
+    'finetune --workdir of a pre-training run': (
+        _run_in_workdir_of('pre-training'),
+        '--workdir=PATH holds a pre-training run (its config.json has no task): fine-tune into '
+        'another --workdir; to start from that run, set --config.train.init_checkpoint=PATH'),
+}
+
+
+@pytest.mark.parametrize('case', list(OVER_AN_INPUT_ROWS))
+def test_an_output_is_never_an_input(open_dir, case):
+  run, expected = OVER_AN_INPUT_ROWS[case]
+  path, outcome = run(open_dir)
+  assert outcome.startswith(expected.replace('PATH', path)) or (
+      expected.replace('PATH', path) in outcome), outcome
+  assert 'rewritten' not in outcome
+
+
 # ---- Keys x bad values ------------------------------------------------------------------------
 
 # (config, key, bad value): each must be refused with a message naming --config.KEY=VALUE.
@@ -912,6 +1009,28 @@ def _cli(args, cwd):
   env.pop('BERT_JAX_TRACEBACK', None)
   return subprocess.run([sys.executable, '-m', 'bert_jax.cli'] + args, cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=600)
+
+
+# `bert-jax CMD --help` as the console script runs it: `__main__` is the script, not cli.py
+# (absl's own help listed `__main__`'s flags: none).
+HELP_ROWS = [
+    (['pretrain', '--help'], ['--config:', '--workdir:', '--coordinator_address:',
+                              '--config.a.b=value overrides a key']),
+    (['vocab', '--helpshort'], ['--input:', '--output:', '--vocab_size:', '--kind:']),
+    (['fill-mask', '-h'], ['--checkpoint:', '--top_k:', '--[no]table:']),
+]
+
+
+@pytest.mark.parametrize('args, fragments', HELP_ROWS, ids=[a[0] for a, _ in HELP_ROWS])
+def test_help_lists_the_commands_flags(tmp_path, args, fragments):
+  env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu')
+  proc = subprocess.run([sys.executable, '-c', 'import sys; from bert_jax import cli; '
+                         'cli.main(["bert-jax"] + sys.argv[1:])'] + args, cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.startswith(f'usage: bert-jax {args[0]} [--flags]'), proc.stdout
+  for fragment in fragments:
+    assert fragment in proc.stdout, (fragment, proc.stdout)
 
 
 def _one_line(proc, command, *fragments):
@@ -1230,6 +1349,8 @@ def table() -> str:
           lambda where, k=kind: _checkpoint_outcome(where, k)[1])
     for surface, kind, _ in OUTPUT_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _output_outcome(where, s, k)[1])
+    for case, (run, _) in OVER_AN_INPUT_ROWS.items():
+      row('outputs and workdirs x inputs', case, lambda where, r=run: r(where)[1])
     for surface, kind, _ in WORKDIR_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _workdir_outcome(where, s, k)[1])
     for case, (metrics, _) in DIVERGENCE_ROWS.items():

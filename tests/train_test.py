@@ -806,10 +806,16 @@ def test_corrupt_checkpoint_is_named_and_skipped(tmp_path, reference, vocab_file
 def test_checkpoint_of_another_shape_is_refused(tmp_path, reference, vocab_file):
   workdir = str(tmp_path / 'run')
   shutil.copytree(reference, workdir)
+  record = {name: open(os.path.join(workdir, name), 'rb').read()
+            for name in ('config.json', 'bert_config.json')}
   with pytest.raises(UserError, match=r'checkpoints/12 does not match the config \(e\.g\. '):
     train.train_and_evaluate(_config(vocab_file, model__size='L2_H256',
                                      train__stop_at_step=REFERENCE_STEPS), workdir)
   assert ckpt_lib.checkpoint_steps(workdir) == [4, 8, 12]  # Nothing moved aside.
+  # The record the message points at ("resume with config.json") is the run's, not the
+  # refused one's.
+  for name, data in record.items():
+    assert open(os.path.join(workdir, name), 'rb').read() == data, name
 
 
 def test_eval_settings_and_held_out_data_are_checked_before_the_first_step(tmp_path,
