@@ -84,3 +84,24 @@ def test_a_config_files_own_keys_go_inside_unlocked(tmp_path):
   assert config.train.steps == 70000 and config.my_note == 'x'
   with pytest.raises(AttributeError):  # Locked again once loaded: overrides are checked.
     config.train.stepz = 1
+
+
+def test_the_choices_checked_at_load_are_the_modules_own():
+  """config_checks writes the values out (the modules import JAX); they must not drift."""
+  from bert_jax import attention  # pylint: disable=g-import-not-at-top
+  from bert_jax import config_checks  # pylint: disable=g-import-not-at-top
+  from bert_jax import model  # pylint: disable=g-import-not-at-top
+  from bert_jax import objectives  # pylint: disable=g-import-not-at-top
+  from bert_jax import train_state  # pylint: disable=g-import-not-at-top
+  choices = config_checks.CHOICES
+  assert set(choices['model.size']) == set(model.SIZES)
+  assert set(choices['model.attention_impl']) == set(attention.IMPLEMENTATIONS)
+  assert set(choices['model.remat_policy']) == set(model._REMAT_POLICIES)  # pylint: disable=protected-access
+  assert set(choices['data.objective']) == set(objectives.OBJECTIVES)
+  assert set(choices['train.rng_impl']) == set(train_state.RNG_IMPLS)
+  for dtype in choices['model.dtype']:
+    model.BertConfig(dtype=model.resolve_dtype(dtype))  # Each one a dtype the model takes.
+  for key in ('model.size', 'model.dtype', 'train.optimizer', 'data_source'):
+    config = 'finetune_glue:mrpc' if key == 'data_source' else 'smoke'
+    with pytest.raises(UserError, match=rf"--config\.{key}='x': expected one of "):
+      config_files.load_config(config, {key: 'x'})

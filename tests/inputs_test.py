@@ -933,6 +933,34 @@ def test_keys_that_fit_together_at_their_limits_are_accepted(config, overrides):
   config_files.load_config(config, overrides)
 
 
+# (config, categorical key, a value it does not take, what it prints): refused where the config
+# loads, with the choices (it was a traceback, or came 10-28 s in, after JAX and the inputs).
+CHOICE_ROWS = [
+    (_P, 'model.dtype', 'fp16', "--config.model.dtype='fp16': expected one of auto, float32, "
+     'bfloat16, float16'),
+    (_F, 'model.dtype', 'bf16', "expected one of auto, float32, bfloat16, float16 (did you mean "
+     "'bfloat16'?)"),
+    (_P, 'model.size', 'bert-base', "--config.model.size='bert-base': expected one of tiny, "
+     'mini, small, medium, base, large or L{2..12}_H{128,256,512,768}'),
+    (_P, 'model.remat_policy', 'dot', "(did you mean 'dots'?)"),
+    (_P, 'model.attention_impl', 'flash', "--config.model.attention_impl='flash': expected one "
+     'of xla, cudnn, splash'),
+    (_P, 'data.objective', 'NSP', "--config.data.objective='NSP': expected one of nsp, sop, "
+     'none'),
+    (_P, 'train.optimizer', 'adam', "(did you mean 'adamw'?)"),
+    (_F, 'train.decay', 'cosine', "--config.train.decay='cosine': expected one of linear, "
+     'constant'),
+    (_P, 'train.rng_impl', 'threefry', "(did you mean 'threefry2x32'?)"),
+    (_F, 'data_source', 'csv', "--config.data_source='csv': expected one of tsv, tfds"),
+]
+
+
+@pytest.mark.parametrize('config, key, value, expected', CHOICE_ROWS,
+                         ids=[f'{c.split(":")[0]}-{k}' for c, k, _, _ in CHOICE_ROWS])
+def test_categorical_keys_take_only_their_values(config, key, value, expected):
+  assert expected in _outcome(lambda: config_files.load_config(config, {key: value}))
+
+
 # ---- Errors raised inside tf.data, and statistics that cannot be honest -----------------------
 
 
@@ -1367,6 +1395,9 @@ def table() -> str:
       row(f'casing of a {layout}', f'vocab {vocab}, {said}',
           lambda where, l=layout, v=vocab, r=record: _casing_outcome(where, l, v, r)[1])
     for config, key, value in KEY_ROWS:
+      row(f'--config={config}', f'{key}={value!r}', lambda where, c=config, k=key, v=value:
+          _outcome(lambda: config_files.load_config(c, {k: v})))
+    for config, key, value, _ in CHOICE_ROWS:
       row(f'--config={config}', f'{key}={value!r}', lambda where, c=config, k=key, v=value:
           _outcome(lambda: config_files.load_config(c, {k: v})))
     for config, overrides, _ in CROSS_ROWS:
