@@ -6,6 +6,7 @@ one. Local paths are answered by `os` where that is enough (no TensorFlow import
 imported on first use, with accelerators hidden from it.
 """
 
+import errno
 import functools
 import glob as glob_lib
 import json
@@ -72,6 +73,19 @@ def read_text(path: str, encoding: str = 'utf-8') -> str:
     return f.read().decode(encoding)
 
 
+def missing(path: str) -> str:
+  """Why `path`, which does not exist, is missing: 'no such file', and for a symbolic link what
+  is wrong with it (a loop, or the target it names)."""
+  if is_remote(path) or not os.path.islink(path):
+    return 'no such file'
+  try:
+    os.stat(path)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      return f'no such file (a symbolic link that loops: {e.strerror})'
+  return f'no such file (a symbolic link to {os.readlink(path)}, which does not exist)'
+
+
 def read_user_text(path: str, flag: str = '') -> str:
   """A text file the user named (`flag`: how, e.g. '--input'), decoded from UTF-8 with or
   without a byte-order mark; newlines kept as they are (readers accept CRLF).
@@ -82,7 +96,7 @@ def read_user_text(path: str, flag: str = '') -> str:
   """
   where = f'{flag}: {path}' if flag else path
   if not exists(path):
-    raise UserError(f'{where}: no such file')
+    raise UserError(f'{where}: {missing(path)}')
   if isdir(path):
     raise UserError(f'{where} is a directory; name a file')
   if not is_remote(path) and not os.path.isfile(path):

@@ -88,8 +88,8 @@ def _version(path: str) -> tuple[int, int]:
   """Changes when the file does, so caches keyed by it never serve a stale vocabulary."""
   try:
     stat = tf.io.gfile.stat(path)
-  except tf.errors.NotFoundError:
-    return (0, 0)  # The tokenizer reports the missing file.
+  except tf.errors.OpError:  # Missing, a symbolic link that loops, unreadable: the tokenizer
+    return (0, 0)            # that reads it next names the file and what is wrong with it.
   return (stat.mtime_nsec, stat.length)
 
 

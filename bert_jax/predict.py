@@ -70,7 +70,7 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
   if fileio.isdir(input_path):
     raise UserError(f'--input={input_path} is a directory; name a file')
   if not fileio.isfile(input_path):
-    raise UserError(f'--input={input_path}: no such file')
+    raise UserError(f'--input={input_path}: {fileio.missing(input_path)}')
   fileio.check_output_file(output_path, '--output')  # Before the work, not after it.
   fileio.check_not_an_input(output_path, '--output', {
       '--input': input_path,

@@ -423,7 +423,8 @@ FILE_SURFACES = {
 # What every file surface answers, unless FILE_EXCEPTIONS says otherwise.
 FILE_KINDS = {
     'missing': 'no such file',
-    'dangling_symlink': 'no such file',
+    'dangling_symlink': 'no such file (a symbolic link to PATH.gone, which does not exist)',
+    'symlink_loop': 'no such file (a symbolic link that loops: Too many levels of symbolic links)',
     'directory': 'is a directory',
     'fifo': 'is not a regular file',
     'empty': None,  # Each reader's own words: FILE_EXCEPTIONS.
@@ -436,6 +437,7 @@ FILE_KINDS = {
 FILE_EXCEPTIONS = {
     ('config.data_dir (GLUE MRPC/train.tsv)', 'missing'): 'no file',
     ('config.data_dir (GLUE MRPC/train.tsv)', 'dangling_symlink'): 'no file',
+    ('config.data_dir (GLUE MRPC/train.tsv)', 'symlink_loop'): 'no file',
     ('config.data_dir (GLUE MRPC/train.tsv)', 'empty'): 'empty file (expected a header line)',
     ('predict --input (GLUE .tsv)', 'empty'): 'empty file (expected a header line)',
     ('predict --input (GLUE .jsonl)', 'empty'): 'no examples',
@@ -444,7 +446,10 @@ FILE_EXCEPTIONS = {
     ('predict --input (NER text or CoNLL)', 'empty'): 'no sentences',
     ('features --input', 'empty'): '--input: PATH: no text (the file is empty)',
     ('data.vocab_file, --vocab_file', 'missing'): 'Vocabulary file not found',
-    ('data.vocab_file, --vocab_file', 'dangling_symlink'): 'Vocabulary file not found',
+    ('data.vocab_file, --vocab_file', 'dangling_symlink'):
+        'Vocabulary file not found: PATH (a symbolic link to PATH.gone, which does not exist)',
+    ('data.vocab_file, --vocab_file', 'symlink_loop'):
+        'Vocabulary file not found: PATH (a symbolic link that loops',
     ('data.vocab_file, --vocab_file', 'empty'): 'is empty: a BERT vocab.txt',
 }
 FILE_ROWS = [(surface, kind, FILE_EXCEPTIONS.get((surface, kind), expected))
@@ -463,6 +468,9 @@ def _make_file(path: str, kind: str, valid: bytes) -> None:
     return
   if kind == 'dangling_symlink':
     os.symlink(path + '.gone', path)
+  elif kind == 'symlink_loop':
+    os.symlink(path + '.other', path)
+    os.symlink(path, path + '.other')
   elif kind == 'directory':
     os.makedirs(path)
   elif kind == 'fifo':
