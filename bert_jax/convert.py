@@ -304,7 +304,7 @@ def _google_prefix(path: str) -> str | None:
     latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', fileio.read_user_text(state), re.M)
     if latest:
       return os.path.join(path, latest[1])
-  indexes = fileio.glob(os.path.join(path, '*.index'))
+  indexes = fileio.glob(os.path.join(fileio.escape_glob(path), '*.index'))
   if len(indexes) > 1:
     names = tensor_files.preview(map(os.path.basename, indexes))
     raise UserError(f'{path}: several TF checkpoints ({names}); pass the prefix of one')

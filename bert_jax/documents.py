@@ -58,7 +58,9 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
   files = []
   for pattern in patterns:
     fileio.check_bucket(pattern, flag)
-    matched = sorted(tf.io.gfile.glob(pattern))
+    # A file that exists as written is that file, though its name has glob characters
+    # ('[', ']', '*', '?'): 'run[1].txt' would otherwise match only 'run1.txt'.
+    matched = [pattern] if tf.io.gfile.exists(pattern) else sorted(tf.io.gfile.glob(pattern))
     if not matched:
       raise UserError(f'{flag}: {pattern!r} matches no file')
     for path in matched:

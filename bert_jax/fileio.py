@@ -62,6 +62,12 @@ def isfile(path: str) -> bool:
   return exists(path) and not isdir(path)
 
 
+def escape_glob(path: str) -> str:
+  """`path` as a glob pattern that matches it alone: a folder named 'ckpt[1]' stays literal
+  (TensorFlow's remote globs take it as written)."""
+  return path if is_remote(path) else glob_lib.escape(path)
+
+
 def glob(pattern: str) -> list[str]:
   """Sorted matches of `pattern`."""
   return sorted(gfile().glob(pattern) if is_remote(pattern) else glob_lib.glob(pattern))

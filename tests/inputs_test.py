@@ -1121,6 +1121,41 @@ def test_messages_quote_a_short_excerpt_of_long_texts(text, fragment, vocab_file
   assert fragment in str(e.value) and len(str(e.value)) < 250, str(e.value)
 
 
+# ---- Names with glob characters: a file that exists as written is that file ---------------------
+
+
+def _bracket_outcome(root: str, case: str) -> str:
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  for name in ('corpus[1].txt', 'corpus1.txt'):
+    with open(os.path.join(root, name), 'wb') as f:
+      f.write(_corpus_text(30))
+  if case == 'data.input=corpus[1].txt':
+    return str(_corpus_files(os.path.join(root, 'corpus[1].txt')))
+  if case == 'vocab --input=corpus[1].txt':
+    return str(vocab_lib.expand_patterns([os.path.join(root, 'corpus[1].txt')]))
+  if case == 'data.input=corpus[0-9].txt (a glob)':
+    return str(_corpus_files(os.path.join(root, 'corpus[0-9].txt')))
+  folder = os.path.join(root, 'ckpt[1]')  # A Google checkpoint folder.
+  os.makedirs(folder)
+  for name in ('bert_config.json', 'model.ckpt-5.index'):
+    open(os.path.join(folder, name), 'w').close()
+  return str(convert.read_metadata(folder)['format'])
+
+
+# case -> what it reads (ROOT: the folder).
+BRACKET_ROWS = {
+    'data.input=corpus[1].txt': "['ROOT/corpus[1].txt']",
+    'vocab --input=corpus[1].txt': "['ROOT/corpus[1].txt']",
+    'data.input=corpus[0-9].txt (a glob)': "['ROOT/corpus1.txt']",
+    'convert --input=ckpt[1] (a Google checkpoint folder)': 'google',
+}
+
+
+@pytest.mark.parametrize('case', list(BRACKET_ROWS))
+def test_a_name_with_brackets_is_that_file(open_dir, case):
+  assert _bracket_outcome(open_dir, case) == BRACKET_ROWS[case].replace('ROOT', open_dir)
+
+
 # ---- Rows skipped as broken: a few are skipped, most of a file is a mistake --------------------
 
 
@@ -1389,6 +1424,9 @@ def table() -> str:
       row('outputs and workdirs x inputs', case, lambda where, r=run: r(where)[1])
     for surface, kind, _ in WORKDIR_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _workdir_outcome(where, s, k)[1])
+    for case in BRACKET_ROWS:
+      row('file names with [ ]', case,
+          lambda where, c=case: _outcome(lambda: _bracket_outcome(where, c)))
     for case, (metrics, _) in DIVERGENCE_ROWS.items():
       from bert_jax import monitor  # pylint: disable=g-import-not-at-top
       row('training steps 5, 6, ... (the check before a log or checkpoint)', case,
