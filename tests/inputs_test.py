@@ -1156,6 +1156,43 @@ def test_a_name_with_brackets_is_that_file(open_dir, case):
   assert _bracket_outcome(open_dir, case) == BRACKET_ROWS[case].replace('ROOT', open_dir)
 
 
+# ---- CoNLL tags outside the label list: the file, its line and where the list came from -------
+
+
+def _conll_tag_outcome(root: str, case: str) -> tuple[str, str]:
+  from bert_jax import task_table  # pylint: disable=g-import-not-at-top
+  config = config_files.load_config('finetune_ner')
+  config.data_dir = root
+  dev = b'-DOCSTART- -X- O O\n\nPeter NNP B-NP B-PER\nsaid VBD B-VP O\n'
+  if case == 'a train.txt tag outside config.label_list':
+    config.label_list = ('O', 'B-PER', 'I-PER', 'B-MISC', 'I-MISC')
+    path = os.path.join(root, 'train.txt')
+  else:
+    dev += b'\nBerlin NNP B-NP B-CITY\n'
+    path = os.path.join(root, 'valid.txt')
+  with open(os.path.join(root, 'train.txt'), 'wb') as f:
+    f.write(_CONLL)
+  with open(os.path.join(root, 'valid.txt'), 'wb') as f:
+    f.write(dev)
+  return path, _outcome(lambda: task_table.make_task(config, None, None, True))
+
+
+CONLL_TAG_ROWS = {
+    'a train.txt tag outside config.label_list':
+        "PATH:3: tag 'B-ORG' is not in config.label_list (O, B-PER, I-PER, B-MISC, I-MISC): "
+        'fix the tag, or set --config.label_list to every tag of the data',
+    'a valid.txt tag outside the tags of train.txt':
+        "PATH:6: tag 'B-CITY' is not in the tags of ROOT/train.txt (the label list while "
+        'config.label_list is empty)',
+}
+
+
+@pytest.mark.parametrize('case', list(CONLL_TAG_ROWS))
+def test_a_tag_outside_the_label_list_names_file_and_line(open_dir, case):
+  path, outcome = _conll_tag_outcome(open_dir, case)
+  assert CONLL_TAG_ROWS[case].replace('PATH', path).replace('ROOT', open_dir) in outcome, outcome
+
+
 # ---- Rows skipped as broken: a few are skipped, most of a file is a mistake --------------------
 
 
@@ -1424,6 +1461,8 @@ def table() -> str:
       row('outputs and workdirs x inputs', case, lambda where, r=run: r(where)[1])
     for surface, kind, _ in WORKDIR_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _workdir_outcome(where, s, k)[1])
+    for case in CONLL_TAG_ROWS:
+      row('config.data_dir (CoNLL)', case, lambda where, c=case: _conll_tag_outcome(where, c)[1])
     for case in BRACKET_ROWS:
       row('file names with [ ]', case,
           lambda where, c=case: _outcome(lambda: _bracket_outcome(where, c)))
