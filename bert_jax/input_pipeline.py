@@ -525,6 +525,8 @@ def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
                         f'vocab_{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt')
   if tf.io.gfile.exists(path):
     return path
+  if not workdir:
+    sample_corpus.make_cache_dir()
   from bert_jax import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   if documents.input_kind(data.input) != 'tfds':
     documents.resolve_files(data.input)  # A pattern that matches nothing fails before training.

@@ -1193,6 +1193,44 @@ def test_a_tag_outside_the_label_list_names_file_and_line(open_dir, case):
   assert CONLL_TAG_ROWS[case].replace('PATH', path).replace('ROOT', open_dir) in outcome, outcome
 
 
+# ---- The cache folder (the sample corpus, vocabularies trained without a workdir) -------------
+
+
+def _cache_outcome(root: str, case: str, monkeypatch) -> tuple[str, str]:
+  from bert_jax import sample_corpus  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv('BERT_JAX_CACHE', raising=False)
+  if case == 'read-only HOME':
+    home = os.path.join(root, 'home')
+    os.makedirs(home, mode=0o555)
+    os.chmod(home, 0o555)
+    monkeypatch.setenv('HOME', home)
+    path = os.path.join(home, '.cache', 'bert_jax')
+  else:
+    path = os.path.join(root, 'cache')
+    open(path, 'w').close()
+    if case == 'BERT_JAX_CACHE under a file':
+      path = os.path.join(path, 'sub')
+    monkeypatch.setenv('BERT_JAX_CACHE', path)
+  with _as_a_user() if case == 'read-only HOME' else contextlib.nullcontext():
+    return path, _outcome(sample_corpus.sample_corpus_path)
+
+
+CACHE_ROWS = {
+    'BERT_JAX_CACHE a file': 'BERT_JAX_CACHE=PATH: cannot make this folder (a file is in the '
+                             'way); set BERT_JAX_CACHE to a folder this user can write',
+    'BERT_JAX_CACHE under a file': 'BERT_JAX_CACHE=PATH: cannot make this folder (a file is in '
+                                   'the way)',
+    'read-only HOME': 'the cache folder PATH: cannot make this folder (Permission denied); set '
+                      'BERT_JAX_CACHE',
+}
+
+
+@pytest.mark.parametrize('case', list(CACHE_ROWS))
+def test_a_cache_folder_that_cannot_be_made(open_dir, case, monkeypatch):
+  path, outcome = _cache_outcome(open_dir, case, monkeypatch)
+  assert CACHE_ROWS[case].replace('PATH', path) in outcome, outcome
+
+
 # ---- Rows skipped as broken: a few are skipped, most of a file is a mistake --------------------
 
 
@@ -1461,6 +1499,12 @@ def table() -> str:
       row('outputs and workdirs x inputs', case, lambda where, r=run: r(where)[1])
     for surface, kind, _ in WORKDIR_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _workdir_outcome(where, s, k)[1])
+    def cache(where, case):
+      with pytest.MonkeyPatch.context() as patch:
+        return _cache_outcome(where, case, patch)[1]
+    for case in CACHE_ROWS:
+      row('the cache folder (BERT_JAX_CACHE, ~/.cache/bert_jax)', case,
+          lambda where, c=case: cache(where, c))
     for case in CONLL_TAG_ROWS:
       row('config.data_dir (CoNLL)', case, lambda where, c=case: _conll_tag_outcome(where, c)[1])
     for case in BRACKET_ROWS:
