@@ -409,6 +409,21 @@ def _traceback_wanted(args: list[str]) -> bool:
   return env or any(a in ('--traceback', '--traceback=true', '--traceback=1') for a in args)
 
 
+# What to lower when a command runs out of device memory (errors.out_of_memory).
+_MEMORY_ADVICE = {
+    'pretrain': 'lower train.batch_size (or raise train.grad_accum_steps: the same batch in '
+                'parts), set model.remat_policy=dots or full, shorten data.max_seq_length / '
+                'train.phases, or lower eval.batch_size if it was the evaluation',
+    'finetune': 'lower train.batch_size (or raise train.grad_accum_steps), data.max_seq_length '
+                'or eval.batch_size',
+    'eval': 'lower eval.batch_size',
+    'features': 'lower --batch_size or --max_seq_length',
+    'predict': 'lower --batch_size',
+    'fill-mask': 'give fewer or shorter texts',
+    'compile': 'lower train.batch_size or raise train.grad_accum_steps',
+}
+
+
 def user_error_message(error: BaseException) -> str | None:
   """The message of a mistake the user can fix, or None for a bug (which keeps its traceback)."""
   if isinstance(error, UserError):
@@ -551,6 +566,9 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(0)  # pylint: disable=protected-access
   except Exception as e:  # pylint: disable=broad-except
     message = user_error_message(e)
+    memory = errors.out_of_memory(e)
+    if message is None and memory:
+      message = f'{memory}: {_MEMORY_ADVICE.get(name, "use smaller inputs")}'
     if message is None:
       raise
     if _traceback_wanted(argv[2:]):

@@ -6,6 +6,8 @@ with status 2. Anything else is a bug and keeps its traceback (status 1). `Preem
 neither: a run stopped by SIGTERM before its first step.
 """
 
+import re
+
 
 class UserError(ValueError):
   """A mistake the user can fix; the message names the flag, key, file or tensor and the fix.
@@ -68,3 +70,25 @@ def check_skipped(path: str, skipped: list, total: int, what: str, fix: str) -> 
   raise UserError(f'{path}: {len(skipped):,} of {total:,} {what} '
                   f'({len(skipped) / total:.0%}, more than the {MAX_SKIPPED_SHARE:.0%} skipped '
                   f'as broken): {shown}; {fix}')
+
+
+def out_of_memory(error: BaseException) -> str | None:
+  """'out of memory: ... could not allocate 8.0 TiB (N bytes)' when `error` (or one it came
+  from) is XLA's RESOURCE_EXHAUSTED, else None: a setting to lower, not a bug."""
+  seen = []
+  while error is not None and error not in seen:
+    text = str(error)
+    if 'RESOURCE_EXHAUSTED' in text and type(error).__name__.endswith('RuntimeError'):
+      found = re.search(r'(\d+) bytes', text)
+      if not found:
+        return 'out of memory (RESOURCE_EXHAUSTED)'
+      size, unit = float(found.group(1)), 'bytes'
+      for unit in ('bytes', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'):
+        if size < 1024 or unit == 'PiB':
+          break
+        size /= 1024
+      return (f'out of memory: the device could not allocate {size:.1f} {unit} '
+              f'({int(found.group(1)):,} bytes)')
+    seen.append(error)
+    error = error.__cause__ or error.__context__
+  return None

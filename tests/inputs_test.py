@@ -1193,6 +1193,29 @@ def test_a_tag_outside_the_label_list_names_file_and_line(open_dir, case):
   assert CONLL_TAG_ROWS[case].replace('PATH', path).replace('ROOT', open_dir) in outcome, outcome
 
 
+# ---- Out of device memory: which key to lower ----------------------------------------------------
+
+
+@pytest.mark.parametrize('command, advice', [
+    ('pretrain', 'lower train.batch_size (or raise train.grad_accum_steps'),
+    ('features', 'lower --batch_size or --max_seq_length'),
+])
+def test_out_of_memory_names_the_key_to_lower(monkeypatch, capsys, command, advice):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def allocate_too_much(name, args):  # XLA's own RESOURCE_EXHAUSTED, raised where a step runs.
+    del name, args
+    jnp.ones((2**43,), jnp.uint8).block_until_ready()
+  monkeypatch.setattr(cli, '_run_command', allocate_too_much)
+  with pytest.raises(SystemExit) as exit_status:
+    cli.main(['bert-jax', command])
+  assert exit_status.value.code == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert last == (f'bert-jax {command}: error: out of memory: the device could not allocate '
+                  f'8.0 TiB (8,796,093,022,208 bytes): {cli._MEMORY_ADVICE[command]}'), last  # pylint: disable=protected-access
+  assert advice in last
+
+
 # ---- The cache folder (the sample corpus, vocabularies trained without a workdir) -------------
 
 
