@@ -694,6 +694,8 @@ def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
   if fmt not in FORMATS:
     raise UserError(f'--format={fmt!r} is not one of {FORMATS}')
   # Before reading the weights (minutes for a large model), not after.
+  fileio.check_bucket(input_path, '--input')
+  fileio.check_bucket(output_dir, '--output', write=True)
   fileio.check_output_dir(output_dir, '--output')
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     raise UserError(f'--output={output_dir}: output directory exists and is not empty')

@@ -1216,6 +1216,22 @@ def test_out_of_memory_names_the_key_to_lower(monkeypatch, capsys, command, advi
   assert advice in last
 
 
+def test_cloud_storage_out_of_reach_is_one_line(tmp_path, monkeypatch):
+  """convert --output=gs://... with nothing answering: the access check's retries end in a
+  line naming the flag, not the client's RetryError two minutes later."""
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import gcs  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://127.0.0.1:1')  # Refuses connections.
+  monkeypatch.setattr(gcs, 'CHECK_DEADLINE_S', 1.0)
+  gcs.client.cache_clear()
+  try:
+    outcome = _outcome(lambda: convert.convert(str(tmp_path / 'ckpt'), 'gs://bucket/out'))
+  finally:
+    gcs.client.cache_clear()
+  assert outcome.startswith('--output=gs://bucket/out: Cloud Storage cannot be reached '
+                            '(Connection refused; retried for 1 s)'), outcome
+
+
 # ---- The cache folder (the sample corpus, vocabularies trained without a workdir) -------------
 
 
