@@ -483,6 +483,23 @@ def read_metadata(path: str) -> dict:
   return meta
 
 
+def check_casing(path: str, lower_case: bool, flag: str) -> None:
+  """Refuses to feed the checkpoint `path` text cased otherwise than its record says it was
+  trained on (data.lower_case of pre-training and `bert-jax eval`, which default to uncased):
+  every capitalised word piece would be out of reach, without a word. A guess from its
+  vocabulary that disagrees is a warning."""
+  meta = read_metadata(path)
+  recorded = meta.get('lower_case')
+  if recorded is None or bool(recorded) == bool(lower_case):
+    return
+  said = f'{"uncased" if recorded else "cased"} ({meta.get("lower_case_from")})'
+  if str(meta.get('lower_case_from', '')).startswith('guessed'):
+    logging.warning('%s=%s looks %s, but data.lower_case=%s', flag, path, said, lower_case)
+    return
+  raise UserError(f'{flag}={path} is {said}, but data.lower_case={lower_case}: set '
+                  f'--config.data.lower_case={bool(recorded)}')
+
+
 def load_pretrained(path: str, *, dtype: str = 'float32',
                     scan_layers: bool = False) -> tuple[model.BertConfig, dict]:
   """(config, params) of any checkpoint format above; params are numpy float32.

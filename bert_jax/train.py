@@ -278,6 +278,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   input_pipeline.hide_accelerators_from_tf()
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
+  convert.check_casing(checkpoint, config.data.lower_case, '--checkpoint')
   loaded_config, params = convert.load_pretrained(checkpoint,
                                                   scan_layers=config.model.scan_layers)
   vocab_file = config.data.vocab_file or convert.find_vocab(checkpoint)
@@ -424,6 +425,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     input_pipeline.check_vocab_given(phase_data(config, phase), f'phase {phase.index + 1} reads ')
   # A vocab trained here comes from the first phase's input.
   fileio.check_bucket(config.train.init_checkpoint, 'train.init_checkpoint')  # Not at init.
+  if config.train.init_checkpoint:
+    from bert_jax import convert  # pylint: disable=g-import-not-at-top
+    if fileio.same_path(config.train.init_checkpoint, workdir):
+      raise UserError(f'train.init_checkpoint={config.train.init_checkpoint} is the --workdir '
+                      'itself: a run resumes from its own workdir anyway; start from it in '
+                      'another --workdir')
+    convert.check_casing(config.train.init_checkpoint, config.data.lower_case,
+                         'train.init_checkpoint')
   vocab_file = input_pipeline.resolve_vocab(phase_data(config, phases[0]), workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   local_batch = config.train.batch_size // jax.process_count()

@@ -96,7 +96,8 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   choices = config_checks.CHOICES
   assert set(choices['model.size']) == set(model.SIZES)
   assert set(choices['model.attention_impl']) == set(attention.IMPLEMENTATIONS)
-  assert set(choices['model.remat_policy']) == set(model._REMAT_POLICIES)  # pylint: disable=protected-access
+  remat_policies = model._REMAT_POLICIES  # pylint: disable=protected-access
+  assert set(choices['model.remat_policy']) == set(remat_policies)
   assert set(choices['data.objective']) == set(objectives.OBJECTIVES)
   assert set(choices['train.rng_impl']) == set(train_state.RNG_IMPLS)
   for dtype in choices['model.dtype']:
