@@ -609,6 +609,10 @@ def restore_data_state(workdir: str, step: int, data_iterator: Any) -> bool:
   return True
 
 
+# What write_run_files and the loop write at the top of a workdir.
+RUN_FILES = ('config.json', 'bert_config.json', 'vocab.txt', 'metrics.jsonl')
+
+
 def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertConfig,
                     vocab_file: str | None, extra: dict[str, Any] | None = None) -> None:
   """config.json, bert_config.json, vocab.txt and `extra` ({file name: JSON value}) in the

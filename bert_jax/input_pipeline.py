@@ -519,6 +519,7 @@ def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
   if workdir:
     fileio.check_output_dir(workdir, '--workdir')  # A file there: one line, not a traceback.
     path = os.path.join(workdir, 'vocab.txt')
+    documents.check_not_matched(data.input, 'data.input', [path])
   else:
     key = json.dumps([data.input, int(data.vocab_size), bool(data.lower_case)])
     path = os.path.join(sample_corpus.default_cache_dir(),

@@ -423,6 +423,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   check_attention(config, jax.default_backend())
   for phase in phases:
     input_pipeline.check_vocab_given(phase_data(config, phase), f'phase {phase.index + 1} reads ')
+  from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  written = [os.path.join(workdir, name) for name in ckpt_lib.RUN_FILES]
+  for phase in phases:
+    data = phase_data(config, phase)
+    for key in ('input', 'eval_input'):
+      if data[key]:
+        documents.check_not_matched(data[key], f'data.{key}', written)
   # A vocab trained here comes from the first phase's input.
   fileio.check_bucket(config.train.init_checkpoint, 'train.init_checkpoint')  # Not at init.
   if config.train.init_checkpoint:
