@@ -345,7 +345,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
     tags = {t for s in train_sentences for t in s.tags}
     label_list = (list(CONLL_LABELS) if tags <= set(CONLL_LABELS)
                   else label_list_from_data(train_sentences))
-    origin = f'the tags of {train_path} (the label list while config.label_list is empty)'
+    origin = f'the tags of {train_path}, the label list while config.label_list is empty'
   check_tags(train_sentences, train_path, label_list, origin)
   logging.info('NER labels: %s', label_list)
 

@@ -805,8 +805,10 @@ OVER_AN_INPUT_ROWS = {
     'vocab --output matched by the --input glob': (_vocab_over('glob'),
                                                    'is the input --input=PATH'),
     'predict --output = --input': (_predict_over('input'), '--output=PATH is the input --input'),
-    "predict --output = the workdir's config.json": (_predict_over('workdir'),
-                                                     'is the input --workdir=PATH'),
+    "predict --output = the workdir's config.json": (
+        _predict_over('workdir'),
+        '--output=PATH is PATH, a file of the run in --workdir=ROOT/finetuned: writing it would '
+        'replace it'),
     'features --output = --input': (_features_over, '--output=PATH is the input --input'),
     'pretrain --workdir where data.input=*.txt would read its vocab.txt': (
         _workdir_in_the_input_glob('pretrain'),
@@ -1202,8 +1204,9 @@ CONLL_TAG_ROWS = {
         "PATH:3: tag 'B-ORG' is not in config.label_list (O, B-PER, I-PER, B-MISC, I-MISC): "
         'fix the tag, or set --config.label_list to every tag of the data',
     'a valid.txt tag outside the tags of train.txt':
-        "PATH:6: tag 'B-CITY' is not in the tags of ROOT/train.txt (the label list while "
-        'config.label_list is empty)',
+        "PATH:6: tag 'B-CITY' is not in the tags of ROOT/train.txt, the label list while "
+        'config.label_list is empty (O, B-PER, I-PER, B-ORG, I-ORG, B-LOC, I-LOC, B-MISC, '
+        'I-MISC): fix the tag',
 }
 
 
