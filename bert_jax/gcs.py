@@ -186,7 +186,6 @@ def check_access(path: str, flag: str, write: bool = False) -> None:
   UserError naming `flag`, the path and the fix (`write`: the path is to be written, so the
   role to grant is objectAdmin)."""
   from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
-  from google.api_core import retry as retries  # pylint: disable=g-import-not-at-top
   import google.auth.exceptions  # pylint: disable=g-import-not-at-top
   import requests  # pylint: disable=g-import-not-at-top
   from google.cloud.storage import retry as storage_retry  # pylint: disable=g-import-not-at-top
