@@ -374,6 +374,10 @@ def restore_data_state(workdir: str, step: int, data_iterator: Any) -> bool:
   return True
 
 
+# What write_run_files and the loop write at the top of a workdir.
+RUN_FILES = ('config.json', 'bert_config.json', 'vocab.txt', 'metrics.jsonl')
+
+
 def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertConfig,
                     vocab_file: str | None, extra: dict[str, Any] | None = None) -> None:
   """config.json, bert_config.json, vocab.txt and `extra` ({file name: JSON value}) in the
@@ -452,3 +456,26 @@ def checkpoint_steps(workdir: str) -> list[int]:
     steps = [s for s in steps
              if fileio.gfile().exists(os.path.join(d, str(s), _GCS_COMMIT_FILE))]
   return steps
+
+
+def read_run_config(workdir: str) -> dict | None:
+  p = os.path.join(workdir, 'config.json')
+  if not fileio.gfile().exists(p):
+    return None
+  with fileio.gfile().GFile(p) as f:
+    return json.load(f)
+
+
+def check_workdir_kind(workdir: str, fine_tuning: bool) -> None:
+  """Refuses a workdir whose config.json is another kind of run's (a pre-training run's for
+  `bert-jax finetune`, a fine-tuning run's for `pretrain`), before anything is written there:
+  its checkpoints could never resume this run, and its record would be overwritten."""
+  record = read_run_config(workdir)
+  if not isinstance(record, dict) or ('task' in record) == fine_tuning:
+    return
+  if fine_tuning:
+    raise UserError(f'--workdir={workdir} holds a pre-training run (its config.json has no '
+                    'task): fine-tune into another --workdir; to start from that run, set '
+                    f'--config.train.init_checkpoint={workdir}')
+  raise UserError(f'--workdir={workdir} holds a fine-tuning run ({record["task"]}, its '
+                  'config.json): pre-train into another --workdir')

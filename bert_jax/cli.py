@@ -381,10 +381,42 @@ def _usage() -> str:
   return '\n'.join(lines)
 
 
+# absl's own --help/--helpshort list the flags of the module that is `__main__`: the console
+# script's, which defines none. A command's flags are all defined in this module.
+_HELP_FLAGS = ('-h', '--h', '-help', '--help', '-?', '--helpshort', '-helpshort')
+
+
+def command_help(name: str) -> str:
+  """`bert-jax NAME --help`: the command's line of the usage and its flags (defined already)."""
+  module = FLAGS.find_module_defining_flag('traceback')
+  # Less the line that names the module's file.
+  listing = '\n'.join(line for line in FLAGS.module_help(module).splitlines()
+                      if line.startswith(' '))
+  overrides = (' --config.a.b=value overrides a key of\nthe config (each key is defined and '
+               'commented in bert_jax/defaults.py).' if 'config' in FLAGS else '')
+  return (f'usage: bert-jax {name} [--flags]\n\n{_COMMANDS[name][0]}\n\nflags:\n{listing}\n\n'
+          f'--helpfull adds the flags of the libraries.{overrides}')
+
+
 def _traceback_wanted(args: list[str]) -> bool:
   """--traceback on the command line or BERT_JAX_TRACEBACK=1 (read before flags are parsed)."""
   env = os.environ.get('BERT_JAX_TRACEBACK', '').lower() in ('1', 'true', 'yes')
   return env or any(a in ('--traceback', '--traceback=true', '--traceback=1') for a in args)
+
+
+# What to lower when a command runs out of device memory (errors.out_of_memory).
+_MEMORY_ADVICE = {
+    'pretrain': 'lower train.batch_size (or raise train.grad_accum_steps: the same batch in '
+                'parts), set model.remat_policy=dots or full, shorten data.max_seq_length / '
+                'train.phases, or lower eval.batch_size if it was the evaluation',
+    'finetune': 'lower train.batch_size (or raise train.grad_accum_steps), data.max_seq_length '
+                'or eval.batch_size',
+    'eval': 'lower eval.batch_size',
+    'features': 'lower --batch_size or --max_seq_length',
+    'predict': 'lower --batch_size',
+    'fill-mask': 'give fewer or shorter texts',
+    'compile': 'lower train.batch_size or raise train.grad_accum_steps',
+}
 
 
 def user_error_message(error: BaseException) -> str | None:
@@ -449,6 +481,9 @@ def _run_command(name: str, args: list[str]) -> None:
   except (KeyError, AttributeError):  # A --config.a.b override misspelt (default --config).
     _explain_config_overrides(args)
     raise
+  if any(a in _HELP_FLAGS for a in args[:args.index('--') if '--' in args else None]):
+    print(command_help(name))
+    sys.exit(0)
 
   def run_after_tensorflow(argv):
     if not _traceback_wanted(args):
@@ -526,6 +561,9 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(0)  # pylint: disable=protected-access
   except Exception as e:  # pylint: disable=broad-except
     message = user_error_message(e)
+    memory = errors.out_of_memory(e)
+    if message is None and memory:
+      message = f'{memory}: {_MEMORY_ADVICE.get(name, "use smaller inputs")}'
     if message is None:
       raise
     if _traceback_wanted(argv[2:]):

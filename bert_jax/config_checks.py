@@ -5,7 +5,8 @@ once where a config is loaded.
 have (pre-training versus fine-tuning, a task's own keys) is skipped, so one table serves every
 job. A value out of range is a UserError naming the key as the user sets it
 (`--config.train.learning_rate=-0.001: must be > 0`), before any data or model is built;
-adding a key is one more row here and one more row in tests/inputs_test.py.
+adding a key is one more row here and one more row in tests/inputs_test.py. `CHOICES` does the
+same for every categorical key (`--config.model.dtype='fp16': expected one of auto, ...`).
 
 `CROSS_CHECKS` are the rules between keys that are each in range (max_predictions_per_seq
 within max_seq_length, warmup within the steps, batches that split over a fixed mesh, the
@@ -13,6 +14,7 @@ phases of train.phases); their messages name every key involved. What depends on
 (a mesh with -1, the devices present) is checked when the mesh is built, still before step 1.
 """
 
+import difflib
 import math
 from typing import Any, Callable
 
@@ -113,6 +115,34 @@ RANGES: dict[str, Check] = {
     'eval.batch_size': at_least(1),
     'log.every_steps': at_least(1),
 }
+
+
+# The values of every categorical key, written out here (the modules that use them import JAX,
+# seconds of start-up; tests/config_files_test.py checks that the lists agree with theirs), so
+# that a misspelt value fails where the config loads, not 10-30 s in or after the workdir is
+# written.
+_SIZES = ('tiny', 'mini', 'small', 'medium', 'base', 'large') + tuple(
+    f'L{layers}_H{hidden}' for layers in (2, 4, 6, 8, 10, 12) for hidden in (128, 256, 512, 768))
+CHOICES: dict[str, tuple[str, ...]] = {
+    'model.size': _SIZES,
+    'model.dtype': ('auto', 'float32', 'bfloat16', 'float16'),
+    'model.remat_policy': ('none', 'full', 'dots'),
+    'model.attention_impl': ('xla', 'cudnn', 'splash'),
+    'data.objective': ('nsp', 'sop', 'none'),
+    'train.optimizer': ('adamw', 'lamb'),
+    'train.decay': ('linear', 'constant'),
+    'train.rng_impl': ('threefry2x32', 'rbg', 'unsafe_rbg'),
+    'data_source': ('tsv', 'tfds'),
+}
+
+
+def _choice_error(key: str, value: Any) -> UserError:
+  choices = CHOICES[key]
+  close = difflib.get_close_matches(str(value), choices, n=1)
+  hint = f' (did you mean {close[0]!r}?)' if close else ''
+  shown = ('tiny, mini, small, medium, base, large or L{2..12}_H{128,256,512,768}'
+           if key == 'model.size' else ', '.join(choices))
+  return UserError(f'--config.{key}={value!r}: expected one of {shown}{hint}')
 
 
 def _lookup(config: ml_collections.ConfigDict, key: str):
@@ -226,11 +256,16 @@ CROSS_CHECKS: tuple[Callable[[ml_collections.ConfigDict], None], ...] = (
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
-  """Raises a UserError naming the first key of RANGES whose value is out of its range, or the
-  keys of the first CROSS_CHECKS rule they break."""
+  """Raises a UserError naming the first key of RANGES whose value is out of its range, the
+  first key of CHOICES whose value is not one of them, or the keys of the first CROSS_CHECKS
+  rule they break."""
   for key, (test, wording) in RANGES.items():
     present, value = _lookup(config, key)
     if present and not test(value, config):
       raise UserError(f'--config.{key}={value!r}: {wording}')
+  for key in CHOICES:
+    present, value = _lookup(config, key)
+    if present and value not in CHOICES[key]:
+      raise _choice_error(key, value)
   for check in CROSS_CHECKS:
     check(config)

@@ -14,9 +14,12 @@ all load files through here.
 
 import difflib
 import importlib.metadata
+import importlib.util
+import inspect
 import os
+import re
 import sys
-import warnings
+import traceback
 from typing import Any
 
 import ml_collections
@@ -62,21 +65,95 @@ def resolve_config_path(path: str) -> str:
   return shipped + (':' + arg if arg else '')
 
 
+def _where_in(path: str, error: BaseException) -> str:
+  """'PATH:LINE: the line' of the innermost frame of `error` in the config file at `path`."""
+  frames = [f for f in traceback.extract_tb(error.__traceback__)
+            if os.path.realpath(f.filename) == os.path.realpath(path)]
+  if not frames:
+    return path
+  return f'{path}:{frames[-1].lineno}: {(frames[-1].line or "").strip()}'
+
+
+def _locked_key_error(error: BaseException, path: str) -> UserError | None:
+  """The UserError of a config file that sets a key its (locked) base config does not have."""
+  text = str(error.args[0]) if error.args else ''
+  found = re.search(r'Key "([^"]+)" does not exist and cannot be added since the config is '
+                    r'locked', text)
+  if not found:
+    return None
+  key = found.group(1)
+  close = re.search(r'Did you mean "([^"]+)" instead of', text)
+  if key in defaults.MOVED_KEYS:
+    hint = (f'config.{key} is now config.{defaults.MOVED_KEYS[key]} (where pre-training has '
+            'it), if this is fine-tuning')
+  elif close:
+    hint = f'did you mean {close.group(1)}?'
+  else:
+    hint = 'the base config has no such key'
+  return UserError(f'{_where_in(path, error)}: no key {key!r}: {hint} (a key of your own '
+                   'goes inside `with config.unlocked():`)')
+
+
+def _run_get_config(path: str, arg: str | None) -> Any:
+  """get_config(arg) of the Python file at `path`: what the file returns, with the mistakes a
+  config file can hold (not Python, no get_config, a key its base lacks) as UserErrors naming
+  the file and line. An error raised by a library it calls keeps its traceback."""
+  if os.path.isdir(path):
+    raise UserError(f'--config={path} is a directory; name a config file (.py) in it')
+  if not os.access(path, os.R_OK):
+    raise UserError(f'--config={path} cannot be read (permission denied)')
+  module_name = f'bert_jax_config_{abs(hash(os.path.realpath(path)))}'
+  spec = importlib.util.spec_from_file_location(module_name, path)
+  if spec is None or spec.loader is None:
+    raise UserError(f'--config={path}: not a Python file (a config file is a .py file with '
+                    'get_config())')
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise UserError(f'{e.filename}:{e.lineno}: {e.msg}: {(e.text or "").strip()}') from e
+  except (AttributeError, KeyError) as e:
+    raise _locked_key_error(e, path) or e
+  get_config = getattr(module, 'get_config', None)
+  if not callable(get_config):
+    raise UserError(f'--config={path} defines no get_config(): a config file defines '
+                    'get_config(arg=None) returning an ml_collections.ConfigDict (e.g. '
+                    'defaults.pretrain() with your changes; see configs/smoke.py)')
+  try:
+    params = inspect.signature(get_config).parameters
+  except (TypeError, ValueError):
+    params = None
+  if arg is not None and params is not None and not params:
+    raise UserError(f'--config={path}:{arg}: its get_config() takes no argument; drop '
+                    f"':{arg}'")
+  try:
+    config = get_config() if arg is None else get_config(arg)
+  except (AttributeError, KeyError) as e:
+    raise _locked_key_error(e, path) or e
+  if not isinstance(config, ml_collections.ConfigDict):
+    what = 'None (no return statement?)' if config is None else f'a {type(config).__name__}'
+    raise UserError(f'--config={path}: get_config() returned {what}; it returns an '
+                    'ml_collections.ConfigDict (e.g. defaults.pretrain() with your changes)')
+  return config
+
+
 def file_parser():
-  """ml_collections' parser of config files (what `--config=PATH[:ARG]` uses), which also takes
-  the shipped names and locks the config, so that a misspelt key is an error."""
+  """The parser of `--config=PATH[:ARG]`: loads the file (or a shipped name) and locks the
+  config, so that a misspelt key is an error, in the file as on the command line."""
   # The module that defines DEFINE_config_file; its package does not re-export the parser.
   from ml_collections.config_flags import config_flags  # pylint: disable=g-import-not-at-top
 
   class Parser(config_flags.ConfigFileFlagParser):
 
     def parse(self, path):
-      with warnings.catch_warnings():
-        # ml_collections loads the file with importlib's deprecated load_module(): its
-        # warning, not the user's, and nothing a user can act on.
-        warnings.filterwarnings('ignore', r'the load_module\(\) method is deprecated',
-                                DeprecationWarning)
-        return super().parse(resolve_config_path(path))
+      # ml_collections' own parse rewraps every ValueError with a traceback in its message and
+      # loads the file with importlib's deprecated load_module().
+      file, sep, arg = resolve_config_path(path).partition(':')
+      if not file:
+        raise UserError('--config is empty: name a config file or a shipped config')
+      config = _run_get_config(file, arg if sep else None)
+      config.lock()
+      return config
   return Parser(name='config', lock_config=True)
 
 

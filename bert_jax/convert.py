@@ -304,7 +304,7 @@ def _google_prefix(path: str) -> str | None:
     latest = re.search(r'^model_checkpoint_path:\s*"(.+)"', fileio.read_user_text(state), re.M)
     if latest:
       return os.path.join(path, latest[1])
-  indexes = fileio.glob(os.path.join(path, '*.index'))
+  indexes = fileio.glob(os.path.join(fileio.escape_glob(path), '*.index'))
   if len(indexes) > 1:
     names = tensor_files.preview(map(os.path.basename, indexes))
     raise UserError(f'{path}: several TF checkpoints ({names}); pass the prefix of one')
@@ -415,13 +415,45 @@ def _check_vocab(config: model.BertConfig, vocab_file: str) -> None:
                     config.vocab_size)
 
 
-def _guess_lower_case(vocab_file: str) -> bool:
-  """Uncased vocabularies have no upper-case letters outside special tokens like [CLS]."""
+# A vocabulary is called cased when at least this share of its word pieces with letters hold a
+# letter that lower-casing changes. Uncased vocabularies were built from lower-cased text, yet
+# Google's holds a few pieces like 'ℝ' and '##ℝ' (upper-case letters without a lower-case form);
+# cased ones have thousands of capitalised words (about a fifth of their pieces).
+CASED_SHARE = 0.01
+
+
+def guess_lower_case(vocab_file: str) -> bool:
+  """True when the word pieces of `vocab_file` say it is uncased: fewer than CASED_SHARE of
+  those with letters (special tokens like [CLS] and <s> aside) change under lower-casing."""
+  lettered = cased = 0
   for token in _read_vocab(vocab_file):
-    special = token[:1] + token[-1:] in ('[]', '<>')
-    if not special and any(c.isupper() for c in token):
-      return False
-  return True
+    if token[:1] + token[-1:] in ('[]', '<>'):
+      continue
+    piece = token[2:] if token.startswith('##') else token
+    if any(c.isalpha() for c in piece):
+      lettered += 1
+      cased += piece.lower() != piece
+  return cased < CASED_SHARE * max(lettered, 1)
+
+
+def _recorded_lower_case(fmt: str, folder: str) -> tuple[bool | None, str]:
+  """(lower_case, the file and key that say it) from a checkpoint's own record, if any: a
+  tokenizer_config.json's do_lower_case (Hugging Face, fine-tuning workdirs), else a training
+  workdir's config.json data.lower_case (what its vocabulary was used with)."""
+  tokenizer_config = os.path.join(folder, 'tokenizer_config.json')
+  if fileio.exists(tokenizer_config):
+    value = _read_json(tokenizer_config)
+    value = value.get('do_lower_case') if isinstance(value, dict) else None
+    if value is not None:
+      return bool(value), f'{tokenizer_config} do_lower_case'
+  run_config = os.path.join(folder, 'config.json')
+  if fmt == 'workdir' and fileio.exists(run_config):
+    data = _read_json(run_config)
+    data = data.get('data') if isinstance(data, dict) else None
+    value = data.get('lower_case') if isinstance(data, dict) else None
+    if value is not None:
+      return bool(value), f'{run_config} data.lower_case'
+  return None, ''
 
 
 def read_metadata(path: str) -> dict:
@@ -429,25 +461,43 @@ def read_metadata(path: str) -> dict:
 
   `source` is `path`, or for bert_jax where the weights were converted from.
 
-  `lower_case` comes from bert_jax.json, else from a Hugging Face tokenizer_config.json
-  (`do_lower_case`), else it is guessed from vocab.txt (an uncased vocabulary has no upper-case
-  letters outside [special] tokens); None when there is no vocabulary at all.
+  `lower_case` comes from the checkpoint's own record: bert_jax.json, a tokenizer_config.json
+  (`do_lower_case`; Hugging Face and fine-tuning workdirs) or a training workdir's config.json
+  (`data.lower_case`); only without one is it guessed from vocab.txt (`guess_lower_case`);
+  None when there is no vocabulary at all. `lower_case_from` says which.
   """
   fmt, where = _detect(path)
   folder = path if fileio.isdir(path) else os.path.dirname(where)
   meta = {'format': fmt, 'source': path}
   if fmt == 'bert_jax':
     meta.update(_read_json(os.path.join(path, 'bert_jax.json')))
+    meta['lower_case_from'] = os.path.join(path, 'bert_jax.json')
     return meta
-  tokenizer_config = os.path.join(folder, 'tokenizer_config.json')
-  if os.path.exists(tokenizer_config):
-    lower_case = _read_json(tokenizer_config).get('do_lower_case')
-    if lower_case is not None:
-      meta['lower_case'] = bool(lower_case)
-      return meta
-  vocab = find_vocab(path)
-  meta['lower_case'] = _guess_lower_case(vocab) if vocab else None
+  lower_case, source = _recorded_lower_case(fmt, folder)
+  if lower_case is None:
+    vocab = find_vocab(path)
+    lower_case = guess_lower_case(vocab) if vocab else None
+    source = f'guessed from the word pieces of {vocab}' if vocab else ''
+  meta['lower_case'] = lower_case
+  meta['lower_case_from'] = source
   return meta
+
+
+def check_casing(path: str, lower_case: bool, flag: str) -> None:
+  """Refuses to feed the checkpoint `path` text cased otherwise than its record says it was
+  trained on (data.lower_case of pre-training and `bert-jax eval`, which default to uncased):
+  every capitalised word piece would be out of reach, without a word. A guess from its
+  vocabulary that disagrees is a warning."""
+  meta = read_metadata(path)
+  recorded = meta.get('lower_case')
+  if recorded is None or bool(recorded) == bool(lower_case):
+    return
+  said = f'{"uncased" if recorded else "cased"} ({meta.get("lower_case_from")})'
+  if str(meta.get('lower_case_from', '')).startswith('guessed'):
+    logging.warning('%s=%s looks %s, but data.lower_case=%s', flag, path, said, lower_case)
+    return
+  raise UserError(f'{flag}={path} is {said}, but data.lower_case={lower_case}: set '
+                  f'--config.data.lower_case={bool(recorded)}')
 
 
 def load_pretrained(path: str, *, dtype: str = 'float32',
@@ -503,8 +553,10 @@ def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = N
   vocab = vocab_file or find_vocab(path)
   if not vocab:
     raise UserError(f'{flag}={path} has no vocab.txt next to it; set the vocab_file')
+  casing_from = 'lower_case as given'
   if lower_case is None:
-    lower_case = read_metadata(path).get('lower_case')
+    meta = read_metadata(path)
+    lower_case, casing_from = meta.get('lower_case'), meta.get('lower_case_from')
     if lower_case is None:
       raise UserError(f'{flag}={path} does not say whether it is cased; set lower_case')
   tok = tokenization.load_tokenizer(vocab, lower_case=lower_case)
@@ -514,9 +566,9 @@ def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = N
         f'{bert_config.vocab_size} (bert/embeddings/word_embeddings/embedding is '
         f'[{bert_config.vocab_size}, {bert_config.hidden_size}]): use the vocabulary the '
         'checkpoint was trained with')
-  logging.info('Checkpoint %s: %d layers, hidden %d, vocab %s (%d tokens, %s)', path,
+  logging.info('Checkpoint %s: %d layers, hidden %d, vocab %s (%d tokens, %s: %s)', path,
                bert_config.num_hidden_layers, bert_config.hidden_size, vocab, tok.vocab_size,
-               'uncased' if lower_case else 'cased')
+               'uncased' if lower_case else 'cased', casing_from)
   return bert_config, params, tok, vocab, bool(lower_case)
 
 
@@ -664,6 +716,8 @@ def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
   if fmt not in FORMATS:
     raise UserError(f'--format={fmt!r} is not one of {FORMATS}')
   # Before reading the weights (minutes for a large model), not after.
+  fileio.check_bucket(input_path, '--input')
+  fileio.check_bucket(output_dir, '--output', write=True)
   fileio.check_output_dir(output_dir, '--output')
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     raise UserError(f'--output={output_dir}: output directory exists and is not empty')

@@ -11,6 +11,9 @@ and override; they import only the installed package, so any of them loads the s
     return config
 
   bert-jax pretrain --config=/path/to/my_config.py --workdir=/tmp/run
+
+Both return a locked ConfigDict: setting a key they lack (`config.train.stepz = 4`) is an
+error, as on the command line; a config's own new keys go inside `with config.unlocked():`.
 """
 
 import ml_collections
@@ -181,6 +184,7 @@ def pretrain() -> ml_collections.ConfigDict:
   # --num_processes, --process_id, --distributed), not config keys: they describe the launch,
   # and the same config runs on any number of hosts.
 
+  config.lock()  # A config file that sets a key this lacks (a misspelling) fails.
   return config
 
 
@@ -201,8 +205,9 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()
   # WordPiece vocab.txt; '' = the checkpoint's own vocab.txt (which it must then have).
   config.data.vocab_file = ''
-  # Lower-case the text; None = what the checkpoint says (bert_jax.json, tokenizer_config.json,
-  # or guessed from its vocabulary: an uncased one has no upper-case letters).
+  # Lower-case the text; None = what the checkpoint records (bert_jax.json, tokenizer_config.json,
+  # a training workdir's config.json data.lower_case), else guessed from its word pieces (cased
+  # when 1% or more of those with letters change under lower-casing).
   config.data.lower_case = ml_collections.config_dict.placeholder(bool)
   config.data.max_seq_length = 128
 
@@ -275,6 +280,7 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.log = ml_collections.ConfigDict()
   config.log.every_steps = 50
   config.log.progress = True
+  config.lock()  # A config file that sets a key this lacks (a misspelling) fails.
   return config
 
 

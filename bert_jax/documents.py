@@ -13,7 +13,9 @@ in its first 64 KB) is refused at start-up (`check_text`).
 """
 
 import difflib
+import fnmatch
 import gzip
+import os
 import re
 import zlib
 
@@ -49,6 +51,26 @@ def _split_spec(spec: str) -> list[str]:
   return [p.strip() for p in spec.split(',') if p.strip()]
 
 
+def check_not_matched(spec: str, flag: str, written: list[str]) -> None:
+  """Refuses an input spec whose paths or globs match a file a run writes (`written`: the
+  workdir's vocab.txt, config.json, ...): the next run would read its own output as data."""
+  for pattern in _split_spec(spec):
+    if input_kind(pattern) == 'tfds':
+      continue
+    for path in written:
+      if fileio.is_remote(pattern) != fileio.is_remote(path):
+        continue
+      full = pattern if fileio.is_remote(pattern) else os.path.abspath(pattern)
+      target = path if fileio.is_remote(path) else os.path.abspath(path)
+      # As a glob matches: part by part ('*' does not cross '/').
+      parts, pattern_parts = target.split('/'), full.split('/')
+      if len(parts) == len(pattern_parts) and all(
+          fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pattern_parts)):
+        raise UserError(f'{flag}: {pattern!r} also matches {path}, which this run writes: its '
+                        'next read would take it as data; use a --workdir outside the input '
+                        'folder')
+
+
 def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
   """Files of comma-separated paths or globs, each pattern sorted; errors name the pattern."""
   patterns = _split_spec(spec)
@@ -58,7 +80,9 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
   files = []
   for pattern in patterns:
     fileio.check_bucket(pattern, flag)
-    matched = sorted(tf.io.gfile.glob(pattern))
+    # A file that exists as written is that file, though its name has glob characters
+    # ('[', ']', '*', '?'): 'run[1].txt' would otherwise match only 'run1.txt'.
+    matched = [pattern] if tf.io.gfile.exists(pattern) else sorted(tf.io.gfile.glob(pattern))
     if not matched:
       raise UserError(f'{flag}: {pattern!r} matches no file')
     for path in matched:

@@ -6,6 +6,8 @@ with status 2. Anything else is a bug and keeps its traceback (status 1). `Preem
 neither: a run stopped by SIGTERM before its first step.
 """
 
+import re
+
 
 class UserError(ValueError):
   """A mistake the user can fix; the message names the flag, key, file or tensor and the fix.
@@ -50,3 +52,43 @@ def excerpt(text: str, limit: int = 60) -> str:
   if len(text) <= limit:
     return repr(text)
   return f'{text[:limit]!r}... ({len(text):,} characters)'
+
+
+# Skipping a few broken rows is right (QQP's released files have some; the original SQuAD code
+# skips questions whose answer is not at its answer_start); skipping more than this share of a
+# file means the file (or its format) is wrong, and training on the rest would hide it.
+MAX_SKIPPED_SHARE = 0.01
+
+
+def check_skipped(path: str, skipped: list, total: int, what: str, fix: str) -> None:
+  """Refuses a file of which more than MAX_SKIPPED_SHARE of `total` items (and more than one)
+  were skipped: `skipped` names them (line numbers, question ids), `what` says what an item is
+  and why it was skipped, `fix` what to do."""
+  if len(skipped) <= 1 or len(skipped) <= MAX_SKIPPED_SHARE * total:
+    return
+  shown = ', '.join(str(s) for s in skipped[:5]) + (', ...' if len(skipped) > 5 else '')
+  raise UserError(f'{path}: {len(skipped):,} of {total:,} {what} '
+                  f'({len(skipped) / total:.0%}, more than the {MAX_SKIPPED_SHARE:.0%} skipped '
+                  f'as broken): {shown}; {fix}')
+
+
+def out_of_memory(error: BaseException) -> str | None:
+  """'out of memory: ... could not allocate 8.0 TiB (N bytes)' when `error` (or one it came
+  from) is XLA's RESOURCE_EXHAUSTED, else None: a setting to lower, not a bug."""
+  seen = []
+  while error is not None and error not in seen:
+    text = str(error)
+    if 'RESOURCE_EXHAUSTED' in text and type(error).__name__.endswith('RuntimeError'):
+      found = re.search(r'(\d+) bytes', text)
+      if not found:
+        return 'out of memory (RESOURCE_EXHAUSTED)'
+      size, unit = float(found.group(1)), 'bytes'
+      for unit in ('bytes', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'):
+        if size < 1024 or unit == 'PiB':
+          break
+        size /= 1024
+      return (f'out of memory: the device could not allocate {size:.1f} {unit} '
+              f'({int(found.group(1)):,} bytes)')
+    seen.append(error)
+    error = error.__cause__ or error.__context__
+  return None

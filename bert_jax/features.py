@@ -147,6 +147,8 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
   if batch_size < 1:
     raise UserError(f'batch_size must be positive, got {batch_size}')
   lines = read_input(input_file)  # Before the (slow) checkpoint: a wrong path fails at once.
+  fileio.check_not_an_input(output, '--output', {'--input': input_file,
+                                                 '--vocab_file': vocab_file})
   input_pipeline.hide_accelerators_from_tf()
   config, params, tok, _, _ = convert.load_checkpoint(init_checkpoint, vocab_file, lower_case,
                                                       flag='--init_checkpoint')

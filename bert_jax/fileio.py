@@ -6,6 +6,7 @@ one. Local paths are answered by `os` where that is enough (no TensorFlow import
 imported on first use, with accelerators hidden from it.
 """
 
+import errno
 import functools
 import glob as glob_lib
 import json
@@ -61,6 +62,12 @@ def isfile(path: str) -> bool:
   return exists(path) and not isdir(path)
 
 
+def escape_glob(path: str) -> str:
+  """`path` as a glob pattern that matches it alone: a folder named 'ckpt[1]' stays literal
+  (TensorFlow's remote globs take it as written)."""
+  return path if is_remote(path) else glob_lib.escape(path)
+
+
 def glob(pattern: str) -> list[str]:
   """Sorted matches of `pattern`."""
   return sorted(gfile().glob(pattern) if is_remote(pattern) else glob_lib.glob(pattern))
@@ -70,6 +77,19 @@ def read_text(path: str, encoding: str = 'utf-8') -> str:
   """The whole file, decoded (`utf-8-sig` drops a byte-order mark); newlines kept as they are."""
   with (gfile().GFile(path, 'rb') if is_remote(path) else open(path, 'rb')) as f:
     return f.read().decode(encoding)
+
+
+def missing(path: str) -> str:
+  """Why `path`, which does not exist, is missing: 'no such file', and for a symbolic link what
+  is wrong with it (a loop, or the target it names)."""
+  if is_remote(path) or not os.path.islink(path):
+    return 'no such file'
+  try:
+    os.stat(path)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      return f'no such file (a symbolic link that loops: {e.strerror})'
+  return f'no such file (a symbolic link to {os.readlink(path)}, which does not exist)'
 
 
 def read_user_text(path: str, flag: str = '') -> str:
@@ -82,7 +102,7 @@ def read_user_text(path: str, flag: str = '') -> str:
   """
   where = f'{flag}: {path}' if flag else path
   if not exists(path):
-    raise UserError(f'{where}: no such file')
+    raise UserError(f'{where}: {missing(path)}')
   if isdir(path):
     raise UserError(f'{where} is a directory; name a file')
   if not is_remote(path) and not os.path.isfile(path):
@@ -181,6 +201,31 @@ def check_output_dir(path: str, flag: str) -> None:
       raise UserError(f'{flag}={path}: this folder is not writable by this user')
     return
   _check_parents(path, flag)
+
+
+def same_path(a: str, b: str) -> bool:
+  """Whether `a` and `b` name one file or folder: local paths compared resolved (relative
+  paths, symlinks, `..`) and, when both exist, by inode (hard links); remote ones as written,
+  less a trailing '/'."""
+  if is_remote(a) or is_remote(b):
+    return a.rstrip('/') == b.rstrip('/')
+  if os.path.realpath(a) == os.path.realpath(b):
+    return True
+  try:
+    return os.path.samefile(a, b)
+  except OSError:  # One of them does not exist (yet): then they differ.
+    return False
+
+
+def check_not_an_input(output: str, flag: str, inputs: dict[str, list[str] | str]) -> None:
+  """Raises a UserError naming both flags if the file `output` is one of `inputs` ({flag: its
+  file or files}): writing it would replace what the command reads. Before any work."""
+  for input_flag, paths in inputs.items():
+    for path in [paths] if isinstance(paths, str) else paths:
+      if path and same_path(output, path):
+        shown = path if path == output else f'{path}, the same file'
+        raise UserError(f'{flag}={output} is the input {input_flag}={shown}: writing it would '
+                        f'replace the input; name another {flag}')
 
 
 def _writable(folder: str) -> bool:

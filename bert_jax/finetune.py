@@ -163,6 +163,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
               preemption: monitor.Preemption) -> dict[str, Any] | None:
   # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
+  ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   is_main = jax.process_index() == 0
   if config.train.epochs < 1:
@@ -199,7 +200,6 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
                     'steps; 0 = run to the end)')
   warmup_steps = int(config.train.warmup_proportion * total_steps)
   tx, schedule = optim.make_optimizer(config.train, total_steps, warmup_steps)
-  _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
 
   # ---- Abstract init and shardings -----------------------------------------------------------
   abstract, shardings, _ = state_lib.abstract_state(tasks.init_fn(task.model), tx, mesh,
@@ -227,6 +227,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
                                                 lambda: preemption.wait(init))
   preemption.check()
+  # Only now, with the checkpoint found to match: a refused run leaves the workdir's record as
+  # it was.
+  _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
   best: dict[str, Any] | None = meta.get('best')
   pretrained = None  # The host copy of the checkpoint is not needed any more.
   step = int(state.step)
@@ -267,6 +270,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
       f'{len(predict_shapes)}'))
 
   def save(eval_pending: bool = False) -> None:
+    # The steps since the last log were not checked yet (the log checks its own): a diverged
+    # step's weights are never kept.
+    unchecked = jax.device_get(history) if history else []
+    diverged = monitor.divergence(unchecked, step - len(unchecked) + 1)
+    if diverged:
+      raise UserError(f'{diverged}: stopping without saving it; lower '
+                      'config.train.learning_rate')
     ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed,
                                                       eval_pending=eval_pending))
     # Kept: this step (to resume from) and the best epoch's (its weights are the result).
@@ -344,10 +354,11 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
         chrono.count(sequences=float(batch['weight'].sum()), tokens=batch['input_ids'].size)
         bar.update(1)
         if step % config.log.every_steps == 0 or step == epoch_end or step == stop_at:
-          summary = monitor.summarize(jax.device_get(history))
-          if not math.isfinite(summary['loss']):
-            raise UserError(f'loss is {summary["loss"]} at step {step}: lower '
-                            'config.train.learning_rate')
+          host_history = jax.device_get(history)
+          diverged = monitor.divergence(host_history, step - len(history) + 1)
+          if diverged:
+            raise UserError(f'{diverged}: stopping; lower config.train.learning_rate')
+          summary = monitor.summarize(host_history)
           rates = chrono.report(step)
           summary.update(epoch=epoch, learning_rate=float(schedule(step - 1)),
                          sequences_per_second=rates['sequences_per_second'],

@@ -175,6 +175,11 @@ def denied(error: BaseException) -> UserError | None:
   return None
 
 
+# How long the access check retries a Cloud Storage it cannot reach (the client's own default
+# is 120 s, then a traceback).
+CHECK_DEADLINE_S = 30.0
+
+
 def check_access(path: str, flag: str, write: bool = False) -> None:
   """Lists one object under `path` (a glob: under its part before the first wildcard): a missing
   bucket, no credentials or no permission becomes a
@@ -182,11 +187,22 @@ def check_access(path: str, flag: str, write: bool = False) -> None:
   role to grant is objectAdmin)."""
   from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
   import google.auth.exceptions  # pylint: disable=g-import-not-at-top
+  import requests  # pylint: disable=g-import-not-at-top
+  from google.cloud.storage import retry as storage_retry  # pylint: disable=g-import-not-at-top
   bucket, name = split(path)
   where = f'{flag}={path}' if flag else path
   try:
     prefix = re.split(r'[*?[]', name, maxsplit=1)[0]
-    next(iter(client().list_blobs(bucket, prefix=prefix, max_results=1)), None)
+    retry = storage_retry.DEFAULT_RETRY.with_timeout(CHECK_DEADLINE_S)
+    next(iter(client().list_blobs(bucket, prefix=prefix, max_results=1, retry=retry,
+                                  timeout=CHECK_DEADLINE_S)), None)
+  except (exceptions.RetryError, requests.exceptions.ConnectionError,
+          google.auth.exceptions.TransportError) as e:
+    cause = e.cause if isinstance(e, exceptions.RetryError) and e.cause is not None else e
+    reason = re.sub(r'.*\] ?', '', str(cause).split('Caused by ')[-1]).rstrip('"\')) ')[:200]
+    raise UserError(f'{where}: Cloud Storage cannot be reached ({reason or type(cause).__name__};'
+                    f' retried for {CHECK_DEADLINE_S:.0f} s): check this machine\'s network and '
+                    'proxy settings (https_proxy), or STORAGE_EMULATOR_HOST') from e
   except google.auth.exceptions.GoogleAuthError as e:
     raise UserError(f'{where}: no Google credentials to reach Cloud Storage ({e}); '
                     f'{_FIX_CREDENTIALS}') from e

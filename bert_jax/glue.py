@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from bert_jax import batching
+from bert_jax import errors
 from bert_jax import fileio
 from bert_jax import metrics
 from bert_jax import model as model_lib
@@ -198,6 +199,9 @@ def read_task(task: str, data_dir: str, split: str,
                         f'{list(spec.labels)}')
     guid = f'{split}-{row[row_id] if row_id is not None else len(examples)}'
     examples.append(Example(guid, row[a], None if b is None else row[b], value))
+  errors.check_skipped(path, [f'line {n}' for n in skipped], len(skipped) + len(examples),
+                       f'rows have the wrong number of columns (expected {n_columns})',
+                       'fix or delete those lines, or check that this is the right file')
   if skipped:
     logging.warning('%s: skipped %d malformed rows (wrong number of columns), lines %s%s',
                     path, len(skipped), skipped[:10], ' ...' if len(skipped) > 10 else '')

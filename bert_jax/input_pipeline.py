@@ -88,8 +88,8 @@ def _version(path: str) -> tuple[int, int]:
   """Changes when the file does, so caches keyed by it never serve a stale vocabulary."""
   try:
     stat = tf.io.gfile.stat(path)
-  except tf.errors.NotFoundError:
-    return (0, 0)  # The tokenizer reports the missing file.
+  except tf.errors.OpError:  # Missing, a symbolic link that loops, unreadable: the tokenizer
+    return (0, 0)            # that reads it next names the file and what is wrong with it.
   return (stat.mtime_nsec, stat.length)
 
 
@@ -519,12 +519,15 @@ def resolve_vocab(data: ml_collections.ConfigDict, workdir: str | None) -> str:
   if workdir:
     fileio.check_output_dir(workdir, '--workdir')  # A file there: one line, not a traceback.
     path = os.path.join(workdir, 'vocab.txt')
+    documents.check_not_matched(data.input, 'data.input', [path])
   else:
     key = json.dumps([data.input, int(data.vocab_size), bool(data.lower_case)])
     path = os.path.join(sample_corpus.default_cache_dir(),
                         f'vocab_{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt')
   if tf.io.gfile.exists(path):
     return path
+  if not workdir:
+    sample_corpus.make_cache_dir()
   from bert_jax import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   if documents.input_kind(data.input) != 'tfds':
     documents.resolve_files(data.input)  # A pattern that matches nothing fails before training.

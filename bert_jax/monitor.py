@@ -31,6 +31,30 @@ from bert_jax.errors import Preempted
 METRICS_FILE = 'metrics.jsonl'
 
 
+# A training loss this large has diverged though it is finite: a uniform guess over BERT's
+# 30,522 tokens scores 10.3 nats, and the weights that score 1e4 do not come back (seen: 6.1e9,
+# with an infinite gradient norm, the step before the loss was NaN).
+DIVERGED_LOSS = 1e4
+
+
+def divergence(metrics: list[dict[str, Any]], first_step: int) -> str | None:
+  """'loss is L (gradient norm G) at step S' of the first of these steps' metrics (host values;
+  the first is step `first_step`) whose loss or gradient norm is not finite, or whose loss
+  passes DIVERGED_LOSS; None when none did. The weights after such a step are not worth
+  keeping: an infinite gradient norm makes them NaN even when the loss was still finite."""
+  def value(v):
+    if v is None:
+      return None
+    return float(v[0]) / max(float(v[1]), 1e-9) if isinstance(v, (tuple, list)) else float(v)
+  for i, m in enumerate(metrics):
+    loss, norm = value(m.get('loss')), value(m.get('grad_norm'))
+    if (loss is not None and (not np.isfinite(loss) or loss > DIVERGED_LOSS)) or (
+        norm is not None and not np.isfinite(norm)):
+      norm_text = '' if norm is None else f' (gradient norm {norm:.4g})'
+      return f'loss is {loss:.4g}{norm_text} at step {first_step + i}'
+  return None
+
+
 def summarize(metrics: list[dict[str, Any]]) -> dict[str, float]:
   """Averages of a run of steps' or batches' metrics (host values): (sum, count) pairs are
   summed and divided, so padded rows and uneven batches count exactly; plain scalars are

@@ -313,6 +313,19 @@ def accepts(task: str) -> bool:
   return task.lower().replace('-', '_').replace('.', '') in ('ner', 'conll2003')
 
 
+def check_tags(sentences: Sequence[Sentence], path: str, label_list: Sequence[str],
+               origin: str) -> None:
+  """Raises a UserError at the first tag of the file `path` that is not in `label_list`, naming
+  the file, its line and where the list came from (`origin`) and how to fix it."""
+  known = set(label_list)
+  for sentence in sentences:
+    for offset, tag in enumerate(sentence.tags or ()):
+      if tag not in known:
+        raise UserError(f'{path}:{sentence.line + offset}: tag {tag!r} is not in {origin} '
+                        f'({", ".join(label_list)}): fix the tag, or set --config.label_list '
+                        'to every tag of the data')
+
+
 def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
               lower_case: bool) -> tasks.Task:
   """The NER task of `config` (finetune_ner.py's keys): CoNLL files, token head, span F1."""
@@ -320,16 +333,21 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   if not config.data_dir:
     raise UserError('config.data_dir is empty: the folder of train.txt, valid.txt, test.txt')
   fileio.check_input_dir(config.data_dir, 'config.data_dir')
-  train_sentences = read_conll(_conll_file(config.data_dir, ['train.txt'], 'training'))
+  train_path = _conll_file(config.data_dir, ['train.txt'], 'training')
+  train_sentences = read_conll(train_path)
   label_list = list(config.label_list)
+  origin = 'config.label_list'
   if not label_list:
     tags = {t for s in train_sentences for t in s.tags}
     label_list = (list(CONLL_LABELS) if tags <= set(CONLL_LABELS)
                   else label_list_from_data(train_sentences))
+    origin = f'the tags of {train_path}, the label list while config.label_list is empty'
+  check_tags(train_sentences, train_path, label_list, origin)
   logging.info('NER labels: %s', label_list)
 
   def eval_set(name, path):
     sentences = read_conll(path)
+    check_tags(sentences, path, label_list, origin)
     feats = convert_sentences(sentences, tok, config.data.max_seq_length, label_list)
 
     def evaluate(rows):

@@ -60,8 +60,14 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
   if fileio.isdir(input_path):
     raise UserError(f'--input={input_path} is a directory; name a file')
   if not fileio.isfile(input_path):
-    raise UserError(f'--input={input_path}: no such file')
+    raise UserError(f'--input={input_path}: {fileio.missing(input_path)}')
   fileio.check_output_file(output_path, '--output')  # Before the work, not after it.
+  fileio.check_not_an_input(output_path, '--output', {'--input': input_path})
+  for name in fileio.gfile().listdir(workdir):
+    if fileio.same_path(output_path, f'{workdir}/{name.rstrip("/")}'):
+      raise UserError(f'--output={output_path} is {workdir}/{name.rstrip("/")}, a file of the run '
+                      f'in --workdir={workdir}: writing it would replace it; name another '
+                      '--output')
   if batch_size < 0:
     raise UserError(f'--batch_size={batch_size} must be positive (or 0: the run\'s '
                     'eval.batch_size)')

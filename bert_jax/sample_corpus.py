@@ -35,6 +35,28 @@ def default_cache_dir() -> str:
       os.path.expanduser('~'), '.cache', 'bert_jax')
 
 
+def make_cache_dir(cache_dir: str | None = None) -> str:
+  """`cache_dir` (default: `default_cache_dir()`), made if missing; a folder that cannot be made
+  or written (a read-only home, BERT_JAX_CACHE naming a file) is a UserError naming it and
+  BERT_JAX_CACHE, the way to move it."""
+  # Not at the top: this file also runs as a script, under `python -I`, without the package.
+  from bert_jax.errors import UserError  # pylint: disable=g-import-not-at-top
+  cache_dir = cache_dir or default_cache_dir()
+  how = (f'BERT_JAX_CACHE={cache_dir}' if os.environ.get('BERT_JAX_CACHE') == cache_dir
+         else f'the cache folder {cache_dir}')
+  try:
+    os.makedirs(cache_dir, exist_ok=True)
+  except OSError as e:
+    reason = 'a file is in the way' if isinstance(e, (FileExistsError, NotADirectoryError)) else (
+        e.strerror or str(e))
+    raise UserError(f'{how}: cannot make this folder ({reason}); set '
+                    'BERT_JAX_CACHE to a folder this user can write') from None
+  if not os.access(cache_dir, os.W_OK | os.X_OK):
+    raise UserError(f'{how}: this folder is not writable by this user; set '
+                    'BERT_JAX_CACHE to a folder this user can write')
+  return cache_dir
+
+
 def sample_corpus_path(cache_dir: str | None = None) -> str:
   """Path of the sample corpus, written on first use (atomically) under `cache_dir`."""
   cache_dir = cache_dir or default_cache_dir()
@@ -42,7 +64,7 @@ def sample_corpus_path(cache_dir: str | None = None) -> str:
   path = os.path.join(cache_dir, f'sample_corpus_python{version}_v{_VERSION}.txt')
   if os.path.exists(path):
     return path
-  os.makedirs(cache_dir, exist_ok=True)
+  make_cache_dir(cache_dir)
   fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix='.sample_corpus.', suffix='.tmp')
   os.close(fd)
   try:

@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from bert_jax import batching
+from bert_jax import errors
 from bert_jax import fileio
 from bert_jax import metrics
 from bert_jax import model as model_lib
@@ -92,13 +93,17 @@ def read_squad(source: str | Mapping, is_training: bool) -> list[SquadExample]:
           where = f'data[{a}].paragraphs[{p}].qas[{q}]'
           example = _read_question(qa, context, doc_tokens, char_to_word, is_training)
           if example is None:
-            skipped.append(qa['id'])
+            skipped.append(f'{qa["id"]} ({where})')
           else:
             examples.append(example)
   except KeyError as e:
     raise UserError(f'{name}: {where}: missing key {e}') from None
   except (TypeError, AttributeError, ValueError) as e:
     raise UserError(f'{name}: {where}: {e}') from None
+  errors.check_skipped(name, skipped, len(skipped) + len(examples),
+                       'questions have no answer at their answer_start',
+                       'answer_start counts characters of the context from 0 (check the '
+                       "file's offsets: bytes or a stripped context shift them)")
   if skipped:
     logging.warning('%s: skipped %d questions whose answer is not found in the context, e.g. '
                     '%s', name, len(skipped), skipped[:5])

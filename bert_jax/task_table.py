@@ -18,8 +18,9 @@ here. Every task module has the same parts:
                                  output files and scores of new inputs (info: the run's
                                  task.json; run: its config)
 
-Adding a task: a module with these parts, an entry in KINDS, a config in configs/ that starts
-from `defaults.finetune(task)` and adds the task's own keys, and a test.
+Adding a task: a module with these parts, an entry in KINDS, a test, and a config in configs/ that
+starts from `defaults.finetune(task)` and adds the task's own keys inside
+`with config.unlocked():` (the defaults are locked, so that a misspelt key is an error).
 """
 
 import dataclasses

@@ -190,8 +190,10 @@ def split_words(strings: tf.Tensor, lower_case: bool = True,
 
 def _read_lines(path: str) -> list[str]:
   if not tf.io.gfile.exists(path):
-    raise UserError(f'Vocabulary file not found: {path} (check data.vocab_file / vocab_file / '
-                    '--vocab_file, or train one with `bert-jax vocab`)')
+    reason = fileio.missing(path).removeprefix('no such file').strip()
+    raise UserError(f'Vocabulary file not found: {path}{" " + reason if reason else ""} (check '
+                    'data.vocab_file / vocab_file / --vocab_file, or train one with `bert-jax '
+                    'vocab`)')
   if tf.io.gfile.isdir(path):
     raise UserError(f'Vocabulary {path} is a directory: name the vocab.txt file in it')
   try:

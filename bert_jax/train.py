@@ -9,7 +9,6 @@ live in `pretraining.py`.
 import functools
 import itertools
 import json
-import math
 import os
 from typing import Any, Callable
 
@@ -125,6 +124,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   input_pipeline.hide_accelerators_from_tf()
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
+  convert.check_casing(checkpoint, config.data.lower_case, '--checkpoint')
   loaded_config, params = convert.load_pretrained(checkpoint,
                                                   scan_layers=config.model.scan_layers)
   vocab_file = config.data.vocab_file or convert.find_vocab(checkpoint)
@@ -223,6 +223,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
+  ckpt_lib.check_workdir_kind(workdir, fine_tuning=False)
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   is_main = jax.process_index() == 0
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)
@@ -248,8 +249,23 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   for phase in phases:
     input_pipeline.check_vocab_given(pretraining.phase_data(config, phase),
                                      f'phase {phase.index + 1} reads ')
+  from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  written = [os.path.join(workdir, name) for name in ckpt_lib.RUN_FILES]
+  for phase in phases:
+    data = pretraining.phase_data(config, phase)
+    for key in ('input', 'eval_input'):
+      if data[key]:
+        documents.check_not_matched(data[key], f'data.{key}', written)
   # A vocab trained here comes from the first phase's input.
   fileio.check_bucket(config.train.init_checkpoint, 'train.init_checkpoint')  # Not at init.
+  if config.train.init_checkpoint:
+    from bert_jax import convert  # pylint: disable=g-import-not-at-top
+    if fileio.same_path(config.train.init_checkpoint, workdir):
+      raise UserError(f'train.init_checkpoint={config.train.init_checkpoint} is the --workdir '
+                      'itself: a run resumes from its own workdir anyway; start from it in '
+                      'another --workdir')
+    convert.check_casing(config.train.init_checkpoint, config.data.lower_case,
+                         'train.init_checkpoint')
   vocab_file = input_pipeline.resolve_vocab(pretraining.phase_data(config, phases[0]), workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   local_batch = config.train.batch_size // jax.process_count()
@@ -269,8 +285,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   built = pretraining.build_step(config, mesh, tokenizer.vocab_size)
   bert_config, tx, schedule = built.bert_config, built.tx, built.schedule
   abstract, state_shardings, init_fn = built.abstract, built.shardings, built.init
-  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), bert_config,
-                           vocab_file)
   n_params = model_lib.count_params(abstract.params)
   logging.info('Model %s: %s parameters, dtype %s', config.model.size, f'{n_params:,}',
                bert_config.dtype)
@@ -295,6 +309,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
                                                 lambda: preemption.wait(init))
   preemption.check()
+  # Only now, with the checkpoint found to match: a refused resume (another model size) leaves
+  # the record of the run it refused to touch as it was.
+  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), bert_config,
+                           vocab_file)
   # Rows past the checkpoint are from a run that died after it: they are logged again.
   monitor.truncate_metrics(workdir, start)
   if start is not None and meta.get('seed') != config.train.seed:
@@ -322,6 +340,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   log = monitor.MetricsLog(workdir)
 
   def save(phase: pretraining.Phase, data_it) -> None:
+    # The steps since the last log were not checked yet (the log checks its own): a diverged
+    # step's weights never become the last good checkpoint.
+    unchecked = jax.device_get(history) if history else []
+    diverged = monitor.divergence(unchecked, step - len(unchecked) + 1)
+    if diverged:
+      raise UserError(f'{diverged}: stopping without saving it; {last_good()}. Lower '
+                      'train.learning_rate or raise train.warmup_steps.')
     ckpt_lib.save(manager, workdir, step, state,
                   dict(seed=config.train.seed, data_phase=phase.index), data_it)
 
@@ -368,11 +393,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         bar.update(1)
 
         if step % config.log.every_steps == 0 or step == stop_at:
-          summary = monitor.summarize(jax.device_get(history))
-          if not math.isfinite(summary['loss']):
-            raise UserError(
-                f'loss is {summary["loss"]} at step {step}: stopping; {last_good()}. Lower '
-                'train.learning_rate or raise train.warmup_steps.')
+          host_history = jax.device_get(history)
+          diverged = monitor.divergence(host_history, step - len(history) + 1)
+          if diverged:
+            raise UserError(f'{diverged}: stopping; {last_good()}. Lower '
+                            'train.learning_rate or raise train.warmup_steps.')
+          summary = monitor.summarize(host_history)
           summary = _with_rates(summary, chrono.report(step), config, phase, flops_per_token,
                                 learning_rate=float(schedule(step - 1)))
           log.train(step, summary)
@@ -382,10 +408,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
         preempted = preemption.stop_now(step, manager)
         if step % config.checkpoint.every_steps == 0 or step == stop_at or preempted:
-          loss = float(jax.device_get(metrics['loss']))
-          if not math.isfinite(loss):
-            raise UserError(
-                f'loss is {loss} at step {step}: stopping without saving; {last_good()}.')
           jax.block_until_ready(state)
           with chrono.excluded():
             save(phase, data_it)

@@ -22,9 +22,10 @@ from bert_jax import defaults
 
 def get_config(task: str = 'mrpc') -> ml_collections.ConfigDict:
   config = defaults.finetune(task)
-  # 'tsv': the files of download_glue_data.py under data_dir (<data_dir>/MRPC/train.tsv, ...);
-  # 'tfds': the prepared TFDS datasets glue/<task> (never downloaded here).
-  config.data_source = 'tsv'
-  # TFDS data directory; '' = TFDS's default.
-  config.data.tfds_data_dir = ''
+  with config.unlocked():  # GLUE's own keys.
+    # 'tsv': the files of download_glue_data.py under data_dir (<data_dir>/MRPC/train.tsv, ...);
+    # 'tfds': the prepared TFDS datasets glue/<task> (never downloaded here).
+    config.data_source = 'tsv'
+    # TFDS data directory; '' = TFDS's default.
+    config.data.tfds_data_dir = ''
   return config

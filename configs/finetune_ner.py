@@ -23,7 +23,8 @@ def get_config():
   config.train.learning_rate = 5e-5
   config.train.batch_size = 32
   config.data.max_seq_length = 128
-  # Tags in id order; () = the CoNLL-2003 tags when the data uses only those, else the tags
-  # found in train.txt ('O' first, then by type).
-  config.label_list = ()
+  with config.unlocked():  # NER's own key.
+    # Tags in id order; () = the CoNLL-2003 tags when the data uses only those, else the tags
+    # found in train.txt ('O' first, then by type).
+    config.label_list = ()
   return config

@@ -13,6 +13,7 @@ written to <workdir>/predictions/.
 """
 
 from bert_jax import defaults
+from bert_jax import errors
 
 # version: (task, epochs, learning rate, batch size), from the paper (sections 4.2 and 4.3).
 _VERSIONS = {
@@ -23,7 +24,8 @@ _VERSIONS = {
 
 def get_config(version: str = 'v1'):
   if version not in _VERSIONS:
-    raise ValueError(f'finetune_squad.py:{version}: expected one of {sorted(_VERSIONS)}')
+    raise errors.UserError(f'--config=finetune_squad:{version}: no such version; expected one '
+                           f'of {", ".join(sorted(_VERSIONS))}')
   task, epochs, lr, batch = _VERSIONS[version]
   config = defaults.finetune(task)
   config.train.epochs = epochs
@@ -32,15 +34,16 @@ def get_config(version: str = 'v1'):
   config.eval.batch_size = 64
   config.data.max_seq_length = 384
   config.buckets = (128, 256, 384)
-  # Official JSON files; '' = <data_dir>/train-v1.1.json, dev-v1.1.json (v2: -v2.0).
-  config.train_file = ''
-  config.predict_file = ''
-  # Distance between the starts of neighbouring windows over a long context, in tokens.
-  config.doc_stride = 128
-  config.max_query_length = 64
-  config.n_best_size = 20
-  config.max_answer_length = 30
-  # v2.0: answer '' when the null score beats the best span by more than this (tune on dev:
-  # metrics report best_f1_thresh).
-  config.null_score_diff_threshold = 0.0
+  with config.unlocked():  # SQuAD's own keys.
+    # Official JSON files; '' = <data_dir>/train-v1.1.json, dev-v1.1.json (v2: -v2.0).
+    config.train_file = ''
+    config.predict_file = ''
+    # Distance between the starts of neighbouring windows over a long context, in tokens.
+    config.doc_stride = 128
+    config.max_query_length = 64
+    config.n_best_size = 20
+    config.max_answer_length = 30
+    # v2.0: answer '' when the null score beats the best span by more than this (tune on dev:
+    # metrics report best_f1_thresh).
+    config.null_score_diff_threshold = 0.0
   return config

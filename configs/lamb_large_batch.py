@@ -16,6 +16,7 @@ paper's rows of one sequence each.
 """
 
 from bert_jax import defaults
+from bert_jax import errors
 
 # phase: (batch, steps, peak lr, warmup steps, seq_len, max predictions)
 _PHASES = {
@@ -26,7 +27,8 @@ _PHASES = {
 
 def get_config(phase: str = 'phase1'):
   if phase not in _PHASES:
-    raise ValueError(f'lamb_large_batch.py:{phase}: expected one of {sorted(_PHASES)}')
+    raise errors.UserError(f'--config=lamb_large_batch:{phase}: no such phase; expected one '
+                           f'of {", ".join(sorted(_PHASES))}')
   batch, steps, lr, warmup, seq_len, preds = _PHASES[phase]
   config = defaults.pretrain()
   config.model.size = 'large'

@@ -309,6 +309,8 @@ def test_checkpoints_that_do_not_match(files):
     ('def get_config(:\n  pass\n', 'mine.py:1: invalid syntax'),
     ('from bert_jax.errors import UserError\ndef get_config():\n'
      '  raise UserError("task foo: unknown")\n', 'error: task foo: unknown'),
+    ('from bert_jax import defaults\ndef get_config():\n  c = defaults.pretrain()\n'
+     '  c.train.stepz = 4\n  return c\n', "mine.py:4: c.train.stepz = 4: no key 'stepz'"),
 ])
 def test_mistakes_in_a_config_file_are_one_message(tmp_path, body, fragment):
   (tmp_path / 'mine.py').write_text(body)

@@ -33,7 +33,8 @@ def test_an_old_fine_tuning_key_names_its_new_place(old):
   # A config built in Python (a config file written for an earlier bert_jax) that still sets
   # the key: the fine-tuning driver refuses it rather than ignore the setting.
   config = defaults.finetune('mrpc')
-  config[old] = 'x'
+  with config.unlocked():
+    config[old] = 'x'
   with pytest.raises(UserError, match=rf'config\.{old} is now config\.{new}'):
     defaults.check_moved_keys(config)
   defaults.check_moved_keys(defaults.finetune('mrpc'))
@@ -54,3 +55,54 @@ def test_loading_a_config_warns_of_nothing():
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     assert config_files.load_config('smoke').model.size == 'tiny'
+
+
+def _config_file(tmp_path, body: str) -> str:
+  path = tmp_path / 'my_config.py'
+  path.write_text('from bert_jax import defaults\n\n\n' + body)
+  return str(path)
+
+
+def test_a_misspelt_key_inside_a_config_file_names_its_line(tmp_path):
+  path = _config_file(tmp_path, 'def get_config():\n  c = defaults.pretrain()\n'
+                      '  c.train.stepz = 4\n  return c\n')
+  with pytest.raises(UserError, match=rf"^{path}:6: c.train.stepz = 4: no key 'stepz': did "
+                     'you mean steps'):
+    config_files.load_config(path)
+  # A fine-tuning key at its old place names the new one.
+  path = _config_file(tmp_path, "def get_config():\n  c = defaults.finetune('mrpc')\n"
+                      "  c.vocab_file = 'v.txt'\n  return c\n")
+  with pytest.raises(UserError, match=r'config\.vocab_file is now config\.data\.vocab_file'):
+    config_files.load_config(path)
+
+
+def test_a_config_files_own_keys_go_inside_unlocked(tmp_path):
+  path = _config_file(tmp_path, 'def get_config(steps):\n  c = defaults.pretrain()\n'
+                      '  c.train.steps = int(steps)\n  with c.unlocked():\n'
+                      '    c.my_note = "x"\n  return c\n')
+  config = config_files.load_config(path + ':70000')
+  assert config.train.steps == 70000 and config.my_note == 'x'
+  with pytest.raises(AttributeError):  # Locked again once loaded: overrides are checked.
+    config.train.stepz = 1
+
+
+def test_the_choices_checked_at_load_are_the_modules_own():
+  """config_checks writes the values out (the modules import JAX); they must not drift."""
+  from bert_jax import attention  # pylint: disable=g-import-not-at-top
+  from bert_jax import config_checks  # pylint: disable=g-import-not-at-top
+  from bert_jax import model  # pylint: disable=g-import-not-at-top
+  from bert_jax import objectives  # pylint: disable=g-import-not-at-top
+  from bert_jax import train_state  # pylint: disable=g-import-not-at-top
+  choices = config_checks.CHOICES
+  assert set(choices['model.size']) == set(model.SIZES)
+  assert set(choices['model.attention_impl']) == set(attention.IMPLEMENTATIONS)
+  remat_policies = model._REMAT_POLICIES  # pylint: disable=protected-access
+  assert set(choices['model.remat_policy']) == set(remat_policies)
+  assert set(choices['data.objective']) == set(objectives.OBJECTIVES)
+  assert set(choices['train.rng_impl']) == set(train_state.RNG_IMPLS)
+  for dtype in choices['model.dtype']:
+    model.BertConfig(dtype=model.resolve_dtype(dtype))  # Each one a dtype the model takes.
+  for key in ('model.size', 'model.dtype', 'train.optimizer', 'data_source'):
+    config = 'finetune_glue:mrpc' if key == 'data_source' else 'smoke'
+    with pytest.raises(UserError, match=rf"--config\.{key}='x': expected one of "):
+      config_files.load_config(config, {key: 'x'})

@@ -430,7 +430,8 @@ FILE_SURFACES = {
 # What every file surface answers, unless FILE_EXCEPTIONS says otherwise.
 FILE_KINDS = {
     'missing': 'no such file',
-    'dangling_symlink': 'no such file',
+    'dangling_symlink': 'no such file (a symbolic link to PATH.gone, which does not exist)',
+    'symlink_loop': 'no such file (a symbolic link that loops: Too many levels of symbolic links)',
     'directory': 'is a directory',
     'fifo': 'is not a regular file',
     'empty': None,  # Each reader's own words: FILE_EXCEPTIONS.
@@ -443,6 +444,7 @@ FILE_KINDS = {
 FILE_EXCEPTIONS = {
     ('config.data_dir (GLUE MRPC/train.tsv)', 'missing'): 'no file',
     ('config.data_dir (GLUE MRPC/train.tsv)', 'dangling_symlink'): 'no file',
+    ('config.data_dir (GLUE MRPC/train.tsv)', 'symlink_loop'): 'no file',
     ('config.data_dir (GLUE MRPC/train.tsv)', 'empty'): 'empty file (expected a header line)',
     ('predict --input (GLUE .tsv)', 'empty'): 'empty file (expected a header line)',
     ('predict --input (GLUE .jsonl)', 'empty'): 'no examples',
@@ -451,7 +453,10 @@ FILE_EXCEPTIONS = {
     ('predict --input (NER text or CoNLL)', 'empty'): 'no sentences',
     ('features --input', 'empty'): '--input: PATH: no text (the file is empty)',
     ('data.vocab_file, --vocab_file', 'missing'): 'Vocabulary file not found',
-    ('data.vocab_file, --vocab_file', 'dangling_symlink'): 'Vocabulary file not found',
+    ('data.vocab_file, --vocab_file', 'dangling_symlink'):
+        'Vocabulary file not found: PATH (a symbolic link to PATH.gone, which does not exist)',
+    ('data.vocab_file, --vocab_file', 'symlink_loop'):
+        'Vocabulary file not found: PATH (a symbolic link that loops',
     ('data.vocab_file, --vocab_file', 'empty'): 'is empty: a BERT vocab.txt',
     ('config.data_dir, predict --input (SWAG .csv)', 'empty'): 'empty file (expected a header',
     ('config.data_dir, predict --input (multiple choice .jsonl)', 'empty'): 'no examples',
@@ -472,6 +477,9 @@ def _make_file(path: str, kind: str, valid: bytes) -> None:
     return
   if kind == 'dangling_symlink':
     os.symlink(path + '.gone', path)
+  elif kind == 'symlink_loop':
+    os.symlink(path + '.other', path)
+    os.symlink(path, path + '.other')
   elif kind == 'directory':
     os.makedirs(path)
   elif kind == 'fifo':
@@ -717,6 +725,125 @@ def test_output_paths(open_dir, surface, kind, expected):
     assert expected in outcome and path in outcome, outcome
 
 
+# Outputs that are inputs: however the path is written (relative, a symlink, a hard link, a
+# glob's match), a command never writes over what it reads. A workdir of another kind of run
+# is refused before anything is written to it.
+def _corpus(root: str) -> str:
+  path = os.path.join(root, 'corpus.txt')
+  with open(path, 'wb') as f:
+    f.write(_corpus_text(30))
+  return path
+
+
+def _vocab_over(how: str):
+  def run(root: str) -> tuple[str, str]:
+    corpus = _corpus(root)
+    output, inputs = corpus, [corpus]
+    if how == 'relative':
+      output = os.path.relpath(corpus)
+    elif how == 'symlink':
+      output = os.path.join(root, 'link.txt')
+      os.symlink(corpus, output)
+    elif how == 'hard_link':
+      output = os.path.join(root, 'hard.txt')
+      os.link(corpus, output)
+    elif how == 'glob':
+      inputs = [os.path.join(root, '*.txt')]
+    return corpus, _outcome(lambda: vocab_lib.run(inputs, output, 100))
+  return run
+
+
+def _predict_over(name: str):
+  def run(root: str) -> tuple[str, str]:
+    call = _predict_output(root)
+    path = os.path.join(root, 'in.jsonl' if name == 'input' else 'finetuned/config.json')
+    return path, _outcome(lambda: call(path))
+  return run
+
+
+def _features_over(root: str) -> tuple[str, str]:
+  path = os.path.join(root, 'in.jsonl')
+  with open(path, 'w') as f:
+    f.write('a text\n')
+  return path, _outcome(lambda: features.extract_features(os.path.join(root, 'no_checkpoint'),
+                                                          path, path))
+
+
+def _run_in_workdir_of(kind: str):
+  def run(root: str) -> tuple[str, str]:
+    from bert_jax import finetune  # pylint: disable=g-import-not-at-top
+    workdir = os.path.join(root, 'work')
+    os.makedirs(os.path.join(workdir, 'checkpoints'))
+    record = {'task': 'mrpc'} if kind == 'fine-tuning' else {'model': {'size': 'tiny'}}
+    fileio.write_json(os.path.join(workdir, 'config.json'), record)
+    if kind == 'fine-tuning':
+      call = lambda: train.train_and_evaluate(config_files.load_config('smoke'), workdir)
+    else:
+      call = lambda: finetune.finetune(config_files.load_config('finetune_glue:mrpc'), workdir)
+    outcome = _outcome(call)
+    if fileio.read_json(os.path.join(workdir, 'config.json')) != record:
+      outcome = f'config.json rewritten; {outcome}'
+    return workdir, outcome
+  return run
+
+
+def _workdir_in_the_input_glob(command: str):
+  def run(root: str) -> tuple[str, str]:
+    _corpus(root)
+    config = config_files.load_config('smoke', {'data.input': os.path.join(root, '*.txt')})
+    if command == 'pretrain':
+      call = lambda: train.train_and_evaluate(config, root)
+    else:
+      call = lambda: input_pipeline.resolve_vocab(config.data, root)
+    outcome = _outcome(call)
+    if os.path.exists(os.path.join(root, 'vocab.txt')):
+      outcome = f'vocab.txt written; {outcome}'
+    return os.path.join(root, '*.txt'), outcome
+  return run
+
+
+# case -> (what it does in a folder -> (the input at stake, outcome), what it prints).
+OVER_AN_INPUT_ROWS = {
+    'vocab --output = --input': (_vocab_over('same'),
+                                 '--output=PATH is the input --input=PATH: writing it would '
+                                 'replace the input'),
+    'vocab --output = --input, relative': (_vocab_over('relative'), 'is the input --input=PATH'),
+    'vocab --output = a symlink to --input': (_vocab_over('symlink'),
+                                              'is the input --input=PATH, the same file'),
+    'vocab --output = a hard link to --input': (_vocab_over('hard_link'),
+                                                'is the input --input=PATH, the same file'),
+    'vocab --output matched by the --input glob': (_vocab_over('glob'),
+                                                   'is the input --input=PATH'),
+    'predict --output = --input': (_predict_over('input'), '--output=PATH is the input --input'),
+    "predict --output = the workdir's config.json": (
+        _predict_over('workdir'),
+        '--output=PATH is PATH, a file of the run in --workdir=ROOT/finetuned: writing it would '
+        'replace it'),
+    'features --output = --input': (_features_over, '--output=PATH is the input --input'),
+    'pretrain --workdir where data.input=*.txt would read its vocab.txt': (
+        _workdir_in_the_input_glob('pretrain'),
+        "data.input: 'PATH' also matches ROOT/vocab.txt, which this run writes: its next read "
+        'would take it as data; use a --workdir outside the input folder'),
+    'data --workdir where data.input=*.txt would read its vocab.txt': (
+        _workdir_in_the_input_glob('data'), "data.input: 'PATH' also matches ROOT/vocab.txt"),
+    'pretrain --workdir of a fine-tuning run': (
+        _run_in_workdir_of('fine-tuning'),
+        '--workdir=PATH holds a fine-tuning run (mrpc, its config.json): pre-train into another'),
+    'finetune --workdir of a pre-training run': (
+        _run_in_workdir_of('pre-training'),
+        '--workdir=PATH holds a pre-training run (its config.json has no task): fine-tune into '
+        'another --workdir; to start from that run, set --config.train.init_checkpoint=PATH'),
+}
+
+
+@pytest.mark.parametrize('case', list(OVER_AN_INPUT_ROWS))
+def test_an_output_is_never_an_input(open_dir, case):
+  run, expected = OVER_AN_INPUT_ROWS[case]
+  path, outcome = run(open_dir)
+  assert expected.replace('PATH', path).replace('ROOT', open_dir) in outcome, outcome
+  assert 'rewritten' not in outcome and 'written;' not in outcome
+
+
 # ---- Keys x bad values ------------------------------------------------------------------------
 
 # (config, key, bad value): each must be refused with a message naming --config.KEY=VALUE.
@@ -846,6 +973,34 @@ def test_keys_that_fit_together_at_their_limits_are_accepted(config, overrides):
   config_files.load_config(config, overrides)
 
 
+# (config, categorical key, a value it does not take, what it prints): refused where the config
+# loads, with the choices (it was a traceback, or came 10-28 s in, after JAX and the inputs).
+CHOICE_ROWS = [
+    (_P, 'model.dtype', 'fp16', "--config.model.dtype='fp16': expected one of auto, float32, "
+     'bfloat16, float16'),
+    (_F, 'model.dtype', 'bf16', "expected one of auto, float32, bfloat16, float16 (did you mean "
+     "'bfloat16'?)"),
+    (_P, 'model.size', 'bert-base', "--config.model.size='bert-base': expected one of tiny, "
+     'mini, small, medium, base, large or L{2..12}_H{128,256,512,768}'),
+    (_P, 'model.remat_policy', 'dot', "(did you mean 'dots'?)"),
+    (_P, 'model.attention_impl', 'flash', "--config.model.attention_impl='flash': expected one "
+     'of xla, cudnn, splash'),
+    (_P, 'data.objective', 'NSP', "--config.data.objective='NSP': expected one of nsp, sop, "
+     'none'),
+    (_P, 'train.optimizer', 'adam', "(did you mean 'adamw'?)"),
+    (_F, 'train.decay', 'cosine', "--config.train.decay='cosine': expected one of linear, "
+     'constant'),
+    (_P, 'train.rng_impl', 'threefry', "(did you mean 'threefry2x32'?)"),
+    (_F, 'data_source', 'csv', "--config.data_source='csv': expected one of tsv, tfds"),
+]
+
+
+@pytest.mark.parametrize('config, key, value, expected', CHOICE_ROWS,
+                         ids=[f'{c.split(":")[0]}-{k}' for c, k, _, _ in CHOICE_ROWS])
+def test_categorical_keys_take_only_their_values(config, key, value, expected):
+  assert expected in _outcome(lambda: config_files.load_config(config, {key: value}))
+
+
 # ---- Errors raised inside tf.data, and statistics that cannot be honest -----------------------
 
 
@@ -924,6 +1079,28 @@ def _cli(args, cwd):
                         capture_output=True, text=True, timeout=600)
 
 
+# `bert-jax CMD --help` as the console script runs it: `__main__` is the script, not cli.py
+# (absl's own help listed `__main__`'s flags: none).
+HELP_ROWS = [
+    (['pretrain', '--help'], ['--config:', '--workdir:', '--coordinator_address:',
+                              '--config.a.b=value overrides a key']),
+    (['vocab', '--helpshort'], ['--input:', '--output:', '--vocab_size:', '--kind:']),
+    (['fill-mask', '-h'], ['--checkpoint:', '--top_k:', '--[no]table:']),
+]
+
+
+@pytest.mark.parametrize('args, fragments', HELP_ROWS, ids=[a[0] for a, _ in HELP_ROWS])
+def test_help_lists_the_commands_flags(tmp_path, args, fragments):
+  env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu')
+  proc = subprocess.run([sys.executable, '-c', 'import sys; from bert_jax import cli; '
+                         'cli.main(["bert-jax"] + sys.argv[1:])'] + args, cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.startswith(f'usage: bert-jax {args[0]} [--flags]'), proc.stdout
+  for fragment in fragments:
+    assert fragment in proc.stdout, (fragment, proc.stdout)
+
+
 def _one_line(proc, command, *fragments):
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
@@ -974,6 +1151,402 @@ def test_messages_quote_a_short_excerpt_of_long_texts(text, fragment, vocab_file
   with pytest.raises(UserError) as e:
     fill_mask.encode_masked(tok, text, max_seq_length=4)
   assert fragment in str(e.value) and len(str(e.value)) < 250, str(e.value)
+
+
+# ---- Names with glob characters: a file that exists as written is that file ---------------------
+
+
+def _bracket_outcome(root: str, case: str) -> str:
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  for name in ('corpus[1].txt', 'corpus1.txt'):
+    with open(os.path.join(root, name), 'wb') as f:
+      f.write(_corpus_text(30))
+  if case == 'data.input=corpus[1].txt':
+    return str(_corpus_files(os.path.join(root, 'corpus[1].txt')))
+  if case == 'vocab --input=corpus[1].txt':
+    return str(vocab_lib.expand_patterns([os.path.join(root, 'corpus[1].txt')]))
+  if case == 'data.input=corpus[0-9].txt (a glob)':
+    return str(_corpus_files(os.path.join(root, 'corpus[0-9].txt')))
+  folder = os.path.join(root, 'ckpt[1]')  # A Google checkpoint folder.
+  os.makedirs(folder)
+  for name in ('bert_config.json', 'model.ckpt-5.index'):
+    open(os.path.join(folder, name), 'w').close()
+  return str(convert.read_metadata(folder)['format'])
+
+
+# case -> what it reads (ROOT: the folder).
+BRACKET_ROWS = {
+    'data.input=corpus[1].txt': "['ROOT/corpus[1].txt']",
+    'vocab --input=corpus[1].txt': "['ROOT/corpus[1].txt']",
+    'data.input=corpus[0-9].txt (a glob)': "['ROOT/corpus1.txt']",
+    'convert --input=ckpt[1] (a Google checkpoint folder)': 'google',
+}
+
+
+@pytest.mark.parametrize('case', list(BRACKET_ROWS))
+def test_a_name_with_brackets_is_that_file(open_dir, case):
+  assert _bracket_outcome(open_dir, case) == BRACKET_ROWS[case].replace('ROOT', open_dir)
+
+
+# ---- CoNLL tags outside the label list: the file, its line and where the list came from -------
+
+
+def _conll_tag_outcome(root: str, case: str) -> tuple[str, str]:
+  from bert_jax import task_table  # pylint: disable=g-import-not-at-top
+  config = config_files.load_config('finetune_ner')
+  config.data_dir = root
+  dev = b'-DOCSTART- -X- O O\n\nPeter NNP B-NP B-PER\nsaid VBD B-VP O\n'
+  if case == 'a train.txt tag outside config.label_list':
+    config.label_list = ('O', 'B-PER', 'I-PER', 'B-MISC', 'I-MISC')
+    path = os.path.join(root, 'train.txt')
+  else:
+    dev += b'\nBerlin NNP B-NP B-CITY\n'
+    path = os.path.join(root, 'valid.txt')
+  with open(os.path.join(root, 'train.txt'), 'wb') as f:
+    f.write(_CONLL)
+  with open(os.path.join(root, 'valid.txt'), 'wb') as f:
+    f.write(dev)
+  return path, _outcome(lambda: task_table.make_task(config, None, None, True))
+
+
+CONLL_TAG_ROWS = {
+    'a train.txt tag outside config.label_list':
+        "PATH:3: tag 'B-ORG' is not in config.label_list (O, B-PER, I-PER, B-MISC, I-MISC): "
+        'fix the tag, or set --config.label_list to every tag of the data',
+    'a valid.txt tag outside the tags of train.txt':
+        "PATH:6: tag 'B-CITY' is not in the tags of ROOT/train.txt, the label list while "
+        'config.label_list is empty (O, B-PER, I-PER, B-ORG, I-ORG, B-LOC, I-LOC, B-MISC, '
+        'I-MISC): fix the tag',
+}
+
+
+@pytest.mark.parametrize('case', list(CONLL_TAG_ROWS))
+def test_a_tag_outside_the_label_list_names_file_and_line(open_dir, case):
+  path, outcome = _conll_tag_outcome(open_dir, case)
+  assert CONLL_TAG_ROWS[case].replace('PATH', path).replace('ROOT', open_dir) in outcome, outcome
+
+
+# ---- Out of device memory: which key to lower ----------------------------------------------------
+
+
+@pytest.mark.parametrize('command, advice', [
+    ('pretrain', 'lower train.batch_size (or raise train.grad_accum_steps'),
+    ('features', 'lower --batch_size or --max_seq_length'),
+])
+def test_out_of_memory_names_the_key_to_lower(monkeypatch, capsys, command, advice):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def allocate_too_much(name, args):  # XLA's own RESOURCE_EXHAUSTED, raised where a step runs.
+    del name, args
+    jnp.ones((2**43,), jnp.uint8).block_until_ready()
+  monkeypatch.setattr(cli, '_run_command', allocate_too_much)
+  with pytest.raises(SystemExit) as exit_status:
+    cli.main(['bert-jax', command])
+  assert exit_status.value.code == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert last.startswith(f'bert-jax {command}: error: out of memory: the device could not '
+                         'allocate 8.0 TiB (8,796,093,022,208 bytes): '), last
+  assert last.endswith(advice) or advice in last, last
+
+
+def test_cloud_storage_out_of_reach_is_one_line(tmp_path, monkeypatch):
+  """convert --output=gs://... with nothing answering: the access check's retries end in a
+  line naming the flag, not the client's RetryError two minutes later."""
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import gcs  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://127.0.0.1:1')  # Refuses connections.
+  monkeypatch.setattr(gcs, 'CHECK_DEADLINE_S', 1.0)
+  gcs.client.cache_clear()
+  try:
+    outcome = _outcome(lambda: convert.convert(str(tmp_path / 'ckpt'), 'gs://bucket/out'))
+  finally:
+    gcs.client.cache_clear()
+  assert outcome.startswith('--output=gs://bucket/out: Cloud Storage cannot be reached '
+                            '(Connection refused; retried for 1 s)'), outcome
+
+
+# ---- The cache folder (the sample corpus, vocabularies trained without a workdir) -------------
+
+
+def _cache_outcome(root: str, case: str, monkeypatch) -> tuple[str, str]:
+  from bert_jax import sample_corpus  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv('BERT_JAX_CACHE', raising=False)
+  if case == 'read-only HOME':
+    home = os.path.join(root, 'home')
+    os.makedirs(home, mode=0o555)
+    os.chmod(home, 0o555)
+    monkeypatch.setenv('HOME', home)
+    path = os.path.join(home, '.cache', 'bert_jax')
+  else:
+    path = os.path.join(root, 'cache')
+    open(path, 'w').close()
+    if case == 'BERT_JAX_CACHE under a file':
+      path = os.path.join(path, 'sub')
+    monkeypatch.setenv('BERT_JAX_CACHE', path)
+  with _as_a_user() if case == 'read-only HOME' else contextlib.nullcontext():
+    return path, _outcome(sample_corpus.sample_corpus_path)
+
+
+CACHE_ROWS = {
+    'BERT_JAX_CACHE a file': 'BERT_JAX_CACHE=PATH: cannot make this folder (a file is in the '
+                             'way); set BERT_JAX_CACHE to a folder this user can write',
+    'BERT_JAX_CACHE under a file': 'BERT_JAX_CACHE=PATH: cannot make this folder (a file is in '
+                                   'the way)',
+    'read-only HOME': 'the cache folder PATH: cannot make this folder (Permission denied); set '
+                      'BERT_JAX_CACHE',
+}
+
+
+@pytest.mark.parametrize('case', list(CACHE_ROWS))
+def test_a_cache_folder_that_cannot_be_made(open_dir, case, monkeypatch):
+  path, outcome = _cache_outcome(open_dir, case, monkeypatch)
+  assert CACHE_ROWS[case].replace('PATH', path) in outcome, outcome
+
+
+# ---- Rows skipped as broken: a few are skipped, most of a file is a mistake --------------------
+
+
+def _qqp(rows: int, malformed: int) -> bytes:
+  lines = ['id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate']
+  lines += [f'{i}\t1\t2\tQ{i}?\tP{i}?\t{i % 2}' if i >= malformed else f'{i}\tbroken row'
+            for i in range(rows)]
+  return ('\n'.join(lines) + '\n').encode()
+
+
+def _squad(questions: int, off: int) -> bytes:
+  qas = [{'id': f'q{i}', 'question': 'Where?',
+          'answers': [{'text': 'on the mat', 'answer_start': 12 if i >= off else 3}]}
+         for i in range(questions)]
+  return json.dumps({'version': '1.1', 'data': [{'title': 't', 'paragraphs': [
+      {'context': 'The cat sat on the mat.', 'qas': qas}]}]}).encode()
+
+
+# case -> (file name, its bytes, the read, what it prints).
+SKIPPED_ROWS = {
+    'glue_qqp_1_of_200_malformed': ('QQP/train.tsv', _qqp(200, 1),
+                                    lambda p: glue.read_task('qqp', '', 'train', path=p), 'ok'),
+    'glue_qqp_2_of_200_malformed': ('QQP/train.tsv', _qqp(200, 2),
+                                    lambda p: glue.read_task('qqp', '', 'train', path=p), 'ok'),
+    'glue_qqp_90%_malformed': ('QQP/train.tsv', _qqp(100, 90),
+                               lambda p: glue.read_task('qqp', '', 'train', path=p),
+                               'PATH: 90 of 100 rows have the wrong number of columns (expected '
+                               '6) (90%, more than the 1% skipped as broken): line 2, line 3,'),
+    'glue_skip_malformed_on_a_broken_file': (
+        'RTE/train.tsv', _qqp(10, 5),
+        lambda p: glue.read_task('qqp', '', 'train', path=p, skip_malformed=True),
+        'PATH: 5 of 10 rows have the wrong number of columns'),
+    'squad_1_of_3_answers_off': ('train.json', _squad(3, 1),
+                                 lambda p: squad.read_squad(p, is_training=True), 'ok'),
+    'squad_every_answer_start_off': ('train.json', _squad(40, 40),
+                                     lambda p: squad.read_squad(p, is_training=True),
+                                     'PATH: 40 of 40 questions have no answer at their '
+                                     'answer_start (100%, more than the 1% skipped as broken): '
+                                     'q0 (data[0].paragraphs[0].qas[0]), q1'),
+    'squad_every_answer_start_off_for_prediction': (
+        'dev.json', _squad(3, 3), lambda p: squad.read_squad(p, is_training=False), 'ok'),
+}
+
+
+def _skipped_outcome(root: str, case: str) -> tuple[str, str]:
+  name, data, read, _ = SKIPPED_ROWS[case]
+  path = os.path.join(root, name)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'wb') as f:
+    f.write(data)
+  return path, _outcome(lambda: read(path))
+
+
+@pytest.mark.parametrize('case', list(SKIPPED_ROWS))
+def test_skipping_most_of_a_file_is_refused(open_dir, case):
+  path, outcome = _skipped_outcome(open_dir, case)
+  expected = SKIPPED_ROWS[case][3]
+  if expected == 'ok':
+    assert outcome == 'ok', outcome
+  else:
+    assert expected.replace('PATH', path) in outcome, outcome
+
+
+# ---- Steps that diverged: never kept as the last good checkpoint ------------------------------
+
+# case -> (the metrics of steps 5, 6, ...; what the check says, None: nothing diverged).
+DIVERGENCE_ROWS = {
+    'fine': ([{'loss': 7.2, 'grad_norm': 1.5}, {'loss': 7.1, 'grad_norm': 1.4}], None),
+    'loss_nan': ([{'loss': 7.2, 'grad_norm': 1.5}, {'loss': float('nan'), 'grad_norm': 1.4}],
+                 'loss is nan (gradient norm 1.4) at step 6'),
+    'loss_finite_but_absurd_grad_norm_inf': (
+        [{'loss': 6.1e9, 'grad_norm': float('inf')}, {'loss': float('nan'), 'grad_norm': 0.0}],
+        'loss is 6.1e+09 (gradient norm inf) at step 5'),
+    'loss_fine_grad_norm_nan': ([{'loss': 7.0, 'grad_norm': float('nan')}],
+                                'loss is 7 (gradient norm nan) at step 5'),
+    'loss_absurd': ([{'loss': 2e4, 'grad_norm': 3.0}], 'loss is 2e+04 (gradient norm 3) at step 5'),
+    'loss_inf_as_sum_and_count': ([{'loss': (float('inf'), 8.0)}], 'loss is inf at step 5'),
+}
+
+
+@pytest.mark.parametrize('case', list(DIVERGENCE_ROWS))
+def test_a_diverged_step_is_named(case):
+  from bert_jax import monitor  # pylint: disable=g-import-not-at-top
+  metrics, expected = DIVERGENCE_ROWS[case]
+  assert monitor.divergence(metrics, 5) == expected
+
+
+# Pre-training from a checkpoint, and `bert-jax eval`, take data.lower_case (uncased by default):
+# a checkpoint that records the other casing is refused; one guessed so is a warning.
+# (layout, vocab, record, data.lower_case, what the check says)
+CASING_CHECK_ROWS = [
+    ('hf', 'cased', ('tokenizer_config.json', {'do_lower_case': False}), True,
+     "train.init_checkpoint=PATH is cased (PATH/tokenizer_config.json do_lower_case), but "
+     'data.lower_case=True: set --config.data.lower_case=False'),
+    ('pretraining_workdir', 'uncased', ('config.json', {'data': {'lower_case': True}}), False,
+     'train.init_checkpoint=PATH is uncased (PATH/config.json data.lower_case), but '
+     'data.lower_case=False: set --config.data.lower_case=True'),
+    ('google', 'cased', None, True, 'ok'),  # A guess: a warning.
+    ('hf', 'uncased', ('tokenizer_config.json', {'do_lower_case': True}), True, 'ok'),
+]
+
+
+def _casing_check_outcome(root, layout, vocab, record, lower_case) -> tuple[str, str]:
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  path = _casing_checkpoint(root, layout, vocab, record)
+  return path, _outcome(lambda: convert.check_casing(path, lower_case, 'train.init_checkpoint'))
+
+
+@pytest.mark.parametrize('layout, vocab, record, lower_case, expected', CASING_CHECK_ROWS,
+                         ids=[f'{r[0]}-{r[1]}-{r[3]}' for r in CASING_CHECK_ROWS])
+def test_a_checkpoint_is_fed_text_cased_as_it_records(open_dir, layout, vocab, record,
+                                                      lower_case, expected):
+  path, outcome = _casing_check_outcome(open_dir, layout, vocab, record, lower_case)
+  assert outcome == expected.replace('PATH', path), outcome
+
+
+# ---- Config files: every mistake one line naming the file (and line) --------------------------
+
+# case -> (the file's text, or a shipped name; what loading it prints).
+CONFIG_FILE_ROWS = {
+    'misspelt_key': ('from bert_jax import defaults\ndef get_config():\n'
+                     '  c = defaults.pretrain()\n  c.train.stepz = 4\n  return c\n',
+                     "PATH:4: c.train.stepz = 4: no key 'stepz': did you mean steps?"),
+    'misspelt_group': ('from bert_jax import defaults\ndef get_config():\n'
+                       '  c = defaults.pretrain()\n  c.trian = 4\n  return c\n',
+                       "PATH:4: c.trian = 4: no key 'trian': did you mean train?"),
+    'old_fine_tuning_key': ("from bert_jax import defaults\ndef get_config():\n"
+                            "  c = defaults.finetune('mrpc')\n  c.lower_case = True\n"
+                            "  return c\n", 'config.lower_case is now config.data.lower_case'),
+    'no_get_config': ('X = 1\n', '--config=PATH defines no get_config()'),
+    'returns_a_dict': ('def get_config():\n  return {"train": {"steps": 3}}\n',
+                       '--config=PATH: get_config() returned a dict; it returns an '
+                       'ml_collections.ConfigDict'),
+    'returns_none': ('def get_config():\n  pass\n',
+                     '--config=PATH: get_config() returned None (no return statement?)'),
+    'not_python': ('def get_config(:\n', 'PATH:1: invalid syntax'),
+    'an_argument_it_does_not_take': ('from bert_jax import defaults\ndef get_config():\n'
+                                     '  return defaults.pretrain()\n:v2',
+                                     "get_config() takes no argument; drop ':v2'"),
+    'a_directory': (None, '--config=PATH is a directory'),
+    'shipped_variant_misspelt': ('finetune_squad:v3',
+                                 '--config=finetune_squad:v3: no such version; expected one of '
+                                 'v1, v2'),
+    'shipped_phase_misspelt': ('lamb_large_batch:phase3',
+                               '--config=lamb_large_batch:phase3: no such phase'),
+}
+
+
+def _config_file_outcome(root: str, case: str) -> tuple[str, str]:
+  text, _ = CONFIG_FILE_ROWS[case]
+  path = os.path.join(root, 'my_config.py')
+  if text is None:
+    os.makedirs(path)
+    arg = ''
+  elif text.endswith('.py') or '\n' not in text:  # A shipped name.
+    return text, _outcome(lambda: config_files.load_config(text))
+  else:
+    text, _, arg = text.partition('\n:')
+    with open(path, 'w') as f:
+      f.write(text)
+  return path, _outcome(lambda: config_files.load_config(path + (f':{arg}' if arg else '')))
+
+
+@pytest.mark.parametrize('case', list(CONFIG_FILE_ROWS))
+def test_config_file_mistakes(open_dir, case):
+  path, outcome = _config_file_outcome(open_dir, case)
+  assert CONFIG_FILE_ROWS[case][1].replace('PATH', path) in outcome, outcome
+
+
+# ---- Casing: the checkpoint's own record first, then its word pieces ---------------------------
+#
+# A wrong guess is silent: an uncased model read as cased turns "The" into [UNK]. What a
+# checkpoint records (tokenizer_config.json do_lower_case, a training workdir's config.json
+# data.lower_case) decides; only without a record are its word pieces counted, and a handful of
+# odd symbols ('ℝ', which Google's uncased vocabulary holds, or 'Ⅰ') do not make it cased.
+
+_LOWER_PIECES = [f'{w}{i}' for i in range(4) for w in ('the', 'quick', 'brown', 'fox', 'jump',
+                                                      '##s', '##ed', 'over', 'lazy', 'dog')]
+_LOWER_PIECES += [f'word{i}' for i in range(160)]
+CASING_VOCABS = {
+    'uncased': _LOWER_PIECES,
+    'uncased_with_ℝ': _LOWER_PIECES + ['ℝ', '##ℝ', 'ℕ'],
+    # Two pieces in 200 that lower-casing changes: odd symbols, not a cased vocabulary.
+    'uncased_with_Ⅰ_Ω': _LOWER_PIECES + ['Ⅰ', '##Ω'],
+    'cased': _LOWER_PIECES + [w.capitalize() for w in _LOWER_PIECES[:40]],
+}
+# layout -> the files that make it one (vocab.txt comes from the row).
+_CASING_LAYOUTS = {
+    'google': {'bert_config.json': '{}', 'bert_model.ckpt.index': ''},
+    'hf': {'config.json': '{}', 'model.safetensors': ''},
+    'pretraining_workdir': {'bert_config.json': '{}', 'checkpoints/1/x': ''},
+    'finetuning_workdir': {'bert_config.json': '{}', 'checkpoints/1/x': ''},
+}
+# (layout, vocab, record, expected): record is a file's JSON, or None.
+CASING_ROWS = [
+    ('google', 'uncased', None, 'uncased: guessed from the word pieces of PATH/vocab.txt'),
+    ('google', 'uncased_with_ℝ', None, 'uncased: guessed'),
+    ('hf', 'uncased_with_ℝ', None, 'uncased: guessed'),
+    ('google', 'uncased_with_Ⅰ_Ω', None, 'uncased: guessed'),
+    ('google', 'cased', None, 'cased: guessed'),
+    ('hf', 'cased', ('tokenizer_config.json', {'do_lower_case': True}),
+     'uncased: PATH/tokenizer_config.json do_lower_case'),
+    ('hf', 'uncased', ('tokenizer_config.json', {'do_lower_case': False}),
+     'cased: PATH/tokenizer_config.json do_lower_case'),
+    ('hf', 'cased', ('tokenizer_config.json', {'tokenizer_class': 'BertTokenizer'}),
+     'cased: guessed'),
+    ('pretraining_workdir', 'cased', ('config.json', {'data': {'lower_case': True}}),
+     'uncased: PATH/config.json data.lower_case'),
+    ('pretraining_workdir', 'uncased_with_ℝ', ('config.json', {'data': {'lower_case': False}}),
+     'cased: PATH/config.json data.lower_case'),
+    ('pretraining_workdir', 'uncased_with_ℝ', ('config.json', {'data': {}}), 'uncased: guessed'),
+    ('finetuning_workdir', 'uncased', ('tokenizer_config.json', {'do_lower_case': False}),
+     'cased: PATH/tokenizer_config.json do_lower_case'),
+]
+
+
+def _casing_checkpoint(root: str, layout: str, vocab: str, record) -> str:
+  path = os.path.join(root, layout)
+  vocab_text = '\n'.join(SPECIALS + CASING_VOCABS[vocab])
+  files = dict(_CASING_LAYOUTS[layout], **{'vocab.txt': vocab_text})
+  if record:
+    files[record[0]] = json.dumps(record[1])
+  for name, text in files.items():
+    os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
+    with open(os.path.join(path, name), 'w') as f:
+      f.write(text)
+  return path
+
+
+def _casing_outcome(root: str, layout: str, vocab: str, record) -> tuple[str, str]:
+  """(the checkpoint made, 'cased|uncased: where that came from')."""
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  path = _casing_checkpoint(root, layout, vocab, record)
+  meta = convert.read_metadata(path)
+  return path, f'{"uncased" if meta["lower_case"] else "cased"}: {meta["lower_case_from"]}'
+
+
+@pytest.mark.parametrize('layout, vocab, record, expected', CASING_ROWS,
+                         ids=[f'{l}-{v}-{r[0] if r else "no_record"}'
+                              for l, v, r, _ in CASING_ROWS])
+def test_casing_comes_from_the_record_before_the_word_pieces(open_dir, layout, vocab, record,
+                                                            expected):
+  path, outcome = _casing_outcome(open_dir, layout, vocab, record)
+  assert outcome.startswith(expected.replace('PATH', path)), outcome
 
 
 # ---- The table of what was tried and what each prints ------------------------------------------
@@ -1028,9 +1601,43 @@ def table() -> str:
           lambda where, k=kind: _checkpoint_outcome(where, k)[1])
     for surface, kind, _ in OUTPUT_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _output_outcome(where, s, k)[1])
+    for case, (run, _) in OVER_AN_INPUT_ROWS.items():
+      row('outputs and workdirs x inputs', case, lambda where, r=run: r(where)[1])
     for surface, kind, _ in WORKDIR_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _workdir_outcome(where, s, k)[1])
+    def cache(where, case):
+      with pytest.MonkeyPatch.context() as patch:
+        return _cache_outcome(where, case, patch)[1]
+    for case in CACHE_ROWS:
+      row('the cache folder (BERT_JAX_CACHE, ~/.cache/bert_jax)', case,
+          lambda where, c=case: cache(where, c))
+    for case in CONLL_TAG_ROWS:
+      row('config.data_dir (CoNLL)', case, lambda where, c=case: _conll_tag_outcome(where, c)[1])
+    for case in BRACKET_ROWS:
+      row('file names with [ ]', case,
+          lambda where, c=case: _outcome(lambda: _bracket_outcome(where, c)))
+    for case, (metrics, _) in DIVERGENCE_ROWS.items():
+      from bert_jax import monitor  # pylint: disable=g-import-not-at-top
+      row('training steps 5, 6, ... (the check before a log or checkpoint)', case,
+          lambda where, m=metrics: str(monitor.divergence(m, 5) or 'ok'))
+    for case in SKIPPED_ROWS:
+      row('config.data_dir, train_file (rows skipped)', case,
+          lambda where, c=case: _skipped_outcome(where, c)[1])
+    for layout, vocab, record, lower_case, _ in CASING_CHECK_ROWS:
+      row(f'train.init_checkpoint / eval --checkpoint (a {layout}, vocab {vocab})',
+          f'{record[0] + " " + json.dumps(record[1]) if record else "no record"}, '
+          f'data.lower_case={lower_case}', lambda where, r=(layout, vocab, record, lower_case):
+          _casing_check_outcome(where, *r)[1])
+    for case in CONFIG_FILE_ROWS:
+      row('--config', case, lambda where, c=case: _config_file_outcome(where, c)[1])
+    for layout, vocab, record, _ in CASING_ROWS:
+      said = f'{record[0]} {json.dumps(record[1])}' if record else 'no record'
+      row(f'casing of a {layout}', f'vocab {vocab}, {said}',
+          lambda where, l=layout, v=vocab, r=record: _casing_outcome(where, l, v, r)[1])
     for config, key, value in KEY_ROWS:
+      row(f'--config={config}', f'{key}={value!r}', lambda where, c=config, k=key, v=value:
+          _outcome(lambda: config_files.load_config(c, {k: v})))
+    for config, key, value, _ in CHOICE_ROWS:
       row(f'--config={config}', f'{key}={value!r}', lambda where, c=config, k=key, v=value:
           _outcome(lambda: config_files.load_config(c, {k: v})))
     for config, overrides, _ in CROSS_ROWS:

@@ -27,6 +27,7 @@ import pytest
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_files
 from bert_jax import input_pipeline
+from bert_jax import monitor
 from bert_jax import pretraining
 from bert_jax import run_lock
 from bert_jax import train
@@ -345,13 +346,16 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, vocab_fil
     train.train_and_evaluate(config, workdir)
   losses = _losses(workdir)  # Steps up to the last finite loss: the bad one is not logged.
   assert sorted(losses) == list(range(1, len(losses) + 1)) and losses, losses
-  assert all(np.isfinite(list(losses.values())))
+  # Not only finite: a loss of 1e9 with an infinite gradient norm leaves NaN weights behind.
+  assert all(np.isfinite(r['grad_norm']) and r['loss'] < monitor.DIVERGED_LOSS
+             for r in _rows(workdir)[0])
   last_good = max(losses)
   message = str(error.value)
-  assert f'at step {last_good + 1}' in message, message
+  assert f'at step {last_good + 1}' in message and 'loss is ' in message, message
   assert f'last good checkpoint (step {last_good})' in message and workdir in message, message
   assert ckpt_lib.checkpoint_steps(workdir)[-1] == last_good
-  ckpt_lib.load_pretrained_from_workdir(workdir, step=last_good)
+  _, params = ckpt_lib.load_pretrained_from_workdir(workdir, step=last_good)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
   # The same divergence before the first checkpoint.
   workdir = str(tmp_path / 'early')
@@ -804,10 +808,16 @@ def test_corrupt_checkpoint_is_named_and_skipped(tmp_path, reference, vocab_file
 def test_checkpoint_of_another_shape_is_refused(tmp_path, reference, vocab_file):
   workdir = str(tmp_path / 'run')
   shutil.copytree(reference, workdir)
+  record = {name: open(os.path.join(workdir, name), 'rb').read()
+            for name in ('config.json', 'bert_config.json')}
   with pytest.raises(UserError, match=r'checkpoints/12 does not match the config \(e\.g\. '):
     train.train_and_evaluate(_config(vocab_file, model__size='L2_H256',
                                      train__stop_at_step=REFERENCE_STEPS), workdir)
   assert ckpt_lib.checkpoint_steps(workdir) == [4, 8, 12]  # Nothing moved aside.
+  # The record the message points at ("resume with config.json") is the run's, not the
+  # refused one's.
+  for name, data in record.items():
+    assert open(os.path.join(workdir, name), 'rb').read() == data, name
 
 
 def test_eval_settings_and_held_out_data_are_checked_before_the_first_step(tmp_path,
