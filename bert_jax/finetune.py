@@ -265,6 +265,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
       f'{len(predict_shapes)}'))
 
   def save(eval_pending: bool = False) -> None:
+    bar.update(in_flight.drain())
     ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed,
                                                       eval_pending=eval_pending))
     # Kept: this step (to resume from) and the best epoch's (its weights are the result).
@@ -284,6 +285,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
                config.train.learning_rate, warmup_steps)
   bar = monitor.progress(total_steps, step, is_main and config.log.progress)
   chrono = monitor.Chrono(step)
+  # The host stays one step ahead of the device: a stop (SIGTERM) waits for a step, not for
+  # every step dispatched since the last log line; the bar and the rates count computed steps.
+  in_flight = monitor.InFlight()
   every = int(config.checkpoint.every_steps)
   # pending: SIGTERM cut an epoch's evaluation short; its rerun evaluates first.
   history, stopped, pending = [], False, False
@@ -340,8 +344,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
         step += 1
         history.append(step_metrics)
         chrono.count(sequences=float(batch['weight'].sum()), tokens=batch['input_ids'].size)
-        bar.update(1)
+        bar.update(in_flight.add(step_metrics))
         if step % config.log.every_steps == 0 or step == epoch_end or step == stop_at:
+          bar.update(in_flight.drain())
           summary = monitor.summarize(jax.device_get(history))
           if not math.isfinite(summary['loss']):
             raise UserError(f'loss is {summary["loss"]} at step {step}: lower '

@@ -234,12 +234,13 @@ def evaluate_params(config: ml_collections.ConfigDict, phase: Phase, params: Any
   if check_nsp_share:
     check_label_share(batches, config.data)
   batch_sharding = sharding_lib.batch_sharding(mesh)
-  results = []
+  results, in_flight = [], monitor.InFlight()  # So that `stop()` is not answered batches late.
   with sharding_lib.activate(mesh, rules):
     for local in batches:
       if stop():
         return None
       results.append(p_eval_step(params, sharding_lib.make_global_batch(local, batch_sharding)))
+      in_flight.add(results[-1])
   return monitor.summarize(jax.device_get(results))
 
 
@@ -516,6 +517,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   eval_metrics: dict[str, float] = {}
   bar = monitor.progress(stop_at, step, is_main and config.log.progress)
   chrono = monitor.Chrono(step)
+  # The host stays one step ahead of the device: a stop (SIGTERM) waits for a step, not for
+  # every step dispatched since the last log line; the bar and the rates count computed steps.
+  in_flight = monitor.InFlight()
   history, last_saved, preempted = [], start, False
   first_step = step
   try:
@@ -547,9 +551,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           state, metrics = p_train_step(state, batch)
         step += 1
         history.append(metrics)
-        bar.update(1)
+        bar.update(in_flight.add(metrics))
 
         if step % config.log.every_steps == 0 or step == stop_at:
+          bar.update(in_flight.drain())
           summary = monitor.summarize(jax.device_get(history))
           if not math.isfinite(summary['loss']):
             raise UserError(
@@ -568,12 +573,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           if not math.isfinite(loss):
             raise UserError(
                 f'loss is {loss} at step {step}: stopping without saving; {last_good()}.')
+          bar.update(in_flight.drain())
           jax.block_until_ready(state)
           with chrono.excluded():
             save(phase, data_it)
           last_saved = step
         # After the save: a failing or killed evaluation never costs the steps before it.
         if (step % config.eval.every_steps == 0 or step == stop_at) and not preempted:
+          bar.update(in_flight.drain())
           jax.block_until_ready(state)
           with chrono.excluded():
             ckpt_lib.wait_for_saves(manager, workdir)

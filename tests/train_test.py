@@ -645,6 +645,8 @@ def test_a_lopsided_sop_evaluation_is_named_as_sop():
 #   sigterm_compile   as the steps compile; the compile then takes 10 minutes
 #   sigterm_commit:S  as Orbax commits step S; the commit then takes 3 s more
 #   sigterm_eval      as the evaluation starts
+#   sigterm_slow:K    every step takes 0.25 s more on the device; SIGTERM as the K-th is
+#                     dispatched, the marker's content the time and the steps computed by then
 _FAULTY_RUN = '''
 import os, signal, sys, time
 from bert_jax import cli, train
@@ -712,6 +714,29 @@ elif fault == 'sigterm_eval':
     sigterm()
     return batches(*args, **kwargs)
   train.eval_batches = batches_after_sigterm
+elif fault == 'sigterm_slow':
+  import jax
+  computed = [0]
+  def sleep(x):
+    time.sleep(0.25)
+    computed[0] += 1
+    return x
+  # Work on the device's queue that each step waits for (through its state).
+  slow = jax.jit(lambda n: jax.pure_callback(sleep, jax.ShapeDtypeStruct(n.shape, n.dtype), n))
+  build = train.build_train_step
+  def build_slow(*args, **kwargs):
+    run, calls = build(*args, **kwargs), [0]
+    def step(state, batch):
+      state, metrics = run(state.replace(step=slow(state.step)), batch)
+      calls[0] += 1
+      if calls[0] == int(arg):
+        with open(marker, 'w') as f:
+          f.write(f'{time.time()!r} {computed[0]}')
+        os.kill(os.getpid(), signal.SIGTERM)
+      return state, metrics
+    step.jitted = run.jitted  # Compiled before the first step.
+    return step
+  train.build_train_step = build_slow
 cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
 '''
 
@@ -894,6 +919,31 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
   assert _losses(workdir) == _losses(reference)
   _assert_same_params(_params(workdir), _params(reference))
+
+
+def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, vocab_file,
+                                                                   compilation_cache):
+  """JAX returns from a step once it is dispatched: a loop that reads nothing until its next
+  log line would queue its steps, and the save after SIGTERM would wait for all of them. With
+  steps made slow, no log line or checkpoint for 1,000 steps, and SIGTERM as the 40th step is
+  dispatched, the run saves a step at most two past those computed when the signal came."""
+  workdir = str(tmp_path / 'run')
+  overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'log.every_steps': 1000,
+                            'checkpoint.every_steps': 1000, 'log.progress': True})
+  proc, marker = _faulty_run(tmp_path, workdir, 'sigterm_slow:40', overrides, compilation_cache)
+  out, err = _communicate(proc, 400)
+  ended = time.time()
+  assert proc.returncode == 0 and os.path.exists(marker), err[-5000:]
+  with open(marker) as f:
+    signalled, computed = f.read().split()
+  saved = ckpt_lib.checkpoint_steps(workdir)
+  assert saved == [40], saved
+  assert 40 - int(computed) <= 2, f'{computed} steps computed at SIGTERM, 40 dispatched'
+  seconds = ended - float(signalled)
+  assert seconds < NOTICE_SECONDS, f'{seconds:.1f} s from SIGTERM to exit'
+  print(f'{computed} of 40 steps computed at SIGTERM; {seconds:.1f} s from SIGTERM to exit')
+  # The progress bar counts computed steps: it reached 40 only once step 40 was computed.
+  assert '40/200' in err and '41/200' not in err, err[-3000:]
 
 
 def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, vocab_file,
