@@ -6,6 +6,8 @@ and call one function of the package; no logic lives here.
 A user's mistake (`errors.UserError`, a bad flag or config override) ends as one line on stderr,
 `bert-jax <command>: error: ...`, with exit status 2; anything else is a bug and keeps its
 traceback (status 1). `--traceback` or BERT_JAX_TRACEBACK=1 shows the traceback of a mistake too.
+SIGTERM or Ctrl-C, in any phase of any command, ends with one line and status 143 (training
+saves first): rerun to resume (`EXIT_STATUSES`, also in `bert-jax --help`).
 """
 
 import contextlib
@@ -13,8 +15,10 @@ import difflib
 import logging as std_logging
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from typing import Callable
 
@@ -380,10 +384,18 @@ def _fill_mask_flags():
 # ---- Entry point -------------------------------------------------------------------------------
 
 
+EXIT_STATUSES = f'''exit status:
+  {errors.EXIT_FINISHED:<3d}  finished
+  {errors.EXIT_USER_ERROR:<3d}  a mistake to fix: the message names the flag, config key or file
+  {errors.EXIT_BUG:<3d}  a bug: the traceback is for a bug report
+  {errors.EXIT_PREEMPTED:<3d}  stopped by SIGTERM (preemption) or Ctrl-C; training saved first:
+       rerun the same command to resume (schedulers: retry on this status)'''
+
+
 def _usage() -> str:
   lines = ['usage: bert-jax <command> [--flags]   (bert-jax <command> --help for flags)', '']
   lines += [f'  {name:10s} {text}' for name, (text, _) in _COMMANDS.items()]
-  return '\n'.join(lines)
+  return '\n'.join(lines + ['', EXIT_STATUSES])
 
 
 def _traceback_wanted(args: list[str]) -> bool:
@@ -508,6 +520,26 @@ def _ours_or_a_warning(record: std_logging.LogRecord) -> bool:
           os.path.realpath(record.pathname).startswith(_PACKAGE_DIR + os.sep))
 
 
+def _stop_at_once_on_signals(name: str) -> dict[int, object]:
+  """SIGTERM and Ctrl-C where no run listens for them (start-up, imports, the commands that do
+  not train): one line and EXIT_PREEMPTED, not a KeyboardInterrupt traceback from each thread,
+  nor, for SIGTERM, a status that depends on the moment. A training run replaces these handlers
+  with its own, which save first (`monitor.Preemption`), and puts them back when it ends.
+  Returns the handlers replaced."""
+  if threading.current_thread() is not threading.main_thread():
+    return {}
+
+  def stop(signum, frame):
+    del frame
+    cause = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
+    # stdout: while TensorFlow loads, stderr (fd 2) is held back.
+    print(f'\nbert-jax {name}: stopped by {cause}: rerun the same command (a training run '
+          'resumes from its last checkpoint)', flush=True)
+    os._exit(errors.EXIT_PREEMPTED)  # pylint: disable=protected-access
+
+  return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+
 def main(argv: list[str] | None = None) -> None:
   """Runs `bert-jax <command> [--flags]`; a user's mistake exits with one message, status 2."""
   argv = list(sys.argv if argv is None else argv)
@@ -521,6 +553,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f'bert-jax: unknown command {name!r}{hint}\n\n{_usage()}', file=sys.stderr)
     sys.exit(2)
   logging.get_absl_handler().addFilter(_ours_or_a_warning)
+  previous_handlers = _stop_at_once_on_signals(name)
   try:
     _run_command(name, argv[2:])
   except errors.Preempted as e:
@@ -528,7 +561,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.stderr.flush()
     # A compile cut short by SIGTERM still runs on a worker thread; the interpreter's exit
     # would abort it (and the process, status 134): leave without that clean-up.
-    os._exit(0)  # pylint: disable=protected-access
+    os._exit(errors.EXIT_PREEMPTED)  # pylint: disable=protected-access
   except Exception as e:  # pylint: disable=broad-except
     message = user_error_message(e)
     if message is None:
@@ -537,7 +570,10 @@ def main(argv: list[str] | None = None) -> None:
       traceback.print_exc()
     sys.stderr.flush()
     print(f'bert-jax {name}: error: {message}', file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(errors.EXIT_USER_ERROR)
+  finally:
+    for signum, handler in previous_handlers.items():  # main() called in a process that goes on
+      signal.signal(signum, handler)
 
 if __name__ == '__main__':
   main()

@@ -136,13 +136,13 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
   """Fine-tunes `config.train.init_checkpoint` on `config.task`; returns the best epoch's metrics.
 
-  The result (also in <workdir>/metrics.json): task, main_metric, score (the main metric on
-  the first dev set), epoch, step, learning_rate, and one dict of metrics per dev set ('dev';
-  MNLI: 'dev_matched' and 'dev_mismatched'), plus 'test' for NER with predict_test. None when
-  the run stopped early (SIGTERM, train.stop_at_step) with a checkpoint to resume from: the
-  same call continues it. SIGTERM before the first step (nothing new to save) stops the run at
-  once with `errors.Preempted`. One run at a time per workdir, as in pre-training: a second one
-  is refused while this one holds the workdir's lock.
+  The result (also in <workdir>/metrics.json): task, main_metric, score (the main metric on the
+  first dev set), epoch, step, learning_rate, and one dict of metrics per dev set ('dev'; MNLI:
+  'dev_matched' and 'dev_mismatched'), plus 'test' for NER with predict_test. None when the run
+  stopped at train.stop_at_step with a checkpoint to resume from: the same call continues it.
+  SIGTERM or Ctrl-C stops it with `errors.Preempted`, after saving where it is (before the first
+  step, with nothing new to save, at once). One run at a time per workdir, as in pre-training: a
+  second one is refused while this one holds the workdir's lock.
   """
   defaults.check_moved_keys(config)
   task_table.kind_of(config.task)  # A misspelt task fails before the workdir and the checkpoint.
@@ -377,6 +377,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
         print(f'\nbert_jax finetune {config.task}: stopped at step {step} of {total_steps} '
               f'(epoch {step // steps_per_epoch + 1}); rerun the same command to resume from '
               f'{workdir}', flush=True)
+      if preemption.requested:
+        raise preemption.stopped(step)
       return None
 
     # ---- Test predictions with the best epoch's weights --------------------------------------
@@ -385,7 +387,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
       if best['step'] != step:
         params = ckpt_lib.restore_params(manager, best['step'], abstract.params)
       if not _predict_test(task.test, predict, params, best, log, predictions_dir, is_main):
-        return None
+        raise preemption.stopped(step)
   finally:
     bar.close()
     manager.wait_until_finished()

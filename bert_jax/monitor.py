@@ -8,8 +8,8 @@
   evaluation sets: `eval/<set>/<name>`).
 - `InFlight`: bounds how far the host runs ahead of the device (one step).
 - `progress`: the tqdm bar of the loop.
-- `Preemption`: SIGTERM as a flag the loop polls, so it saves before exiting; before the first
-  step (nothing new to save) it stops the run at once (`Preempted`).
+- `Preemption`: SIGTERM and Ctrl-C as a flag the loop polls, so it saves before exiting
+  (`Preempted`); before the first step (nothing new to save) it stops the run at once.
 """
 
 import collections
@@ -27,6 +27,7 @@ from absl import logging
 
 from bert_jax import fileio
 from bert_jax import gcs
+from bert_jax.errors import EXIT_PREEMPTED
 from bert_jax.errors import Preempted
 
 METRICS_FILE = 'metrics.jsonl'
@@ -223,38 +224,55 @@ def progress(total: int, initial: int, enabled: bool):
 
 
 class Preemption:
-  """Turns SIGTERM into a flag the loop polls, so it can save before exiting.
+  """Turns SIGTERM and Ctrl-C (SIGINT) into a flag the loop polls, so it can save before exiting.
 
   Spot VMs get about 30 s between SIGTERM and the kill. Before a run's first step (input
   start-up, restore, compiles) there is nothing new to save: `check` and `wait` then stop the
   run at once with `Preempted`, even in the middle of a compile that would outlast the notice.
+  After it, the loop saves where it is and raises `stopped(step)`. A second Ctrl-C stops the
+  process at once (the last committed checkpoint is where a rerun resumes).
 
   With several processes, jax.distributed's preemption service catches SIGTERM instead and
   makes every process stop at the same step: ask `stop_now(step, manager)`. The flag stays
   unset there (one process alone must not stop early).
   """
 
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
   def __init__(self):
     self.requested = False
-    self._previous = None
+    self.cause = ''  # What stopped the run, for its message.
+    self._previous: dict[int, Any] = {}
     if jax.process_count() > 1:
       # A local flag would send the signalled process alone into the collective save while the
       # others enter the next train step.
       return
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      for signum in self.SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame):
-    del signum, frame
-    logging.warning('SIGTERM received: stopping (with a checkpoint if there is anything new '
-                    'to save).')
-    self.requested = True
+    del frame
+    if self.requested and signum == signal.SIGINT:
+      print('\nCtrl-C again: stopping at once; a rerun resumes from the last complete '
+            'checkpoint.', flush=True)
+      os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
+    name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
+    logging.warning('%s received: stopping (with a checkpoint if there is anything new to '
+                    'save%s).', name, '; Ctrl-C again to stop at once' if name == 'Ctrl-C' else '')
+    self.requested, self.cause = True, self.cause or name
 
   def check(self) -> None:
     """Raises Preempted if SIGTERM came (call it where nothing new would be saved)."""
     if self.requested:
-      raise Preempted('stopped by SIGTERM before the first step: nothing new to save since '
-                      'the last checkpoint; rerun the same command to resume')
+      raise Preempted(f'stopped by {self.cause} before the first step: nothing new to save '
+                      'since the last checkpoint; rerun the same command to resume')
+
+  def stopped(self, step: int, saved: bool = True) -> Preempted:
+    """The Preempted to raise once the loop stopped (and saved, if `saved`) at `step`."""
+    what = f'saved step {step}' if saved else f'stopped at step {step}'
+    return Preempted(f'stopped by {self.cause or "a preemption notice"}: {what}; rerun the '
+                     'same command to resume')
 
   def wait(self, fn: Callable[[], Any]) -> Any:
     """fn() on a worker thread while this one waits for it or for SIGTERM (`check`).
@@ -284,11 +302,14 @@ class Preemption:
 
   def stop_now(self, step: int, manager) -> bool:
     """Whether the run must save and stop after `step` (every process agrees)."""
-    return self.requested or manager.reached_preemption(step)
+    if not self.requested and manager.reached_preemption(step):
+      self.requested, self.cause = True, 'a preemption notice (jax.distributed)'
+    return self.requested
 
   def restore(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous = {}
 
   def __enter__(self) -> 'Preemption':
     return self

@@ -380,8 +380,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics.
 
   One run at a time per workdir: a second one is refused while this one holds its lock.
-  SIGTERM after the first step saves where the run is and returns; before it (nothing new to
-  save) the run stops at once with `errors.Preempted`.
+  SIGTERM or Ctrl-C stops the run with `errors.Preempted`: after the first step, once it has
+  saved where it is; before it (nothing new to save), at once.
   """
   workdir = fileio.workdir_path(workdir)
   # From the start, before the lock: SIGTERM during start-up is heard too.
@@ -605,6 +605,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   if is_main:
     _print_summary(config, workdir, step, stop_at, start, eval_metrics)
+  if preempted:
+    raise preemption.stopped(step)
   return eval_metrics
 
 

@@ -4,11 +4,14 @@ directory nor the checkout on sys.path (the console script's situation)."""
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_files
 from bert_jax.errors import UserError
 
@@ -185,6 +188,47 @@ def test_unknown_command_suggests_the_closest():
   proc = _cli(['pretrian'])
   assert proc.returncode == 2
   assert "unknown command 'pretrian' (did you mean 'pretrain'?)" in proc.stderr
+
+
+def test_exit_statuses_are_listed_in_the_help():
+  proc = _cli(['--help'])
+  assert proc.returncode == 0
+  for status, meaning in [(0, 'finished'), (2, 'a mistake'), (1, 'a bug'), (143, 'stopped by')]:
+    assert re.search(rf'^  {status} +{meaning}', proc.stdout, re.M), proc.stdout
+
+
+def _catches(pid, signum):
+  """Whether process `pid` has a handler for `signum` (/proc's SigCgt mask)."""
+  with open(f'/proc/{pid}/status') as f:
+    mask = next(line for line in f if line.startswith('SigCgt:')).split()[1]
+  return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize('signum, cause', [(signal.SIGINT, 'Ctrl-C'), (signal.SIGTERM, 'SIGTERM')])
+@pytest.mark.parametrize('when', ['imports', 'run'])
+def test_a_signal_during_start_up_is_one_line_and_status_143(tmp_path, signum, cause, when):
+  """Ctrl-C or SIGTERM as soon as the command listens for it (it then imports its libraries),
+  or once the run has taken its workdir's lock (reading input, initializing): one line on
+  stdout, no traceback, status 143 (errors.EXIT_PREEMPTED), whichever part of start-up it
+  lands in."""
+  variables = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu')
+  workdir = tmp_path / 'run'
+  proc = subprocess.Popen([sys.executable, '-m', 'bert_jax.cli', 'pretrain',
+                           f'--workdir={workdir}'], cwd=_ROOT, env=variables,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 240
+  # Python catches SIGINT from its start (KeyboardInterrupt); SIGTERM only once bert-jax does.
+  ready = ((lambda: _catches(proc.pid, signal.SIGTERM)) if when == 'imports' else
+           (lambda: os.path.exists(workdir / ckpt_lib.LOCK_FILE)))
+  while proc.poll() is None and time.time() < deadline and not ready():
+    time.sleep(0.01)
+  proc.send_signal(signum)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143, err[-3000:]
+  line = out.strip().splitlines()[-1]
+  assert line.startswith(f'bert-jax pretrain: stopped by {cause}'), out
+  assert ('before the first step' in line) == (when == 'run'), line
+  assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
 
 
 @pytest.mark.parametrize('how', ['flag', 'env'])

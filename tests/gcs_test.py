@@ -193,7 +193,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
     proc.kill()
     raise
   out, err = _communicate(proc, 200)
-  assert proc.returncode == 0, err[-5000:]
+  assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
   stopped = max(_losses(workdir))
   assert ckpt_lib.checkpoint_steps(workdir) == [stopped]
   assert stopped < REFERENCE_STEPS, f'the signal landed too late to test a resume ({stopped})'
@@ -380,7 +380,8 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
       signal.raise_signal(signal.SIGTERM)
   monkeypatch.setattr(monitor.MetricsLog, 'train', train_then_sigterm)
   workdir = gcs.url('sst2')
-  assert finetune.finetune(config, workdir) is None
+  with pytest.raises(errors.Preempted, match='saved step 2'):
+    finetune.finetune(config, workdir)
   assert ckpt_lib.checkpoint_steps(workdir) == [2]
   monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
   assert finetune.finetune(config, workdir) == full

@@ -29,6 +29,7 @@ from bert_jax import config_files
 from bert_jax import input_pipeline
 from bert_jax import train
 from bert_jax import train_state
+from bert_jax.errors import EXIT_PREEMPTED
 from bert_jax.errors import UserError
 import processes
 import records
@@ -236,7 +237,8 @@ def test_exact_resume(tmp_path, reference, vocab_file):
 
 def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, vocab_file,
                                                           compilation_cache):
-  """SIGTERM mid-run: the run saves the step it reached, exits 0, and resumes exactly."""
+  """SIGTERM mid-run: the run saves the step it reached, exits with EXIT_PREEMPTED (143), and
+  resumes exactly."""
   workdir = str(tmp_path / 'run')
   # No periodic checkpoint: the only one is the one the signal asks for.
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'checkpoint.every_steps': 1000})
@@ -256,7 +258,7 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, v
     proc.kill()
     raise
   out, err = _communicate(proc, timeout=120)
-  assert proc.returncode == 0, err[-5000:]
+  assert proc.returncode == EXIT_PREEMPTED, err[-5000:]
   stopped = max(_losses(workdir))
   assert stopped < TOTAL_STEPS
   assert f'step {stopped}/{TOTAL_STEPS}' in out
@@ -427,7 +429,7 @@ def test_two_processes_match_one_and_stop_together(tmp_path, vocab_file, compila
   finally:
     results = [_communicate(p, timeout=120) for p in pair]
   for i, (p, (_, err)) in enumerate(zip(pair, results)):
-    assert p.returncode == 0, f'process {i}:\n{err[-5000:]}'
+    assert p.returncode == EXIT_PREEMPTED, f'process {i}:\n{err[-5000:]}'
   assert interrupted == [True], 'the run ended before it could be interrupted'
   two, one = _losses(pair_dir), _losses(single_dir)
   assert sorted(one) == list(range(1, steps + 1))
@@ -647,6 +649,7 @@ def test_a_lopsided_sop_evaluation_is_named_as_sop():
 #   sigterm_eval      as the evaluation starts
 #   sigterm_slow:K    every step takes 0.25 s more on the device; SIGTERM as the K-th is
 #                     dispatched, the marker's content the time and the steps computed by then
+#   sigint_slow:K     the same with SIGINT (Ctrl-C)
 _FAULTY_RUN = '''
 import os, signal, sys, time
 from bert_jax import cli, train
@@ -714,8 +717,9 @@ elif fault == 'sigterm_eval':
     sigterm()
     return batches(*args, **kwargs)
   train.eval_batches = batches_after_sigterm
-elif fault == 'sigterm_slow':
+elif fault in ('sigterm_slow', 'sigint_slow'):
   import jax
+  signum = signal.SIGINT if fault == 'sigint_slow' else signal.SIGTERM
   computed = [0]
   def sleep(x):
     time.sleep(0.25)
@@ -732,7 +736,7 @@ elif fault == 'sigterm_slow':
       if calls[0] == int(arg):
         with open(marker, 'w') as f:
           f.write(f'{time.time()!r} {computed[0]}')
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
       return state, metrics
     step.jitted = run.jitted  # Compiled before the first step.
     return step
@@ -884,8 +888,8 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
   """SIGTERM during input start-up and during a compile (one that would take 10 minutes) stops
   the run at once without a checkpoint (nothing new to save), its lock released; during a
   checkpoint's commit, the commit completes and the next step is saved; during an evaluation,
-  the evaluation is dropped and its step saved. Each time the process exits with status 0
-  inside the notice, and the resumed runs log exactly the reference's losses."""
+  the evaluation is dropped and its step saved. Each time the process exits with status 143
+  (EXIT_PREEMPTED) inside the notice, and the resumed runs log exactly the reference's losses."""
   workdir = str(tmp_path / 'run')
   overrides = dict(TINY, **{'data.vocab_file': vocab_file,
                             'train.stop_at_step': REFERENCE_STEPS})
@@ -895,7 +899,7 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
                                compilation_cache)
     out, err = _communicate(proc, 400)
     ended = time.time()
-    assert proc.returncode == 0 and os.path.exists(marker), err[-5000:]
+    assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
     with open(marker) as f:
       seconds = ended - float(f.read())
     assert seconds < NOTICE_SECONDS, f'{fault}: {seconds:.1f} s from SIGTERM to exit'
@@ -926,14 +930,15 @@ def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, voca
   """JAX returns from a step once it is dispatched: a loop that reads nothing until its next
   log line would queue its steps, and the save after SIGTERM would wait for all of them. With
   steps made slow, no log line or checkpoint for 1,000 steps, and SIGTERM as the 40th step is
-  dispatched, the run saves a step at most two past those computed when the signal came."""
+  dispatched, the run saves a step at most two past those computed when the signal came.
+  Ctrl-C (SIGINT) in the resumed run stops it in the same way, with the same exit status."""
   workdir = str(tmp_path / 'run')
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'log.every_steps': 1000,
                             'checkpoint.every_steps': 1000, 'log.progress': True})
   proc, marker = _faulty_run(tmp_path, workdir, 'sigterm_slow:40', overrides, compilation_cache)
   out, err = _communicate(proc, 400)
   ended = time.time()
-  assert proc.returncode == 0 and os.path.exists(marker), err[-5000:]
+  assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
   with open(marker) as f:
     signalled, computed = f.read().split()
   saved = ckpt_lib.checkpoint_steps(workdir)
@@ -944,6 +949,14 @@ def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, voca
   print(f'{computed} of 40 steps computed at SIGTERM; {seconds:.1f} s from SIGTERM to exit')
   # The progress bar counts computed steps: it reached 40 only once step 40 was computed.
   assert '40/200' in err and '41/200' not in err, err[-3000:]
+  assert 'bert-jax pretrain: stopped by SIGTERM: saved step 40; rerun the same command' in out
+
+  proc, marker = _faulty_run(tmp_path, workdir, 'sigint_slow:5', overrides, compilation_cache)
+  out, err = _communicate(proc, 400)
+  assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
+  assert ckpt_lib.checkpoint_steps(workdir) == [40, 45]
+  assert 'bert-jax pretrain: stopped by Ctrl-C: saved step 45; rerun the same command' in out
+  assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
 
 
 def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, vocab_file,
