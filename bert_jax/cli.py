@@ -216,10 +216,15 @@ def _vocab_flags():
 @_command('compile', 'Compile the train step ahead of time for a Cloud TPU slice or NVIDIA '
           'GPUs (no accelerator needed); report memory and a roofline bound.')
 def _compile_flags():
+  # Compiling runs nothing on an accelerator. JAX's CUDA plugin checks, as it starts, the CUDA
+  # libraries it would run with (cuFFT, cuPTI, ...), which a compile-only machine (the gpuaot
+  # extra) lacks, and without them it does not register: "topology not implemented for cuda".
+  # JAX skips the check when JAX_PLATFORMS leaves cuda out; read as jax is imported (not yet).
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   _define_config_flag(os.path.join(configs_dir(), 'bert_large.py'))
   flags.DEFINE_string('topology', 'v5e:16x16', 'TPU slice, e.g. v5e:16x16, v4:4x4x4, v5p:4x4x4, '
                       'or NVIDIA GPUs: h100, h100:8 (one host), h100:2x8 (2 hosts); h200, a100, '
-                      "b200 (needs the gpu_aot extra).")
+                      "b200 (needs the gpuaot extra).")
   flags.DEFINE_integer('vocab_size', 30522, 'Vocabulary size when model.vocab_size is 0.')
 
   def run(argv):
@@ -515,9 +520,27 @@ _PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))
 
 def _ours_or_a_warning(record: std_logging.LogRecord) -> bool:
   """Log filter: warnings and errors from anywhere, info lines only from bert_jax (Orbax, for
-  one, logs every handler it creates and closes at info level). --verbosity=1 keeps all."""
-  return (record.levelno >= std_logging.WARNING or logging.get_verbosity() > 0 or
+  one, logs every handler it creates and closes at info level), and not the CUDA plugin's
+  failure on a machine without NVIDIA's driver. --verbosity=1 keeps all."""
+  if logging.get_verbosity() > 0:
+    return True
+  if _unused_cuda_plugin(record):
+    return False
+  return (record.levelno >= std_logging.WARNING or
           os.path.realpath(record.pathname).startswith(_PACKAGE_DIR + os.sep))
+
+
+def _unused_cuda_plugin(record: std_logging.LogRecord) -> bool:
+  """JAX's report that its CUDA plugin did not start, on a machine with no NVIDIA driver.
+
+  With the gpuaot extra installed (for `bert-jax compile`), JAX's CUDA plugin checks the CUDA
+  libraries as JAX starts, finds no cuFFT, and JAX logs it with two tracebacks ("Unable to load
+  cuFFT") before every command, which then runs on the CPU as it would without the plugin.
+  Where a driver is (/dev/nvidiactl), a plugin that fails to start matters and is shown.
+  """
+  return (record.name.startswith('jax') and record.levelno >= std_logging.ERROR and
+          record.getMessage().startswith('Jax plugin configuration error') and
+          'cuda' in record.getMessage() and not os.path.exists('/dev/nvidiactl'))
 
 
 def _stop_at_once_on_signals(name: str) -> dict[int, object]:
