@@ -25,8 +25,9 @@ def _run_main(tmp_path, args):
   os.symlink(os.path.join(_ROOT, 'bert_jax'), site / 'bert_jax')
   env = dict(os.environ, PYTHONPATH=str(site))
   code = f'from bert_jax import cli; cli.main({["bert-jax"] + args!r})'
+  # 300 s ran out at a load of 8 on 2 cores (TensorFlow and libtpu load before the flag check).
   return subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=900)
 
 
 _USER_CONFIG = """
