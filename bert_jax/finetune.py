@@ -327,6 +327,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
         save()
     return True
 
+  state_lib.wait_for_processes('the first step')
   try:
     if meta.get('eval_pending'):  # Stopped inside the evaluation of the epoch that ends here.
       # Its checkpoint stays as it is: later saves carry the new best.

@@ -541,6 +541,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           local = (preemption.wait(lambda: next(data_it)) if step == first_step
                    else next(data_it))
         batch = sharding_lib.make_global_batch(local, batch_sharding)
+        if step == first_step:
+          with chrono.excluded():
+            state_lib.wait_for_processes('the first step')
         if first_in_segment:  # It compiles: its time and the step are not throughput.
           jax.block_until_ready(state)  # Earlier steps are training time, not compile time.
           with chrono.excluded(steps=1):
