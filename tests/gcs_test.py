@@ -573,7 +573,7 @@ def test_launch_watch_recovers_a_preempted_finetuning_run_on_gs(gcs, tmp_path):
       tpu.Shell(dry_run=False, sleep=lambda s: None))
   first, second = (runs / '1.log').read_text(), (runs / '2.log').read_text()
   assert status == 0, second[-5000:]
-  assert json.loads((runs / '1.status').read_text()) == 0, first[-5000:]
+  assert json.loads((runs / '1.status').read_text()) == errors.EXIT_PREEMPTED, first[-5000:]
   stopped = re.search(r'stopped at step (\d+) of 16', first)
   assert stopped, first[-5000:]
   assert f'Resumed from step {stopped.group(1)} ' in second
