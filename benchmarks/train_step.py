@@ -3,12 +3,15 @@
   python benchmarks/train_step.py --size=base --batch_size=32 --seq_len=128 --steps=20
   python benchmarks/train_step.py --size=mini --batch_size=32 --seq_len=128 --compare_torch
   python benchmarks/train_step.py --size=tiny --batch_size=32 --seq_len=128 --real_data
+  python benchmarks/train_step.py --size=mini --batch_size=32 --seq_len=128 --compare_in_flight
 
 Synthetic batches by default; --real_data feeds the real input pipeline (sample corpus) and
 reports the share of wall time spent waiting for input. --compare_torch also times Hugging Face
 transformers' PyTorch BertForPreTraining (same config, batch, sequence length, AdamW) in the
 same process, on the CPU, in rounds alternating with bert_jax's; the speedup printed is the
-median of the per-round ratios.
+median of the per-round ratios. The loop keeps at most --max_in_flight steps dispatched and not
+computed, as the drivers do (`monitor.InFlight`; 0 = no bound); --compare_in_flight times one
+step in flight against no bound, in alternating rounds, for what the bound costs.
 """
 
 import argparse
@@ -24,6 +27,7 @@ import numpy as np
 
 from bert_jax import config_files  # pylint: disable=g-import-not-at-top
 from bert_jax import flops as flops_lib
+from bert_jax import monitor
 from bert_jax import pretraining
 from bert_jax import sharding as sharding_lib
 
@@ -66,14 +70,16 @@ def setup_jax(args, config):
     next_batch = lambda: fixed
   box = dict(state=state, metrics=None)
 
-  def run(n):
+  def run(n, max_in_flight=args.max_in_flight):
     wait = 0.0
+    in_flight = monitor.InFlight(max_in_flight or n)
     for _ in range(n):
       t = time.perf_counter()
       local = next_batch()
       wait += time.perf_counter() - t
       box['state'], box['metrics'] = step(box['state'], sharding_lib.make_global_batch(local, bsh))
-    jax.block_until_ready(box['metrics'])
+      in_flight.add(box['metrics'])
+    in_flight.drain()
     return wait
 
   def result(steps, elapsed, wait):
@@ -148,6 +154,27 @@ def timed(run, steps):
   return time.perf_counter() - t, wait
 
 
+def compare_in_flight(args, run_jax, result_jax):
+  """One step in flight (the drivers' loop) against no bound, in alternating rounds."""
+  per_round = max(1, args.steps // args.rounds)
+  totals = {1: [0.0, 0.0], 0: [0.0, 0.0]}
+  ratios = []
+  for r in range(args.rounds):
+    times = {}
+    for limit in ((1, 0) if r % 2 == 0 else (0, 1)):
+      elapsed, wait = timed(lambda n, limit=limit: run_jax(n, limit), per_round)
+      times[limit] = elapsed
+      totals[limit][0] += elapsed
+      totals[limit][1] += wait
+    ratios.append(times[1] / times[0])
+  steps = per_round * args.rounds
+  for limit in (1, 0):
+    print(json.dumps(dict(result_jax(steps, *totals[limit]), max_in_flight=limit)), flush=True)
+  print(json.dumps(dict(step_time_ratio_bounded_vs_unbounded=float(np.median(ratios)),
+                        ratio_per_round=[round(x, 3) for x in ratios],
+                        rounds=args.rounds, steps_per_round=per_round)), flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--size', default='base')
@@ -170,6 +197,10 @@ def main():
                       help='train.rng_impl: the PRNG of dropout')
   parser.add_argument('--real_data', action='store_true')
   parser.add_argument('--compare_torch', action='store_true')
+  parser.add_argument('--max_in_flight', type=int, default=1,
+                      help='steps dispatched and not yet computed, at most (0 = no bound)')
+  parser.add_argument('--compare_in_flight', action='store_true',
+                      help='time --max_in_flight=1 against 0 in alternating --rounds')
   args = parser.parse_args()
   args.max_predictions = args.max_predictions or max(1, round(args.seq_len * 20 / 128))
   config = config_files.load_config('configs/smoke.py', {
@@ -182,6 +213,9 @@ def main():
       'train.rng_impl': args.rng_impl})
   run_jax, result_jax, bert_config = setup_jax(args, config)
   run_jax(args.warmup)
+  if args.compare_in_flight:
+    compare_in_flight(args, run_jax, result_jax)
+    return
   if not args.compare_torch:
     elapsed, wait = timed(run_jax, args.steps)
     print(json.dumps(result_jax(args.steps, elapsed, wait)), flush=True)

@@ -19,9 +19,24 @@ import os
 # imported, hence here, before any module of the package can import it.
 os.environ.setdefault('GCS_STAT_CACHE_MAX_AGE', '0')
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
-from bert_jax.convert import load_pretrained
-from bert_jax.model import BertConfig, config_for_size, encode
-
 __version__ = '0.1.0'
 __all__ = ['BertConfig', 'config_for_size', 'encode', 'load_pretrained']
+
+# The public names load on first use: `import bert_jax.cli` (the `bert-jax` command) imports
+# this package first, and JAX and Flax, which they need, take seconds to import; the command
+# listens for SIGTERM and Ctrl-C before it imports them, and `bert-jax --help` answers at once.
+_LAZY = {'load_pretrained': 'bert_jax.convert', 'BertConfig': 'bert_jax.model',
+         'config_for_size': 'bert_jax.model', 'encode': 'bert_jax.model'}
+
+
+def __getattr__(name: str):
+  if name not in _LAZY:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  import importlib  # pylint: disable=g-import-not-at-top
+  value = getattr(importlib.import_module(_LAZY[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))

@@ -6,7 +6,7 @@ description of the slice, then reports per-chip memory against HBM and a rooflin
 the step time from XLA's cost analysis. `--topology=h100:8` (h100, h200, a100, b200; `:N` GPUs
 on one host, `:HxN` on H hosts) does the same for NVIDIA GPUs without one: XLA compiles for a
 description of the GPU (`_gpu_target`) from a CPU-only machine, given the CUDA compiler
-wheels of the `gpu_aot` extra. The fused attention kernel follows the target
+wheels of the `gpuaot` extra. The fused attention kernel follows the target
 (`attention.lowering_for`), so `model.attention_impl=cudnn` compiles from a CPU host and its
 cuDNN calls appear in the program.
 
@@ -109,9 +109,10 @@ def _devices(target: Target) -> list:
   except Exception as e:  # pylint: disable=broad-except
     if 'cuda' not in str(e).lower() and 'not found' not in str(e).lower():
       raise
-    raise UserError('compiling for NVIDIA GPUs needs the CUDA compiler of the gpu_aot extra: '
-                    "pip install 'bert_jax[gpu_aot]' (JAX's CUDA plugin, ptxas, cuDNN; no GPU "
-                    f'or driver needed); JAX said: {str(e).splitlines()[0][:200]}') from None
+    raise UserError('compiling for NVIDIA GPUs needs the CUDA compiler of the gpuaot extra: '
+                    "pip install -e '.[gpuaot]' in the checkout (JAX's CUDA plugin, ptxas, "
+                    f'cuDNN; no GPU or driver needed); JAX said: {str(e).splitlines()[0][:200]}'
+                    ) from None
 
 
 def _row_predictions(config: ml_collections.ConfigDict, seq_len: int, preds: int) -> int:

@@ -31,8 +31,10 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging as std_logging
 import os
 import re
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -88,6 +90,7 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   A failure of the previous (asynchronous) save surfaces here, as `wait_for_saves` raises it.
   """
   wait_for_saves(manager, workdir)
+  _ORBAX_ERRORS.hold()
   try:
     if data_iterator is not None:
       path = _data_state_path(workdir, step)
@@ -109,6 +112,54 @@ def wait_for_saves(manager: ocp.CheckpointManager, workdir: str) -> None:
     manager.wait_until_finished()
   except Exception as e:  # pylint: disable=broad-except
     _save_failed(manager, workdir, e)
+  _ORBAX_ERRORS.release(show=True)
+
+
+class _HeldBackOrbaxErrors(std_logging.Filter):
+  """Holds back the error lines Orbax logs while a save of ours is under way, until its outcome
+  is known.
+
+  A save that fails logs its error's traceback from three of Orbax's threads, and once more as
+  `wait_until_finished` re-raises it: about 350 lines above the message. A storage problem (a
+  full disk) is the user's to fix and ends as one line (`_save_failed`'s UserError), so they are
+  dropped; with any other outcome they are logged as they were. Meanwhile Orbax's event loops
+  end their tasks when closed (`_TaskEndingLoop`): the writes still under way when one fails
+  would otherwise each print an uncatchable "Event loop is closed" traceback as they finish.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self._held: list[std_logging.LogRecord] = []
+    self._lock = threading.Lock()
+    self._logger = std_logging.getLogger('absl')  # Orbax logs through absl.
+    self._policy: asyncio.AbstractEventLoopPolicy | None = None
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.levelno < std_logging.ERROR or f'{os.sep}orbax{os.sep}' not in record.pathname:
+      return True
+    with self._lock:
+      self._held.append(record)
+    return False
+
+  def hold(self) -> None:
+    if self not in self._logger.filters:
+      self._logger.addFilter(self)
+      self._policy = asyncio.get_event_loop_policy()
+      asyncio.set_event_loop_policy(_TaskEndingPolicy())
+
+  def release(self, show: bool) -> None:
+    """Stops holding back; logs what was held if `show`."""
+    self._logger.removeFilter(self)
+    if self._policy is not None:
+      asyncio.set_event_loop_policy(self._policy)
+      self._policy = None
+    with self._lock:
+      held, self._held = self._held, []
+    for record in held if show else []:
+      self._logger.handle(record)
+
+
+_ORBAX_ERRORS = _HeldBackOrbaxErrors()
 
 
 _DISK_ERRORS = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded',
@@ -146,6 +197,7 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
   manager.reload()
   kept = manager.latest_step()
   cause = _disk_error(error)
+  _ORBAX_ERRORS.release(show=cause is None)
   if cause is None:
     raise error
   failed = ', '.join(os.path.join(ckpt_dir, p) for p in partial) or 'the checkpoint being saved'
@@ -307,7 +359,8 @@ class _TaskEndingLoop(asyncio.SelectorEventLoop):
   _read_array_index_and_device_put>"). Cancelled here instead, they end inside their loop. A
   read that tensorstore finishes after that still hands its result to the loop from its own
   thread; with nothing left to wait for it, the result is dropped rather than raised there
-  ("Event loop is closed", which no one could catch either).
+  ("Event loop is closed", which no one could catch either). The same holds for the writes of a
+  save that fails (a full disk), whose loops are made here too (`_HeldBackOrbaxErrors`).
   """
 
   def call_soon_threadsafe(self, callback, *args, context=None):

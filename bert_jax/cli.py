@@ -6,6 +6,8 @@ and call one function of the package; no logic lives here.
 A user's mistake (`errors.UserError`, a bad flag or config override) ends as one line on stderr,
 `bert-jax <command>: error: ...`, with exit status 2; anything else is a bug and keeps its
 traceback (status 1). `--traceback` or BERT_JAX_TRACEBACK=1 shows the traceback of a mistake too.
+SIGTERM or Ctrl-C, in any phase of any command, ends with one line and status 143 (training
+saves first): rerun to resume (`EXIT_STATUSES`, also in `bert-jax --help`).
 """
 
 import contextlib
@@ -13,8 +15,10 @@ import difflib
 import logging as std_logging
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from typing import Callable
 
@@ -212,10 +216,15 @@ def _vocab_flags():
 @_command('compile', 'Compile the train step ahead of time for a Cloud TPU slice or NVIDIA '
           'GPUs (no accelerator needed); report memory and a roofline bound.')
 def _compile_flags():
+  # Compiling runs nothing on an accelerator. JAX's CUDA plugin checks, as it starts, the CUDA
+  # libraries it would run with (cuFFT, cuPTI, ...), which a compile-only machine (the gpuaot
+  # extra) lacks, and without them it does not register: "topology not implemented for cuda".
+  # JAX skips the check when JAX_PLATFORMS leaves cuda out; read as jax is imported (not yet).
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   _define_config_flag(os.path.join(configs_dir(), 'bert_large.py'))
   flags.DEFINE_string('topology', 'v5e:16x16', 'TPU slice, e.g. v5e:16x16, v4:4x4x4, v5p:4x4x4, '
                       'or NVIDIA GPUs: h100, h100:8 (one host), h100:2x8 (2 hosts); h200, a100, '
-                      "b200 (needs the gpu_aot extra).")
+                      "b200 (needs the gpuaot extra).")
   flags.DEFINE_integer('vocab_size', 30522, 'Vocabulary size when model.vocab_size is 0.')
 
   def run(argv):
@@ -375,10 +384,18 @@ def _fill_mask_flags():
 # ---- Entry point -------------------------------------------------------------------------------
 
 
+EXIT_STATUSES = f'''exit status:
+  {errors.EXIT_FINISHED:<3d}  finished
+  {errors.EXIT_USER_ERROR:<3d}  a mistake to fix: the message names the flag, config key or file
+  {errors.EXIT_BUG:<3d}  a bug: the traceback is for a bug report
+  {errors.EXIT_PREEMPTED:<3d}  stopped by SIGTERM (preemption) or Ctrl-C; training saved first:
+       rerun the same command to resume (schedulers: retry on this status)'''
+
+
 def _usage() -> str:
   lines = ['usage: bert-jax <command> [--flags]   (bert-jax <command> --help for flags)', '']
   lines += [f'  {name:10s} {text}' for name, (text, _) in _COMMANDS.items()]
-  return '\n'.join(lines)
+  return '\n'.join(lines + ['', EXIT_STATUSES])
 
 
 # absl's own --help/--helpshort list the flags of the module that is `__main__`: the console
@@ -533,9 +550,47 @@ _PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))
 
 def _ours_or_a_warning(record: std_logging.LogRecord) -> bool:
   """Log filter: warnings and errors from anywhere, info lines only from bert_jax (Orbax, for
-  one, logs every handler it creates and closes at info level). --verbosity=1 keeps all."""
-  return (record.levelno >= std_logging.WARNING or logging.get_verbosity() > 0 or
+  one, logs every handler it creates and closes at info level), and not the CUDA plugin's
+  failure on a machine without NVIDIA's driver. --verbosity=1 keeps all."""
+  if logging.get_verbosity() > 0:
+    return True
+  if _unused_cuda_plugin(record):
+    return False
+  return (record.levelno >= std_logging.WARNING or
           os.path.realpath(record.pathname).startswith(_PACKAGE_DIR + os.sep))
+
+
+def _unused_cuda_plugin(record: std_logging.LogRecord) -> bool:
+  """JAX's report that its CUDA plugin did not start, on a machine with no NVIDIA driver.
+
+  With the gpuaot extra installed (for `bert-jax compile`), JAX's CUDA plugin checks the CUDA
+  libraries as JAX starts, finds no cuFFT, and JAX logs it with two tracebacks ("Unable to load
+  cuFFT") before every command, which then runs on the CPU as it would without the plugin.
+  Where a driver is (/dev/nvidiactl), a plugin that fails to start matters and is shown.
+  """
+  return (record.name.startswith('jax') and record.levelno >= std_logging.ERROR and
+          record.getMessage().startswith('Jax plugin configuration error') and
+          'cuda' in record.getMessage() and not os.path.exists('/dev/nvidiactl'))
+
+
+def _stop_at_once_on_signals(name: str) -> dict[int, object]:
+  """SIGTERM and Ctrl-C where no run listens for them (start-up, imports, the commands that do
+  not train): one line and EXIT_PREEMPTED, not a KeyboardInterrupt traceback from each thread,
+  nor, for SIGTERM, a status that depends on the moment. A training run replaces these handlers
+  with its own, which save first (`monitor.Preemption`), and puts them back when it ends.
+  Returns the handlers replaced."""
+  if threading.current_thread() is not threading.main_thread():
+    return {}
+
+  def stop(signum, frame):
+    del frame
+    cause = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
+    # stdout: while TensorFlow loads, stderr (fd 2) is held back.
+    print(f'\nbert-jax {name}: stopped by {cause}: rerun the same command (a training run '
+          'resumes from its last checkpoint)', flush=True)
+    os._exit(errors.EXIT_PREEMPTED)  # pylint: disable=protected-access
+
+  return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -551,6 +606,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f'bert-jax: unknown command {name!r}{hint}\n\n{_usage()}', file=sys.stderr)
     sys.exit(2)
   logging.get_absl_handler().addFilter(_ours_or_a_warning)
+  previous_handlers = _stop_at_once_on_signals(name)
   try:
     _run_command(name, argv[2:])
   except errors.Preempted as e:
@@ -558,7 +614,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.stderr.flush()
     # A compile cut short by SIGTERM still runs on a worker thread; the interpreter's exit
     # would abort it (and the process, status 134): leave without that clean-up.
-    os._exit(0)  # pylint: disable=protected-access
+    os._exit(errors.EXIT_PREEMPTED)  # pylint: disable=protected-access
   except Exception as e:  # pylint: disable=broad-except
     message = user_error_message(e)
     memory = errors.out_of_memory(e)
@@ -570,7 +626,10 @@ def main(argv: list[str] | None = None) -> None:
       traceback.print_exc()
     sys.stderr.flush()
     print(f'bert-jax {name}: error: {message}', file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(errors.EXIT_USER_ERROR)
+  finally:
+    for signum, handler in previous_handlers.items():  # main() called in a process that goes on
+      signal.signal(signum, handler)
 
 if __name__ == '__main__':
   main()

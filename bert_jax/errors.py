@@ -1,12 +1,23 @@
-"""User mistakes versus bugs.
+"""User mistakes versus bugs, and the exit statuses of the `bert-jax` command.
 
 A `UserError` is a mistake the person running bert_jax can fix (a flag, a config key, a file,
 a checkpoint that does not match): the `bert-jax` command prints its message alone and exits
 with status 2. Anything else is a bug and keeps its traceback (status 1). `Preempted` is
-neither: a run stopped by SIGTERM before its first step.
+neither: a run stopped by SIGTERM or Ctrl-C (status 143), after saving what it had trained.
 """
 
 import re
+
+# The exit statuses of `bert-jax`, the same in every command and every phase of a run, for
+# schedulers' retry rules (launch/: a Kubernetes Job's podFailurePolicy, SLURM's requeue).
+EXIT_FINISHED = 0
+EXIT_BUG = 1
+EXIT_USER_ERROR = 2
+# Stopped by SIGTERM (a preemption notice, `kill`, a pod's deletion) or Ctrl-C; rerun the same
+# command to resume. 128 + 15, what a process killed by SIGTERM reports in a shell, a
+# container's status and SLURM's epilogue: a notice that lands before bert_jax listens
+# (interpreter start-up) reads the same as one it handled, so a scheduler needs one rule.
+EXIT_PREEMPTED = 143
 
 
 class UserError(ValueError):
@@ -17,8 +28,10 @@ class UserError(ValueError):
 
 
 class Preempted(Exception):
-  """SIGTERM came before the run trained a step: nothing new to save, so it stopped at once
-  (`monitor.Preemption`). Not an error: the `bert-jax` command exits with status 0."""
+  """SIGTERM or Ctrl-C stopped the run (`monitor.Preemption`): after saving the step it had
+  reached or, before its first step (nothing new to save), at once. Rerunning the same command
+  resumes it. Not a mistake: the `bert-jax` command prints the message and exits with
+  EXIT_PREEMPTED."""
 
 
 # Marks a user's mistake found inside a tf.data graph (a `tf.debugging.Assert` message): TF

@@ -138,13 +138,13 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
   """Fine-tunes `config.train.init_checkpoint` on `config.task`; returns the best epoch's metrics.
 
-  The result (also in <workdir>/metrics.json): task, main_metric, score (the main metric on
-  the first dev set), epoch, step, learning_rate, and one dict of metrics per dev set ('dev';
-  MNLI: 'dev_matched' and 'dev_mismatched'), plus 'test' for NER with predict_test. None when
-  the run stopped early (SIGTERM, train.stop_at_step) with a checkpoint to resume from: the
-  same call continues it. SIGTERM before the first step (nothing new to save) stops the run at
-  once with `errors.Preempted`. One run at a time per workdir, as in pre-training: a second one
-  is refused while this one holds the workdir's lock.
+  The result (also in <workdir>/metrics.json): task, main_metric, score (the main metric on the
+  first dev set), epoch, step, learning_rate, and one dict of metrics per dev set ('dev'; MNLI:
+  'dev_matched' and 'dev_mismatched'), plus 'test' for NER with predict_test. None when the run
+  stopped at train.stop_at_step with a checkpoint to resume from: the same call continues it.
+  SIGTERM or Ctrl-C stops it with `errors.Preempted`, after saving where it is (before the first
+  step, with nothing new to save, at once). One run at a time per workdir, as in pre-training: a
+  second one is refused while this one holds the workdir's lock.
   """
   defaults.check_moved_keys(config)
   task_table.kind_of(config.task)  # A misspelt task fails before the workdir and the checkpoint.
@@ -270,6 +270,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
       f'{len(predict_shapes)}'))
 
   def save(eval_pending: bool = False) -> None:
+    bar.update(in_flight.drain())
     # The steps since the last log were not checked yet (the log checks its own): a diverged
     # step's weights are never kept.
     unchecked = jax.device_get(history) if history else []
@@ -296,6 +297,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
                config.train.learning_rate, warmup_steps)
   bar = monitor.progress(total_steps, step, is_main and config.log.progress)
   chrono = monitor.Chrono(step)
+  # The host stays one step ahead of the device: a stop (SIGTERM) waits for a step, not for
+  # every step dispatched since the last log line; the bar and the rates count computed steps.
+  in_flight = monitor.InFlight()
   every = int(config.checkpoint.every_steps)
   # pending: SIGTERM cut an epoch's evaluation short; its rerun evaluates first.
   history, stopped, pending = [], False, False
@@ -335,6 +339,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
         save()
     return True
 
+  state_lib.wait_for_processes('the first step')
   try:
     if meta.get('eval_pending'):  # Stopped inside the evaluation of the epoch that ends here.
       # Its checkpoint stays as it is: later saves carry the new best.
@@ -352,8 +357,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
         step += 1
         history.append(step_metrics)
         chrono.count(sequences=float(batch['weight'].sum()), tokens=batch['input_ids'].size)
-        bar.update(1)
+        bar.update(in_flight.add(step_metrics))
         if step % config.log.every_steps == 0 or step == epoch_end or step == stop_at:
+          bar.update(in_flight.drain())
           host_history = jax.device_get(history)
           diverged = monitor.divergence(host_history, step - len(history) + 1)
           if diverged:
@@ -385,6 +391,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
         print(f'\nbert_jax finetune {config.task}: stopped at step {step} of {total_steps} '
               f'(epoch {step // steps_per_epoch + 1}); rerun the same command to resume from '
               f'{workdir}', flush=True)
+      if preemption.requested:
+        raise preemption.stopped(step)
       return None
 
     # ---- Test predictions with the best epoch's weights --------------------------------------
@@ -393,7 +401,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
       if best['step'] != step:
         params = ckpt_lib.restore_params(manager, best['step'], abstract.params)
       if not _predict_test(task.test, predict, params, best, log, predictions_dir, is_main):
-        return None
+        raise preemption.stopped(step)
   finally:
     bar.close()
     manager.wait_until_finished()

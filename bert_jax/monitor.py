@@ -6,9 +6,10 @@
 - `MetricsLog`: metrics.jsonl + TensorBoard on process 0, one tag scheme for every run:
   `train/<name>` for training metrics, `eval/<name>` for evaluations (a run with several
   evaluation sets: `eval/<set>/<name>`).
+- `InFlight`: bounds how far the host runs ahead of the device (one step).
 - `progress`: the tqdm bar of the loop.
-- `Preemption`: SIGTERM as a flag the loop polls, so it saves before exiting; before the first
-  step (nothing new to save) it stops the run at once (`Preempted`).
+- `Preemption`: SIGTERM and Ctrl-C as a flag the loop polls, so it saves before exiting
+  (`Preempted`); before the first step (nothing new to save) it stops the run at once.
 """
 
 import collections
@@ -26,6 +27,7 @@ from absl import logging
 
 from bert_jax import fileio
 from bert_jax import gcs
+from bert_jax.errors import EXIT_PREEMPTED
 from bert_jax.errors import Preempted
 
 METRICS_FILE = 'metrics.jsonl'
@@ -206,6 +208,38 @@ def truncate_metrics(workdir: str, after_step: int | None) -> None:
       f.write(''.join(line + '\n' for line in kept))
 
 
+class InFlight:
+  """At most `limit` dispatched steps not yet computed: the host runs that far ahead, no more.
+
+  JAX returns from a step as soon as it is dispatched. A loop that reads no result until its
+  next log line queues every step up to it, and whatever then needs the state (the save after
+  SIGTERM) waits for all of them: 33 queued steps took 8 minutes on a loaded CPU. `add` waits
+  for the oldest step past the limit, so with the default of one the next batch is read and
+  its step dispatched while the device runs the current one, and a stop costs one step more.
+  `add` and `drain` return how many steps they saw complete: a progress bar counts those.
+  """
+
+  def __init__(self, limit: int = 1):
+    self.limit = limit
+    self._pending: collections.deque[Any] = collections.deque()
+
+  def add(self, outputs: Any) -> int:
+    """Adds a dispatched step's outputs; waits until no more than `limit` are not done."""
+    self._pending.append(outputs)
+    done = 0
+    while len(self._pending) > self.limit:
+      jax.block_until_ready(self._pending.popleft())
+      done += 1
+    return done
+
+  def drain(self) -> int:
+    """Waits for every step added; how many there were."""
+    done = len(self._pending)
+    while self._pending:
+      jax.block_until_ready(self._pending.popleft())
+    return done
+
+
 def progress(total: int, initial: int, enabled: bool):
   """The loop's progress bar (steps); a no-op when not `enabled`."""
   import tqdm  # pylint: disable=g-import-not-at-top  (only a driver needs it)
@@ -214,38 +248,55 @@ def progress(total: int, initial: int, enabled: bool):
 
 
 class Preemption:
-  """Turns SIGTERM into a flag the loop polls, so it can save before exiting.
+  """Turns SIGTERM and Ctrl-C (SIGINT) into a flag the loop polls, so it can save before exiting.
 
   Spot VMs get about 30 s between SIGTERM and the kill. Before a run's first step (input
   start-up, restore, compiles) there is nothing new to save: `check` and `wait` then stop the
   run at once with `Preempted`, even in the middle of a compile that would outlast the notice.
+  After it, the loop saves where it is and raises `stopped(step)`. A second Ctrl-C stops the
+  process at once (the last committed checkpoint is where a rerun resumes).
 
   With several processes, jax.distributed's preemption service catches SIGTERM instead and
   makes every process stop at the same step: ask `stop_now(step, manager)`. The flag stays
   unset there (one process alone must not stop early).
   """
 
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
   def __init__(self):
     self.requested = False
-    self._previous = None
+    self.cause = ''  # What stopped the run, for its message.
+    self._previous: dict[int, Any] = {}
     if jax.process_count() > 1:
       # A local flag would send the signalled process alone into the collective save while the
       # others enter the next train step.
       return
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      for signum in self.SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame):
-    del signum, frame
-    logging.warning('SIGTERM received: stopping (with a checkpoint if there is anything new '
-                    'to save).')
-    self.requested = True
+    del frame
+    if self.requested and signum == signal.SIGINT:
+      print('\nCtrl-C again: stopping at once; a rerun resumes from the last complete '
+            'checkpoint.', flush=True)
+      os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
+    name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
+    logging.warning('%s received: stopping (with a checkpoint if there is anything new to '
+                    'save%s).', name, '; Ctrl-C again to stop at once' if name == 'Ctrl-C' else '')
+    self.requested, self.cause = True, self.cause or name
 
   def check(self) -> None:
     """Raises Preempted if SIGTERM came (call it where nothing new would be saved)."""
     if self.requested:
-      raise Preempted('stopped by SIGTERM before the first step: nothing new to save since '
-                      'the last checkpoint; rerun the same command to resume')
+      raise Preempted(f'stopped by {self.cause} before the first step: nothing new to save '
+                      'since the last checkpoint; rerun the same command to resume')
+
+  def stopped(self, step: int, saved: bool = True) -> Preempted:
+    """The Preempted to raise once the loop stopped (and saved, if `saved`) at `step`."""
+    what = f'saved step {step}' if saved else f'stopped at step {step}'
+    return Preempted(f'stopped by {self.cause or "a preemption notice"}: {what}; rerun the '
+                     'same command to resume')
 
   def wait(self, fn: Callable[[], Any]) -> Any:
     """fn() on a worker thread while this one waits for it or for SIGTERM (`check`).
@@ -275,11 +326,14 @@ class Preemption:
 
   def stop_now(self, step: int, manager) -> bool:
     """Whether the run must save and stop after `step` (every process agrees)."""
-    return self.requested or manager.reached_preemption(step)
+    if not self.requested and manager.reached_preemption(step):
+      self.requested, self.cause = True, 'a preemption notice (jax.distributed)'
+    return self.requested
 
   def restore(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous = {}
 
   def __enter__(self) -> 'Preemption':
     return self

@@ -79,12 +79,13 @@ def evaluate_params(config: ml_collections.ConfigDict, phase: pretraining.Phase,
   if check_nsp_share:
     check_label_share(batches, config.data)
   batch_sharding = sharding_lib.batch_sharding(mesh)
-  results = []
+  results, in_flight = [], monitor.InFlight()  # So that `stop()` is not answered batches late.
   with sharding_lib.activate(mesh, rules):
     for local in batches:
       if stop():
         return None
       results.append(p_eval_step(params, sharding_lib.make_global_batch(local, batch_sharding)))
+      in_flight.add(results[-1])
   return monitor.summarize(jax.device_get(results))
 
 
@@ -205,8 +206,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Pre-trains BERT as `config` says, in `workdir`; returns the last evaluation's metrics.
 
   One run at a time per workdir: a second one is refused while this one holds its lock.
-  SIGTERM after the first step saves where the run is and returns; before it (nothing new to
-  save) the run stops at once with `errors.Preempted`.
+  SIGTERM or Ctrl-C stops the run with `errors.Preempted`: after the first step, once it has
+  saved where it is; before it (nothing new to save), at once.
   """
   workdir = fileio.workdir_path(workdir)
   # From the start, before the lock: SIGTERM during start-up is heard too.
@@ -359,6 +360,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   eval_metrics: dict[str, float] = {}
   bar = monitor.progress(stop_at, step, is_main and config.log.progress)
   chrono = monitor.Chrono(step)
+  # The host stays one step ahead of the device: a stop (SIGTERM) waits for a step, not for
+  # every step dispatched since the last log line; the bar and the rates count computed steps.
+  in_flight = monitor.InFlight()
   history, last_saved, preempted = [], start, False
   first_step = step
   try:
@@ -380,6 +384,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           local = (preemption.wait(lambda: next(data_it)) if step == first_step
                    else next(data_it))
         batch = sharding_lib.make_global_batch(local, batch_sharding)
+        if step == first_step:
+          with chrono.excluded():
+            state_lib.wait_for_processes('the first step')
         if first_in_segment:  # It compiles: its time and the step are not throughput.
           jax.block_until_ready(state)  # Earlier steps are training time, not compile time.
           with chrono.excluded(steps=1):
@@ -390,9 +397,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           state, metrics = p_train_step(state, batch)
         step += 1
         history.append(metrics)
-        bar.update(1)
+        bar.update(in_flight.add(metrics))
 
         if step % config.log.every_steps == 0 or step == stop_at:
+          bar.update(in_flight.drain())
           host_history = jax.device_get(history)
           diverged = monitor.divergence(host_history, step - len(history) + 1)
           if diverged:
@@ -408,12 +416,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
         preempted = preemption.stop_now(step, manager)
         if step % config.checkpoint.every_steps == 0 or step == stop_at or preempted:
+          bar.update(in_flight.drain())
           jax.block_until_ready(state)
           with chrono.excluded():
             save(phase, data_it)
           last_saved = step
         # After the save: a failing or killed evaluation never costs the steps before it.
         if (step % config.eval.every_steps == 0 or step == stop_at) and not preempted:
+          bar.update(in_flight.drain())
           jax.block_until_ready(state)
           with chrono.excluded():
             ckpt_lib.wait_for_saves(manager, workdir)
@@ -438,6 +448,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   if is_main:
     _print_summary(config, workdir, step, stop_at, start, eval_metrics)
+  if preempted:
+    raise preemption.stopped(step)
   return eval_metrics
 
 

@@ -11,6 +11,7 @@
 """
 
 import functools
+import itertools
 import time
 from typing import Any, Callable, Iterable
 
@@ -210,6 +211,31 @@ def compile_ahead(calls: Iterable[tuple[Any, tuple]], mesh: jax.sharding.Mesh, r
     for jitted, args in calls:
       jitted.lower(*args).compile()
   logging.info('Compiled in %.1f s', time.time() - started)
+
+
+# How long processes wait for each other before the first step (start-up may differ by minutes:
+# a compile served from the cache on one host, a shuffle buffer filling on another).
+START_BARRIER_SECONDS = 1800
+_barriers = itertools.count()
+
+
+def wait_for_processes(what: str) -> None:
+  """Every process waits here for the others (the coordination service's barrier, up to
+  START_BARRIER_SECONDS); nothing with one process.
+
+  A run's first collective builds the CPU collectives' (gloo's) context, whose key-value
+  lookups give up after 30 s: a process that got there half a minute before the other failed
+  (DEADLINE_EXCEEDED) on a loaded machine. On a pod the first step's collectives likewise wait
+  only as long as the runtime's own deadline."""
+  if jax.process_count() == 1:
+    return
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+  started = time.time()
+  # `processes` given: the coordination service's barrier, not a collective.
+  multihost.sync_global_processes(f'bert_jax_{what}_{next(_barriers)}'.replace(' ', '_'),
+                                  timeout=START_BARRIER_SECONDS,
+                                  processes=set(range(jax.process_count())))
+  logging.info('Waited %.1f s for the other processes before %s', time.time() - started, what)
 
 
 def check_accumulation(batch_size: int, accum_steps: int, mesh: jax.sharding.Mesh,

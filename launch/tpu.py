@@ -10,10 +10,11 @@ nothing):
           (--config=finetune_glue:mrpc) copies nothing.
   run     Run `bert-jax pretrain|finetune` on every worker; output streams back over ssh and is
           also appended to a log file on each worker. --relaunch: see `watch`.
-  watch   Same as `run --relaunch`: run, and whenever the TPU is preempted (or missing) delete
-          it, create it again, set it up and run again, up to --max_restarts times. The same
-          --workdir makes every relaunch resume from the latest checkpoint. Started with no TPU,
-          it creates and sets one up first.
+watch   Same as `run --relaunch`: run, and whenever the TPU is preempted (or missing) delete it,
+          create it again, set it up and run again, up to --max_restarts times; a run that exits
+          with status 143 (stopped by SIGTERM) on a healthy TPU is run again as it is. The same
+          --workdir makes every relaunch resume from the latest checkpoint. Started with no TPU, it
+          creates and sets one up first.
   delete  Delete the TPU (and its queued resource).
 
 Examples (a v4-32 slice is 4 hosts, so the workdir must be on GCS):
@@ -69,6 +70,10 @@ _CAPACITIES = ('on-demand', 'spot', 'preemptible', 'reserved', 'best-effort')
 # States read from `describe --format=value(...)`: a queued resource reports ACTIVE once its
 # nodes are up, a TPU VM reports READY.
 HEALTHY_STATES = frozenset({'READY', 'ACTIVE'})
+# `bert-jax`'s status for "stopped by SIGTERM, rerun to resume" (bert_jax.errors.EXIT_PREEMPTED;
+# this script imports nothing of the package): a maintenance event or a stop on a TPU that is
+# still healthy is relaunched on it, without recreating the TPU.
+PREEMPTED_STATUS = 143
 PENDING_STATES = frozenset({
     'CREATING', 'STARTING', 'RESTARTING', 'REPAIRING', 'REIMAGING', 'UPDATING',
     'ACCEPTED', 'WAITING_FOR_RESOURCES', 'PROVISIONING', 'UNKNOWN',
@@ -647,7 +652,8 @@ def watch(args: argparse.Namespace, shell: Shell) -> int:
   while True:
     status = run(args, shell)
     state, interrupted = settled_state(args, shell)
-    if state in HEALTHY_STATES and not (status and interrupted):
+    stopped = status == PREEMPTED_STATUS or (status and interrupted)
+    if state in HEALTHY_STATES and not stopped:
       if status:
         # The TPU is fine, so the failure is the program's: rerunning would fail again.
         raise LaunchError(f'training exited with status {status} on a healthy TPU; not '

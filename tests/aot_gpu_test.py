@@ -1,11 +1,15 @@
 """Ahead-of-time compilation for NVIDIA GPUs from this CPU machine (no GPU, no driver).
 
-The CUDA compiler comes from the gpu_aot packages that the test extra installs (JAX's CUDA
+The CUDA compiler comes from the gpuaot packages that the test extra installs (JAX's CUDA
 plugin, ptxas, cuDNN). CI installs them, so there a missing plugin is a failure, not a skip.
 """
 
 import importlib.util
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -14,7 +18,7 @@ from bert_jax import config_files
 from bert_jax.errors import UserError
 
 if importlib.util.find_spec('jax_plugins.xla_cuda12') is None and not os.environ.get('CI'):
-  pytest.skip('the gpu_aot extra (JAX CUDA plugin) is not installed', allow_module_level=True)
+  pytest.skip('the gpuaot extra (JAX CUDA plugin) is not installed', allow_module_level=True)
 
 
 def _config(**overrides):
@@ -73,3 +77,49 @@ def test_what_cudnn_cannot_run_is_a_clear_error_before_the_cluster():
                                         'model.attention_probs_dropout_prob': 0.1}), 'h100')
   with pytest.raises(UserError, match='runs on TPUs only'):
     aot.compile_for_topology(_config(**{'model.attention_impl': 'splash'}), 'h100')
+
+
+def test_the_readme_install_line_and_compile_command_as_a_user_types_them(tmp_path):
+  """The README's install line for the extra, run by the pip of a fresh virtual environment
+  (Python's own: 23.2 on 3.11 and 3.12, which matched no extra spelt `gpu_aot` and installed
+  nothing extra), then `bert-jax compile --topology=h100` from that environment's console script
+  with the user's environment: no JAX_PLATFORMS or other variable of tests/conftest.py (the
+  CUDA plugin's check of the CUDA libraries made it "topology not implemented for cuda").
+  The environment sees this machine's packages (--system-site-packages), so pip resolves the
+  extra without downloading it; the checkout is copied, so the editable install writes nothing
+  into this one."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, 'README.md')) as f:
+    line = re.search(r"`(python3 -m pip install -e '\.\[gpuaot\]')`", f.read()).group(1)
+  checkout = tmp_path / 'bert_jax'
+  checkout.mkdir()
+  for name in ('bert_jax', 'configs'):
+    shutil.copytree(os.path.join(root, name), checkout / name,
+                    ignore=shutil.ignore_patterns('__pycache__'))
+  for name in ('setup.cfg', 'pyproject.toml', 'README.md'):
+    shutil.copy(os.path.join(root, name), checkout / name)
+  venv = tmp_path / 'venv'
+  subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages', str(venv)],
+                 check=True)
+  # The user's environment: none of the variables tests/conftest.py sets.
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('JAX_PLATFORMS', 'XLA_FLAGS', 'JAX_DISABLE_MOST_OPTIMIZATIONS',
+                      'TF_CPP_MIN_LOG_LEVEL', 'PYTHONPATH')}
+  env['PATH'] = f'{venv / "bin"}{os.pathsep}{env["PATH"]}'
+  install = subprocess.run(['bash', '-c', line], cwd=checkout, env=env, capture_output=True,
+                           text=True, timeout=600)
+  assert install.returncode == 0, install.stderr[-3000:]
+  assert 'does not provide the extra' not in install.stdout + install.stderr, install.stderr
+  overrides = {'model.size': 'tiny', 'model.vocab_size': 1024, 'train.batch_size': 16,
+               'train.phases': '', 'data.max_seq_length': 128,
+               'data.max_predictions_per_seq': 20, 'data.packing': True,
+               'model.attention_impl': 'cudnn', 'model.attention_probs_dropout_prob': 0.0}
+  compile_run = subprocess.run(
+      [str(venv / 'bin' / 'bert-jax'), 'compile', '--config=bert_base', '--topology=h100'] +
+      [f'--config.{k}={v}' for k, v in overrides.items()], cwd=tmp_path, env=env,
+      capture_output=True, text=True, timeout=600)
+  assert compile_run.returncode == 0, compile_run.stderr[-3000:]
+  assert 'cuDNN attention: 2 forward and 2 backward calls' in compile_run.stdout, (
+      compile_run.stdout)
+  # The plugin's failed start (no cuFFT on this machine) is not shown above the report.
+  assert 'Unable to load cuFFT' not in compile_run.stderr, compile_run.stderr[-3000:]

@@ -4,11 +4,14 @@ directory nor the checkout on sys.path (the console script's situation)."""
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from bert_jax import run_lock
 from bert_jax import config_files
 from bert_jax.errors import UserError
 
@@ -22,8 +25,9 @@ def _run_main(tmp_path, args):
   os.symlink(os.path.join(_ROOT, 'bert_jax'), site / 'bert_jax')
   env = dict(os.environ, PYTHONPATH=str(site))
   code = f'from bert_jax import cli; cli.main({["bert-jax"] + args!r})'
+  # 300 s ran out at a load of 8 on 2 cores (TensorFlow and libtpu load before the flag check).
   return subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=900)
 
 
 _USER_CONFIG = """
@@ -176,6 +180,72 @@ def test_unknown_command_suggests_the_closest():
   proc = _cli(['pretrian'])
   assert proc.returncode == 2
   assert "unknown command 'pretrian' (did you mean 'pretrain'?)" in proc.stderr
+
+
+@pytest.mark.parametrize('driver', [False, True])
+def test_the_cuda_plugins_failed_start_is_held_back_without_a_driver(monkeypatch, driver):
+  """With the gpuaot extra on a CPU machine, JAX logs its CUDA plugin's failed start (no cuFFT)
+  with two tracebacks before every command: held back unless an NVIDIA driver is there, where
+  it matters."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from bert_jax import cli  # pylint: disable=g-import-not-at-top
+  try:
+    raise RuntimeError('Unable to load cuFFT. Is it installed?')
+  except RuntimeError:
+    exc_info = sys.exc_info()
+  # As jax._src.xla_bridge logs it (logger.exception).
+  record = logging.getLogger('jax._src.xla_bridge').makeRecord(
+      'jax._src.xla_bridge', logging.ERROR, 'xla_bridge.py', 510,
+      'Jax plugin configuration error: Exception when calling %s.initialize()',
+      ('jax_plugins.xla_cuda12',), exc_info)
+  real_exists = os.path.exists
+  monkeypatch.setattr(os.path, 'exists',
+                      lambda p: driver if p == '/dev/nvidiactl' else real_exists(p))
+  assert cli._ours_or_a_warning(record) == driver  # pylint: disable=protected-access
+  other = logging.getLogger('jax._src.xla_bridge').makeRecord(
+      'jax._src.xla_bridge', logging.ERROR, 'xla_bridge.py', 1, 'another error', (), None)
+  assert cli._ours_or_a_warning(other)  # pylint: disable=protected-access
+
+
+def test_exit_statuses_are_listed_in_the_help():
+  proc = _cli(['--help'])
+  assert proc.returncode == 0
+  for status, meaning in [(0, 'finished'), (2, 'a mistake'), (1, 'a bug'), (143, 'stopped by')]:
+    assert re.search(rf'^  {status} +{meaning}', proc.stdout, re.M), proc.stdout
+
+
+def _catches(pid, signum):
+  """Whether process `pid` has a handler for `signum` (/proc's SigCgt mask)."""
+  with open(f'/proc/{pid}/status') as f:
+    mask = next(line for line in f if line.startswith('SigCgt:')).split()[1]
+  return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize('signum, cause', [(signal.SIGINT, 'Ctrl-C'), (signal.SIGTERM, 'SIGTERM')])
+@pytest.mark.parametrize('when', ['imports', 'run'])
+def test_a_signal_during_start_up_is_one_line_and_status_143(tmp_path, signum, cause, when):
+  """Ctrl-C or SIGTERM as soon as the command listens for it (it then imports its libraries),
+  or once the run has taken its workdir's lock (reading input, initializing): one line on
+  stdout, no traceback, status 143 (errors.EXIT_PREEMPTED), whichever part of start-up it
+  lands in."""
+  variables = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu')
+  workdir = tmp_path / 'run'
+  proc = subprocess.Popen([sys.executable, '-m', 'bert_jax.cli', 'pretrain',
+                           f'--workdir={workdir}'], cwd=_ROOT, env=variables,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 240
+  # Python catches SIGINT from its start (KeyboardInterrupt); SIGTERM only once bert-jax does.
+  ready = ((lambda: _catches(proc.pid, signal.SIGTERM)) if when == 'imports' else
+           (lambda: os.path.exists(workdir / run_lock.LOCK_FILE)))
+  while proc.poll() is None and time.time() < deadline and not ready():
+    time.sleep(0.01)
+  proc.send_signal(signum)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143, err[-3000:]
+  line = out.strip().splitlines()[-1]
+  assert line.startswith(f'bert-jax pretrain: stopped by {cause}'), out
+  assert ('before the first step' in line) == (when == 'run'), line
+  assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
 
 
 @pytest.mark.parametrize('how', ['flag', 'env'])

@@ -239,7 +239,8 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   assert ckpt_lib.checkpoint_steps(stopped) == [full['step']]
   assert _dev_rows(stopped) == (full_dev, full_steps)
 
-  # SIGTERM after step 2 (epoch 1): the run saves step 2 and returns; the rerun finishes it.
+  # SIGTERM after step 2 (epoch 1): the run saves step 2 and stops (Preempted); the rerun
+  # finishes it.
   log_train = monitor.MetricsLog.train
 
   def train_then_sigterm(self, step, scalars, **extra):
@@ -249,7 +250,8 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   monkeypatch.setattr(monitor.MetricsLog, 'train', train_then_sigterm)
   signalled = str(tmp_path / 'signalled')
   config = _glue_config(checkpoints['bert_jax'], data_dir, **settings)
-  assert finetune.finetune(config, signalled) is None
+  with pytest.raises(errors.Preempted, match='stopped by SIGTERM: saved step 2; rerun'):
+    finetune.finetune(config, signalled)
   assert ckpt_lib.checkpoint_steps(signalled) == [2]
   monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
   assert finetune.finetune(config, signalled) == full
@@ -266,7 +268,8 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
     return predict_rows(*args, **kwargs)
   monkeypatch.setattr(batching, 'predict_rows', sigterm_then_predict)
   in_eval = str(tmp_path / 'in_eval')
-  assert finetune.finetune(config, in_eval) is None
+  with pytest.raises(errors.Preempted, match='stopped by SIGTERM: saved step 4; rerun'):
+    finetune.finetune(config, in_eval)
   assert ckpt_lib.checkpoint_steps(in_eval) == [4]
   assert _dev_rows(in_eval) == ([], [1, 2, 3, 4])
   assert finetune.finetune(config, in_eval) == full
@@ -328,7 +331,8 @@ def _write_sst2(data_dir, seed, sizes=(('train', 64), ('dev', 32))):
 def _finetune_processes(workdir, settings, cache_dir, num_processes=2, sigterm_last=False):
   """`bert-jax finetune` as `num_processes` processes of 2 fake CPU devices each, gloo
   collectives on loopback; waits for them and fails with their stderr if one fails.
-  `sigterm_last`: SIGTERM to the last process once a training step is logged."""
+  `sigterm_last`: SIGTERM to the last process once a training step is logged; every process
+  must then exit with EXIT_PREEMPTED."""
   port = processes.free_port()
   flags = [f'--config.{k}={v}' for k, v in settings.items()]
   # Output goes to files: a process blocked on a full pipe would stall the collective steps of
@@ -367,7 +371,8 @@ def _finetune_processes(workdir, settings, cache_dir, num_processes=2, sigterm_l
   if timed_out:
     pytest.fail('fine-tuning processes timed out:\n' + '\n'.join(e[-5000:] for _, e in outputs))
   for i, (proc, (_, err)) in enumerate(zip(procs, outputs)):
-    assert proc.returncode == 0, f'process {i}:\n{err[-5000:]}'
+    expected = errors.EXIT_PREEMPTED if sigterm_last else 0
+    assert proc.returncode == expected, f'process {i}:\n{err[-5000:]}'
   return [out for out, _ in outputs]
 
 

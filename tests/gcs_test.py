@@ -194,7 +194,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
     proc.kill()
     raise
   out, err = _communicate(proc, 200)
-  assert proc.returncode == 0, err[-5000:]
+  assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
   stopped = max(_losses(workdir))
   assert ckpt_lib.checkpoint_steps(workdir) == [stopped]
   assert stopped < REFERENCE_STEPS, f'the signal landed too late to test a resume ({stopped})'
@@ -381,7 +381,8 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
       signal.raise_signal(signal.SIGTERM)
   monkeypatch.setattr(monitor.MetricsLog, 'train', train_then_sigterm)
   workdir = gcs.url('sst2')
-  assert finetune.finetune(config, workdir) is None
+  with pytest.raises(errors.Preempted, match='saved step 2'):
+    finetune.finetune(config, workdir)
   assert ckpt_lib.checkpoint_steps(workdir) == [2]
   monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
   assert finetune.finetune(config, workdir) == full
@@ -573,7 +574,7 @@ def test_launch_watch_recovers_a_preempted_finetuning_run_on_gs(gcs, tmp_path):
       tpu.Shell(dry_run=False, sleep=lambda s: None))
   first, second = (runs / '1.log').read_text(), (runs / '2.log').read_text()
   assert status == 0, second[-5000:]
-  assert json.loads((runs / '1.status').read_text()) == 0, first[-5000:]
+  assert json.loads((runs / '1.status').read_text()) == errors.EXIT_PREEMPTED, first[-5000:]
   stopped = re.search(r'stopped at step (\d+) of 16', first)
   assert stopped, first[-5000:]
   assert f'Resumed from step {stopped.group(1)} ' in second

@@ -342,6 +342,7 @@ def fake_gcloud(tmp_path):
           n=$(( $(cat {runs} 2>/dev/null || echo 0) + 1 )); echo $n > {runs}
           if (( n <= ${{PREEMPTIONS:-0}} )); then echo SUSPENDED > {state}; exit 255; fi
           if (( n <= ${{REPAIRS:-0}} )); then echo REPAIRING > {state}; exit 255; fi
+          if (( n <= ${{STOPS:-0}} )); then exit 143; fi
           exit ${{RUN_STATUS:-0}} ;;
       esac
       """
@@ -386,6 +387,21 @@ def test_watch_reruns_without_recreating_after_a_repair(fake_gcloud, configs, mo
   assert _watch(gcloud, configs) == 0
   verbs = _verbs(calls)
   assert verbs.count('run') == 2
+  assert 'delete' not in verbs and 'create' not in verbs
+
+
+def test_watch_reruns_a_run_stopped_by_sigterm_on_a_healthy_tpu(fake_gcloud, configs,
+                                                                 monkeypatch):
+  """Status 143 (errors.EXIT_PREEMPTED: SIGTERM, saved) with the TPU still ACTIVE, as after a
+  maintenance event: the same TPU runs the command again, which resumes."""
+  from bert_jax import errors  # pylint: disable=g-import-not-at-top
+  assert tpu.PREEMPTED_STATUS == errors.EXIT_PREEMPTED
+  gcloud, state, calls = fake_gcloud
+  state.write_text('ACTIVE\n')
+  monkeypatch.setenv('STOPS', '2')
+  assert _watch(gcloud, configs, '--max_restarts=2') == 0
+  verbs = _verbs(calls)
+  assert verbs.count('run') == 3
   assert 'delete' not in verbs and 'create' not in verbs
 
 
@@ -497,7 +513,7 @@ def _jsonl(path):
 
 def test_watch_recovers_a_preempted_finetuning_run(tmp_path):
   """`watch --mode=finetune` from no TPU: create, set up, run; the run is preempted after its
-  first logged step (SIGTERM: it saves and exits; the TPU is SUSPENDED); watch deletes and
+  first logged step (SIGTERM: it saves and exits with 143; the TPU is SUSPENDED); watch deletes and
   recreates the TPU (a fresh disk), sets it up again and reruns, and the rerun resumes from the
   saved step and ends with exactly the metrics of an uninterrupted run, each step logged once.
 
@@ -550,7 +566,7 @@ def test_watch_recovers_a_preempted_finetuning_run(tmp_path):
   assert 'bert-jax finetune --config=configs/finetune_glue.py:sst2' in calls.read_text()
 
   # The first run saved where SIGTERM stopped it, inside the run; the rerun resumed there.
-  assert json.loads((runs / '1.status').read_text()) == 0, first[-5000:]
+  assert json.loads((runs / '1.status').read_text()) == 143, first[-5000:]
   stopped = re.search(r'stopped at step (\d+) of 16', first)
   assert stopped, first[-5000:]
   assert f'Resumed from step {stopped.group(1)} ' in second
@@ -651,6 +667,55 @@ def test_slurm_srun_gives_each_task_its_process_id(slurm_env, tmp_path):
     assert xla.split()[0].startswith('--xla_gpu_') and xla.split()[-1] == '--xla_dump_to=/x'
 
 
+@pytest.mark.parametrize('status, restarts, requeued, exit_status', [
+    (143, 0, True, 143),  # Stopped by SIGTERM, saved: requeued.
+    (143, 20, False, 143),  # ... unless MAX_REQUEUES (20) requeues are used up.
+    (0, 0, False, 0),  # Finished.
+    (2, 0, False, 2),  # A mistake: rerunning would fail again.
+    (1, 0, False, 1),  # A bug.
+])
+def test_slurm_requeues_on_the_preemption_status_only(slurm_env, tmp_path, status, restarts,
+                                                      requeued, exit_status):
+  """The job requeues itself when bert-jax exits with errors.EXIT_PREEMPTED in every task, and
+  ends with the trainer's status otherwise; srun is a fake that runs both tasks here."""
+  from bert_jax import errors  # pylint: disable=g-import-not-at-top
+  env, bin_dir = slurm_env
+  calls = tmp_path / 'scontrol_calls'
+  _write_exe(bin_dir / 'scontrol', f"""
+      #!/bin/bash
+      echo "$*" >> {calls}
+      [[ "$1" == requeue ]] && exit 0
+      printf 'gpu-07\\ngpu-08\\n'
+      """)
+  _write_exe(bin_dir / 'srun', """
+      #!/bin/bash
+      while [[ "$1" == --* ]]; do shift; done
+      rc=0
+      for i in 0 1; do SLURM_PROCID=$i "$@" || rc=$?; done
+      exit $rc
+      """)
+  trainer = _write_exe(tmp_path / 'trainer', f"""
+      #!/bin/bash
+      exit {status}
+      """)
+  result = _sbatch(dict(env, BERT_JAX=trainer, TMPDIR=str(tmp_path),
+                        SLURM_RESTART_COUNT=str(restarts)))
+  assert result.returncode == exit_status, result.stderr
+  assert ('requeue 4242' in calls.read_text().splitlines()) == requeued, result.stderr
+  if status == errors.EXIT_PREEMPTED and not requeued:
+    assert 'MAX_REQUEUES=20 requeues are used up' in result.stderr
+  assert not list(tmp_path.glob('bert_jax_*.stopped'))
+
+
+def test_slurm_header_requeues_and_warns_before_the_time_limit():
+  with open(os.path.join(_LAUNCH, 'gpu_slurm.sbatch')) as f:
+    text = f.read()
+  header = [l.split()[1] for l in text.splitlines() if l.startswith('#SBATCH')]
+  assert '--requeue' in header and '--signal=TERM@120' in header
+  from bert_jax import errors  # pylint: disable=g-import-not-at-top
+  assert f'PREEMPTED={errors.EXIT_PREEMPTED} ' in text
+
+
 @pytest.mark.parametrize('change,message', [
     ({'CONFIG': ''}, 'CONFIG'),
     ({'WORKDIR': ''}, 'WORKDIR'),
@@ -746,3 +811,59 @@ def test_default_gpu_xla_flags_are_known_to_xla(slurm_env):
 def test_empty_gpu_xla_flags_disables_the_defaults(slurm_env):
   env, _ = slurm_env
   assert _exported(_sbatch(dict(env, DRY_RUN='1', GPU_XLA_FLAGS='')).stdout, 'XLA_FLAGS') == ''
+
+
+# ---- Kubernetes Job -------------------------------------------------------------------------
+
+
+def _pod_failure_action(policy, container, exit_code):
+  """What a Job's podFailurePolicy does with a pod whose `container` exited with `exit_code`
+  (Kubernetes: the first rule that matches; none: the failure counts against backoffLimit)."""
+  for rule in policy['rules']:
+    on = rule.get('onExitCodes')
+    if on and on.get('containerName', container) == container:
+      if (exit_code in on['values']) == (on['operator'] == 'In'):
+        return rule['action']
+  return 'Count'
+
+
+def test_kubernetes_job_retries_on_the_preemption_status_only():
+  """launch/gpu_k8s_job.yaml: the rules of its podFailurePolicy applied to the statuses bert-jax
+  exits with, and the pieces that must agree (process count, coordinator, Service, the rules'
+  container). Checked as data (no cluster here to validate it against)."""
+  import yaml  # pylint: disable=g-import-not-at-top
+  from bert_jax import errors  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(_LAUNCH, 'gpu_k8s_job.yaml')) as f:
+    service, job = list(yaml.safe_load_all(f))
+  assert (service['kind'], job['kind'], job['apiVersion']) == ('Service', 'Job', 'batch/v1')
+  spec, pod = job['spec'], job['spec']['template']['spec']
+  container, = pod['containers']
+  policy = spec['podFailurePolicy']
+  name = container['name']
+  assert _pod_failure_action(policy, name, errors.EXIT_PREEMPTED) == 'Ignore'
+  assert _pod_failure_action(policy, name, errors.EXIT_USER_ERROR) == 'FailJob'
+  assert _pod_failure_action(policy, name, errors.EXIT_BUG) == 'FailJob'
+  assert _pod_failure_action(policy, name, 137) == 'Count'  # SIGKILL: a crash, counted.
+  # The API refuses 0 in an `In` rule (a finished container is not a failure).
+  assert all(0 not in r['onExitCodes']['values'] for r in policy['rules'] if 'onExitCodes' in r)
+  assert {'type': 'DisruptionTarget'} in sum(
+      (r.get('onPodConditions', []) for r in policy['rules'] if r['action'] == 'Ignore'), [])
+  assert pod['restartPolicy'] == 'Never'  # The API requires it with a podFailurePolicy.
+  assert pod['terminationGracePeriodSeconds'] >= 30
+
+  # One process per pod, all at once; pod 0 of the Indexed Job is the coordinator.
+  args = container['args']
+  flags = dict(a[2:].split('=', 1) for a in args if a.startswith('--'))
+  assert spec['completionMode'] == 'Indexed'
+  assert spec['completions'] == spec['parallelism'] == int(flags['num_processes'])
+  port = service['spec']['ports'][0]['port']
+  assert flags['coordinator_address'] == f'{job["metadata"]["name"]}-0.{pod["subdomain"]}:{port}'
+  assert pod['subdomain'] == service['metadata']['name']
+  assert service['spec']['clusterIP'] == 'None'
+  assert service['spec']['selector'] == {'job-name': job['metadata']['name']}
+  env = {e['name']: e for e in container['env']}
+  assert flags['process_id'] == '$(PROCESS_ID)'
+  assert env['PROCESS_ID']['valueFrom']['fieldRef']['fieldPath'] == (
+      "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+  assert container['command'] == ['bert-jax'] and args[0] in ('pretrain', 'finetune')
+  assert container['resources']['limits']['nvidia.com/gpu'] == 8

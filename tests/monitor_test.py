@@ -50,3 +50,23 @@ def test_chrono_of_a_period_that_only_compiled_counts_that_step(monkeypatch):
   with chrono.excluded(steps=1):
     clock.now += 4
   assert chrono.report(step=1)['steps_per_second'] == pytest.approx(0.25)
+
+
+def test_in_flight_waits_for_the_oldest_step_past_its_limit():
+  """`InFlight(1)`: adding step N waits for step N-1 (never N), and says how many completed."""
+  waited = []
+
+  class Step:
+    def __init__(self, n):
+      self.n = n
+
+    def block_until_ready(self):
+      waited.append(self.n)
+      return self
+
+  in_flight = monitor.InFlight(1)
+  assert in_flight.add(Step(1)) == 0 and waited == []
+  assert in_flight.add(Step(2)) == 1 and waited == [1]
+  assert in_flight.add(Step(3)) == 1 and waited == [1, 2]
+  assert in_flight.drain() == 1 and waited == [1, 2, 3]
+  assert in_flight.drain() == 0

@@ -13,6 +13,7 @@ import glob
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from bert_jax import pretraining
 from bert_jax import run_lock
 from bert_jax import train
 from bert_jax import train_state
+from bert_jax.errors import EXIT_PREEMPTED
 from bert_jax.errors import UserError
 import processes
 import records
@@ -239,7 +241,8 @@ def test_exact_resume(tmp_path, reference, vocab_file):
 
 def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, vocab_file,
                                                           compilation_cache):
-  """SIGTERM mid-run: the run saves the step it reached, exits 0, and resumes exactly."""
+  """SIGTERM mid-run: the run saves the step it reached, exits with EXIT_PREEMPTED (143), and
+  resumes exactly."""
   workdir = str(tmp_path / 'run')
   # No periodic checkpoint: the only one is the one the signal asks for.
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'checkpoint.every_steps': 1000})
@@ -259,7 +262,7 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, v
     proc.kill()
     raise
   out, err = _communicate(proc, timeout=120)
-  assert proc.returncode == 0, err[-5000:]
+  assert proc.returncode == EXIT_PREEMPTED, err[-5000:]
   stopped = max(_losses(workdir))
   assert stopped < TOTAL_STEPS
   assert f'step {stopped}/{TOTAL_STEPS}' in out
@@ -433,7 +436,7 @@ def test_two_processes_match_one_and_stop_together(tmp_path, vocab_file, compila
   finally:
     results = [_communicate(p, timeout=120) for p in pair]
   for i, (p, (_, err)) in enumerate(zip(pair, results)):
-    assert p.returncode == 0, f'process {i}:\n{err[-5000:]}'
+    assert p.returncode == EXIT_PREEMPTED, f'process {i}:\n{err[-5000:]}'
   assert interrupted == [True], 'the run ended before it could be interrupted'
   two, one = _losses(pair_dir), _losses(single_dir)
   assert sorted(one) == list(range(1, steps + 1))
@@ -651,6 +654,9 @@ def test_a_lopsided_sop_evaluation_is_named_as_sop():
 #   sigterm_compile   as the steps compile; the compile then takes 10 minutes
 #   sigterm_commit:S  as Orbax commits step S; the commit then takes 3 s more
 #   sigterm_eval      as the evaluation starts
+#   sigterm_slow:K    every step takes 0.25 s more on the device; SIGTERM as the K-th is
+#                     dispatched, the marker's content the time and the steps computed by then
+#   sigint_slow:K     the same with SIGINT (Ctrl-C)
 _FAULTY_RUN = '''
 import os, signal, sys, time
 from bert_jax import cli, pretraining, train
@@ -718,6 +724,30 @@ elif fault == 'sigterm_eval':
     sigterm()
     return batches(*args, **kwargs)
   train.eval_batches = batches_after_sigterm
+elif fault in ('sigterm_slow', 'sigint_slow'):
+  import jax
+  signum = signal.SIGINT if fault == 'sigint_slow' else signal.SIGTERM
+  computed = [0]
+  def sleep(x):
+    time.sleep(0.25)
+    computed[0] += 1
+    return x
+  # Work on the device's queue that each step waits for (through its state).
+  slow = jax.jit(lambda n: jax.pure_callback(sleep, jax.ShapeDtypeStruct(n.shape, n.dtype), n))
+  build = train.build_train_step
+  def build_slow(*args, **kwargs):
+    run, calls = build(*args, **kwargs), [0]
+    def step(state, batch):
+      state, metrics = run(state.replace(step=slow(state.step)), batch)
+      calls[0] += 1
+      if calls[0] == int(arg):
+        with open(marker, 'w') as f:
+          f.write(f'{time.time()!r} {computed[0]}')
+        os.kill(os.getpid(), signum)
+      return state, metrics
+    step.jitted = run.jitted  # Compiled before the first step.
+    return step
+  train.build_train_step = build_slow
 cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
 '''
 
@@ -834,32 +864,52 @@ def test_eval_settings_and_held_out_data_are_checked_before_the_first_step(tmp_p
   assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
 
 
-def test_full_disk_fails_the_save_cleanly(tmp_path, reference, vocab_file, monkeypatch):
-  """The save of step 8 fails as a full disk fails it (TensorStore's error, raised in Orbax's
-  background thread; injected here, since a size-limited filesystem needs root): the run stops
-  with a message that names the cause and the intact checkpoint, the failed save's files are
-  removed, and step 4 restores exactly."""
-  from orbax.checkpoint._src.path import atomicity  # pylint: disable=g-import-not-at-top
-  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+def _can_mount_tmpfs():
+  """Whether this process may mount a tmpfs in a mount namespace of its own (root)."""
+  return subprocess.run(['unshare', '-m', 'sh', '-c', 'mount -t tmpfs -o size=1m tmpfs /mnt'],
+                        capture_output=True).returncode == 0
 
-  async def full_disk_at_8(self, *args, **kwargs):
-    if self._final_path.name == '8':
-      raise ValueError('RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database: Failed to '
-                       "write 429080 bytes to file 4: No space left on device "
-                       "[os_error_code='28']")
-    return await finalize(self, *args, **kwargs)
-  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, 'finalize', full_disk_at_8)
-  workdir = str(tmp_path / 'run')
-  with pytest.raises(UserError) as error:
-    train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
-  message = str(error.value)
-  assert message.startswith('saving a checkpoint failed: No space left on device'), message
-  assert 'The last complete checkpoint, step 4, is intact.' in message, message
-  assert 'rerun the same command to resume' in message
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason='needs root to mount a tmpfs (unshare -m)')
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_last_one_resumes(
+    tmp_path, reference, vocab_file, compilation_cache):
+  """`bert-jax pretrain` on a tmpfs with room for one checkpoint: the save of step 8 fills it.
+  The run ends with status 2 and one line (none of Orbax's tracebacks) that says the disk is
+  full and that step 4 is intact; the failed save's files are gone; and the workdir, copied
+  off the tmpfs, resumes from step 4 to the reference run's losses and parameters."""
+  steps = os.path.join(reference, ckpt_lib.CHECKPOINT_DIR)
+  one = sum(os.path.getsize(os.path.join(d, f)) for top in (
+      os.path.join(steps, '4'), os.path.join(reference, ckpt_lib.DATA_STATE_DIR, '4'))
+            for d, _, files in os.walk(top) for f in files)
+  mount, kept = tmp_path / 'tmpfs', tmp_path / 'kept'
+  mount.mkdir()
+  overrides = dict(TINY, **{'data.vocab_file': vocab_file,
+                            'train.stop_at_step': REFERENCE_STEPS})
+  run = shlex.join([sys.executable, '-m', 'bert_jax.cli', 'pretrain',
+                    f'--workdir={mount}/run'] + _flags(overrides))
+  # Room for checkpoint 4 and the run's small files, not for checkpoint 8 beside it.
+  script = (f'mount -t tmpfs -o size={int(one * 1.5) // 1024 + 1024}k tmpfs {mount} && '
+            f'{{ {run}; status=$?; cp -a {mount}/run {kept}; exit $status; }}')
+  proc = subprocess.run(['unshare', '-m', 'bash', '-c', script], cwd=_ROOT,
+                        env=processes.env(compilation_cache), capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 2, proc.stderr[-5000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith('bert-jax pretrain: error: saving a checkpoint failed: No space left '
+                         'on device'), last
+  assert 'The last complete checkpoint, step 4, is intact.' in last, last
+  assert 'rerun the same command to resume' in last, last
+  above = proc.stderr.strip().splitlines()[:-1]
+  assert not [l for l in above if 'Traceback' in l or 'orbax' in l or 'No space' in l], above
+  workdir = str(kept)
   assert ckpt_lib.checkpoint_steps(workdir) == [4]
   assert not glob.glob(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '*.orbax-checkpoint-tmp*'))
-  _assert_same_params(_params(workdir), ckpt_lib.load_pretrained_from_workdir(reference, 4)[1])
   assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
+  _assert_same_params(_params(workdir), ckpt_lib.load_pretrained_from_workdir(reference, 4)[1])
+
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
+  assert _losses(workdir) == _losses(reference)
+  _assert_same_params(_params(workdir), _params(reference))
 
 
 # Spot VMs get about 30 s between SIGTERM and the kill.
@@ -871,8 +921,8 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
   """SIGTERM during input start-up and during a compile (one that would take 10 minutes) stops
   the run at once without a checkpoint (nothing new to save), its lock released; during a
   checkpoint's commit, the commit completes and the next step is saved; during an evaluation,
-  the evaluation is dropped and its step saved. Each time the process exits with status 0
-  inside the notice, and the resumed runs log exactly the reference's losses."""
+  the evaluation is dropped and its step saved. Each time the process exits with status 143
+  (EXIT_PREEMPTED) inside the notice, and the resumed runs log exactly the reference's losses."""
   workdir = str(tmp_path / 'run')
   overrides = dict(TINY, **{'data.vocab_file': vocab_file,
                             'train.stop_at_step': REFERENCE_STEPS})
@@ -882,7 +932,7 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
                                compilation_cache)
     out, err = _communicate(proc, 400)
     ended = time.time()
-    assert proc.returncode == 0 and os.path.exists(marker), err[-5000:]
+    assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
     with open(marker) as f:
       seconds = ended - float(f.read())
     assert seconds < NOTICE_SECONDS, f'{fault}: {seconds:.1f} s from SIGTERM to exit'
@@ -906,6 +956,40 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
   assert _losses(workdir) == _losses(reference)
   _assert_same_params(_params(workdir), _params(reference))
+
+
+def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, vocab_file,
+                                                                   compilation_cache):
+  """JAX returns from a step once it is dispatched: a loop that reads nothing until its next
+  log line would queue its steps, and the save after SIGTERM would wait for all of them. With
+  steps made slow, no log line or checkpoint for 1,000 steps, and SIGTERM as the 40th step is
+  dispatched, the run saves a step at most two past those computed when the signal came.
+  Ctrl-C (SIGINT) in the resumed run stops it in the same way, with the same exit status."""
+  workdir = str(tmp_path / 'run')
+  overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'log.every_steps': 1000,
+                            'checkpoint.every_steps': 1000, 'log.progress': True})
+  proc, marker = _faulty_run(tmp_path, workdir, 'sigterm_slow:40', overrides, compilation_cache)
+  out, err = _communicate(proc, 400)
+  ended = time.time()
+  assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
+  with open(marker) as f:
+    signalled, computed = f.read().split()
+  saved = ckpt_lib.checkpoint_steps(workdir)
+  assert saved == [40], saved
+  assert 40 - int(computed) <= 2, f'{computed} steps computed at SIGTERM, 40 dispatched'
+  seconds = ended - float(signalled)
+  assert seconds < NOTICE_SECONDS, f'{seconds:.1f} s from SIGTERM to exit'
+  print(f'{computed} of 40 steps computed at SIGTERM; {seconds:.1f} s from SIGTERM to exit')
+  # The progress bar counts computed steps: it reached 40 only once step 40 was computed.
+  assert '40/200' in err and '41/200' not in err, err[-3000:]
+  assert 'bert-jax pretrain: stopped by SIGTERM: saved step 40; rerun the same command' in out
+
+  proc, marker = _faulty_run(tmp_path, workdir, 'sigint_slow:5', overrides, compilation_cache)
+  out, err = _communicate(proc, 400)
+  assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
+  assert ckpt_lib.checkpoint_steps(workdir) == [40, 45]
+  assert 'bert-jax pretrain: stopped by Ctrl-C: saved step 45; rerun the same command' in out
+  assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
 
 
 def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, vocab_file,
