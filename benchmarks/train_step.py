@@ -23,6 +23,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from bert_jax import config_files  # pylint: disable=g-import-not-at-top
+from bert_jax import fileio
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
 from bert_jax import optim
@@ -62,7 +63,7 @@ def setup_jax(args, config):
   if args.real_data:
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
     input_pipeline.hide_accelerators_from_tf()
-    vocab = input_pipeline.resolve_vocab(config.data, '/tmp/bert_jax/bench')
+    vocab = input_pipeline.resolve_vocab(config.data, fileio.default_workdir('bench'))
     ds = input_pipeline.make_pretraining_dataset(
         config.data, batch_size=args.batch_size, seq_len=args.seq_len,
         max_predictions=args.max_predictions, train=True, vocab_file=vocab)

@@ -26,6 +26,7 @@ from bert_jax import config_files
 from bert_jax.config_files import configs_dir  # Where each command's default config is.
 from bert_jax import config_checks
 from bert_jax import errors
+from bert_jax import fileio
 from bert_jax import gcs
 from bert_jax.errors import UserError
 
@@ -125,7 +126,7 @@ def initialize_distributed(coordinator_address: str = '', num_processes: int = 0
 def _pretrain_flags():
   _define_config_flag(os.path.join(configs_dir(), 'smoke.py'))
   flags.DEFINE_string('workdir', '', 'Where checkpoints, metrics and logs go '
-                      '(default: /tmp/bert_jax/<config name>).')
+                      '(default: /tmp/bert-jax/<config name>).')
   _define_distributed_flags()
 
   def run(argv):
@@ -133,7 +134,7 @@ def _pretrain_flags():
     from bert_jax import train  # pylint: disable=g-import-not-at-top
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.distributed)
-    workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', _config_name())
+    workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
     train.train_and_evaluate(FLAGS.config, workdir)
   return run
 
@@ -174,7 +175,7 @@ def _data_flags():
     config = FLAGS.config
     model.check_seq_len(config.data.max_seq_length, config.model.max_position_embeddings)
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-    workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', _config_name())
+    workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
     vocab = input_pipeline.resolve_vocab(config.data, workdir)
     if FLAGS.stats:
       stats = input_pipeline.compute_stats(config.data, num_batches=FLAGS.stats,
@@ -231,7 +232,7 @@ def _compile_flags():
 def _finetune_flags():
   _define_config_flag(os.path.join(configs_dir(), 'finetune_glue.py'))
   flags.DEFINE_string('workdir', '', 'Where the best checkpoint, metrics.json, predictions and '
-                      'TensorBoard logs go (default: /tmp/bert_jax/finetune_<task>).')
+                      'TensorBoard logs go (default: /tmp/bert-jax/finetune_<task>).')
   flags.DEFINE_bool('sweep', False, 'One run per --learning_rates in <workdir>/lr_<lr>; prints '
                     'the best dev score and its rate (also <workdir>/sweep.json).')
   flags.DEFINE_list('learning_rates', ['5e-5', '4e-5', '3e-5', '2e-5'],
@@ -244,7 +245,7 @@ def _finetune_flags():
     from bert_jax import finetune  # pylint: disable=g-import-not-at-top
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.distributed)
-    workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', f'finetune_{FLAGS.config.task}')
+    workdir = FLAGS.workdir or fileio.default_workdir(f'finetune_{FLAGS.config.task}')
     if not FLAGS.sweep:
       finetune.finetune(FLAGS.config, workdir)
       return
