@@ -270,8 +270,9 @@ def _features_flags():
                       'TF, or a (pre-)training workdir; its vocab.txt and casing are used.')
   flags.DEFINE_string('input', None, 'Text file: one text per line, or "text_a ||| text_b".')
   flags.DEFINE_string('output', None, 'A .jsonl, .npz or .npy path.')
-  flags.DEFINE_list('layers', ['-1', '-2', '-3', '-4'], 'Hidden states to output, in this '
-                    'order: -1 = last encoder layer, 0 = embedding output.')
+  flags.DEFINE_list('layers', [], 'Hidden states to output, in this order: -1 = last encoder '
+                    'layer, 0 = embedding output (default: -1,-2,-3,-4, or every encoder layer '
+                    'of a model with fewer).')
   flags.DEFINE_bool('concat', False, 'Concatenate the layers per token (and in the mean '
                     'vector), in --layers order.')
   flags.DEFINE_list('pooling', ['cls', 'mean'], 'Sentence vectors: cls (pooler output), mean '
@@ -289,7 +290,7 @@ def _features_flags():
     del argv
     from bert_jax import features  # pylint: disable=g-import-not-at-top
     try:
-      layers = [int(l) for l in FLAGS.layers]
+      layers = [int(l) for l in FLAGS.layers] or None
     except ValueError:
       raise UserError(f'--layers={",".join(FLAGS.layers)}: not integers; give comma-separated '
                       'layer indices such as -1,-2 (-1 = last layer, 0 = embeddings)') from None
@@ -298,7 +299,8 @@ def _features_flags():
         max_seq_length=FLAGS.max_seq_length, batch_size=FLAGS.batch_size, pooling=FLAGS.pooling,
         concat=FLAGS.concat, vocab_file=FLAGS.vocab_file, lower_case=FLAGS.lower_case,
         dtype=FLAGS.dtype, decimals=FLAGS.decimals)
-    print(f'Wrote features of {result["lines"]} texts (layers {layers}) to {result["output"]}'
+    print(f'Wrote features of {result["lines"]} texts (layers {result["layers"]}) to '
+          f'{result["output"]}'
           + (f'; {result["truncated"]} truncated' if result['truncated'] else ''))
   return run
 
