@@ -12,6 +12,7 @@ median of the per-round ratios.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -189,6 +190,11 @@ def main():
       'data.max_seq_length': args.seq_len, 'data.max_predictions_per_seq': args.max_predictions,
       'train.steps': 1000, 'train.warmup_steps': 0, 'train.decay': 'constant',
       'train.rng_impl': args.rng_impl})
+  if args.compare_torch:  # Before the (slow) bert_jax set-up.
+    missing = [m for m in ('torch', 'transformers') if importlib.util.find_spec(m) is None]
+    if missing:
+      parser.error(f'--compare_torch needs {" and ".join(missing)}: pip install torch==2.13.0 '
+                   "'transformers>=4.46,<6' (the [test] extra has them on Python 3.11)")
   run_jax, result_jax, bert_config = setup_jax(args, config)
   run_jax(args.warmup)
   if not args.compare_torch:
