@@ -3,6 +3,7 @@
 (Loading from any directory, user files and shipped names: cli_test.py, as the command runs it.)
 """
 
+import os
 import warnings
 
 import pytest
@@ -54,3 +55,13 @@ def test_loading_a_config_warns_of_nothing():
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     assert config_files.load_config('smoke').model.size == 'tiny'
+
+
+def test_a_folder_named_like_a_shipped_config_leaves_the_name_to_it(tmp_path, monkeypatch):
+  # `bert-jax eval --config=smoke` run in /tmp/bert-jax, beside pretrain's workdir `smoke`.
+  (tmp_path / 'smoke').mkdir()
+  monkeypatch.chdir(tmp_path)
+  assert config_files.resolve_config_path('smoke') == os.path.join(
+      config_files.configs_dir(), 'smoke.py')
+  assert config_files.load_config('smoke').model.size == (
+      config_files.load_config(os.path.join(config_files.configs_dir(), 'smoke.py')).model.size)
