@@ -36,6 +36,15 @@ def test_compile_reports_memory_flops_and_a_roofline_bound():
     bound = r['roofline_bound']
     assert bound['step_seconds'] == max(bound['compute_seconds'], bound['memory_seconds']) > 0
     assert 0 < bound['mfu'] <= 1
+    # HBM traffic: at least the arguments read and the results written once (the train state,
+    # donated, is both), and not many times more for a model whose state dominates. XLA's own
+    # count adds on-chip (VMEM) traffic and whole async-copy tuples: several times more.
+    hbm = r['hbm_bytes_per_chip']
+    assert hbm['minimum'] == pytest.approx(
+        (r['memory']['arguments_gib'] + r['memory']['outputs_gib']) * 2**30)
+    assert hbm['minimum'] <= hbm['counted'] < 2 * hbm['minimum']
+    assert hbm['xla_bytes_accessed'] > 2 * hbm['counted']
+    assert bound['memory_seconds'] == pytest.approx(hbm['counted'] / 0.82e12)  # v5e's HBM.
   # A scanned layer stack is costed from an unrolled compile: the same FLOPs as the loop.
   unrolled = aot.compile_for_topology(_config(**{'model.scan_layers': False}), 'v5e:2x2')
   for a, b in zip(scanned, unrolled):
