@@ -225,47 +225,38 @@ def _arrays(shape: str) -> list[tuple[int, bool]]:
   return out
 
 
-def hbm_bytes(hlo_text: str, loop_trips: int = 1) -> float:
+def hbm_bytes(hlo_text: str) -> float:
   """Bytes the entry computation of an optimized HLO module moves to and from HBM: each
   operation's operands and results that live in HBM, an async copy's HBM side once, and an
-  async slice's HBM read of the slice (not of its whole source). A `while` loop's body counts
-  `loop_trips` times (the trip count is not in the text; the train step's one loop is
-  gradient accumulation's, of train.grad_accum_steps trips)."""
-  computations, current, entry = {}, None, None
+  async slice's HBM read of the slice (not of its whole source)."""
+  entry, lines = False, []
   for line in hlo_text.split('\n'):
-    header = re.match(r'^(ENTRY )?%?([\w.\-]+) .*\{$', line)
-    if header:
-      current = computations.setdefault(header.group(2), [])
-      entry = header.group(2) if header.group(1) else entry
-    elif current is not None and line.startswith('  '):
-      current.append(line)
-
-  def traffic(name: str) -> int:
-    shapes, total = {}, 0
-    for line in computations.get(name, ()):
-      match = _INSTRUCTION.match(line)
-      if not match:
-        continue
-      result, shape, op, operands = match.groups()
-      shapes[result] = shape
-      if op in _NO_TRAFFIC:
-        continue
-      if op == 'while':  # Its state stays where it is; the body moves data, every trip.
-        body = re.search(r'body=%?([\w.\-]+)', line)
-        total += traffic(body.group(1)) * loop_trips if body else 0
-        continue
-      if op == 'copy-start':  # (source, destination, context): what of them is in HBM.
-        total += sum(size for size, hbm in _arrays(shape)[:2] if hbm)
-        continue
-      operand_arrays = [a for o in operands.split(',') if o.strip().startswith('%')
-                        for a in _arrays(shapes.get(o.strip()[1:], ''))]
-      if op == 'slice-start':  # ((source), slice, context): the slice is what is read.
-        size, slice_in_hbm = _arrays(shape)[-2]
-        total += size * (all(hbm for _, hbm in operand_arrays) + slice_in_hbm)
-        continue
-      total += sum(size for size, hbm in operand_arrays + _arrays(shape) if hbm)
-    return total
-  return float(traffic(entry))
+    if line.startswith('ENTRY '):
+      entry = True
+    elif entry and line.startswith('}'):
+      break
+    elif entry:
+      lines.append(line)
+  shapes, total = {}, 0
+  for line in lines:
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, shape, op, operands = match.groups()
+    shapes[name] = shape
+    if op in _NO_TRAFFIC:
+      continue
+    if op == 'copy-start':  # (source, destination, context): what of them is in HBM.
+      total += sum(size for size, hbm in _arrays(shape)[:2] if hbm)
+      continue
+    operand_arrays = [a for o in operands.split(',') if o.strip().startswith('%')
+                      for a in _arrays(shapes.get(o.strip()[1:], ''))]
+    if op == 'slice-start':  # ((source), slice, context): the slice is what is read.
+      size, slice_in_hbm = _arrays(shape)[-2]
+      total += size * (all(hbm for _, hbm in operand_arrays) + slice_in_hbm)
+      continue
+    total += sum(size for size, hbm in operand_arrays + _arrays(shape) if hbm)
+  return float(total)
 
 
 def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
@@ -318,8 +309,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     xla_bytes = float(cost.get('bytes accessed', 0.0))
     # The step reads each of its arguments and writes each of its results at least once.
     min_bytes = float(mem.argument_size_in_bytes + mem.output_size_in_bytes)
-    hbm = (hbm_bytes(costed.as_text(), int(config.train.grad_accum_steps))
-           if target.platform == 'tpu' else xla_bytes)
+    hbm = hbm_bytes(costed.as_text()) if target.platform == 'tpu' else xla_bytes
     analytic = flops_lib.train_flops_per_sequence(
         bert_config, phase.seq_len,
         _row_predictions(config, phase.seq_len, phase.max_predictions)) * config.train.batch_size

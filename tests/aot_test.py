@@ -152,36 +152,3 @@ def test_attention_that_cannot_train_on_a_tpu_is_a_clear_error():
   # Lengths splash cannot tile are refused where the config loads (config_checks).
   with pytest.raises(UserError, match=r'multiples of 128; .* give \[64\]'):
     _config(**{'model.attention_impl': 'splash', 'model.attention_probs_dropout_prob': 0.0})
-
-
-_HLO = """HloModule step
-
-%body (p: (s32[], f32[256])) -> (s32[], f32[256]) {
-  %p = (s32[], f32[256]{0}) parameter(0)
-  %x = f32[256]{0} get-tuple-element(%p), index=1
-  %y = f32[256]{0} fusion(%x), kind=kLoop, calls=%f
-  %i = s32[] get-tuple-element(%p), index=0
-  ROOT %t = (s32[], f32[256]{0}) tuple(%i, %y)
-}
-
-ENTRY %main (a: f32[1024], b: bf16[64,64]) -> f32[1024] {
-  %a = f32[1024]{0:T(1024)} parameter(0)
-  %b = bf16[64,64]{1,0:T(8,128)(2,1)} parameter(1)
-  %c = (f32[1024]{0:T(1024)}, f32[1024]{0:T(1024)S(1)}, u32[]{:S(2)}) copy-start(%a)
-  %d = f32[1024]{0:T(1024)S(1)} copy-done(%c)
-  %s = ((bf16[64,64]{1,0}), bf16[16,64]{1,0:S(1)}, s32[]{:S(2)}) slice-start(%b), slice={[0:16], [0:64]}
-  %e = bf16[16,64]{1,0:S(1)} slice-done(%s)
-  %w = (s32[], f32[256]{0}) while(%z), condition=%cond, body=%body
-  ROOT %r = f32[1024]{0:T(1024)} fusion(%d, %e, %a), kind=kLoop, calls=%g
-}
-"""
-
-
-def test_hbm_bytes_counts_hbm_arrays_once_and_loop_bodies_per_trip():
-  # copy-start: its HBM source (4096 bytes), not the VMEM copy; slice-start: the 16x64 bf16
-  # slice read from HBM (2048), not the whole table; the root fusion: its HBM operand %a and
-  # result (4096 each), not the VMEM ones; tuples, parameters and *-done nothing; the loop
-  # body's fusion reads and writes 1024 bytes each, per trip.
-  entry = 4096 + 2048 + 4096 + 4096
-  assert aot.hbm_bytes(_HLO) == entry + 2048
-  assert aot.hbm_bytes(_HLO, loop_trips=3) == entry + 3 * 2048
