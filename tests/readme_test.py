@@ -85,7 +85,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     "--accelerator_type=v4-32 --capacity=spot --config=configs/bert_large.py "
     "--workdir=gs://BUCKET/bert_large --config.data.input='gs://BUCKET/corpus/*.txt' "
     "--config.data.vocab_file=gs://BUCKET/vocab.txt": Run('launch', '--dry_run'),
-    'bert-jax compile --config=configs/bert_large.py --topology=v5e:16x16': NotHere(_COMPILE),
+    'bert-jax compile --config=configs/lamb_large_batch.py:phase1 --topology=v5e:16x16 '
+    '--config.train.grad_accum_steps=16': NotHere(_COMPILE),
     'bert-jax compile --topology=h100': NotHere(_COMPILE + ' (with the gpu_aot packages)'),
     'sbatch --nodes=4 launch/gpu_slurm.sbatch': NotHere(
         'submits a job to a SLURM cluster; launch/README.md\'s DRY_RUN=1 line runs the script'),
