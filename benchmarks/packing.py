@@ -30,6 +30,7 @@ import numpy as np
 
 from bert_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
 from bert_jax import config_files
+from bert_jax import fileio
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import monitor
@@ -51,7 +52,7 @@ def _config(args, seq_len: int, preds: int, batch: int, packing: bool):
 def _vocab(args) -> str:
   # The vocabulary `bert-jax data` trains for the smoke config (or --vocab_file).
   return input_pipeline.resolve_vocab(_config(args, 128, 20, 32, False).data,
-                                      '/tmp/bert_jax/smoke')
+                                      fileio.default_workdir('smoke'))
 
 
 def padding(args):

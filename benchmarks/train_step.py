@@ -15,6 +15,7 @@ step in flight against no bound, in alternating rounds, for what the bound costs
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from bert_jax import config_files  # pylint: disable=g-import-not-at-top
+from bert_jax import fileio
 from bert_jax import flops as flops_lib
 from bert_jax import monitor
 from bert_jax import pretraining
@@ -58,7 +60,7 @@ def setup_jax(args, config):
   if args.real_data:
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
     input_pipeline.hide_accelerators_from_tf()
-    vocab = input_pipeline.resolve_vocab(config.data, '/tmp/bert_jax/bench')
+    vocab = input_pipeline.resolve_vocab(config.data, fileio.default_workdir('bench'))
     ds = input_pipeline.make_pretraining_dataset(
         config.data, batch_size=args.batch_size, seq_len=args.seq_len,
         max_predictions=args.max_predictions, train=True, vocab_file=vocab)
@@ -211,6 +213,11 @@ def main():
       'data.max_seq_length': args.seq_len, 'data.max_predictions_per_seq': args.max_predictions,
       'train.steps': 1000, 'train.warmup_steps': 0, 'train.decay': 'constant',
       'train.rng_impl': args.rng_impl})
+  if args.compare_torch:  # Before the (slow) bert_jax set-up.
+    missing = [m for m in ('torch', 'transformers') if importlib.util.find_spec(m) is None]
+    if missing:
+      parser.error(f'--compare_torch needs {" and ".join(missing)}: pip install torch==2.13.0 '
+                   "'transformers>=4.46,<6' (the [test] extra has them on Python 3.11)")
   run_jax, result_jax, bert_config = setup_jax(args, config)
   run_jax(args.warmup)
   if args.compare_in_flight:

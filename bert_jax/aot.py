@@ -11,7 +11,9 @@ wheels of the `gpuaot` extra. The fused attention kernel follows the target
 cuDNN calls appear in the program.
 
 Caveats of XLA's numbers, handled here: `optimal_seconds` is not usable (it comes back
-negative), so the bound is computed from FLOPs and bytes; the cost analysis counts the body of
+negative), so the bound is computed from FLOPs and bytes; on a TPU its `bytes accessed` counts
+on-chip memory traffic as well as HBM's, so the bound's bytes are counted from the optimized
+program (`hbm_bytes`), never below the step's arguments read and results written once; the cost analysis counts the body of
 a `lax.scan` once, so when the config scans its layers the costs come from a second compile with
 the layers unrolled (same math, exact counts); it does not see into fused kernels (cuDNN,
 Pallas), whose analytic FLOPs are added; and for GPU targets `cost_analysis()` is empty, so
@@ -23,6 +25,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -189,6 +192,69 @@ def _cost(compiled, platform: str) -> dict[str, float]:
   return cost[0] if isinstance(cost, (list, tuple)) else cost
 
 
+# ---- HBM traffic --------------------------------------------------------------------------
+# XLA's `bytes accessed` is not HBM traffic on a TPU: it adds the operands and results of every
+# operation whatever memory they live in (on-chip VMEM included), and counts an async copy or
+# slice into VMEM by its whole (source, destination) tuple. For BERT-large at one sequence per
+# v5e chip it gave ~310 GB a step where the step's arrays are ~8 GB. The bound counts instead
+# what each operation of the optimized program reads from and writes to HBM (memory space 0).
+
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'bf16': 2, 'f16': 2, 's16': 2, 'u16': 2, 'f32': 4,
+                's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
+_ARRAY = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([0-9,]*)\](\{[^}]*\})?')
+_INSTRUCTION = re.compile(r'\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(?:, |$)')
+# Operations that move no data (they name buffers), or whose data moved at their *-start.
+_NO_TRAFFIC = frozenset({'tuple', 'get-tuple-element', 'parameter', 'constant', 'bitcast',
+                         'after-all', 'partition-id', 'replica-id', 'copy-done', 'slice-done',
+                         'all-gather-done', 'all-reduce-done', 'collective-permute-done'})
+
+
+def _arrays(shape: str) -> list[tuple[int, bool]]:
+  """(bytes, in HBM) of each array of an HLO shape; `S(n)` with n > 0 is on-chip memory."""
+  out = []
+  for dtype, dims, layout in _ARRAY.findall(shape):
+    size = _DTYPE_BYTES[dtype]
+    for d in filter(None, dims.split(',')):
+      size *= int(d)
+    space = re.search(r'S\((\d+)\)', layout or '')
+    out.append((size, not space or space.group(1) == '0'))
+  return out
+
+
+def hbm_bytes(hlo_text: str) -> float:
+  """Bytes the entry computation of an optimized HLO module moves to and from HBM: each
+  operation's operands and results that live in HBM, an async copy's HBM side once, and an
+  async slice's HBM read of the slice (not of its whole source)."""
+  entry, lines = False, []
+  for line in hlo_text.split('\n'):
+    if line.startswith('ENTRY '):
+      entry = True
+    elif entry and line.startswith('}'):
+      break
+    elif entry:
+      lines.append(line)
+  shapes, total = {}, 0
+  for line in lines:
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, shape, op, operands = match.groups()
+    shapes[name] = shape
+    if op in _NO_TRAFFIC:
+      continue
+    if op == 'copy-start':  # (source, destination, context): what of them is in HBM.
+      total += sum(size for size, hbm in _arrays(shape)[:2] if hbm)
+      continue
+    operand_arrays = [a for o in operands.split(',') if o.strip().startswith('%')
+                      for a in _arrays(shapes.get(o.strip()[1:], ''))]
+    if op == 'slice-start':  # ((source), slice, context): the slice is what is read.
+      size, slice_in_hbm = _arrays(shape)[-2]
+      total += size * (all(hbm for _, hbm in operand_arrays) + slice_in_hbm)
+      continue
+    total += sum(size for size, hbm in operand_arrays + _arrays(shape) if hbm)
+  return float(total)
+
+
 def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                          vocab_size: int = 30522) -> list[dict[str, Any]]:
   """Compiles the train step of every phase of `config` for `topology`; one report each."""
@@ -241,6 +307,9 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     n = len(devices)
     xla_flops = float(cost['flops'])  # The partitioned program of one device.
     xla_bytes = float(cost.get('bytes accessed', 0.0))
+    # The step reads each of its arguments and writes each of its results at least once.
+    min_bytes = float(mem.argument_size_in_bytes + mem.output_size_in_bytes)
+    hbm = hbm_bytes(costed.as_text()) if target.platform == 'tpu' else xla_bytes
     analytic = flops_lib.train_flops_per_sequence(
         bert_config, phase.seq_len,
         _row_predictions(config, phase.seq_len, phase.max_predictions)) * config.train.batch_size
@@ -258,7 +327,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
       xla_flops += flops_lib.attention_flops_per_sequence(
           bert_config, phase.seq_len) * config.train.batch_size / n
     t_compute = max(xla_flops, analytic / n) / hw['peak_flops']
-    t_memory = xla_bytes / hw['hbm_bandwidth']
+    t_memory = max(hbm, min_bytes) / hw['hbm_bandwidth']
     t_bound = max(t_compute, t_memory)
     tokens_per_chip = config.train.batch_size * phase.seq_len / t_bound / chips
     # Padded rows spend part of every step on padding, how much depends on the data; packed
@@ -278,9 +347,14 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                    counted_unrolled=bert_config.scan_layers, pallas_kernel_calls=pallas_calls,
                    cudnn_attention_calls=cudnn_calls,
                    cudnn_attention_flops_added=bool(cudnn_calls['forward'])),
-        bytes_accessed_per_chip=xla_bytes,
+        hbm_bytes_per_chip=dict(
+            counted=hbm, minimum=min_bytes, xla_bytes_accessed=xla_bytes,
+            note=('counted: what the optimized program\'s operations move to and from HBM '
+                  '(on a GPU target, XLA\'s bytes accessed); minimum: every argument read and '
+                  'every result written once; xla_bytes_accessed: XLA\'s count, which on a TPU '
+                  'includes on-chip memory traffic')),
         roofline_bound=dict(
-            note='a lower bound on step time: max(FLOPs / peak, bytes / HBM bandwidth)',
+            note='a lower bound on step time: max(FLOPs / peak, HBM bytes / HBM bandwidth)',
             compute_seconds=t_compute, memory_seconds=t_memory, step_seconds=t_bound,
             sequences_per_second=config.train.batch_size / t_bound,
             tokens_per_second_per_chip=tokens_per_chip, **real_tokens,
@@ -301,7 +375,7 @@ def format_report(report: dict[str, Any]) -> str:
         title, f"  DOES NOT FIT in {m['hbm_gib']:.0f} GiB HBM per device: {m['error']}",
         '  Try model.remat_policy=dots or full, mesh.fsdp > 1, train.grad_accum_steps > 1, '
         'or a larger slice.', '  ' + json.dumps(report)])
-  f, r = report['flops'], report['roofline_bound']
+  f, r, h = report['flops'], report['roofline_bound'], report['hbm_bytes_per_chip']
   rows = 'sequences'
   if 'real_tokens_per_second_per_chip' in r:
     rows = (f"packed rows, <= {r['real_tokens_per_second_per_chip']:.0f} real tokens/s per chip "
@@ -322,6 +396,8 @@ def format_report(report: dict[str, Any]) -> str:
       + ("; cuDNN attention: {forward} forward and {backward} backward calls, their analytic "
          'FLOPs added'.format(**f['cudnn_attention_calls'])
          if f.get('cudnn_attention_flops_added') else '') + ')',
+      f"  HBM traffic per device and step: {h['counted'] / 1e9:.2f} GB (at least "
+      f"{h['minimum'] / 1e9:.2f} GB: each argument read and each result written once)",
       f"  roofline bound (not a measurement): step >= {r['step_seconds'] * 1e3:.1f} ms "
       f"(compute {r['compute_seconds'] * 1e3:.1f} ms, memory {r['memory_seconds'] * 1e3:.1f} "
       f"ms), <= {r['sequences_per_second']:.0f} {rows}, "

@@ -30,6 +30,7 @@ from bert_jax import config_files
 from bert_jax.config_files import configs_dir  # Where each command's default config is.
 from bert_jax import config_checks
 from bert_jax import errors
+from bert_jax import fileio
 from bert_jax import gcs
 from bert_jax.errors import UserError
 
@@ -129,7 +130,7 @@ def initialize_distributed(coordinator_address: str = '', num_processes: int = 0
 def _pretrain_flags():
   _define_config_flag(os.path.join(configs_dir(), 'smoke.py'))
   flags.DEFINE_string('workdir', '', 'Where checkpoints, metrics and logs go '
-                      '(default: /tmp/bert_jax/<config name>).')
+                      '(default: /tmp/bert-jax/<config name>).')
   _define_distributed_flags()
 
   def run(argv):
@@ -137,7 +138,7 @@ def _pretrain_flags():
     from bert_jax import train  # pylint: disable=g-import-not-at-top
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.distributed)
-    workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', _config_name())
+    workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
     train.train_and_evaluate(FLAGS.config, workdir)
   return run
 
@@ -178,7 +179,7 @@ def _data_flags():
     config = FLAGS.config
     model.check_seq_len(config.data.max_seq_length, config.model.max_position_embeddings)
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-    workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', _config_name())
+    workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
     vocab = input_pipeline.resolve_vocab(config.data, workdir)
     if FLAGS.stats:
       stats = input_pipeline.compute_stats(config.data, num_batches=FLAGS.stats,
@@ -240,7 +241,7 @@ def _compile_flags():
 def _finetune_flags():
   _define_config_flag(os.path.join(configs_dir(), 'finetune_glue.py'))
   flags.DEFINE_string('workdir', '', 'Where the best checkpoint, metrics.json, predictions and '
-                      'TensorBoard logs go (default: /tmp/bert_jax/finetune_<task>).')
+                      'TensorBoard logs go (default: /tmp/bert-jax/finetune_<task>).')
   flags.DEFINE_bool('sweep', False, 'One run per --learning_rates in <workdir>/lr_<lr>; prints '
                     'the best dev score and its rate (also <workdir>/sweep.json).')
   flags.DEFINE_list('learning_rates', ['5e-5', '4e-5', '3e-5', '2e-5'],
@@ -253,7 +254,7 @@ def _finetune_flags():
     from bert_jax import finetune  # pylint: disable=g-import-not-at-top
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.distributed)
-    workdir = FLAGS.workdir or os.path.join('/tmp/bert_jax', f'finetune_{FLAGS.config.task}')
+    workdir = FLAGS.workdir or fileio.default_workdir(f'finetune_{FLAGS.config.task}')
     if not FLAGS.sweep:
       finetune.finetune(FLAGS.config, workdir)
       return
@@ -278,8 +279,9 @@ def _features_flags():
                       'TF, or a (pre-)training workdir; its vocab.txt and casing are used.')
   flags.DEFINE_string('input', None, 'Text file: one text per line, or "text_a ||| text_b".')
   flags.DEFINE_string('output', None, 'A .jsonl, .npz or .npy path.')
-  flags.DEFINE_list('layers', ['-1', '-2', '-3', '-4'], 'Hidden states to output, in this '
-                    'order: -1 = last encoder layer, 0 = embedding output.')
+  flags.DEFINE_list('layers', [], 'Hidden states to output, in this order: -1 = last encoder '
+                    'layer, 0 = embedding output (default: -1,-2,-3,-4, or every encoder layer '
+                    'of a model with fewer).')
   flags.DEFINE_bool('concat', False, 'Concatenate the layers per token (and in the mean '
                     'vector), in --layers order.')
   flags.DEFINE_list('pooling', ['cls', 'mean'], 'Sentence vectors: cls (pooler output), mean '
@@ -297,7 +299,7 @@ def _features_flags():
     del argv
     from bert_jax import features  # pylint: disable=g-import-not-at-top
     try:
-      layers = [int(l) for l in FLAGS.layers]
+      layers = [int(l) for l in FLAGS.layers] or None
     except ValueError:
       raise UserError(f'--layers={",".join(FLAGS.layers)}: not integers; give comma-separated '
                       'layer indices such as -1,-2 (-1 = last layer, 0 = embeddings)') from None
@@ -306,7 +308,8 @@ def _features_flags():
         max_seq_length=FLAGS.max_seq_length, batch_size=FLAGS.batch_size, pooling=FLAGS.pooling,
         concat=FLAGS.concat, vocab_file=FLAGS.vocab_file, lower_case=FLAGS.lower_case,
         dtype=FLAGS.dtype, decimals=FLAGS.decimals)
-    print(f'Wrote features of {result["lines"]} texts (layers {layers}) to {result["output"]}'
+    print(f'Wrote features of {result["lines"]} texts (layers {result["layers"]}) to '
+          f'{result["output"]}'
           + (f'; {result["truncated"]} truncated' if result['truncated'] else ''))
   return run
 

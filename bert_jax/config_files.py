@@ -51,8 +51,11 @@ def configs_dir() -> str:
 
 
 def resolve_config_path(path: str) -> str:
-  """A config path as given, or a name of the shipped configs ('smoke', 'bert_base.py')."""
-  if os.path.exists(path.split(':')[0]):
+  """A config path as given, or a name of the shipped configs ('smoke', 'bert_base.py').
+
+  Only a file is taken as given: a folder named like a shipped config (`smoke`, the workdir
+  `bert-jax pretrain` makes, when the command runs in /tmp/bert-jax) leaves the name to it."""
+  if os.path.isfile(path.split(':')[0]):
     return path
   name, _, arg = path.partition(':')
   name = os.path.basename(name)

@@ -299,10 +299,12 @@ def parse_tfds(spec: str) -> tuple[str, str]:
 
 def tfds_documents(spec: str, data: ml_collections.ConfigDict, *, holdout: bool | None = None,
                    shuffle_files: bool = False, seed: int = 0, process_index: int = 0,
-                   process_count: int = 1) -> tf.data.Dataset:
+                   process_count: int = 1, setting: str = 'data.') -> tf.data.Dataset:
   """One pass over the articles of a TFDS split (feature data.tfds_text_key), as documents.
 
   Processes read disjoint even sub-splits; data.tfds_data_dir is the TFDS data_dir ('' = default).
+  Errors name the settings as `setting` + key: config keys (`data.`), or `--` for the flags of
+  `bert-jax vocab`.
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   name, split = parse_tfds(spec)
@@ -315,12 +317,12 @@ def tfds_documents(spec: str, data: ml_collections.ConfigDict, *, holdout: bool 
   if not builder.is_prepared():
     raise UserError(f'{spec!r}: TFDS dataset {name} is not prepared in '
                     f'{data.tfds_data_dir or "the default TFDS data_dir"} (bert_jax never '
-                    'downloads): prepare it with `tfds build`, or set data.tfds_data_dir to '
-                    'where it is')
+                    f'downloads): prepare it with `tfds build`, or set {setting}tfds_data_dir '
+                    'to where it is')
   key = data.tfds_text_key
   features = builder.info.features
   if key not in features:
-    raise UserError(f'data.tfds_text_key={key!r} is not a feature of {name}: '
+    raise UserError(f'{setting}tfds_text_key={key!r} is not a feature of {name}: '
                     f'{sorted(features.keys())}')
   if process_count > 1:
     split = tfds.even_splits(split, n=process_count, drop_remainder=False)[process_index]
@@ -349,10 +351,11 @@ def require_element(ds: tf.data.Dataset, message: str) -> None:
   raise UserError(message)
 
 
-def text_lines(spec: str, data: ml_collections.ConfigDict):
-  """Python iterator over the sentences of an input (to train a vocabulary on)."""
+def text_lines(spec: str, data: ml_collections.ConfigDict, setting: str = 'data.'):
+  """Python iterator over the sentences of an input (to train a vocabulary on); errors name
+  the TFDS settings as `setting` + key (see tfds_documents)."""
   if input_kind(spec) == 'tfds':
-    ds = tfds_documents(spec, data)
+    ds = tfds_documents(spec, data, setting=setting)
   else:
     ds = text_documents(resolve_files(spec))
   for doc in ds.as_numpy_iterator():

@@ -3,6 +3,9 @@
   bert-jax features --init_checkpoint=/ckpt/cased_L-12_H-768_A-12 --input=sentences.txt \
       --layers=-1,-2,-3,-4 --output=features.jsonl
 
+Without --layers: the last four encoder layers (-1,-2,-3,-4, as the original's default), or every
+encoder layer of a model with fewer.
+
 The input has one text per line, or a pair as `text_a ||| text_b` (as the original
 extract_features.py reads it); blank lines are skipped and counted. Each text is packed as
 '[CLS] a [SEP] (b [SEP])'; a text longer than `max_seq_length` is truncated, and the number of
@@ -70,6 +73,16 @@ def read_input(path: str) -> list[tuple[int, str, str | None]]:
   return lines
 
 
+# Without --layers: the top encoder layers, at most this many.
+DEFAULT_TOP_LAYERS = 4
+
+
+def default_layers(num_layers: int) -> list[int]:
+  """-1, -2, ... down to the 4th layer from the top or the first encoder layer, whichever comes
+  first (a 2-layer model has no layer -4 that is not its embeddings)."""
+  return list(range(-1, -min(DEFAULT_TOP_LAYERS, num_layers) - 1, -1))
+
+
 def resolve_layers(layers: Sequence[int], num_layers: int) -> list[int]:
   """Indices into the hidden states [embeddings, layer 1, ..., layer L] of the requested
   layers, which index that list as Python does (-1 = layer L, -(L + 1) = the embeddings)."""
@@ -78,7 +91,7 @@ def resolve_layers(layers: Sequence[int], num_layers: int) -> list[int]:
     layer = int(layer)
     if not -num_layers - 1 <= layer <= num_layers:
       raise UserError(f'--layers: {layer} is out of range for a {num_layers}-layer model (0 = '
-                      f'embeddings, 1..{num_layers}, or -1..-{num_layers} from the top)')
+                      f'embeddings, 1..{num_layers}, or -1..-{num_layers + 1} from the top)')
     out.append(layer if layer >= 0 else num_layers + 1 + layer)
   if not out:
     raise UserError('--layers: no layers')
@@ -115,7 +128,7 @@ def _chunks(n: int, size: int) -> Iterator[slice]:
 
 
 def extract_features(init_checkpoint: str, input_file: str, output: str,
-                     layers: Sequence[int] = (-1, -2, -3, -4), max_seq_length: int = 128,
+                     layers: Sequence[int] | None = None, max_seq_length: int = 128,
                      batch_size: int = 32, pooling: Sequence[str] = POOLINGS,
                      concat: bool = False, vocab_file: str = '', lower_case: bool | None = None,
                      dtype: str = 'float32', decimals: int = 6) -> dict[str, Any]:
@@ -126,14 +139,15 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
       pass `vocab_file`; casing from the checkpoint unless `lower_case` is given).
     input_file: one text per line, or `text_a ||| text_b`.
     output: a .jsonl, .npz or .npy path (layouts in the module docstring).
-    layers: hidden states to output (-1 = last encoder layer, 0 = embeddings).
+    layers: hidden states to output (-1 = last encoder layer, 0 = embeddings); None = the
+      last four encoder layers, or all of a model with fewer (`default_layers`).
     max_seq_length: longer texts are truncated (counted and logged).
     pooling: sentence vectors to add, of 'cls' (pooler output) and 'mean'.
     concat: concatenate the layers' features per token (the paper's best feature-based
       variant concatenates the last four layers) instead of listing them per layer.
     dtype: compute dtype ('auto' = bfloat16 on accelerators).
 
-  Returns: {'lines', 'truncated', 'output'}.
+  Returns: {'lines', 'truncated', 'output', 'layers'} (the layers written).
   """
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
 
@@ -156,6 +170,9 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
     raise UserError(f'--max_seq_length={max_seq_length} must be in [3, '
                     f'{config.max_position_embeddings}] (the model\'s max_position_embeddings)')
   config = config.replace(dtype=model_lib.resolve_dtype(dtype), scan_layers=False)
+  if layers is None:
+    layers = default_layers(config.num_hidden_layers)
+  layers = [int(l) for l in layers]
   chosen = resolve_layers(layers, config.num_hidden_layers)
   encoded = _encode(tok, lines, max_seq_length)
   num_truncated = int(encoded['truncated'].sum())
@@ -238,7 +255,7 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
         arrays['mean'] = mean
       np.savez(output, **arrays)
   logging.info('Wrote features of %d lines (layers %s) to %s', n, list(layers), output)
-  return {'lines': n, 'truncated': num_truncated, 'output': output}
+  return {'lines': n, 'truncated': num_truncated, 'output': output, 'layers': layers}
 
 
 def _json_line(i: int, line: int, truncated: bool, tokens: list[str], feats: np.ndarray,

@@ -39,6 +39,17 @@ def gfile():
   return tensorflow().io.gfile
 
 
+# Where runs go when no --workdir is given. The hyphen keeps it from being imported as a
+# module: Python started in /tmp would import a folder /tmp/bert_jax instead of the package
+# (the cache, sample_corpus.default_cache_dir, is named alike).
+DEFAULT_WORKDIR_ROOT = '/tmp/bert-jax'
+
+
+def default_workdir(name: str) -> str:
+  """The workdir of a run given no --workdir: DEFAULT_WORKDIR_ROOT/<name>."""
+  return os.path.join(DEFAULT_WORKDIR_ROOT, name)
+
+
 def is_remote(path: str) -> bool:
   """Whether `path` names another filesystem (gs://, ram://, ...) than the local one."""
   return '://' in path

@@ -19,9 +19,10 @@ Workdir:
   metrics.jsonl + TensorBoard events   training metrics and each epoch's dev metrics
   metrics.json         the best epoch's dev metrics (what `finetune` returns); marks the run
                        finished
-  predictions/         the task's files: SQuAD predictions.json (+ null_odds.json), NER CoNLL
-                       files (dev, test), GLUE test TSVs in the leaderboard's format (with
-                       config.predict_test)
+  predictions/         the best epoch's dev predictions: SQuAD predictions.json (+ null_odds.json),
+                       NER CoNLL files, SWAG dev.jsonl, GLUE dev.tsv (MNLI: dev_matched.tsv,
+                       dev_mismatched.tsv) in the leaderboard's layout; with config.predict_test,
+                       the test sets' (GLUE: the leaderboard's CoLA.tsv, ...)
 Resume: rerunning the same call continues from the latest checkpoint that reads back whole
 (saved every checkpoint.every_steps, after each epoch's evaluation and on SIGTERM;
 `checkpoint.restore_or_init`, pre-training's resume order) at its step inside its epoch, and

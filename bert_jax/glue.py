@@ -354,7 +354,8 @@ def convert_examples(examples: Sequence[Example], tok, max_seq_length: int,
 
 def write_predictions(task: str, predictions, output_dir: str, split: str = 'test',
                       indices: Sequence[int] | None = None) -> str:
-  """Writes a GLUE leaderboard file (`CoLA.tsv`, ..., `MNLI-m.tsv`, `AX.tsv`); returns its path.
+  """Writes a GLUE leaderboard file (`CoLA.tsv`, ..., `MNLI-m.tsv`, `AX.tsv`), or for a dev
+  split `<split>.tsv` in the same layout (`dev.tsv`, MNLI's `dev_matched.tsv`); returns its path.
 
   Args:
     task: the task; 'mnli-m'/'mnli-mm' (or task 'mnli' with split 'test_matched'/
@@ -362,7 +363,7 @@ def write_predictions(task: str, predictions, output_dir: str, split: str = 'tes
     predictions: label ids [N], logits [N, C], label strings, or scores (STS-B), in test-file
       order.
     output_dir: created if missing.
-    split: the test split (MNLI: 'test_matched' or 'test_mismatched').
+    split: the test split (MNLI: 'test_matched' or 'test_mismatched'), or a dev split.
     indices: the test file's index of each prediction; default 0..N-1 (GLUE's test indices).
   """
   canonical = metrics.canonical_task(task)
@@ -370,7 +371,7 @@ def write_predictions(task: str, predictions, output_dir: str, split: str = 'tes
   if canonical == 'mnli_mismatched':
     split = 'test_mismatched'
   split = _split(name, spec, split)
-  if split not in spec.submission:
+  if split not in spec.submission and not split.startswith('dev'):
     raise ValueError(f'no GLUE submission file for {name} split {split!r}')
   if spec.labels is None:
     values = np.asarray(predictions, np.float64).reshape(-1)
@@ -391,7 +392,7 @@ def write_predictions(task: str, predictions, output_dir: str, split: str = 'tes
   indices = range(len(lines)) if indices is None else list(indices)
   if len(indices) != len(lines):
     raise ValueError(f'{len(indices)} indices for {len(lines)} predictions')
-  path = os.path.join(output_dir, spec.submission[split])
+  path = os.path.join(output_dir, spec.submission.get(split, f'{split}.tsv'))
   fileio.write_text(path, 'index\tprediction\n' + ''.join(
       f'{i}\t{p}\n' for i, p in zip(indices, lines)))
   return path
@@ -442,20 +443,27 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
 
   regression = label_list is None
 
+  def file_indices(examples):
+    ids = [e.guid.split('-', 1)[1] for e in examples]
+    return [int(i) for i in ids] if all(i.isdigit() for i in ids) else None
+
   def dev_set(split, metric_task):
-    feats = convert_split(name, split)
-    labels = feats['label']
+    examples = read(name, split)
+    feats = convert_examples(examples, tok, config.data.max_seq_length, label_list)
+    labels, indices = feats['label'], file_indices(examples)
 
     def evaluate(rows):
       out = np.stack(rows)
-      return metrics.glue_metrics(metric_task, out[:, 0] if regression else out, labels), None
+      preds = out[:, 0] if regression else out
+      # The best epoch's dev predictions (predictions/dev.tsv), for an error analysis.
+      return (metrics.glue_metrics(metric_task, preds, labels),
+              lambda d: write_predictions(name, preds, d, split, indices))
     return tasks.EvalSet(split, tasks.subset(feats, tasks.INPUTS), evaluate)
 
   def test_set(task, split):
     examples = read(task, split)
     feats = convert_examples(examples, tok, config.data.max_seq_length, label_list)
-    ids = [e.guid.split('-', 1)[1] for e in examples]
-    indices = [int(i) for i in ids] if all(i.isdigit() for i in ids) else None
+    indices = file_indices(examples)
 
     def evaluate(rows):
       out = np.stack(rows)

@@ -30,9 +30,10 @@ _SENTENCE_END = re.compile(r'(?<=[.!?])\s+(?=[A-Z0-9"\'(\[`])')
 
 
 def default_cache_dir() -> str:
-  """$BERT_JAX_CACHE, else ~/.cache/bert_jax."""
+  """$BERT_JAX_CACHE, else ~/.cache/bert-jax (a name no `import` can mistake for the
+  package)."""
   return os.environ.get('BERT_JAX_CACHE') or os.path.join(
-      os.path.expanduser('~'), '.cache', 'bert_jax')
+      os.path.expanduser('~'), '.cache', 'bert-jax')
 
 
 def make_cache_dir(cache_dir: str | None = None) -> str:

@@ -289,7 +289,9 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str,
   spm.set_random_generator_seed(0)
   spm.SentencePieceTrainer.train(
       sentence_iterator=all_lines(), model_writer=model,
-      vocab_size=vocab_size, model_type=model_type,
+      # A soft limit: a corpus with too few pieces gives a smaller vocabulary (logged, as
+      # WordPiece's) instead of SentencePiece's RuntimeError; otherwise the same model.
+      vocab_size=vocab_size, hard_vocab_limit=False, model_type=model_type,
       normalization_rule_name='nmt_nfkc_cf' if lower_case else 'nmt_nfkc',
       character_coverage=character_coverage,
       pad_id=0, pad_piece=tokenization.PAD, unk_id=1,
@@ -297,6 +299,10 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str,
       control_symbols=[tokenization.CLS, tokenization.SEP, tokenization.MASK],
       input_sentence_size=max_sentences,
       shuffle_input_sentence=max_sentences > 0, num_threads=1, minloglevel=2)
+  size = spm.SentencePieceProcessor(model_proto=model.getvalue()).get_piece_size()
+  if size < vocab_size:
+    logging.warning('The input has only enough pieces for a vocabulary of %d tokens (asked '
+                    'for %d).', size, vocab_size)
   path = model_prefix + '.model'
   parent = path.rpartition('/')[0]
   if parent:
@@ -335,7 +341,7 @@ def run(input_patterns: Sequence[str], output: str, vocab_size: int,
   data = ml_collections.ConfigDict({'tfds_text_key': tfds_text_key,
                                     'tfds_data_dir': tfds_data_dir})
   texts = itertools.chain(_read_files(paths),
-                          *(documents.text_lines(spec, data) for spec in tfds_specs))
+                          *(documents.text_lines(spec, data, setting='--') for spec in tfds_specs))
   try:
     if kind == 'wordpiece':
       return train_wordpiece(texts, output, vocab_size, lower_case, num_unused)

@@ -8,7 +8,11 @@ Training BERT in 76 minutes": BERT-large, phase 1 at 64k sequences of 128 tokens
       --config.train.init_checkpoint=gs://BUCKET/lamb1 \
       --config.data.input='gs://BUCKET/corpus/*.txt' --config.data.vocab_file=gs://BUCKET/vocab.txt
 
-Raise train.grad_accum_steps when a slice cannot hold the whole batch at once.
+Raise train.grad_accum_steps when a slice cannot hold the whole batch at once. On a v5e-256
+(16 GiB a chip) phase 1 fits with 16 micro-batches of 16 rows per chip; check a slice first:
+
+  bert-jax compile --config=configs/lamb_large_batch.py:phase1 --topology=v5e:16x16 \
+      --config.train.grad_accum_steps=16
 
 The speed config: rows are packed (data.packing, README "Packing"), so the batch counts rows
 of several sequences and no step is spent on padding. --config.data.packing=false gives the

@@ -36,6 +36,15 @@ def test_compile_reports_memory_flops_and_a_roofline_bound():
     bound = r['roofline_bound']
     assert bound['step_seconds'] == max(bound['compute_seconds'], bound['memory_seconds']) > 0
     assert 0 < bound['mfu'] <= 1
+    # HBM traffic: at least the arguments read and the results written once (the train state,
+    # donated, is both), and not many times more for a model whose state dominates. XLA's own
+    # count adds on-chip (VMEM) traffic and whole async-copy tuples: several times more.
+    hbm = r['hbm_bytes_per_chip']
+    assert hbm['minimum'] == pytest.approx(
+        (r['memory']['arguments_gib'] + r['memory']['outputs_gib']) * 2**30)
+    assert hbm['minimum'] <= hbm['counted'] < 2 * hbm['minimum']
+    assert hbm['xla_bytes_accessed'] > 2 * hbm['counted']
+    assert bound['memory_seconds'] == pytest.approx(hbm['counted'] / 0.82e12)  # v5e's HBM.
   # A scanned layer stack is costed from an unrolled compile: the same FLOPs as the loop.
   unrolled = aot.compile_for_topology(_config(**{'model.scan_layers': False}), 'v5e:2x2')
   for a, b in zip(scanned, unrolled):
@@ -143,3 +152,25 @@ def test_attention_that_cannot_train_on_a_tpu_is_a_clear_error():
   # Lengths splash cannot tile are refused where the config loads (config_checks).
   with pytest.raises(UserError, match=r'multiples of 128; .* give \[64\]'):
     _config(**{'model.attention_impl': 'splash', 'model.attention_probs_dropout_prob': 0.0})
+
+
+_HLO = """HloModule step
+
+ENTRY %main (a: f32[1024], b: bf16[64,64]) -> f32[1024] {
+  %a = f32[1024]{0:T(1024)} parameter(0)
+  %b = bf16[64,64]{1,0:T(8,128)(2,1)} parameter(1)
+  %c = (f32[1024]{0:T(1024)}, f32[1024]{0:T(1024)S(1)}, u32[]{:S(2)}) copy-start(%a)
+  %d = f32[1024]{0:T(1024)S(1)} copy-done(%c)
+  %s = ((bf16[64,64]{1,0}), bf16[16,64]{1,0:S(1)}, s32[]{:S(2)}) slice-start(%b), slice={[0:16], [0:64]}
+  %e = bf16[16,64]{1,0:S(1)} slice-done(%s)
+  %t = (f32[1024]{0:T(1024)S(1)}, bf16[16,64]{1,0:S(1)}) tuple(%d, %e)
+  ROOT %r = f32[1024]{0:T(1024)} fusion(%d, %e, %a), kind=kLoop, calls=%g
+}
+"""
+
+
+def test_hbm_bytes_counts_what_moves_to_and_from_hbm():
+  # copy-start: its HBM source (4096 bytes), not the on-chip copy; slice-start: the 16x64 bf16
+  # slice read from HBM (2048), not the whole table; the root fusion: its HBM operand %a and
+  # its result (4096 each), not its on-chip operands; parameters, tuples and *-done nothing.
+  assert aot.hbm_bytes(_HLO) == 4096 + 2048 + 4096 + 4096

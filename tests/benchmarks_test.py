@@ -110,3 +110,25 @@ def test_gpu_benchmark_runs_without_tensorflow(tmp_path):
   assert results[2]['sequences_per_row'] > 1.0   # packed
   assert results[2]['real_token_fraction'] > results[1]['real_token_fraction']
   assert report['attention_check']['xla_128']['finite']
+
+
+@pytest.mark.parametrize('script, args, message', [
+    ('train_step.py', ['--size=tiny', '--compare_torch'],
+     "--compare_torch needs torch and transformers: pip install torch==2.13.0 "
+     "'transformers>=4.46,<6'"),
+    ('finetune_vs_transformers.py', ['--sides=bert_jax,transformers'],
+     "the transformers side needs torch and transformers: pip install torch==2.13.0 "
+     "'transformers>=4.46,<6'"),
+])
+def test_torch_side_without_torch_says_what_to_install(tmp_path, script, args, message):
+  # torch and transformers hidden (find_spec answers None for a None in sys.modules).
+  code = ('import runpy, sys; sys.modules["torch"] = sys.modules["transformers"] = None; '
+          f'sys.argv = {[script] + args!r}; '
+          f'runpy.run_path({os.path.join(processes.ROOT, "benchmarks", script)!r}, '
+          'run_name="__main__")')
+  proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path,
+                        env=processes.env(str(tmp_path / 'jax_cache'), 1),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  assert message in proc.stderr, proc.stderr[-3000:]

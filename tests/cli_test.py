@@ -248,6 +248,27 @@ def test_a_signal_during_start_up_is_one_line_and_status_143(tmp_path, signum, c
   assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
 
 
+def test_default_workdir_and_cache_never_shadow_the_package(tmp_path, monkeypatch):
+  # Python started in the folder that holds them puts that folder first on sys.path: a folder
+  # named bert_jax there would be imported instead of the package (issue 34: /tmp/bert_jax).
+  from bert_jax import fileio, sample_corpus  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv('BERT_JAX_CACHE', raising=False)
+  # The folder that holds a default workdir (/tmp's child), and the cache (~/.cache's child).
+  for folder in (os.path.dirname(fileio.default_workdir('smoke')),
+                 sample_corpus.default_cache_dir()):
+    shadow = tmp_path / os.path.basename(folder)
+    shadow.mkdir(exist_ok=True)
+    (shadow / '__init__.py').write_text('raise ImportError("the folder, not the package")\n')
+  site = tmp_path.parent / (tmp_path.name + '_site')
+  site.mkdir()
+  os.symlink(os.path.join(_ROOT, 'bert_jax'), site / 'bert_jax')
+  proc = subprocess.run([sys.executable, '-c', 'import bert_jax; print(bert_jax.__file__)'],
+                        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(site)),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith(str(site)), proc.stdout
+
+
 @pytest.mark.parametrize('how', ['flag', 'env'])
 def test_traceback_flag_and_environment_show_the_traceback(how):
   args = ['pretrain', '--config.train.setps=3'] + (['--traceback'] if how == 'flag' else [])

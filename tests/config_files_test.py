@@ -3,6 +3,7 @@
 (Loading from any directory, user files and shipped names: cli_test.py, as the command runs it.)
 """
 
+import os
 import warnings
 
 import pytest
@@ -106,3 +107,13 @@ def test_the_choices_checked_at_load_are_the_modules_own():
     config = 'finetune_glue:mrpc' if key == 'data_source' else 'smoke'
     with pytest.raises(UserError, match=rf"--config\.{key}='x': expected one of "):
       config_files.load_config(config, {key: 'x'})
+
+
+def test_a_folder_named_like_a_shipped_config_leaves_the_name_to_it(tmp_path, monkeypatch):
+  # `bert-jax eval --config=smoke` run in /tmp/bert-jax, beside pretrain's workdir `smoke`.
+  (tmp_path / 'smoke').mkdir()
+  monkeypatch.chdir(tmp_path)
+  assert config_files.resolve_config_path('smoke') == os.path.join(
+      config_files.configs_dir(), 'smoke.py')
+  assert config_files.load_config('smoke').model.size == (
+      config_files.load_config(os.path.join(config_files.configs_dir(), 'smoke.py')).model.size)

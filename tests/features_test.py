@@ -90,13 +90,20 @@ def test_layers_are_the_encoders_hidden_states(setup):
   assert features.resolve_layers([-5, -1, 0, 4], 4) == [0, 4, 0, 4]
   with pytest.raises(ValueError, match='-6 is out of range for a 4-layer model'):
     features.resolve_layers([-6], 4)
+  # The default: the top four encoder layers, or all of a shallower model (the 2-layer smoke
+  # model has no layer -4 but its embeddings).
+  assert features.default_layers(12) == [-1, -2, -3, -4]
+  assert features.default_layers(2) == [-1, -2]
+  assert features.resolve_layers(features.default_layers(2), 2) == [2, 1]
 
 
 def test_concat_order_npy_and_jsonl(setup):
   ref, root = setup['npz'], setup['root']
   npy = str(root / 'concat.npy')
-  features.extract_features(setup['ckpt'], setup['input'], npy, layers=(-1, -2, -3, -4),
-                            max_seq_length=MAX_LEN, concat=True)
+  # No layers given: the last four encoder layers, as the original's default.
+  result = features.extract_features(setup['ckpt'], setup['input'], npy,
+                                     max_seq_length=MAX_LEN, concat=True)
+  assert result['layers'] == [-1, -2, -3, -4]
   concat = np.load(npy)
   h = CONFIG.hidden_size
   assert concat.shape == (3, MAX_LEN, 4 * h)

@@ -163,6 +163,12 @@ def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints
   assert 'metrics' not in unlabelled
   with open(unlabelled['output']) as f:
     assert [json.loads(line)['label'] for line in f] == [r['label'] for r in rows]
+  # The run wrote its best epoch's dev predictions too: the labels `predict` gives.
+  with open(os.path.join(workdir, 'predictions', 'dev.tsv')) as f:
+    lines = f.read().splitlines()
+  assert lines[0] == 'index\tprediction'
+  assert [line.split('\t') for line in lines[1:]] == [[str(i), r['label']]
+                                                       for i, r in enumerate(rows)]
 
   # The test set in GLUE's submission format, scored by the rule that made it.
   with open(os.path.join(workdir, 'predictions', 'SST-2.tsv')) as f:

@@ -288,6 +288,11 @@ def test_write_predictions_submission_files(tmp_path):
     glue.write_predictions('rte', [2], out)
   with pytest.raises(ValueError, match='not in'):
     glue.write_predictions('rte', ['maybe'], out)
+  # Dev predictions (fine-tuning's best epoch) in the same layout, named after the split.
+  path = glue.write_predictions('mnli', [0, 2], out, split='dev_mismatched', indices=[3, 4])
+  assert os.path.basename(path) == 'dev_mismatched.tsv'
+  assert open(path).read() == 'index\tprediction\n3\tcontradiction\n4\tneutral\n'
+  assert os.path.basename(glue.write_predictions('mrpc', [1], out, split='dev')) == 'dev.tsv'
 
 
 def test_read_tfds_maps_labels_by_name():

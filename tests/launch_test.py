@@ -633,6 +633,24 @@ def test_slurm_dry_run_two_nodes(slurm_env):
   assert '--xla_gpu_enable_latency_hiding_scheduler=true' in shlex.split(xla)[1]
 
 
+def test_slurm_dry_run_without_scontrol_expands_the_node_list(slurm_env):
+  # Away from the cluster (no scontrol), a dry run reads SLURM's host list syntax itself.
+  env, bin_dir = slurm_env
+  env = dict(env, PATH=env['PATH'].replace(f'{bin_dir}:', ''), DRY_RUN='1',
+             SLURM_JOB_NODELIST='gpu-[07-08,11],login9,rack[9-10]b', SLURM_NNODES='6',
+             SLURM_NTASKS='6')
+  result = _sbatch(env)
+  assert result.returncode == 0, result.stderr
+  hosts = re.findall(r'^# task \d+ on (\S+):', result.stdout, re.M)
+  assert hosts == ['gpu-07', 'gpu-08', 'gpu-11', 'login9', 'rack9b', 'rack10b']
+  result = _sbatch(dict(env, SLURM_JOB_NODELIST='a[1-2]b[1]', SLURM_NNODES='2',
+                        SLURM_NTASKS='2'))
+  assert result.returncode == 2
+  assert "SLURM_JOB_NODELIST='a[1-2]b[1]': without scontrol a dry run reads" in result.stderr
+  result = _sbatch(dict(env, DRY_RUN='0'))  # A real launch needs SLURM's own answer.
+  assert result.returncode == 2 and 'scontrol not found on PATH' in result.stderr
+
+
 def test_slurm_header_one_task_per_node_eight_gpus():
   with open(os.path.join(_LAUNCH, 'gpu_slurm.sbatch')) as f:
     header = [l.split()[1] for l in f if l.startswith('#SBATCH')]

@@ -75,11 +75,20 @@ def test_colab_install_cell_keeps_the_images_jax(monkeypatch):
   monkeypatch.setitem(sys.modules, 'google.colab', types.ModuleType('google.colab'))
   monkeypatch.setattr(sys, 'path', list(sys.path))  # The cell adds the clone to it.
   keep = [f'jax=={metadata.version("jax")}', f'jaxlib=={metadata.version("jaxlib")}']
+  url = 'https://example.com/someone/bert_jax.git'
   for name in ORDER:
     notebook = nbformat.read(os.path.join(_NOTEBOOKS, f'{name}.ipynb'), as_version=4)
     install_cell = next(c for c in notebook.cells if c.cell_type == 'code').source
+    # No repository named: the cell says where to name it, and clones nothing (it once cloned
+    # a placeholder URL).
+    monkeypatch.delenv('BERT_JAX_REPO_URL', raising=False)
     commands.clear()
+    with pytest.raises(RuntimeError, match='^Set REPO_URL in this cell'):
+      exec(install_cell, {})  # pylint: disable=exec-used
+    assert not commands, name
+    monkeypatch.setenv('BERT_JAX_REPO_URL', url)
     exec(install_cell, {})  # pylint: disable=exec-used
+    assert commands[0] == ['git', 'clone', '--depth=1', url, '/content/bert_jax'], name
     pip = [c for c in commands if c[1:4] == ['-m', 'pip', 'install']]
     assert pip == [[sys.executable, '-m', 'pip', 'install', '-q', '-e', '/content/bert_jax',
                     *keep]], name

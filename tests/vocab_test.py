@@ -166,9 +166,13 @@ def test_run_from_tfds_and_files_together(tmp_path):
   tokens = _read(out)
   assert len(tokens) == 150
   assert 'token' in tokens and 'zyzzyva' in tokens  # From the articles and from the file.
-  with pytest.raises(ValueError, match="tfds_text_key='text' is not a feature"):
+  # `bert-jax vocab` has flags, not config keys: its errors name the flags.
+  with pytest.raises(UserError, match="^--tfds_text_key='text' is not a feature"):
     vocab.run(['tfds:bert_jax_vocab_articles'], str(tmp_path / 'v.txt'), 150,
               tfds_data_dir=str(tmp_path / 'tfds'))
+  with pytest.raises(UserError, match='or set --tfds_data_dir to where it is$'):
+    vocab.run(['tfds:bert_jax_vocab_articles'], str(tmp_path / 'v.txt'), 150,
+              tfds_text_key='body', tfds_data_dir=str(tmp_path / 'empty_tfds'))
 
 
 def test_errors(tmp_path):
@@ -213,3 +217,14 @@ def test_sentencepiece_cased_and_run(tmp_path):
   assert path == str(tmp_path / 'sp.model')
   tok = tokenization.load_tokenizer(path)
   assert tok.encode(['Token MODEL']) != tok.encode(['token model'])
+
+
+def test_sentencepiece_larger_than_the_corpus_allows_gives_a_smaller_model(tmp_path, caplog):
+  # As WordPiece does; SentencePiece's own hard limit raised "Vocabulary size too high".
+  _write(tmp_path / 'in.txt', _corpus())
+  with caplog.at_level('WARNING'):
+    path = vocab.run([str(tmp_path / 'in.txt')], str(tmp_path / 'sp'), vocab_size=32000,
+                     kind='sentencepiece')
+  size = tokenization.load_tokenizer(path).vocab_size
+  assert 120 < size < 32000
+  assert f'only enough pieces for a vocabulary of {size} tokens (asked for 32000)' in caplog.text
