@@ -79,7 +79,9 @@ COMMANDS: dict[str, Run | NotHere] = {
     "python3 -m pip install -e . $(python3 -m pip freeze | grep -E '^jax(lib)?==')":
         NotHere(_INSTALLS + ', beside an accelerator image\'s JAX'),
     'python3 -m pip install -e ".[tpu]"': NotHere(_INSTALLS + ' (libtpu, for a TPU VM)'),
-    "pip install 'bert_jax[gpu_aot]'": NotHere(_INSTALLS + ' (CUDA compilers, gigabytes)'),
+    "python3 -m pip install -e '.[gpuaot]'": NotHere(
+        _INSTALLS + ' (CUDA compilers, gigabytes); tests/aot_gpu_test.py runs this exact line in '
+        'a fresh virtual environment, then the compile command'),
     # ---- README.md: TPU pods and GPU clusters ----------------------------------------------
     "python launch/tpu.py watch --name=bert-large --zone=us-central2-b "
     "--accelerator_type=v4-32 --capacity=spot --config=configs/bert_large.py "
@@ -144,7 +146,12 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax predict --workdir=/tmp/ner --input=news.txt --output=news.conll':
         NotHere('needs a NER fine-tuning run (minutes); tests/finetune_test.py fine-tunes NER '
                 'and runs predict on it'),
+    'bert-jax predict --workdir=/tmp/swag --input=/data/swag/val.csv --output=/tmp/swag_val.jsonl':
+        NotHere('needs a SWAG fine-tuning run (minutes); tests/swag_test.py fine-tunes SWAG and '
+                'runs predict on its CSV and JSONL layouts'),
     # ---- README.md: performance ------------------------------------------------------------
+    'python benchmarks/train_step.py --size=mini --batch_size=32 --seq_len=128 '
+    '--compare_in_flight --steps=60 --rounds=12': NotHere(_BENCHMARK),
     'python benchmarks/train_step.py --size=mini --batch_size=32 --seq_len=128 --compare_torch':
         NotHere(_BENCHMARK),
     'bert-jax compile --config=configs/bert_large.py --topology=v5e:4x4': NotHere(_COMPILE),
