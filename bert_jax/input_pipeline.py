@@ -114,25 +114,16 @@ def _pair_function(vocab_file: str, version: tuple[int, int], lower_case: bool, 
   def fn(seed, index, texts, ids):
     doc_tokens = _tokenize_documents(tokenizer, texts)
     if objective == 'none':
-      return (pairing.pack_sequences(doc_tokens, seq_len=seq_len,
-                                     cross_documents=cross_documents, **specials),
-              tf.constant(False))
-    # The single-document check is returned, not asserted: a stateful op would make the
-    # function call stateful, and tf.data cannot checkpoint iterators through those.
-    pairs = pairing.make_pairs(
+      return pairing.pack_sequences(doc_tokens, seq_len=seq_len,
+                                    cross_documents=cross_documents, **specials)
+    # No in-graph check for a single document: a batch of pieces of one long document is
+    # normal (its NotNext draws are dropped); a one-document input is refused at start-up
+    # (`_check_other_documents`).
+    return pairing.make_pairs(
         doc_tokens, ids, tf.random.experimental.stateless_fold_in(seed, index),
         seq_len=seq_len, short_seq_prob=short_seq_prob, objective=objective,
         check_documents=False, **specials)
-    if not objectives.get(objective).other_documents:
-      return pairs, tf.constant(False)
-    return pairs, pairing.single_document(doc_tokens, ids)
-
-  def pair(seed, index, texts, ids):
-    examples, single_document = fn(seed, index, texts, ids)
-    check = tf.debugging.Assert(~single_document, [pairing.NOT_ENOUGH_DOCUMENTS])
-    with tf.control_dependencies([check]):
-      return tf.nest.map_structure(tf.identity, examples)
-  return pair
+  return fn
 
 
 @functools.lru_cache(maxsize=32)
@@ -205,8 +196,11 @@ def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_
   share = f' (process {process_index} of {process_count})' if process_count > 1 else ''
   what = (f'held-out documents (1 in {documents.HOLDOUT_MODULUS} by hash)' if holdout
           else 'documents')
-  documents.require_element(docs, f'no {what} in {described}{share}' +
-                            ('; set data.eval_input' if holdout else ''))
+  if train and objectives.get(objective).other_documents:
+    _check_other_documents(docs, objective, described + share)
+  else:
+    documents.require_element(docs, f'no {what} in {described}{share}' +
+                              ('; set data.eval_input' if holdout else ''))
 
   tokenizer = _load_tokenizer(vocab_file, data.lower_case)
   if train:
@@ -245,6 +239,26 @@ def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_
                'next_sentence_labels': 0}
     batches = _pad_to_batches(examples, batch_size, padding)
   return masked(batches)
+
+
+def _check_other_documents(docs: tf.data.Dataset, objective: str, described: str) -> None:
+  """Refuses, before the first step, a training input of one document for an objective whose
+  pairs draw from another one (NotNext): found inside tf.data it would stop a running job with
+  TensorFlow's lines and without naming the input. A bounded look (documents.LOOK_PIECES
+  pieces) sees a second document of any real corpus; past it, NotNext pairs come from the
+  batches that hold several documents, which is said in a warning."""
+  count, ended = documents.count_documents(docs)
+  if not count:
+    raise UserError(f'no documents in {described}')
+  if count > 1:
+    return
+  if ended:
+    raise UserError(f'{described} holds a single document: objective {objective!r} needs at '
+                    'least two for NotNext pairs; add documents (blank lines separate them), or '
+                    'set data.objective to sop or none')
+  logging.warning('The first %d MB of %s are one document: NotNext pairs are made only in '
+                  'batches that also hold other documents', documents.LOOK_PIECES *
+                  documents.PIECE_BYTES >> 20, described)
 
 
 @functools.lru_cache(maxsize=32)

@@ -482,8 +482,8 @@ def test_bad_inputs(corpora, tmp_path):
   with pytest.raises(ValueError, match='held-out.*data.eval_input'):
     make(corpora.config(input=str(tiny)), train=False)
   # One document: NotNext is impossible; SOP swaps within a document, so one is enough.
-  with pytest.raises(tf.errors.InvalidArgumentError, match='at least two different documents'):
-    _batches(make(corpora.config(input=_one_doc(tmp_path))), 1)
+  with pytest.raises(UserError, match="one_doc.txt'.* holds a single document: objective 'nsp'"):
+    make(corpora.config(input=_one_doc(tmp_path)))
   assert _batches(make(corpora.config(input=_one_doc(tmp_path), objective='sop')), 1)
   # Settings.
   with pytest.raises(ValueError, match='seq_len=7'):
@@ -730,3 +730,4 @@ def test_packed_examples_and_stats(corpora):
   for key in ('next_sentence_fraction', 'masked_fraction', 'mask_token_fraction'):
     assert abs(stats[key] - unpacked[key]) < 0.06, key
   assert abs(stats['mean_length'] - unpacked['mean_length']) < 2
+
