@@ -225,13 +225,16 @@ def selector(holdout: bool | None, shard: tuple[int, int] | None = None):
 
 
 def _select(texts: tf.Tensor, keep) -> dict[str, tf.Tensor]:
-  """Documents [N] -> {'text', 'id'} of those `keep` accepts (vectorized: no per-doc call)."""
-  return _select_pieces(texts, document_ids(texts), keep)
+  """Documents [N] -> {'text', 'id', 'cut'} of those `keep` accepts (vectorized: no per-doc
+  call)."""
+  return _select_pieces(texts, document_ids(texts), tf.zeros_like(texts, tf.int64), keep)
 
 
-def _select_pieces(texts: tf.Tensor, ids: tf.Tensor, keep) -> dict[str, tf.Tensor]:
+def _select_pieces(texts: tf.Tensor, ids: tf.Tensor, cut: tf.Tensor,
+                   keep) -> dict[str, tf.Tensor]:
   selected = keep(ids) & tf.not_equal(texts, '')
-  return {'text': tf.boolean_mask(texts, selected), 'id': tf.boolean_mask(ids, selected)}
+  return {'text': tf.boolean_mask(texts, selected), 'id': tf.boolean_mask(ids, selected),
+          'cut': tf.boolean_mask(cut, selected)}
 
 
 def _cut_line(line: tf.Tensor) -> tf.Tensor:
@@ -260,7 +263,8 @@ def _cut_line(line: tf.Tensor) -> tf.Tensor:
 
 def _split_lines(lines: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
   """Lines read by TextLineDataset -> (lines, blank, cut): stripped, blank marked, and each
-  line longer than LINE_BYTES cut into several (`_cut_line`); `cut` counts the lines cut."""
+  line longer than LINE_BYTES cut into several (`_cut_line`); `cut` marks the first of the
+  lines that each line cut became."""
   lines = tf.strings.strip(fix_utf8(lines))  # A line of spaces is blank, as originally.
   long = tf.strings.length(lines) > LINE_BYTES
   long_index = tf.cast(tf.where(long)[:, 0], tf.int32)
@@ -276,28 +280,32 @@ def _split_lines(lines: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
   order = tf.math.invert_permutation(target)
   texts = tf.gather(tf.concat([tf.boolean_mask(lines, ~long), pieces.flat_values], 0), order)
   from_long = tf.repeat(long, counts)
+  first_of_cut = tf.scatter_nd(tf.gather(begin, long_index)[:, None],
+                               tf.ones_like(long_index, tf.int64), tf.shape(texts, tf.int32))
   blank = tf.equal(texts, '')
-  # A piece that was only whitespace is dropped, not taken for a blank line.
+  # A piece that was only whitespace is dropped, not taken for a blank line (a line cut
+  # never begins with one: it was stripped).
   kept = ~(from_long & blank)
   return (tf.boolean_mask(texts, kept), tf.boolean_mask(blank, kept),
-          tf.size(long_index))
+          tf.boolean_mask(first_of_cut, kept))
 
 
 def _group_lines(keep):
   def step(state, lines: tf.Tensor):
     """(unfinished piece, next lines) -> (unfinished piece, finished and kept pieces).
 
-    The state is the unfinished piece's text, its byte offset in its document and the
-    document's id (-1 until its first piece is finished). A document's pieces are its lines
+    The state is the unfinished piece's text, its byte offset in its document, the
+    document's id (-1 until its first piece is finished) and how many cut lines it holds. A document's pieces are its lines
     whose offset falls in [k * PIECE_BYTES, (k + 1) * PIECE_BYTES): the same pieces whatever
     the read blocks are.
     """
-    partial, partial_offset, partial_id = state
-    lines, blank, _ = _split_lines(lines)
+    partial, partial_offset, partial_id, partial_cut = state
+    lines, blank, cut = _split_lines(lines)
     document_of_line = tf.cumsum(tf.cast(blank, tf.int32))
     last_document = document_of_line[-1]
     texts = tf.concat([[partial], tf.boolean_mask(lines, ~blank)], 0)
     document = tf.concat([[0], tf.boolean_mask(document_of_line, ~blank)], 0)
+    cut = tf.concat([[partial_cut], tf.boolean_mask(cut, ~blank)], 0)
     size = tf.cast(tf.strings.length(texts), tf.int64) + 1  # With its '\n'.
     size = tf.concat([[tf.where(tf.equal(partial, ''), tf.constant(0, tf.int64), size[0])],
                       size[1:]], 0)
@@ -319,6 +327,7 @@ def _group_lines(keep):
         separator='\n')
     group_document = tf.math.unsorted_segment_max(document, group, num_groups)
     group_offset = tf.math.unsorted_segment_min(offset, group, num_groups)
+    group_cut = tf.math.unsorted_segment_sum(cut, group, num_groups)
     # A document's id is the hash of its first piece (all of it, for most documents).
     first_group = tf.math.unsorted_segment_min(group, document, num_documents)
     known = tf.not_equal(partial_id, -1)
@@ -333,8 +342,10 @@ def _group_lines(keep):
         tf.where(carried, pieces[-1], ''),
         tf.where(carried, group_offset[-1], tf.constant(0, tf.int64)),
         tf.where(carried & ~first_is_carried, tf.gather(ids, last_document),
-                 tf.constant(-1, tf.int64)))
-    return next_state, _select_pieces(pieces[:finished], piece_ids[:finished], keep)
+                 tf.constant(-1, tf.int64)),
+        tf.where(carried, group_cut[-1], tf.constant(0, tf.int64)))
+    return next_state, _select_pieces(pieces[:finished], piece_ids[:finished],
+                                      group_cut[:finished], keep)
   return step
 
 
@@ -344,7 +355,8 @@ def _text_file_reader(keep):
     compression = tf.where(tf.strings.regex_full_match(path, r'.*\.gz'), 'GZIP', '')
     lines = tf.data.TextLineDataset(path, compression_type=compression)
     lines = lines.concatenate(tf.data.Dataset.from_tensors(tf.constant('')))  # Ends the last.
-    initial = (tf.constant(''), tf.constant(0, tf.int64), tf.constant(-1, tf.int64))
+    initial = (tf.constant(''), tf.constant(0, tf.int64), tf.constant(-1, tf.int64),
+               tf.constant(0, tf.int64))
     return lines.batch(LINES_PER_READ).scan(initial, _group_lines(keep)).unbatch()
   return read
 
@@ -450,6 +462,21 @@ def count_documents(ds: tf.data.Dataset, at_most: int = 2) -> tuple[int, bool]:
     if len(seen) >= at_most:
       return at_most, False
   return len(seen), read < LOOK_PIECES
+
+
+def summarize(ds: tf.data.Dataset) -> dict[str, int]:
+  """Counts over the first LOOK_PIECES pieces of a document stream: pieces, documents, the
+  documents longer than a piece (streamed in several) and the lines cut (over LINE_BYTES)."""
+  pieces_of: dict[int, int] = {}
+  cut = size = 0
+  for batch in ds.take(LOOK_PIECES).batch(256).as_numpy_iterator():
+    for i in batch['id'].tolist():
+      pieces_of[i] = pieces_of.get(i, 0) + 1
+    cut += int(batch['cut'].sum())
+    size += sum(len(t) for t in batch['text'])
+  return {'pieces': sum(pieces_of.values()), 'documents': len(pieces_of),
+          'documents_in_pieces': sum(n > 1 for n in pieces_of.values()), 'lines_cut': cut,
+          'bytes': size}
 
 
 def text_lines(spec: str, data: ml_collections.ConfigDict):

@@ -15,6 +15,18 @@ def _texts(ds):
   return [d['text'].decode() for d in ds.as_numpy_iterator()]
 
 
+def _whole_documents(ds):
+  """Texts of a stream of one file's pieces, a document's pieces joined again."""
+  texts, last = [], None
+  for d in ds.as_numpy_iterator():
+    if d['id'] == last:
+      texts[-1] += '\n' + d['text'].decode()
+    else:
+      texts.append(d['text'].decode())
+    last = d['id']
+  return texts
+
+
 def _write_docs(path, docs, trailing_blank=True):
   text = '\n\n'.join('\n'.join(doc) for doc in docs) + ('\n\n' if trailing_blank else '')
   data = text.encode()
@@ -26,7 +38,8 @@ def _write_docs(path, docs, trailing_blank=True):
 
 def test_documents_across_blocks_and_files(tmp_path):
   # Documents longer than a read block, blank lines of spaces, several blank lines in a row,
-  # and a file without a final blank line: each document comes out whole, once, in order.
+  # and a file without a final blank line: each document comes out whole (in pieces of
+  # documents.PIECE_BYTES when longer), once, in order.
   rng = np.random.RandomState(0)
   first = [[f'doc{d} line{i}' for i in range(rng.choice([1, 3, 700, 1500]))] for d in range(9)]
   second = [[f'second{d} line{i}' for i in range(rng.randint(1, 4))] for d in range(5)]
@@ -37,12 +50,13 @@ def test_documents_across_blocks_and_files(tmp_path):
   files = [str(tmp_path / n) for n in ('a.txt', 'b.txt.gz', 'c.txt')]
   got = []
   for path in files:
-    got.append(_texts(documents.text_documents([path])))
+    got.append(_whole_documents(documents.text_documents([path])))
   assert got[0] == ['\n'.join(d) for d in first]
   assert got[1] == ['\n'.join(d) for d in second]
   assert got[2] == ['only one', 'second doc']
   together = _texts(documents.text_documents(files))
-  assert sorted(together) == sorted(sum(got, []))
+  assert sorted(together) == sorted(sum((_texts(documents.text_documents([p])) for p in files),
+                                        []))
 
 
 def test_invalid_utf8_is_replaced(tmp_path):
@@ -194,3 +208,15 @@ def test_crlf_reads_like_lf_and_cr_only_is_named(tmp_path):
     (tmp_path / name).write_bytes(compress(text.replace('\n', '\r').encode()))
     with pytest.raises(UserError, match=rf'^data.input: \S*{name} ends its lines with CR alone'):
       documents.expand_files(str(tmp_path / name))
+
+
+def test_summarize_counts_pieces_documents_and_cut_lines(tmp_path):
+  book = [f'line {i} ' + 'w' * 500 for i in range(100)]  # ~51 KB: 7 pieces.
+  long_line = ' '.join(['word'] * 3000)  # 15 KB: cut in 4.
+  _write_docs(tmp_path / 'c.txt', [book, ['short'], [long_line, 'x', long_line]])
+  ds = documents.text_documents([str(tmp_path / 'c.txt')])
+  assert sum(int(d['cut']) for d in ds.as_numpy_iterator()) == 2
+  summary = documents.summarize(ds)
+  assert summary['documents'] == 3 and summary['documents_in_pieces'] == 2
+  assert summary['lines_cut'] == 2
+  assert summary['pieces'] == len(list(ds.as_numpy_iterator()))
