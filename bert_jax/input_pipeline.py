@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import ml_collections
@@ -507,6 +507,103 @@ def make_iterator(ds: tf.data.Dataset):
   """An iterator of numpy dicts with `save(path)` / `restore(path)` of its exact position."""
   from clu import data as clu_data  # pylint: disable=g-import-not-at-top
   return clu_data.TfDatasetIterator(ds, checkpoint=True)
+
+
+def input_fingerprint(data: ml_collections.ConfigDict, *, batch_size: int, seq_len: int,
+                      max_predictions: int, process_count: int = 1) -> dict[str, Any]:
+  """What a training input position is valid for, by the key that sets it: the files of
+  data.input with their sizes and modification times, and every setting that shapes the
+  stream or its buffers (batch size per process, sequence length, objective, ...)."""
+  if documents.input_kind(data.input) == 'tfds':
+    files = data.input  # A prepared TFDS split does not change under a name.
+  else:
+    files = []
+    for path in documents.resolve_files(data.input):
+      stat = tf.io.gfile.stat(path)
+      files.append([path, int(stat.length), int(stat.mtime_nsec)])
+  return {
+      'data.input': files,
+      'data.eval_input': bool(data.eval_input),  # Empty: training skips the held-out share.
+      'train.batch_size': int(batch_size) * int(process_count),
+      'data.max_seq_length': int(seq_len),
+      'data.max_predictions_per_seq': int(max_predictions),
+      'data.objective': str(data.objective),
+      'data.packing': [bool(data.packing), int(data.packing_window),
+                       int(data.packing_max_sequences)],
+      'data.docs_per_batch': int(data.docs_per_batch),
+      'data.shuffle_buffer': int(data.shuffle_buffer),
+      'data.seed': int(data.seed),
+      'processes': int(process_count),
+  }
+
+
+def restart_seed(seed: int, step: int) -> int:
+  """The data seed of an input restarted at `step`: not the first step's stream again."""
+  key = f'{seed}/restart/{step}'.encode()
+  return int.from_bytes(hashlib.sha256(key).digest()[:4], 'little') >> 1
+
+
+class TrainingInput:
+  """A training input's iterator whose saved position says what it was made for.
+
+  `save(path)` writes the tf.data position and, beside it (`path`.input.json), the
+  `input_fingerprint` and the step where the input last restarted. `restore(path)` restores the
+  position when the fingerprint matches. When it does not (a new corpus, batch size, length,
+  objective, ... on resume), the old position means nothing in the new stream (and TensorFlow
+  would refuse buffers of another shape with a traceback), so the input restarts, as a phase
+  switch starts its own: from the start of the corpus, shuffled with `restart_seed(data.seed,
+  step)` so that the model does not see the first steps' stream again. A warning names every
+  key that changed. Exact resumes of that run still work: the restart step is saved too.
+  """
+
+  def __init__(self, make_dataset: Callable[[int | None], tf.data.Dataset],
+               fingerprint: dict[str, Any], step: int, seed: int):
+    """make_dataset(seed or None for data.seed); `step`: where this run starts."""
+    self._make, self._fingerprint, self._step, self._seed = make_dataset, fingerprint, step, seed
+    self._restarted_at = None
+    self._it = make_iterator(make_dataset(None))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._it)
+
+  def save(self, path: str) -> None:
+    self._it.save(path)
+    fileio.write_json(path + '.input.json', {'fingerprint': self._fingerprint,
+                                             'restarted_at': self._restarted_at})
+
+  def restore(self, path: str) -> None:
+    if not tf.io.gfile.exists(path + '.input.json'):
+      self._it.restore(path)  # A position saved before fingerprints were: as it was.
+      return
+    saved = fileio.read_json(path + '.input.json')
+    now = json.loads(json.dumps(self._fingerprint))  # Tuples as lists, as saved.
+    if saved['fingerprint'] == now:
+      if saved['restarted_at'] is not None:
+        self._restart(saved['restarted_at'])
+      self._it.restore(path)
+      return
+    changed = [f'{key} ({_change(saved["fingerprint"].get(key), value)})'
+               for key, value in now.items() if saved['fingerprint'].get(key) != value]
+    logging.warning('Resuming at step %d with %s changed since the input position was saved: '
+                    'the input restarts from the start of data.input, shuffled anew', self._step,
+                    ', '.join(changed))
+    self._restart(self._step)
+
+  def _restart(self, step: int) -> None:
+    self._restarted_at = step
+    self._it = make_iterator(self._make(restart_seed(self._seed, step)))
+
+
+def _change(old: Any, new: Any) -> str:
+  if isinstance(new, list) and new and isinstance(new[0], list):  # Files.
+    old_files = {tuple(f) for f in old or []}
+    new_files = {tuple(f) for f in new}
+    return (f'{len(new_files - old_files)} of {len(new_files)} files new or changed, '
+            f'{len(old_files - new_files)} gone')
+  return f'{old} -> {new}'
 
 
 def check_vocab_given(data: ml_collections.ConfigDict, where: str = '') -> None:
