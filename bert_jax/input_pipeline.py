@@ -738,6 +738,10 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
   share of rows holding data.packing_max_sequences sequences (the packer never drops a
   sequence: a row at a cap is closed and the next sequence opens another); tokens_per_second
   counts non-padding tokens after the first batch (which pays for building the pipeline).
+  For text and TFDS inputs, `input` counts over the first documents.LOOK_PIECES pieces (16 MB)
+  of the input in file order: pieces, documents, documents_in_pieces (longer than
+  documents.PIECE_BYTES, streamed in several), lines_cut (longer than documents.LINE_BYTES,
+  cut into several lines before pairing) and bytes.
   """
   seq_len, max_predictions = _settings(data, seq_len, max_predictions)
   if documents.input_kind(data.input) != 'tfrecord':
@@ -788,6 +792,14 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
     if i > 0:
       timed_tokens += tokens
   elapsed = time.perf_counter() - start if start is not None else 0.0
+  summary = {}
+  if documents.input_kind(data.input) != 'tfrecord':
+    spec, flag, holdout = data.input, 'data.input', (None if data.eval_input else False)
+    if not train:
+      spec, flag, holdout = ((data.eval_input, 'data.eval_input', None) if data.eval_input
+                             else (data.input, 'data.input', True))
+    summary = {'input': documents.summarize(documents.documents(spec, flag, data,
+                                                                holdout=holdout)[0])}
   masked = max(totals['masked'], 1)
   packed = {'rows_at_sequence_cap': totals['rows_at_cap'] / max(totals['rows'], 1)}
   return {
@@ -804,4 +816,5 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
       'segment_b_fraction': totals['segment_b'] / max(totals['tokens'], 1),
       'masked_per_example': totals['masked'] / max(totals['examples'], 1),
       'tokens_per_second': timed_tokens / elapsed if elapsed > 0 else float('nan'),
+      **summary,
   }

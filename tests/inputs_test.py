@@ -40,7 +40,6 @@ from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import input_pipeline
 from bert_jax import ner
-from bert_jax import pairing
 from bert_jax import squad
 from bert_jax import tokenization
 from bert_jax import train
@@ -879,9 +878,11 @@ def test_a_long_document_beside_short_ones_makes_not_next_pairs(tmp_path, vocab_
   # Pieces of one book often fill a batch alone (their NotNext draws are dropped); the share
   # of NotNext stays near one half over the stream.
   corpus = tmp_path / 'books.txt'
-  corpus.write_bytes(_corpus_text(1) * 100 + b'\n' + _corpus_text(30))
+  corpus.write_bytes(_corpus_text(1) * 1000 + b'\n' + _corpus_text(30))  # A 72 KB book.
   stats = input_pipeline.compute_stats(_data(vocab_file, str(corpus)), 10, 32)
   assert 0.3 < stats['next_sentence_fraction'] < 0.6, stats
+  assert stats['input']['documents_in_pieces'] == 1, stats  # The statistics say so.
+  assert stats['input']['lines_cut'] == 0 and stats['input']['bytes'] > 2 * 8192, stats
 
 
 def _eval_batches(data, batch_size=8):
