@@ -261,10 +261,10 @@ def _cut_line(line: tf.Tensor) -> tf.Tensor:
   return tf.strings.strip(tf.strings.substr(line, begin, end - begin))
 
 
-def _split_lines(lines: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-  """Lines read by TextLineDataset -> (lines, blank, cut): stripped, blank marked, and each
-  line longer than LINE_BYTES cut into several (`_cut_line`); `cut` marks the first of the
-  lines that each line cut became."""
+def _split_lines(lines: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+  """Lines read by TextLineDataset -> (lines, blank, cut, source): stripped, blank marked,
+  and each line longer than LINE_BYTES cut into several (`_cut_line`); `cut` marks the first
+  of the lines that each line cut became, `source` is the index of the line each came from."""
   lines = tf.strings.strip(fix_utf8(lines))  # A line of spaces is blank, as originally.
   long = tf.strings.length(lines) > LINE_BYTES
   long_index = tf.cast(tf.where(long)[:, 0], tf.int32)
@@ -286,8 +286,8 @@ def _split_lines(lines: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
   # A piece that was only whitespace is dropped, not taken for a blank line (a line cut
   # never begins with one: it was stripped).
   kept = ~(from_long & blank)
-  return (tf.boolean_mask(texts, kept), tf.boolean_mask(blank, kept),
-          tf.boolean_mask(first_of_cut, kept))
+  source = tf.repeat(tf.range(tf.size(counts)), counts)
+  return tuple(tf.boolean_mask(t, kept) for t in (texts, blank, first_of_cut, source))
 
 
 def _group_lines(keep):
@@ -300,7 +300,7 @@ def _group_lines(keep):
     the read blocks are.
     """
     partial, partial_offset, partial_id, partial_cut = state
-    lines, blank, cut = _split_lines(lines)
+    lines, blank, cut, _ = _split_lines(lines)
     document_of_line = tf.cumsum(tf.cast(blank, tf.int32))
     last_document = document_of_line[-1]
     texts = tf.concat([[partial], tf.boolean_mask(lines, ~blank)], 0)
@@ -426,8 +426,33 @@ def tfds_documents(spec: str, data: ml_collections.ConfigDict, *, holdout: bool 
                                 try_autocache=False)
   ds = builder.as_dataset(split=split, shuffle_files=shuffle_files, read_config=read_config)
   keep = selector(holdout)
-  return ds.batch(256).map(lambda ex: _select(split_into_sentences(ex[key]), keep),
+  return ds.batch(256).map(lambda ex: _in_pieces(_select(split_into_sentences(ex[key]), keep)),
                            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+
+
+def _in_pieces(docs: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+  """Whole documents {'text', 'id', 'cut'} [N] -> their pieces, as text files give them
+  (long lines cut, a new piece every PIECE_BYTES of a document), each with its document's id."""
+  lines = tf.strings.split(docs['text'], '\n')
+  texts, _, cut, source = _split_lines(lines.flat_values)
+  document = tf.gather(tf.cast(lines.value_rowids(), tf.int32), source)
+  size = tf.cast(tf.strings.length(texts), tf.int64) + 1
+  running = tf.cumsum(size, exclusive=True)
+  num_documents = tf.shape(docs['id'])[0]
+  first = tf.math.unsorted_segment_min(tf.range(tf.shape(texts)[0]), document, num_documents)
+  piece = (running - tf.gather(running, tf.gather(first, document))) // PIECE_BYTES
+  starts = tf.concat([[True], tf.not_equal(document[1:], document[:-1]) |
+                      tf.not_equal(piece[1:], piece[:-1])], 0)[:tf.shape(texts)[0]]
+  group = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+  num_groups = tf.reduce_sum(tf.cast(starts, tf.int32))
+  non_empty = tf.not_equal(texts, '')
+  return {
+      'text': tf.strings.unsorted_segment_join(
+          tf.boolean_mask(texts, non_empty), tf.boolean_mask(group, non_empty), num_groups,
+          separator='\n'),
+      'id': tf.gather(docs['id'], tf.math.unsorted_segment_max(document, group, num_groups)),
+      'cut': tf.math.unsorted_segment_sum(cut, group, num_groups),
+  }
 
 
 def documents(spec: str, flag: str, data: ml_collections.ConfigDict,

@@ -220,3 +220,18 @@ def test_summarize_counts_pieces_documents_and_cut_lines(tmp_path):
   assert summary['documents'] == 3 and summary['documents_in_pieces'] == 2
   assert summary['lines_cut'] == 2
   assert summary['pieces'] == len(list(ds.as_numpy_iterator()))
+
+
+def test_tfds_articles_come_in_pieces_like_text_files():
+  article = ' '.join(f'Sentence {i} of a book.' for i in range(2000))  # ~48 KB.
+  table = 'cell ' * 3000  # One 15 KB line without a sentence end.
+  docs = documents._select(documents.split_into_sentences(tf.constant([article, table, 'a'])),
+                           documents.selector(None))
+  pieces = {k: v.numpy() for k, v in documents._in_pieces(docs).items()}
+  ids = docs['id'].numpy()
+  texts = [t.decode() for t in pieces['text']]
+  book = [t for t, i in zip(texts, pieces['id']) if i == ids[0]]
+  assert '\n'.join(book) == docs['text'].numpy()[0].decode() and len(book) > 4
+  assert all(len(t) <= documents.PIECE_BYTES + documents.LINE_BYTES for t in book)
+  assert pieces['cut'].sum() == 1 and texts[-1] == 'a'
+  assert ' '.join(t for t, i in zip(texts, pieces['id']) if i == ids[1]).split() == table.split()
