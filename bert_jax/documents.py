@@ -295,9 +295,9 @@ def _group_lines(keep):
     """(unfinished piece, next lines) -> (unfinished piece, finished and kept pieces).
 
     The state is the unfinished piece's text, its byte offset in its document, the
-    document's id (-1 until its first piece is finished) and how many cut lines it holds. A document's pieces are its lines
-    whose offset falls in [k * PIECE_BYTES, (k + 1) * PIECE_BYTES): the same pieces whatever
-    the read blocks are.
+    document's id (-1 until its first piece is finished) and how many cut lines it holds. A
+    document's pieces are its lines whose offset falls in [k * PIECE_BYTES, (k + 1) *
+    PIECE_BYTES): the same pieces whatever the read blocks are.
     """
     partial, partial_offset, partial_id, partial_cut = state
     lines, blank, cut, _ = _split_lines(lines)
