@@ -14,9 +14,12 @@ of the Wikipedia shape's):
 Peak RSS is the subprocess's maximum resident set (wait4); with --rss_limit_mb a run that goes
 over is killed (sampled every 50 ms) and reported as such. Tokens per second are the
 statistics' own (non-padding tokens after the first batch) divided by the cores this process may
-use.
+use; that rate counts the batches the pipeline ran ahead while the first one filled the shuffle
+buffers as free, so with --speed_seconds=T each setting also runs the same pipeline in a process
+of its own for --warmup seconds and is then timed for T (steady_tokens_per_second_per_core,
+which the summary compares when present).
 
-  python benchmarks/corpus.py                                   # the full matrix
+  python benchmarks/corpus.py --speed_seconds=20                # the full matrix
   python benchmarks/corpus.py --scale=0.02 --seq_lens=128 --batches=3 --rss_limit_mb=2048
 """
 
@@ -94,8 +97,10 @@ def _cores() -> int:
 
 
 def run_stats(input_path: str, vocab_file: str, seq_len: int, packing: bool, batches: int,
-              batch_size: int, objective: str, rss_limit_mb: int) -> dict:
-  """`bert-jax data --config=smoke --stats=N` on one corpus: its JSON, peak RSS, wall time."""
+              batch_size: int, objective: str, rss_limit_mb: int,
+              speed: tuple[float, float] | None = None) -> dict:
+  """`bert-jax data --config=smoke --stats=N` on one corpus: its JSON, peak RSS, wall time;
+  with speed=(warmup, seconds), `measure_speed` in a child process instead."""
   max_predictions = max(1, round(seq_len * 0.15 + 0.5))
   flags = {'data.input': input_path, 'data.vocab_file': vocab_file,
            'data.max_seq_length': seq_len, 'data.max_predictions_per_seq': max_predictions,
@@ -104,6 +109,9 @@ def run_stats(input_path: str, vocab_file: str, seq_len: int, packing: bool, bat
   command = ([sys.executable, '-m', 'bert_jax.cli', 'data', '--config=smoke',
               f'--stats={batches}'] +
              [f'--config.{k}={v}' for k, v in flags.items()])
+  if speed:
+    command = [sys.executable, os.path.abspath(__file__),
+               '--child=' + json.dumps([flags, *speed])]
   env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
   start = time.perf_counter()
   with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile('w+') as err:
@@ -141,9 +149,33 @@ def run_stats(input_path: str, vocab_file: str, seq_len: int, packing: bool, bat
   if os.waitstatus_to_exitcode(status) != 0:
     return dict(row, error=stderr.strip().splitlines()[-1] if stderr.strip() else status)
   stats = json.loads(next(l for l in stdout.splitlines() if l.startswith('{')))
+  if speed:
+    return dict(row, **stats)
   return dict(row, tokens_per_second_per_core=round(stats['tokens_per_second'] / _cores()),
               examples=stats['examples'], padding_fraction=round(stats['padding_fraction'], 3),
-              mean_length=round(stats['mean_length'], 1))
+              mean_length=round(stats['mean_length'], 1), input=stats.get('input'))
+
+
+def measure_speed(settings: dict, warmup: float, seconds: float) -> dict:
+  """In a child process: the pipeline `data --stats` runs (smoke config with `settings`),
+  iterated for `warmup` seconds (start-up, the buffers' first fill and the batches run ahead
+  of the first one), then non-padding tokens counted for `seconds`."""
+  from bert_jax import config_files  # pylint: disable=g-import-not-at-top
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  config = config_files.load_config('smoke', settings)
+  data = config.data
+  ds = input_pipeline.make_pretraining_dataset(
+      data, batch_size=config.train.batch_size, seq_len=data.max_seq_length,
+      max_predictions=data.max_predictions_per_seq, train=True)
+  it = iter(ds.map(lambda b: tf.reduce_sum(b['input_mask'])))
+  start = time.perf_counter()
+  while time.perf_counter() - start < warmup:
+    next(it)
+  tokens, start = 0, time.perf_counter()
+  while (elapsed := time.perf_counter() - start) < seconds:
+    tokens += int(next(it))
+  return {'steady_tokens_per_second_per_core': round(tokens / elapsed / _cores())}
 
 
 def main():
@@ -154,11 +186,20 @@ def main():
   parser.add_argument('--packing', default='false,true')
   parser.add_argument('--objective', default='nsp', help="'nsp', 'sop' or 'none'")
   parser.add_argument('--batches', type=int, default=40, help='--stats=N of each run')
+  parser.add_argument('--speed_seconds', type=float, default=0,
+                      help='also time each setting for this long after --warmup seconds, in a '
+                           'process of its own (steady_tokens_per_second_per_core)')
+  parser.add_argument('--warmup', type=float, default=20.0)
+  parser.add_argument('--child', default='', help=argparse.SUPPRESS)
   parser.add_argument('--batch_size', type=int, default=32)
   parser.add_argument('--vocab_file', default='', help="'' trains one on the sample corpus")
   parser.add_argument('--rss_limit_mb', type=int, default=0, help='kill a run above it')
   parser.add_argument('--dir', default='', help='where the corpora go (default: a temp dir)')
   args = parser.parse_args()
+  if args.child:
+    settings, warmup, seconds = json.loads(args.child)
+    print(json.dumps(measure_speed(settings, warmup, seconds)), flush=True)
+    return
 
   directory = args.dir or tempfile.mkdtemp(prefix='bert_jax_corpora_')
   os.makedirs(directory, exist_ok=True)
@@ -180,10 +221,18 @@ def main():
         objective = 'none' if shape == 'line' else args.objective
         row = run_stats(paths[shape], vocab_file, seq_len, packing, args.batches,
                         args.batch_size, objective, args.rss_limit_mb)
+        rate = row.get('tokens_per_second_per_core')
+        if args.speed_seconds:
+          timed = run_stats(paths[shape], vocab_file, seq_len, packing, args.batches,
+                            args.batch_size, objective, args.rss_limit_mb,
+                            speed=(args.warmup, args.speed_seconds))
+          rate = row['steady_tokens_per_second_per_core'] = timed.get(
+              'steady_tokens_per_second_per_core')
+          row['peak_rss_mb'] = max(row['peak_rss_mb'], timed['peak_rss_mb'])
         row = dict(shape=shape, corpus_mb=round(size / MB, 2), **row)
         print(json.dumps(row), flush=True)
         peak[shape] = max(peak.get(shape, 0), row.get('peak_rss_mb', float('inf')))
-        speed[(shape, seq_len, packing)] = row.get('tokens_per_second_per_core')
+        speed[(shape, seq_len, packing)] = rate
   ratios = {f'{seq_len}{"_packed" if packed else ""}': round(v / speed[('wiki', seq_len,
                                                                            packed)], 2)
             for (shape, seq_len, packed), v in speed.items()
