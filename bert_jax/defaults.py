@@ -102,9 +102,13 @@ def pretrain() -> ml_collections.ConfigDict:
   # Sequences packed together (first-fit decreasing over this many of the shuffled stream):
   # larger windows leave fewer part-full rows.
   config.data.packing_window = 1000
+  # Document pieces (and then examples) shuffled together: up to this many pieces of at most
+  # ~12 KB of text each are held.
   config.data.shuffle_buffer = 10_000
-  # Documents tokenized and paired together: more amortize tf.data's per-op overhead and give
-  # NotNext more documents to draw from; changing it changes the example stream.
+  # Documents tokenized and paired together (a longer document comes as pieces of ~8 KB of
+  # text, documents.PIECE_BYTES, so this bounds a batch's text): more amortize tf.data's
+  # per-op overhead and give NotNext more documents to draw from; changing it changes the
+  # example stream.
   config.data.docs_per_batch = 64
   config.data.seed = 0
 

@@ -9,7 +9,13 @@ Text files hold one sentence a line and a blank line between documents (the orig
 .gz files are decompressed. Lines are read in blocks and grouped by a `scan` that carries the
 unfinished document, so no document spans two files and nothing leaves the tf.data graph.
 Invalid UTF-8 becomes U+FFFD instead of failing; a local file that looks binary (a NUL byte
-in its first 64 KB) is refused at start-up (`check_text`).
+in its first 64 KB), or whose lines end with CR alone, is refused at start-up (`check_text`).
+
+Memory is bounded by the config, not by the text: a document is streamed in pieces of whole
+lines (a new piece at every PIECE_BYTES of its text; all carry the document's id) and a line
+longer than LINE_BYTES is cut into several, so a book or a file without newlines costs what a
+batch of ordinary documents does. The reader still holds one raw line (TextLineDataset) while
+it is cut.
 """
 
 import difflib
@@ -31,6 +37,14 @@ HOLDOUT_MODULUS = 100
 # Lines grouped into documents per step of a file's reader: per-element tf.data overhead is
 # paid per block, not per line.
 LINES_PER_READ = 1024
+# A document is streamed in pieces of its lines, a new piece starting at every PIECE_BYTES of
+# its text: what tokenizing and pairing a batch of documents holds is bounded by the config
+# (data.docs_per_batch pieces), not by document length (a book is hundreds of KB).
+PIECE_BYTES = 1 << 13
+# A line longer than this (tables, code, CJK text, a file without newlines) is cut into lines
+# of at most this many bytes before pairing, at whitespace where it can be.
+LINE_BYTES = 1 << 12
+_CUT_LOOKBACK = 256
 _ID_BUCKETS = 2**62
 # A sentence ends at . ! ? (and closing quotes or brackets) followed by whitespace.
 _SENTENCE_BREAK = r'([.!?][\"\'\)\]\x{201D}\x{2019}\x{00BB}]*)[ \t\r\f\v]+'
@@ -111,6 +125,11 @@ def check_text(path: str, flag: str) -> None:
     head = (gzip.GzipFile(fileobj=raw).read(_SNIFF_BYTES) if path.endswith('.gz')
             else raw.read(_SNIFF_BYTES))
   if b'\0' not in head:
+    # TextLineDataset drops every CR: CR-only line ends (classic Mac OS) would run a whole
+    # file into one line, and its documents into one.
+    if re.search(b'\r(?!\n)', head[:-1]) and b'\n' not in head:
+      raise UserError(f'{flag}: {path} ends its lines with CR alone (classic Mac OS), which '
+                      f"reads as one line; convert them to LF: tr '\\r' '\\n' < {path} > {path}.lf")
     return
   if head[:2] in (b'\xff\xfe', b'\xfe\xff'):
     raise UserError(f'{flag}: {path} is UTF-16 text: save it as UTF-8')
@@ -230,36 +249,139 @@ def selector(holdout: bool | None, shard: tuple[int, int] | None = None):
 
 
 def _select(texts: tf.Tensor, keep) -> dict[str, tf.Tensor]:
-  """Documents [N] -> {'text', 'id'} of those `keep` accepts (vectorized: no per-doc call)."""
-  ids = document_ids(texts)
+  """Documents [N] -> {'text', 'id', 'cut'} of those `keep` accepts (vectorized: no per-doc
+  call)."""
+  return _select_pieces(texts, document_ids(texts), tf.zeros_like(texts, tf.int64), keep)
+
+
+def _select_pieces(texts: tf.Tensor, ids: tf.Tensor, cut: tf.Tensor,
+                   keep) -> dict[str, tf.Tensor]:
   selected = keep(ids) & tf.not_equal(texts, '')
-  return {'text': tf.boolean_mask(texts, selected), 'id': tf.boolean_mask(ids, selected)}
+  return {'text': tf.boolean_mask(texts, selected), 'id': tf.boolean_mask(ids, selected),
+          'cut': tf.boolean_mask(cut, selected)}
+
+
+def _cut_line(line: tf.Tensor) -> tf.Tensor:
+  """A line of more than LINE_BYTES bytes -> lines of at most LINE_BYTES, each cut after the
+  last whitespace of the _CUT_LOOKBACK bytes before its limit, or else before a character;
+  whitespace at the cuts is dropped. Substrings of the scalar line: nothing is copied whole."""
+  length = tf.strings.length(line)
+  # Cuts move back by at most _CUT_LOOKBACK, so limits this far apart keep lines in bounds.
+  step = LINE_BYTES - _CUT_LOOKBACK
+  limits = tf.range(1, (length + step - 1) // step) * step
+  window = tf.io.decode_raw(
+      tf.strings.substr(line, limits - _CUT_LOOKBACK, tf.fill(tf.shape(limits), _CUT_LOOKBACK)),
+      tf.uint8, fixed_length=_CUT_LOOKBACK)
+  window = tf.reshape(tf.cast(window, tf.int32), [-1, _CUT_LOOKBACK])
+  position = tf.range(_CUT_LOOKBACK)[None, :]
+  space = (tf.equal(window, 32) | ((window >= 9) & (window <= 13)))
+  last_space = tf.reduce_max(tf.where(space, position, -1), axis=1)
+  # UTF-8 continuation bytes are 10xxxxxx; any other byte starts a character.
+  starts_char = tf.not_equal(tf.bitwise.bitwise_and(window, 0xC0), 0x80)
+  last_start = tf.reduce_max(tf.where(starts_char, position, 0), axis=1)
+  cuts = limits - _CUT_LOOKBACK + tf.where(last_space >= 0, last_space + 1, last_start)
+  begin = tf.concat([[0], cuts], 0)
+  end = tf.concat([cuts, [length]], 0)
+  return tf.strings.strip(tf.strings.substr(line, begin, end - begin))
+
+
+def _split_lines(lines: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+  """Lines read by TextLineDataset -> (lines, blank, cut, source): stripped, blank marked,
+  and each line longer than LINE_BYTES cut into several (`_cut_line`); `cut` marks the first
+  of the lines that each line cut became, `source` is the index of the line each came from."""
+  lines = tf.strings.strip(fix_utf8(lines))  # A line of spaces is blank, as originally.
+  long = tf.strings.length(lines) > LINE_BYTES
+  long_index = tf.cast(tf.where(long)[:, 0], tf.int32)
+  pieces = tf.map_fn(_cut_line, tf.boolean_mask(lines, long),
+                     fn_output_signature=tf.RaggedTensorSpec([None], tf.string, 0, tf.int32))
+  counts = tf.tensor_scatter_nd_update(tf.ones_like(long, tf.int32), long_index[:, None],
+                                       pieces.row_lengths())
+  begin = tf.cumsum(counts, exclusive=True)
+  # Where each short line and each piece of a long line goes among the lines cut.
+  target = tf.concat([tf.boolean_mask(begin, ~long),
+                      (tf.gather(begin, long_index)[:, None] + tf.ragged.range(
+                          pieces.row_lengths())).flat_values], 0)
+  order = tf.math.invert_permutation(target)
+  texts = tf.gather(tf.concat([tf.boolean_mask(lines, ~long), pieces.flat_values], 0), order)
+  from_long = tf.repeat(long, counts)
+  first_of_cut = tf.scatter_nd(tf.gather(begin, long_index)[:, None],
+                               tf.ones_like(long_index, tf.int64), tf.shape(texts, tf.int32))
+  blank = tf.equal(texts, '')
+  # A piece that was only whitespace is dropped, not taken for a blank line (a line cut
+  # never begins with one: it was stripped).
+  kept = ~(from_long & blank)
+  source = tf.repeat(tf.range(tf.size(counts)), counts)
+  return tuple(tf.boolean_mask(t, kept) for t in (texts, blank, first_of_cut, source))
 
 
 def _group_lines(keep):
-  def step(partial: tf.Tensor, lines: tf.Tensor):
-    """(unfinished document, next lines) -> (unfinished document, finished and kept ones)."""
-    lines = tf.strings.strip(fix_utf8(lines))  # A line of spaces is blank, as originally.
-    blank = tf.equal(lines, '')
+  def step(state, lines: tf.Tensor):
+    """(unfinished piece, next lines) -> (unfinished piece, finished and kept pieces).
+
+    The state is the unfinished piece's text, its byte offset in its document, the
+    document's id (-1 until its first piece is finished) and how many cut lines it holds. A
+    document's pieces are its lines whose offset falls in [k * PIECE_BYTES, (k + 1) *
+    PIECE_BYTES): the same pieces whatever the read blocks are.
+    """
+    partial, partial_offset, partial_id, partial_cut = state
+    lines, blank, cut, _ = _split_lines(lines)
     document_of_line = tf.cumsum(tf.cast(blank, tf.int32))
-    num_segments = document_of_line[-1] + 1
-    parts = tf.concat([[partial], tf.boolean_mask(lines, ~blank)], 0)
-    segments = tf.concat([[0], tf.boolean_mask(document_of_line, ~blank)], 0)
-    non_empty = tf.not_equal(parts, '')
-    documents = tf.strings.unsorted_segment_join(
-        tf.boolean_mask(parts, non_empty), tf.boolean_mask(segments, non_empty), num_segments,
+    last_document = document_of_line[-1]
+    texts = tf.concat([[partial], tf.boolean_mask(lines, ~blank)], 0)
+    document = tf.concat([[0], tf.boolean_mask(document_of_line, ~blank)], 0)
+    cut = tf.concat([[partial_cut], tf.boolean_mask(cut, ~blank)], 0)
+    size = tf.cast(tf.strings.length(texts), tf.int64) + 1  # With its '\n'.
+    size = tf.concat([[tf.where(tf.equal(partial, ''), tf.constant(0, tf.int64), size[0])],
+                      size[1:]], 0)
+    num_documents = last_document + 1
+    # Byte offset of each text in its document.
+    running = tf.cumsum(size, exclusive=True)
+    index = tf.range(tf.shape(texts)[0])
+    first = tf.math.unsorted_segment_min(index, document, num_documents)
+    offset = running - tf.gather(running, tf.gather(first, document))
+    offset += tf.where(tf.equal(document, 0), partial_offset, 0)
+    piece = offset // PIECE_BYTES
+    starts = tf.concat([[True], tf.not_equal(document[1:], document[:-1]) |
+                        tf.not_equal(piece[1:], piece[:-1])], 0)
+    group = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+    num_groups = group[-1] + 1
+    non_empty = tf.not_equal(texts, '')
+    pieces = tf.strings.unsorted_segment_join(
+        tf.boolean_mask(texts, non_empty), tf.boolean_mask(group, non_empty), num_groups,
         separator='\n')
-    return documents[-1], _select(documents[:-1], keep)
+    group_document = tf.math.unsorted_segment_max(document, group, num_groups)
+    group_offset = tf.math.unsorted_segment_min(offset, group, num_groups)
+    group_cut = tf.math.unsorted_segment_sum(cut, group, num_groups)
+    # A document's id is the hash of its first piece (all of it, for most documents).
+    first_group = tf.math.unsorted_segment_min(group, document, num_documents)
+    known = tf.not_equal(partial_id, -1)
+    ids = document_ids(tf.gather(pieces, tf.minimum(first_group, num_groups - 1)))  # Empty: any.
+    ids = tf.tensor_scatter_nd_update(ids, [[0]], [tf.where(known, partial_id, ids[0])])
+    piece_ids = tf.gather(ids, group_document)
+    carried = tf.equal(group_document[-1], last_document)
+    finished = num_groups - tf.cast(carried, tf.int32)
+    first_is_carried = (tf.equal(tf.gather(first_group, last_document), num_groups - 1)
+                        & ~(tf.equal(last_document, 0) & known))
+    next_state = (
+        tf.where(carried, pieces[-1], ''),
+        tf.where(carried, group_offset[-1], tf.constant(0, tf.int64)),
+        tf.where(carried & ~first_is_carried, tf.gather(ids, last_document),
+                 tf.constant(-1, tf.int64)),
+        tf.where(carried, group_cut[-1], tf.constant(0, tf.int64)))
+    return next_state, _select_pieces(pieces[:finished], piece_ids[:finished],
+                                      group_cut[:finished], keep)
   return step
 
 
 def _text_file_reader(keep):
   def read(path: tf.Tensor) -> tf.data.Dataset:
-    """Documents of one text file, in file order."""
+    """Documents of one text file, in file order, in pieces."""
     compression = tf.where(tf.strings.regex_full_match(path, r'.*\.gz'), 'GZIP', '')
     lines = tf.data.TextLineDataset(path, compression_type=compression)
     lines = lines.concatenate(tf.data.Dataset.from_tensors(tf.constant('')))  # Ends the last.
-    return lines.batch(LINES_PER_READ).scan(tf.constant(''), _group_lines(keep)).unbatch()
+    initial = (tf.constant(''), tf.constant(0, tf.int64), tf.constant(-1, tf.int64),
+               tf.constant(0, tf.int64))
+    return lines.batch(LINES_PER_READ).scan(initial, _group_lines(keep)).unbatch()
   return read
 
 
@@ -330,8 +452,33 @@ def tfds_documents(spec: str, data: ml_collections.ConfigDict, *, holdout: bool 
                                 try_autocache=False)
   ds = builder.as_dataset(split=split, shuffle_files=shuffle_files, read_config=read_config)
   keep = selector(holdout)
-  return ds.batch(256).map(lambda ex: _select(split_into_sentences(ex[key]), keep),
+  return ds.batch(256).map(lambda ex: _in_pieces(_select(split_into_sentences(ex[key]), keep)),
                            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+
+
+def _in_pieces(docs: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+  """Whole documents {'text', 'id', 'cut'} [N] -> their pieces, as text files give them
+  (long lines cut, a new piece every PIECE_BYTES of a document), each with its document's id."""
+  lines = tf.strings.split(docs['text'], '\n')
+  texts, _, cut, source = _split_lines(lines.flat_values)
+  document = tf.gather(tf.cast(lines.value_rowids(), tf.int32), source)
+  size = tf.cast(tf.strings.length(texts), tf.int64) + 1
+  running = tf.cumsum(size, exclusive=True)
+  num_documents = tf.shape(docs['id'])[0]
+  first = tf.math.unsorted_segment_min(tf.range(tf.shape(texts)[0]), document, num_documents)
+  piece = (running - tf.gather(running, tf.gather(first, document))) // PIECE_BYTES
+  starts = tf.concat([[True], tf.not_equal(document[1:], document[:-1]) |
+                      tf.not_equal(piece[1:], piece[:-1])], 0)[:tf.shape(texts)[0]]
+  group = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+  num_groups = tf.reduce_sum(tf.cast(starts, tf.int32))
+  non_empty = tf.not_equal(texts, '')
+  return {
+      'text': tf.strings.unsorted_segment_join(
+          tf.boolean_mask(texts, non_empty), tf.boolean_mask(group, non_empty), num_groups,
+          separator='\n'),
+      'id': tf.gather(docs['id'], tf.math.unsorted_segment_max(document, group, num_groups)),
+      'cut': tf.math.unsorted_segment_sum(cut, group, num_groups),
+  }
 
 
 def documents(spec: str, flag: str, data: ml_collections.ConfigDict,
@@ -349,6 +496,38 @@ def require_element(ds: tf.data.Dataset, message: str) -> None:
   for _ in ds.take(1):
     return
   raise UserError(message)
+
+
+# How many pieces (`PIECE_BYTES` of text each) `count_documents` reads at most: 16 MB.
+LOOK_PIECES = 2048
+
+
+def count_documents(ds: tf.data.Dataset, at_most: int = 2) -> tuple[int, bool]:
+  """(distinct documents among the first LOOK_PIECES pieces of a stream, up to `at_most`;
+  whether the stream ended within them): a bounded look at the start of an input."""
+  seen = set()
+  read = 0
+  for batch in ds.take(LOOK_PIECES).batch(64).as_numpy_iterator():
+    seen.update(batch['id'].tolist())
+    read += len(batch['id'])
+    if len(seen) >= at_most:
+      return at_most, False
+  return len(seen), read < LOOK_PIECES
+
+
+def summarize(ds: tf.data.Dataset) -> dict[str, int]:
+  """Counts over the first LOOK_PIECES pieces of a document stream: pieces, documents, the
+  documents longer than a piece (streamed in several) and the lines cut (over LINE_BYTES)."""
+  pieces_of: dict[int, int] = {}
+  cut = size = 0
+  for batch in ds.take(LOOK_PIECES).batch(256).as_numpy_iterator():
+    for i in batch['id'].tolist():
+      pieces_of[i] = pieces_of.get(i, 0) + 1
+    cut += int(batch['cut'].sum())
+    size += sum(len(t) for t in batch['text'])
+  return {'pieces': sum(pieces_of.values()), 'documents': len(pieces_of),
+          'documents_in_pieces': sum(n > 1 for n in pieces_of.values()), 'lines_cut': cut,
+          'bytes': size}
 
 
 def text_lines(spec: str, data: ml_collections.ConfigDict, setting: str = 'data.'):

@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import ml_collections
@@ -114,25 +114,16 @@ def _pair_function(vocab_file: str, version: tuple[int, int], lower_case: bool, 
   def fn(seed, index, texts, ids):
     doc_tokens = _tokenize_documents(tokenizer, texts)
     if objective == 'none':
-      return (pairing.pack_sequences(doc_tokens, seq_len=seq_len,
-                                     cross_documents=cross_documents, **specials),
-              tf.constant(False))
-    # The single-document check is returned, not asserted: a stateful op would make the
-    # function call stateful, and tf.data cannot checkpoint iterators through those.
-    pairs = pairing.make_pairs(
+      return pairing.pack_sequences(doc_tokens, seq_len=seq_len,
+                                    cross_documents=cross_documents, **specials)
+    # No in-graph check for a single document: a batch of pieces of one long document is
+    # normal (its NotNext draws are dropped); a one-document input is refused at start-up
+    # (`_check_other_documents`).
+    return pairing.make_pairs(
         doc_tokens, ids, tf.random.experimental.stateless_fold_in(seed, index),
         seq_len=seq_len, short_seq_prob=short_seq_prob, objective=objective,
         check_documents=False, **specials)
-    if not objectives.get(objective).other_documents:
-      return pairs, tf.constant(False)
-    return pairs, pairing.single_document(doc_tokens, ids)
-
-  def pair(seed, index, texts, ids):
-    examples, single_document = fn(seed, index, texts, ids)
-    check = tf.debugging.Assert(~single_document, [pairing.NOT_ENOUGH_DOCUMENTS])
-    with tf.control_dependencies([check]):
-      return tf.nest.map_structure(tf.identity, examples)
-  return pair
+  return fn
 
 
 @functools.lru_cache(maxsize=32)
@@ -205,8 +196,11 @@ def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_
   share = f' (process {process_index} of {process_count})' if process_count > 1 else ''
   what = (f'held-out documents (1 in {documents.HOLDOUT_MODULUS} by hash)' if holdout
           else 'documents')
-  documents.require_element(docs, f'no {what} in {described}{share}' +
-                            ('; set data.eval_input' if holdout else ''))
+  if train and objectives.get(objective).other_documents:
+    _check_other_documents(docs, objective, described + share)
+  else:
+    documents.require_element(docs, f'no {what} in {described}{share}' +
+                              ('; set data.eval_input' if holdout else ''))
 
   tokenizer = _load_tokenizer(vocab_file, data.lower_case)
   if train:
@@ -245,6 +239,26 @@ def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_
                'next_sentence_labels': 0}
     batches = _pad_to_batches(examples, batch_size, padding)
   return masked(batches)
+
+
+def _check_other_documents(docs: tf.data.Dataset, objective: str, described: str) -> None:
+  """Refuses, before the first step, a training input of one document for an objective whose
+  pairs draw from another one (NotNext): found inside tf.data it would stop a running job with
+  TensorFlow's lines and without naming the input. A bounded look (documents.LOOK_PIECES
+  pieces) sees a second document of any real corpus; past it, NotNext pairs come from the
+  batches that hold several documents, which is said in a warning."""
+  count, ended = documents.count_documents(docs)
+  if not count:
+    raise UserError(f'no documents in {described}')
+  if count > 1:
+    return
+  if ended:
+    raise UserError(f'{described} holds a single document: objective {objective!r} needs at '
+                    'least two for NotNext pairs; add documents (blank lines separate them), or '
+                    'set data.objective to sop or none')
+  logging.warning('The first %d MB of %s are one document: NotNext pairs are made only in '
+                  'batches that also hold other documents', documents.LOOK_PIECES *
+                  documents.PIECE_BYTES >> 20, described)
 
 
 @functools.lru_cache(maxsize=32)
@@ -495,6 +509,103 @@ def make_iterator(ds: tf.data.Dataset):
   return clu_data.TfDatasetIterator(ds, checkpoint=True)
 
 
+def input_fingerprint(data: ml_collections.ConfigDict, *, batch_size: int, seq_len: int,
+                      max_predictions: int, process_count: int = 1) -> dict[str, Any]:
+  """What a training input position is valid for, by the key that sets it: the files of
+  data.input with their sizes and modification times, and every setting that shapes the
+  stream or its buffers (batch size per process, sequence length, objective, ...)."""
+  if documents.input_kind(data.input) == 'tfds':
+    files = data.input  # A prepared TFDS split does not change under a name.
+  else:
+    files = []
+    for path in documents.resolve_files(data.input):
+      stat = tf.io.gfile.stat(path)
+      files.append([path, int(stat.length), int(stat.mtime_nsec)])
+  return {
+      'data.input': files,
+      'data.eval_input': bool(data.eval_input),  # Empty: training skips the held-out share.
+      'train.batch_size': int(batch_size) * int(process_count),
+      'data.max_seq_length': int(seq_len),
+      'data.max_predictions_per_seq': int(max_predictions),
+      'data.objective': str(data.objective),
+      'data.packing': [bool(data.packing), int(data.packing_window),
+                       int(data.packing_max_sequences)],
+      'data.docs_per_batch': int(data.docs_per_batch),
+      'data.shuffle_buffer': int(data.shuffle_buffer),
+      'data.seed': int(data.seed),
+      'processes': int(process_count),
+  }
+
+
+def restart_seed(seed: int, step: int) -> int:
+  """The data seed of an input restarted at `step`: not the first step's stream again."""
+  key = f'{seed}/restart/{step}'.encode()
+  return int.from_bytes(hashlib.sha256(key).digest()[:4], 'little') >> 1
+
+
+class TrainingInput:
+  """A training input's iterator whose saved position says what it was made for.
+
+  `save(path)` writes the tf.data position and, beside it (`path`.input.json), the
+  `input_fingerprint` and the step where the input last restarted. `restore(path)` restores the
+  position when the fingerprint matches. When it does not (a new corpus, batch size, length,
+  objective, ... on resume), the old position means nothing in the new stream (and TensorFlow
+  would refuse buffers of another shape with a traceback), so the input restarts, as a phase
+  switch starts its own: from the start of the corpus, shuffled with `restart_seed(data.seed,
+  step)` so that the model does not see the first steps' stream again. A warning names every
+  key that changed. Exact resumes of that run still work: the restart step is saved too.
+  """
+
+  def __init__(self, make_dataset: Callable[[int | None], tf.data.Dataset],
+               fingerprint: dict[str, Any], step: int, seed: int):
+    """make_dataset(seed or None for data.seed); `step`: where this run starts."""
+    self._make, self._fingerprint, self._step, self._seed = make_dataset, fingerprint, step, seed
+    self._restarted_at = None
+    self._it = make_iterator(make_dataset(None))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._it)
+
+  def save(self, path: str) -> None:
+    self._it.save(path)
+    fileio.write_json(path + '.input.json', {'fingerprint': self._fingerprint,
+                                             'restarted_at': self._restarted_at})
+
+  def restore(self, path: str) -> None:
+    if not tf.io.gfile.exists(path + '.input.json'):
+      self._it.restore(path)  # A position saved before fingerprints were: as it was.
+      return
+    saved = fileio.read_json(path + '.input.json')
+    now = json.loads(json.dumps(self._fingerprint))  # Tuples as lists, as saved.
+    if saved['fingerprint'] == now:
+      if saved['restarted_at'] is not None:
+        self._restart(saved['restarted_at'])
+      self._it.restore(path)
+      return
+    changed = [f'{key} ({_change(saved["fingerprint"].get(key), value)})'
+               for key, value in now.items() if saved['fingerprint'].get(key) != value]
+    logging.warning('Resuming at step %d with %s changed since the input position was saved: '
+                    'the input restarts from the start of data.input, shuffled anew', self._step,
+                    ', '.join(changed))
+    self._restart(self._step)
+
+  def _restart(self, step: int) -> None:
+    self._restarted_at = step
+    self._it = make_iterator(self._make(restart_seed(self._seed, step)))
+
+
+def _change(old: Any, new: Any) -> str:
+  if isinstance(new, list) and new and isinstance(new[0], list):  # Files.
+    old_files = {tuple(f) for f in old or []}
+    new_files = {tuple(f) for f in new}
+    return (f'{len(new_files - old_files)} of {len(new_files)} files new or changed, '
+            f'{len(old_files - new_files)} gone')
+  return f'{old} -> {new}'
+
+
 def check_vocab_given(data: ml_collections.ConfigDict, where: str = '') -> None:
   """Raises unless data.vocab_file is set where data.input or data.eval_input is TFRecords."""
   if data.vocab_file:
@@ -630,6 +741,10 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
   share of rows holding data.packing_max_sequences sequences (the packer never drops a
   sequence: a row at a cap is closed and the next sequence opens another); tokens_per_second
   counts non-padding tokens after the first batch (which pays for building the pipeline).
+  For text and TFDS inputs, `input` counts over the first documents.LOOK_PIECES pieces (16 MB)
+  of the input in file order: pieces, documents, documents_in_pieces (longer than
+  documents.PIECE_BYTES, streamed in several), lines_cut (longer than documents.LINE_BYTES,
+  cut into several lines before pairing) and bytes.
   """
   seq_len, max_predictions = _settings(data, seq_len, max_predictions)
   if documents.input_kind(data.input) != 'tfrecord':
@@ -680,6 +795,14 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
     if i > 0:
       timed_tokens += tokens
   elapsed = time.perf_counter() - start if start is not None else 0.0
+  summary = {}
+  if documents.input_kind(data.input) != 'tfrecord':
+    spec, flag, holdout = data.input, 'data.input', (None if data.eval_input else False)
+    if not train:
+      spec, flag, holdout = ((data.eval_input, 'data.eval_input', None) if data.eval_input
+                             else (data.input, 'data.input', True))
+    summary = {'input': documents.summarize(documents.documents(spec, flag, data,
+                                                                holdout=holdout)[0])}
   masked = max(totals['masked'], 1)
   packed = {'rows_at_sequence_cap': totals['rows_at_cap'] / max(totals['rows'], 1)}
   return {
@@ -696,4 +819,5 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
       'segment_b_fraction': totals['segment_b'] / max(totals['tokens'], 1),
       'masked_per_example': totals['masked'] / max(totals['examples'], 1),
       'tokens_per_second': timed_tokens / elapsed if elapsed > 0 else float('nan'),
+      **summary,
   }

@@ -44,7 +44,7 @@ class Objective:
   # What labels 0 and 1 of a pair mean (`bert-jax data` shows them).
   label_names: tuple[str, str] | None
   # Whether its pairs draw B from another document: a batch of one document repeated then
-  # cannot make them, and input_pipeline stops with pairing.NOT_ENOUGH_DOCUMENTS.
+  # cannot make them, and input_pipeline refuses a one-document input at start-up.
   other_documents: bool = False
 
 

@@ -271,12 +271,22 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   local_batch = config.train.batch_size // jax.process_count()
 
-  def dataset_for(phase: pretraining.Phase, train: bool, batch_size: int = local_batch):
+  def dataset_for(phase: pretraining.Phase, train: bool, batch_size: int = local_batch,
+                  seed: int | None = None):
     return input_pipeline.make_pretraining_dataset(
         pretraining.phase_data(config, phase), batch_size=batch_size, seq_len=phase.seq_len,
         max_predictions=phase.max_predictions, train=train,
-        process_index=jax.process_index(), process_count=jax.process_count(),
+        process_index=jax.process_index(), process_count=jax.process_count(), seed=seed,
         vocab_file=vocab_file)
+
+  def training_input(phase: pretraining.Phase, step: int) -> input_pipeline.TrainingInput:
+    """The phase's training input; a saved position is restored only where it fits."""
+    data = pretraining.phase_data(config, phase)
+    fingerprint = input_pipeline.input_fingerprint(
+        data, batch_size=local_batch, seq_len=phase.seq_len,
+        max_predictions=phase.max_predictions, process_count=jax.process_count())
+    return input_pipeline.TrainingInput(lambda seed: dataset_for(phase, True, seed=seed),
+                                        fingerprint, step, int(data.seed))
 
   logging.info('Checking the input of %d phase(s)', len(phases))
   _check_phase_data(config, phases, dataset_for)
@@ -368,7 +378,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   try:
     while step < stop_at and not preempted:
       phase = pretraining.phase_at(phases, step)
-      data_it = input_pipeline.make_iterator(dataset_for(phase, True))
+      data_it = training_input(phase, step)
       if step > 0 and meta.get('data_phase') == phase.index and start == step:
         if not ckpt_lib.restore_data_state(workdir, step, data_it):
           logging.warning('No input position saved for step %d: the data restarts', step)

@@ -15,6 +15,18 @@ def _texts(ds):
   return [d['text'].decode() for d in ds.as_numpy_iterator()]
 
 
+def _whole_documents(ds):
+  """Texts of a stream of one file's pieces, a document's pieces joined again."""
+  texts, last = [], None
+  for d in ds.as_numpy_iterator():
+    if d['id'] == last:
+      texts[-1] += '\n' + d['text'].decode()
+    else:
+      texts.append(d['text'].decode())
+    last = d['id']
+  return texts
+
+
 def _write_docs(path, docs, trailing_blank=True):
   text = '\n\n'.join('\n'.join(doc) for doc in docs) + ('\n\n' if trailing_blank else '')
   data = text.encode()
@@ -26,7 +38,8 @@ def _write_docs(path, docs, trailing_blank=True):
 
 def test_documents_across_blocks_and_files(tmp_path):
   # Documents longer than a read block, blank lines of spaces, several blank lines in a row,
-  # and a file without a final blank line: each document comes out whole, once, in order.
+  # and a file without a final blank line: each document comes out whole (in pieces of
+  # documents.PIECE_BYTES when longer), once, in order.
   rng = np.random.RandomState(0)
   first = [[f'doc{d} line{i}' for i in range(rng.choice([1, 3, 700, 1500]))] for d in range(9)]
   second = [[f'second{d} line{i}' for i in range(rng.randint(1, 4))] for d in range(5)]
@@ -37,12 +50,13 @@ def test_documents_across_blocks_and_files(tmp_path):
   files = [str(tmp_path / n) for n in ('a.txt', 'b.txt.gz', 'c.txt')]
   got = []
   for path in files:
-    got.append(_texts(documents.text_documents([path])))
+    got.append(_whole_documents(documents.text_documents([path])))
   assert got[0] == ['\n'.join(d) for d in first]
   assert got[1] == ['\n'.join(d) for d in second]
   assert got[2] == ['only one', 'second doc']
   together = _texts(documents.text_documents(files))
-  assert sorted(together) == sorted(sum(got, []))
+  assert sorted(together) == sorted(sum((_texts(documents.text_documents([p])) for p in files),
+                                        []))
 
 
 def test_invalid_utf8_is_replaced(tmp_path):
@@ -133,3 +147,91 @@ def test_text_lines(tmp_path):
   _write_docs(tmp_path / 'a.txt', [['a b', 'c'], ['d']])
   data = ml_collections.ConfigDict({'tfds_text_key': 'text', 'tfds_data_dir': ''})
   assert list(documents.text_lines(str(tmp_path / 'a.txt'), data)) == ['a b', 'c', 'd']
+
+
+def test_long_documents_come_in_pieces_of_whole_lines(tmp_path):
+  # A book-length document streams as pieces: each starts at a PIECE_BYTES boundary of its
+  # text, holds whole lines, and all pieces carry the document's id (the first piece's hash).
+  rng = np.random.RandomState(1)
+  book = [f'line {i} ' + 'w' * rng.randint(10, 900) for i in range(300)]
+  short = ['a short document', 'of two lines']
+  _write_docs(tmp_path / 'books.txt', [book, short, book[::-1]])
+  got = list(documents.text_documents([str(tmp_path / 'books.txt')]).as_numpy_iterator())
+  texts = [d['text'].decode() for d in got]
+  ids = [int(d['id']) for d in got]
+  text = '\n'.join(book)
+  pieces = [t for t, i in zip(texts, ids) if i == ids[0]]
+  assert '\n'.join(pieces) == text
+  assert len(pieces) == (len(text) + documents.PIECE_BYTES - 1) // documents.PIECE_BYTES
+  assert all(len(p) <= documents.PIECE_BYTES + 1000 for p in pieces)
+  assert ids[0] == documents.document_ids(tf.constant([pieces[0]])).numpy()[0]
+  assert texts[len(pieces)] == '\n'.join(short)
+  assert ids[len(pieces)] == documents.document_ids(tf.constant(['\n'.join(short)])).numpy()[0]
+  reversed_pieces = texts[len(pieces) + 1:]
+  assert '\n'.join(reversed_pieces) == '\n'.join(book[::-1])
+  assert len(set(ids[len(pieces) + 1:])) == 1 and ids[-1] != ids[0]
+  # The same pieces whatever the read blocks are.
+  old = documents.LINES_PER_READ
+  try:
+    documents.LINES_PER_READ = 7
+    again = list(documents.text_documents([str(tmp_path / 'books.txt')]).as_numpy_iterator())
+  finally:
+    documents.LINES_PER_READ = old
+  assert [d['text'].decode() for d in again] == texts
+  assert [int(d['id']) for d in again] == ids
+
+
+def test_long_lines_are_cut_at_whitespace_or_between_characters(tmp_path):
+  words = ' '.join(f'word{i}' for i in range(3000))  # ~26 KB without a sentence end.
+  cjk = '漢字かな' * 3000  # 36 KB of 3-byte characters, no whitespace.
+  (tmp_path / 'long.txt').write_text(f'{words}\n{cjk}\n\nshort\n', encoding='utf-8')
+  texts = _texts(documents.text_documents([str(tmp_path / 'long.txt')]))
+  assert texts[-1] == 'short'
+  lines = '\n'.join(texts[:-1]).split('\n')
+  assert all(len(line.encode()) <= documents.LINE_BYTES for line in lines)
+  word_lines = [line for line in lines if line.startswith('word')]
+  assert ' '.join(word_lines) == words  # Cut only at spaces: no word is broken.
+  assert ''.join(line for line in lines if not line.startswith('word')) == cjk
+  assert '\ufffd' not in ''.join(lines)  # Never inside a character.
+
+
+def test_crlf_reads_like_lf_and_cr_only_is_named(tmp_path):
+  docs = [['first doc', 'its second line'], ['second doc'], ['third', 'doc']]
+  text = '\n\n'.join('\n'.join(d) for d in docs) + '\n'
+  (tmp_path / 'lf.txt').write_bytes(text.encode())
+  (tmp_path / 'crlf.txt').write_bytes(text.replace('\n', '\r\n').encode())
+  lf = _texts(documents.text_documents([str(tmp_path / 'lf.txt')]))
+  assert lf == ['\n'.join(d) for d in docs]
+  assert _texts(documents.text_documents([str(tmp_path / 'crlf.txt')])) == lf
+  # TextLineDataset drops CRs: CR-only line ends (classic Mac OS) would make one line.
+  for name, compress in (('cr.txt', bytes), ('cr.txt.gz', gzip.compress)):
+    (tmp_path / name).write_bytes(compress(text.replace('\n', '\r').encode()))
+    with pytest.raises(UserError, match=rf'^data.input: \S*{name} ends its lines with CR alone'):
+      documents.expand_files(str(tmp_path / name))
+
+
+def test_summarize_counts_pieces_documents_and_cut_lines(tmp_path):
+  book = [f'line {i} ' + 'w' * 500 for i in range(100)]  # ~51 KB: 7 pieces.
+  long_line = ' '.join(['word'] * 3000)  # 15 KB: cut in 4.
+  _write_docs(tmp_path / 'c.txt', [book, ['short'], [long_line, 'x', long_line]])
+  ds = documents.text_documents([str(tmp_path / 'c.txt')])
+  assert sum(int(d['cut']) for d in ds.as_numpy_iterator()) == 2
+  summary = documents.summarize(ds)
+  assert summary['documents'] == 3 and summary['documents_in_pieces'] == 2
+  assert summary['lines_cut'] == 2
+  assert summary['pieces'] == len(list(ds.as_numpy_iterator()))
+
+
+def test_tfds_articles_come_in_pieces_like_text_files():
+  article = ' '.join(f'Sentence {i} of a book.' for i in range(2000))  # ~48 KB.
+  table = 'cell ' * 3000  # One 15 KB line without a sentence end.
+  docs = documents._select(documents.split_into_sentences(tf.constant([article, table, 'a'])),
+                           documents.selector(None))
+  pieces = {k: v.numpy() for k, v in documents._in_pieces(docs).items()}
+  ids = docs['id'].numpy()
+  texts = [t.decode() for t in pieces['text']]
+  book = [t for t, i in zip(texts, pieces['id']) if i == ids[0]]
+  assert '\n'.join(book) == docs['text'].numpy()[0].decode() and len(book) > 4
+  assert all(len(t) <= documents.PIECE_BYTES + documents.LINE_BYTES for t in book)
+  assert pieces['cut'].sum() == 1 and texts[-1] == 'a'
+  assert ' '.join(t for t, i in zip(texts, pieces['id']) if i == ids[1]).split() == table.split()

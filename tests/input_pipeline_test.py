@@ -482,8 +482,8 @@ def test_bad_inputs(corpora, tmp_path):
   with pytest.raises(ValueError, match='held-out.*data.eval_input'):
     make(corpora.config(input=str(tiny)), train=False)
   # One document: NotNext is impossible; SOP swaps within a document, so one is enough.
-  with pytest.raises(tf.errors.InvalidArgumentError, match='at least two different documents'):
-    _batches(make(corpora.config(input=_one_doc(tmp_path))), 1)
+  with pytest.raises(UserError, match="one_doc.txt'.* holds a single document: objective 'nsp'"):
+    make(corpora.config(input=_one_doc(tmp_path)))
   assert _batches(make(corpora.config(input=_one_doc(tmp_path), objective='sop')), 1)
   # Settings.
   with pytest.raises(ValueError, match='seq_len=7'):
@@ -730,3 +730,57 @@ def test_packed_examples_and_stats(corpora):
   for key in ('next_sentence_fraction', 'masked_fraction', 'mask_token_fraction'):
     assert abs(stats[key] - unpacked[key]) < 0.06, key
   assert abs(stats['mean_length'] - unpacked['mean_length']) < 2
+
+
+def _training_input(data, batch_size, step, seq_len=32):
+  fingerprint = input_pipeline.input_fingerprint(data, batch_size=batch_size, seq_len=seq_len,
+                                                 max_predictions=5)
+  make = lambda seed: input_pipeline.make_pretraining_dataset(  # pylint: disable=g-long-lambda
+      data, batch_size=batch_size, seq_len=seq_len, max_predictions=5, train=True, seed=seed)
+  return input_pipeline.TrainingInput(make, fingerprint, step, data.seed), make
+
+
+def _assert_same(xs, ys):
+  for x, y in zip(xs, ys, strict=True):
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_a_saved_position_is_restored_only_for_the_input_it_was_made_for(corpora, tmp_path,
+                                                                          caplog):
+  # Resumed with the same input: exact. With another batch size, length or corpus: the input
+  # restarts with a seed of (data.seed, step), said in a warning naming the key; never the old
+  # corpus, never TensorFlow's "expected [16,64] but got [8,64]".
+  data = corpora.config(shuffle_buffer=50)
+  it, _ = _training_input(data, 8, 0)
+  for _ in range(5):
+    next(it)
+  state = str(tmp_path / 'state')
+  it.save(state)
+  expected = [next(it) for _ in range(3)]
+  same, _ = _training_input(data, 8, 5)
+  same.restore(state)
+  _assert_same([next(same) for _ in range(3)], expected)
+
+  restarted = input_pipeline.restart_seed(data.seed, 5)
+  cases = [(data, 4, 32, 'train.batch_size (8 -> 4)'),
+           (data, 8, 48, 'data.max_seq_length (32 -> 48)'),
+           (corpora.config(input=corpora.files['s'], shuffle_buffer=50), 8, 32,
+            'data.input (1 of 1 files new or changed, 1 gone)')]
+  for new_data, batch_size, seq_len, change in cases:
+    caplog.clear()
+    other, make = _training_input(new_data, batch_size, 5, seq_len)
+    other.restore(state)
+    assert f'Resuming at step 5 with {change} changed' in caplog.text
+    got = [next(other) for _ in range(2)]
+    assert got[0]['input_ids'].shape == (batch_size, seq_len)
+    _assert_same(got, list(make(restarted).take(2).as_numpy_iterator()))
+    if new_data is not data:  # Only the new corpus is read.
+      ids = _originals(_concat(got)).ravel()
+      assert {corpora.where[t][0] for t in ids if t in corpora.where} == {'s'}
+    # The restarted input's own position resumes exactly, restart included.
+    other.save(state + '_restarted')
+    after = [next(other) for _ in range(2)]
+    again, _ = _training_input(new_data, batch_size, 7, seq_len)
+    again.restore(state + '_restarted')
+    _assert_same([next(again) for _ in range(2)], after)

@@ -40,7 +40,6 @@ from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import input_pipeline
 from bert_jax import ner
-from bert_jax import pairing
 from bert_jax import squad
 from bert_jax import swag
 from bert_jax import tokenization
@@ -1020,19 +1019,35 @@ def _data(vocab_file, corpus, **overrides):
   return data
 
 
-def test_a_single_document_is_the_pipelines_own_user_error(tmp_path, vocab_file):
-  one = tmp_path / 'one.txt'
+def test_a_single_document_is_refused_before_the_first_batch(tmp_path, vocab_file):
+  # Found at start-up by a bounded look, named by key and file: not inside tf.data, where it
+  # stopped a running job with TensorFlow's lines and no name. A book-length document (many
+  # pieces, documents.PIECE_BYTES each) is still one.
+  one, book = tmp_path / 'one.txt', tmp_path / 'book.txt'
   one.write_bytes(_corpus_text(1))
-  for run in (lambda: input_pipeline.compute_stats(_data(vocab_file, str(one)), 1, 4),
-              lambda: input_pipeline.show_examples(_data(vocab_file, str(one)), 2)):
-    with pytest.raises(tf.errors.InvalidArgumentError) as e:
-      run()
-    carried = errors.from_tensorflow(e.value)
-    assert isinstance(carried, UserError)
-    assert str(carried) == pairing.NOT_ENOUGH_DOCUMENTS[len(errors.IN_GRAPH_MARK):]
-    assert cli.user_error_message(e.value) == str(carried)
+  book.write_bytes(_corpus_text(1) * 1000)
+  assert book.stat().st_size > 4 * documents.PIECE_BYTES
+  for path in (one, book):
+    for run in (lambda: input_pipeline.compute_stats(_data(vocab_file, str(path)), 1, 4),
+                lambda: input_pipeline.show_examples(_data(vocab_file, str(path)), 2)):
+      with pytest.raises(UserError, match=rf"^data.input='{path}' \(1 files: .*\) holds a "
+                         "single document: objective 'nsp' needs at least two"):
+        run()
+  for objective in ('sop', 'none'):
+    input_pipeline.compute_stats(_data(vocab_file, str(book), objective=objective), 1, 4)
   assert errors.from_tensorflow(tf.errors.InvalidArgumentError(None, None, 'a bug')) is None
   assert cli.user_error_message(tf.errors.InvalidArgumentError(None, None, 'a bug')) is None
+
+
+def test_a_long_document_beside_short_ones_makes_not_next_pairs(tmp_path, vocab_file):
+  # Pieces of one book often fill a batch alone (their NotNext draws are dropped); the share
+  # of NotNext stays near one half over the stream.
+  corpus = tmp_path / 'books.txt'
+  corpus.write_bytes(_corpus_text(1) * 1000 + b'\n' + _corpus_text(30))  # A 72 KB book.
+  stats = input_pipeline.compute_stats(_data(vocab_file, str(corpus)), 10, 32)
+  assert 0.3 < stats['next_sentence_fraction'] < 0.6, stats
+  assert stats['input']['documents_in_pieces'] == 1, stats  # The statistics say so.
+  assert stats['input']['lines_cut'] == 0 and stats['input']['bytes'] > 2 * 8192, stats
 
 
 def _eval_batches(data, batch_size=8):
@@ -1113,9 +1128,13 @@ def _one_line(proc, command, *fragments):
 def test_end_to_end_mistakes_are_one_line_and_status_2(tmp_path, vocab_file):
   one = tmp_path / 'one.txt'
   one.write_bytes(_corpus_text(1))
-  _one_line(_cli(['data', '--stats=2', f'--config.data.input={one}',
-                  f'--config.data.vocab_file={vocab_file}'], tmp_path),
-            'data', 'needs at least two different documents')
+  # Found before the first step, by key and file, without TensorFlow's lines.
+  for command in ('data', 'pretrain'):
+    proc = _cli([command, f'--config.data.input={one}', f'--config.data.vocab_file={vocab_file}',
+                 f'--workdir={tmp_path}/one_{command}'] + ['--stats=2'] * (command == 'data'),
+                tmp_path)
+    _one_line(proc, command, f"data.input='{one}'", 'holds a single document')
+    assert '{{node' not in proc.stderr and 'step' not in proc.stderr.lower(), proc.stderr[-3000:]
   workdir_file = tmp_path / 'a_file'
   workdir_file.write_text('')
   _one_line(_cli(['pretrain', f'--workdir={workdir_file}',

@@ -310,6 +310,26 @@ def test_eval_command_agrees_with_the_runs_last_evaluation(tmp_path, reference, 
   assert_close([converted[k] for k in keys], [last[k] for k in keys], 1e-5)
 
 
+def test_resume_with_another_corpus_and_batch_size_restarts_the_input(tmp_path, reference,
+                                                                      vocab_file, caplog):
+  """A workdir resumed with a new data.input and train.batch_size: the saved input position
+  was made for the old ones, so the input restarts (on the new corpus, shuffled anew) and a
+  warning names both keys; not the old corpus, not TensorFlow's shape error."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(reference, workdir)
+  corpus = tmp_path / 'new.txt'
+  corpus.write_text('\n\n'.join(f'document {d} has a first line.\nand its second line {d}.'
+                                for d in range(300)) + '\n')
+  config = _config(vocab_file, train__stop_at_step=REFERENCE_STEPS + 2, data__input=str(corpus),
+                   train__batch_size=16)
+  with caplog.at_level('WARNING'):
+    train.train_and_evaluate(config, workdir)
+  assert (f'Resuming at step {REFERENCE_STEPS} with data.input (1 of 1 files new or changed, '
+          '1 gone), train.batch_size (8 -> 16) changed') in caplog.text
+  resumed = _losses(workdir, skip=len(_rows(reference)[0]) + len(_rows(reference)[1]))
+  assert sorted(resumed) == [REFERENCE_STEPS + 1, REFERENCE_STEPS + 2]
+
+
 def test_uncommitted_checkpoint_is_never_resumed_from(tmp_path, reference, vocab_file):
   """A save cut off before Orbax's commit (on a local disk: the rename of
   `<step>.orbax-checkpoint-tmp` to `<step>`) is ignored; the run resumes from the last
