@@ -33,8 +33,6 @@ import shlex
 import subprocess
 import sys
 
-import pytest
-
 import processes
 
 READMES = ('README.md', 'launch/README.md')
@@ -152,6 +150,10 @@ COMMANDS: dict[str, Run | NotHere] = {
     # ---- README.md: performance ------------------------------------------------------------
     'python benchmarks/train_step.py --size=mini --batch_size=32 --seq_len=128 '
     '--compare_in_flight --steps=60 --rounds=12': NotHere(_BENCHMARK),
+    'python benchmarks/corpus.py --batches=250': NotHere(
+        _BENCHMARK + '; tests/benchmarks_test.py runs its smallest shapes under a 2 GB limit'),
+    'python benchmarks/corpus.py --shapes=wiki,books --batches=50 --speed_seconds=20':
+        NotHere(_BENCHMARK),
     'python benchmarks/train_step.py --size=mini --batch_size=32 --seq_len=128 --compare_torch':
         NotHere(_BENCHMARK),
     'bert-jax compile --config=configs/bert_large.py --topology=v5e:4x4': NotHere(_COMPILE),
