@@ -179,7 +179,7 @@ def measure_speed(settings: dict, warmup: float, seconds: float) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument('--shapes', default=','.join(SHAPES))
   parser.add_argument('--scale', type=float, default=1.0, help='corpus sizes times this')
   parser.add_argument('--seq_lens', default='128,512')

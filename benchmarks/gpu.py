@@ -5,8 +5,9 @@
 The matrix: BERT-base and BERT-large, 128 and 512 tokens, bf16, padded and packed rows, `xla`
 and `cudnn` attention (bert_jax), and transformers' PyTorch `BertForPreTraining` (bf16
 autocast, SDPA attention, fused AdamW) on the same padded batches. Every case reports
-sequences/s, real (non-padding) tokens/s, MFU, step time, memory, and the top ops of one
-profiled step; the attention kernels are also checked against each other on packed rows.
+sequences/s, real (non-padding) tokens/s, MFU, step time, memory, the top ops of one
+profiled step and all its kernels' time by group (matmul, attention, LayerNorm, GELU, dropout,
+optimizer, other); the attention kernels are also checked against each other on packed rows.
 
 Runs on a stock GPU image without TensorFlow, ml_collections' flag parsing or clu: batches are
 synthetic (numpy), and nothing on this path imports TensorFlow. Besides jax (CUDA), flax,
@@ -39,6 +40,7 @@ import concurrent.futures
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -166,8 +168,54 @@ def useful_flops(bert_config, batch: dict[str, np.ndarray]) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+# Kernel groups, matched in this order (the first match wins, so each kernel counts once).
+# Attention first: cuDNN's fused attention kernels (`cudnn_generated_fort_native_sdpa_sm90_
+# flash_fprop_wgmma_...`) carry matmul-like words. Matmuls by the kernel's own name only (cuBLAS,
+# its Hopper `nvjet_*` kernels, cutlass, XLA's Triton GEMM fusions): an op's metadata names the
+# layer it belongs to, which would call every dense projection "attention". The other groups
+# also read what the kernel computes (its XLA op's name scope and source line; PyTorch's names).
+KERNEL_GROUPS = (
+    ('attention', r'fmha|flash|sdpa|attention|attn', False),
+    ('matmul', r'gemm|gemv|nvjet|cutlass|cublas|xmma|matmul', False),
+    ('layernorm', r'layer_?norm|gammabeta|normalization\.py', True),
+    ('gelu', r'gelu|(?<![a-z])erfc?(?![a-z])', True),
+    ('dropout', r'dropout|random_bits|rng_bit_generator|threefry|philox|bernoulli|'
+                r'stochastic\.py', True),
+    ('optimizer', r'optax|adam|clip_grad|multi_tensor|optimizer|(?<![a-z])optim\.py', True),
+)
+GROUP_NAMES = tuple(g for g, _, _ in KERNEL_GROUPS) + ('other',)
+
+
+def classify_kernel(name: str, context: str = '') -> str:
+  """The group of a GPU kernel, from its name and (for all but attention and matmul) what its
+  XLA op says it computes: one of GROUP_NAMES."""
+  name, context = name.lower(), context.lower()
+  for group, pattern, with_context in KERNEL_GROUPS:
+    if re.search(pattern, name + ' ' + context if with_context else name):
+      return group
+  return 'other'
+
+
+def group_kernels(kernels: dict[str, tuple[float, int]],
+                  contexts: dict[str, str] | None = None) -> dict:
+  """Time (ms), share and count of every kernel group, over all kernels (not a top list)."""
+  contexts = contexts or {}
+  groups = {g: [0.0, 0] for g in GROUP_NAMES}
+  for name, (t, n) in kernels.items():
+    g = groups[classify_kernel(name, contexts.get(name, ''))]
+    g[0] += t
+    g[1] += n
+  total = sum(t for t, _ in kernels.values()) or 1.0
+  return {g: dict(ms=t / 1e6, share=t / total, count=n) for g, (t, n) in groups.items()}
+
+
+# What an XLA op computes: its HLO text, category, name scope and source line.
+_OP_STATS = ('long_name', 'hlo_category', 'tf_op', 'source', 'source_info')
+
+
 def summarize_trace(trace_dir: str, top: int = 12) -> dict:
-  """Top device ops and kernels by total time in a jax.profiler trace."""
+  """Top device ops and kernels by total time in a jax.profiler trace, and every kernel's time
+  by group."""
   import glob  # pylint: disable=g-import-not-at-top
   from jax._src.profiler import ProfileData  # pylint: disable=g-import-not-at-top
   files = sorted(glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True))
@@ -175,6 +223,8 @@ def summarize_trace(trace_dir: str, top: int = 12) -> dict:
     return dict(error=f'no trace written under {trace_dir}')
   data = ProfileData.from_file(files[-1])
   ops, kernels, detail = {}, {}, {}
+  kernel_ops = {}   # Kernel name -> the HLO op that launched it (the `hlo_op` stat).
+  by_hlo_op = {}    # HLO op -> (time, count) of its kernels.
   device_planes = [p for p in data.planes if p.name.startswith('/device:GPU')]
   for plane in device_planes:
     for line in plane.lines:
@@ -185,10 +235,22 @@ def summarize_trace(trace_dir: str, top: int = 12) -> dict:
       for e in line.events:
         t, n = into.get(e.name, (0.0, 0))
         into[e.name] = (t + e.duration_ns, n + 1)
+        stats = {k: str(v) for k, v in e.stats}
         if into is ops and e.name not in detail:
           # What the op is (its HLO text, category): op names alone say little.
-          detail[e.name] = {k: str(v)[:240] for k, v in e.stats
-                            if k in ('long_name', 'hlo_category', 'tf_op', 'source')}
+          detail[e.name] = {k: v[:240] for k, v in stats.items() if k in _OP_STATS}
+        elif into is kernels:
+          op = stats.get('hlo_op')
+          if op:
+            kernel_ops.setdefault(e.name, op)
+            t, n = by_hlo_op.get(op, (0.0, 0))
+            by_hlo_op[op] = (t + e.duration_ns, n + 1)
+          if e.name not in detail:
+            detail[e.name] = {k: v[:240] for k, v in stats.items() if k in _OP_STATS}
+  if not ops and by_hlo_op:
+    # Newer jax (0.11+) traces may carry no "XLA Ops" line on the GPU plane; the kernels still
+    # name their HLO op, so the op table is their sum per op.
+    ops = by_hlo_op
   if not device_planes:  # CPU (tests): the XLA threads' events.
     for plane in data.planes:
       for line in plane.lines:
@@ -203,21 +265,17 @@ def summarize_trace(trace_dir: str, top: int = 12) -> dict:
   def table(d):
     total = sum(t for t, _ in d.values()) or 1.0
     rows = sorted(d.items(), key=lambda kv: -kv[1][0])[:top]
-    return dict(total_ms=total / 1e6, top=[dict(name=k[:160], ms=t / 1e6, share=t / total,
-                                                 count=n, **detail.get(k, {}))
-                                            for k, (t, n) in rows])
+    return dict(total_ms=total / 1e6, total_count=sum(n for _, n in d.values()),
+                top=[dict(name=k[:160], ms=t / 1e6, share=t / total, count=n,
+                          **detail.get(k, {})) for k, (t, n) in rows])
   out = dict(ops=table(ops))
   if kernels:
     out['kernels'] = table(kernels)
-    names = {k.lower(): t for k, (t, _) in kernels.items()}
-    total = sum(names.values()) or 1.0
-    groups = dict(
-        matmul=('gemm', 'xmma', 'cutlass', 'cublas', 'gemv', 'triton_gemm', 'wgmma'),
-        attention=('sdpa', 'flash', 'fmha', 'cudnn', 'attention'))
-    shares = {g: sum(t for k, t in names.items() if any(w in k for w in words)) / total
-              for g, words in groups.items()}
-    shares['other'] = max(0.0, 1.0 - sum(shares.values()))
-    out['kernel_time_shares'] = shares
+    contexts = {}
+    for k in kernels:
+      info = dict(detail.get(kernel_ops.get(k, ''), {}), **detail.get(k, {}))
+      contexts[k] = ' '.join([kernel_ops.get(k, '')] + list(info.values()))
+    out['kernel_groups'] = group_kernels(kernels, contexts)
   return out
 
 
@@ -424,8 +482,15 @@ def _error(e: Exception) -> str:
 
 def run_torch_cases(args, specs: list[dict]) -> list[dict]:
   """transformers' BertForPreTraining on the padded batches: bf16 autocast, SDPA, fused AdamW."""
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+  except ImportError as e:  # Reported per case, as any failed case is: the others still run.
+    results = [dict(framework='transformers', **s, error=f'not run: {_error(e)}')
+               for s in specs]
+    for r in results:
+      print(json.dumps(r), flush=True)
+    return results
   from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   device = 'cuda' if torch.cuda.is_available() else 'cpu'
   results = []
@@ -516,9 +581,13 @@ def _torch_profile(torch, step, device, top: int = 12) -> dict:
               torch.autograd.DeviceType.CUDA] or events
   total = sum(getattr(e, key) for e in events) or 1.0
   events.sort(key=lambda e: -getattr(e, key))
-  return dict(kernels=dict(total_ms=total / 1e3, top=[
+  out = dict(kernels=dict(total_ms=total / 1e3, total_count=sum(e.count for e in events), top=[
       dict(name=e.key[:160], ms=getattr(e, key) / 1e3, share=getattr(e, key) / total,
            count=e.count) for e in events[:top]]))
+  if device == 'cuda':   # Microseconds to the nanoseconds that group_kernels takes.
+    out['kernel_groups'] = group_kernels({e.key: (getattr(e, key) * 1e3, e.count)
+                                          for e in events})
+  return out
 
 
 def _peak_flops_torch(torch, device) -> float | None:
@@ -584,6 +653,8 @@ def _line(r: dict) -> str:
 
 
 def _case(r: dict) -> str:
+  if 'size' not in r:   # A framework that failed before its cases (e.g. no torch).
+    return f"{r['framework']:12s} (all cases)"
   return (f"{r['framework']:12s} {r['size']:5s} {r['seq_len']:4d} "
           f"{'packed' if r['packing'] else 'padded'} {r['attention_impl']:6s}"
           + (' attn-dropout' if r.get('attention_dropout') else '')
@@ -591,7 +662,7 @@ def _case(r: dict) -> str:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0], allow_abbrev=False)
   p.add_argument('--output', required=True, help='folder for gpu_benchmark.json (and traces)')
   p.add_argument('--sizes', default='base,large')
   p.add_argument('--seq_lens', default='128,512')
@@ -693,8 +764,13 @@ def main(argv=None):
       stdout, stderr = [x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr)]
     lines = [json.loads(x) for x in stdout.splitlines() if x.startswith('{')]
     if code or len(lines) != len(torch_specs):
-      results.append(dict(framework='transformers', error=f'worker exit {code}: '
-                          + stderr.strip()[-2000:]))
+      # The worker died (a crash, out of memory, the time limit): the cases it did not report
+      # are errors carrying its exit and the end of its stderr, so the report names them.
+      why = f'worker exit {code}: ' + (stderr.strip().splitlines() or [''])[-1][-400:]
+      lines += [dict(framework='transformers', **s, error=why)
+                for s in torch_specs[len(lines):]]
+      if stderr.strip():
+        report['transformers_stderr'] = stderr.strip()[-2000:]
     results.extend(lines)
     for r in lines:
       log(_line(r))

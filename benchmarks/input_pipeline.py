@@ -73,7 +73,7 @@ def tokenize_only(files: list[str], vocab_file: str, lower_case: bool, threads: 
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument('--input', default='sample', help='data.input: files, globs or sample.')
   parser.add_argument('--vocab_file', default='', help="'' trains one (cached).")
   parser.add_argument('--vocab_size', type=int, default=30522)

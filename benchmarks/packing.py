@@ -177,7 +177,7 @@ def learning(args):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument('--what', choices=('padding', 'speed', 'learning'), required=True)
   parser.add_argument('--seq_lens', default='128,512',
                       help='comma-separated, of 128 and 512 (learning: the first)')

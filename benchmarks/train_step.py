@@ -178,7 +178,7 @@ def compare_in_flight(args, run_jax, result_jax):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0], allow_abbrev=False)
   parser.add_argument('--size', default='base')
   parser.add_argument('--batch_size', type=int, default=32)
   parser.add_argument('--seq_len', type=int, default=128)

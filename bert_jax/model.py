@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bert_jax import activations
 from bert_jax import attention
 from bert_jax.errors import UserError
 
@@ -255,6 +256,7 @@ class DenseGeneral(nn.Module):
   features: tuple[int, ...]
   axes: tuple[str | None, ...]   # The kernel's logical axes: input axes, then features.
   num_in: int = 1
+  activation: str | None = None  # A key of _ACTIVATIONS applied to the output, or none.
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -264,15 +266,22 @@ class DenseGeneral(nn.Module):
     bias = self.param('bias', _zeros(self.axes[n:]), self.features, jnp.float32)
     x, kernel, bias = promote_dtype(x, kernel, bias, dtype=c.compute_dtype)
     dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
-    return jax.lax.dot_general(x, kernel, dims) + bias
+    y = jax.lax.dot_general(x, kernel, dims)
+    if self.activation == 'gelu':
+      # Bias add and exact GELU in one function that keeps only y for its backward.
+      return activations.bias_gelu(y, bias)
+    y = y + bias
+    return _ACTIVATIONS[self.activation](y) if self.activation else y
 
 
-def _dense(config: BertConfig, features, axes, name: str, in_axes=-1) -> nn.Module:
+def _dense(config: BertConfig, features, axes, name: str, in_axes=-1,
+           activation: str | None = None) -> nn.Module:
   features = features if isinstance(features, tuple) else (features,)
   in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
   if in_axes != tuple(range(-len(in_axes), 0)):
     raise ValueError(f'in_axes {in_axes} are not the trailing axes')
-  return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes), name=name)
+  return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
+                      activation=activation, name=name)
 
 
 def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
@@ -363,8 +372,8 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     c = self.config
-    h = _dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate')(x)
-    h = _ACTIVATIONS[c.hidden_act](h)
+    h = _dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
+               activation=c.hidden_act)(x)
     h = _constrain(h, ('batch', 'length', 'act_mlp'))
     return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output')(h)
 
@@ -477,8 +486,8 @@ class MlmHead(nn.Module):
     # n/tensor] comes out with the rows of two batch shards swapped (a collective-permute it
     # never undoes) when data, fsdp and tensor are all > 1: the loss was right, the gradients
     # of the MLM head and everything below it were not.
-    x = _dense(c, c.hidden_size, ('mlp', 'embed'), 'transform')(x)
-    x = _layer_norm(c, 'layer_norm')(_ACTIVATIONS[c.hidden_act](x))
+    x = _dense(c, c.hidden_size, ('mlp', 'embed'), 'transform', activation=c.hidden_act)(x)
+    x = _layer_norm(c, 'layer_norm')(x)
     x = _constrain(x, ('batch', None, 'act_embed'))
     bias = self.param('output_bias', _zeros(('vocab',)), (c.vocab_size,), jnp.float32)
     logits = _constrain(attend(x).astype(jnp.float32), ('batch', None, 'act_vocab'))

@@ -174,10 +174,14 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
                                            jax.tree.map(lambda x: x[0], micro), rng)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g_shape, m_shape))
     (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  grad_norm = optax.tree.norm(grads)
+  # Computed once: the logged metric is the norm that optim.clip_by_global_norm clips with.
+  extra = (dict(global_grad_norm=grad_norm)
+           if isinstance(tx, optax.GradientTransformationExtraArgs) else {})
+  updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
   params = optax.apply_updates(state.params, updates)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-  return new_state, dict(metrics, grad_norm=optax.tree.norm(grads))
+  return new_state, dict(metrics, grad_norm=grad_norm)
 
 
 def jit_step(apply: Apply, loss: Loss, tx: optax.GradientTransformation,

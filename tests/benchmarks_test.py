@@ -103,12 +103,17 @@ def test_gpu_benchmark_runs_without_tensorflow(tmp_path):
   results = report['results']
   assert [(r['framework'], r.get('packing')) for r in results] == [
       ('transformers', False), ('bert_jax', False), ('bert_jax', True)], results
+  if not all(importlib.util.find_spec(m) for m in ('torch', 'transformers')):
+    # The current stack has no torch: its case is reported as not run, and the rest run.
+    assert results[0]['error'].startswith('not run: ModuleNotFoundError'), results[0]
+    assert 'transformers tiny   128 padded sdpa  : not run' in proc.stdout, proc.stdout
+    results = results[1:]
   for r in results:
     assert 'error' not in r and 'skipped' not in r, r
     assert r['step_seconds'] > 0 and r['real_tokens_per_second'] > 0
     assert r['profile']['ops' if r['framework'] == 'bert_jax' else 'kernels']['top']
-  assert results[2]['sequences_per_row'] > 1.0   # packed
-  assert results[2]['real_token_fraction'] > results[1]['real_token_fraction']
+  assert results[-1]['sequences_per_row'] > 1.0   # packed
+  assert results[-1]['real_token_fraction'] > results[-2]['real_token_fraction']
   assert report['attention_check']['xla_128']['finite']
 
 
@@ -156,3 +161,67 @@ def test_corpus_benchmark_smallest_shapes_stay_under_2_gb(tmp_path):
     assert 'killed_over_mb' not in row and 'error' not in row, row
     assert row['examples'] > 0 and 0 < row['peak_rss_mb'] <= 2048, row
   assert rows[-1]['summary'] and rows[-1]['rss_target_met'], rows[-1]
+
+
+def test_gpu_benchmark_classifies_every_kernel_once():
+  """Kernel names as an H100/H200 trace shows them (cuBLAS's Hopper nvjet, cutlass, cuDNN's
+  fused attention with its wgmma, XLA's fusions named by their ops) and PyTorch's."""
+  gpu = _gpu_module()
+  cases = {
+      'nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT': ('', 'matmul'),
+      'sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_cublas': ('', 'matmul'),
+      'cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align2': ('', 'matmul'),
+      'triton_gemm_dot_42': ('jit(train_step)/bert/encoder/layer_0/attention/query/dot_general',
+                             'matmul'),
+      'cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_'
+      'kernel0_0': ('', 'attention'),
+      'cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7_64x128x64': (
+          '', 'attention'),
+      'fmha_cutlassF_bf16_aligned_64x64_rf_sm80': ('', 'attention'),
+      'input_reduce_fusion_12': ('jit(train_step)/bert/encoder/layer_3/output/LayerNorm/reduce',
+                                 'layernorm'),
+      'vectorized_layer_norm_kernel': ('', 'layernorm'),
+      'loop_multiply_fusion_3': ('jit(train_step)/bert/encoder/layer_0/intermediate/jit(gelu)/'
+                                 'mul', 'gelu'),
+      'loop_erf_fusion': ('', 'gelu'),
+      'wrapped_rng_bit_generator': ('', 'dropout'),
+      'loop_select_fusion_7': ('jit(train_step)/bert/encoder/layer_1/output/Dropout_0/select_n',
+                               'dropout'),
+      'loop_add_fusion_9': ('source: /venv/site-packages/optax/_src/transform.py:98', 'optimizer'),
+      'multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor>': ('', 'optimizer'),
+      'loop_convert_fusion': ('jit(train_step)/interface/convert_element_type', 'other'),
+      'input_scatter_fusion_2': ('jit(train_step)/cls/predictions/scatter-add', 'other'),
+  }
+  for name, (context, group) in cases.items():
+    assert gpu.classify_kernel(name, context) == group, (name, context)
+  kernels = {name: (1000.0 * (i + 1), i + 1) for i, name in enumerate(cases)}
+  groups = gpu.group_kernels(kernels, {k: c for k, (c, _) in cases.items()})
+  assert set(groups) == set(gpu.GROUP_NAMES)
+  assert sum(g['count'] for g in groups.values()) == sum(n for _, n in kernels.values())
+  assert abs(sum(g['share'] for g in groups.values()) - 1.0) < 1e-9
+  assert groups['attention']['count'] == 5 + 6 + 7   # Counted once, never as matmul too.
+  assert groups['matmul']['ms'] == (1 + 2 + 3 + 4) * 1e-3
+
+
+def test_gpu_benchmark_reports_a_failed_framework():
+  """A result without a case (the transformers worker failing before any) prints one line."""
+  gpu = _gpu_module()
+  line = gpu._line(dict(framework='transformers', error='worker exit 1: No module named torch'))
+  assert line.startswith('transformers') and 'No module named torch' in line
+  spec = dict(size='base', seq_len=128, rows=8, max_predictions=20, fill=0.65,
+              attention_dropout=0.0, packing=False, attention_impl='sdpa')
+  line = gpu._line(dict(framework='transformers', **spec, error='not run'))
+  assert line == 'transformers base   128 padded sdpa  : not run', line
+
+
+@pytest.mark.parametrize('script', sorted(
+    name for name in os.listdir(os.path.join(processes.ROOT, 'benchmarks'))
+    if name.endswith('.py')))
+def test_benchmark_flags_are_never_abbreviated(script):
+  """`--size=tiny` must not silently mean `--sizes=tiny` (or any other prefix)."""
+  with open(os.path.join(processes.ROOT, 'benchmarks', script)) as f:
+    source = f.read()
+  assert source.count('ArgumentParser(') == source.count('allow_abbrev=False') == 1, script
+  if script == 'gpu.py':
+    with pytest.raises(SystemExit):
+      _gpu_module().parse_args(['--output=/tmp/x', '--size=tiny'])

@@ -133,3 +133,62 @@ def test_lamb_state_is_optax_lamb_state():
       schedule, b1=train.beta1, b2=train.beta2, eps=train.eps, weight_decay=train.weight_decay,
       mask=optim.decay_mask))
   assert jax.tree.structure(tx.init(params)) == jax.tree.structure(reference.init(params))
+
+
+@pytest.mark.parametrize('optimizer', ['adamw', 'lamb'])
+@pytest.mark.parametrize('scale', [1e-3, 1e3])   # Under and over max_grad_norm.
+def test_grad_norm_computed_once_same_updates_and_metrics_as_optax_clipping(
+    monkeypatch, optimizer, scale):
+  """train_state.step hands its logged grad_norm to the clipping: the same updates, state
+  structure and metrics as with optax.clip_by_global_norm, with one global norm per step."""
+  from bert_jax import train_state as state_lib  # pylint: disable=g-import-not-at-top
+  train = defaults.pretrain().train
+  train.unlock()
+  train.update(warmup_steps=0, decay='constant', learning_rate=0.1, optimizer=optimizer)
+  tx, _ = optim.make_optimizer(train, total_steps=10)
+  with monkeypatch.context() as m:   # The chain as it was: optax's clipping.
+    m.setattr(optim, 'clip_by_global_norm', optax.clip_by_global_norm)
+    reference_tx, _ = optim.make_optimizer(train, total_steps=10)
+  rng = np.random.RandomState(0)
+  params = {'dense': {'kernel': jnp.asarray(rng.randn(4, 3), jnp.float32),
+                      'bias': jnp.asarray(rng.randn(3), jnp.float32)}}
+  batch = {'x': jnp.asarray(rng.randn(8, 4), jnp.float32),
+           'y': jnp.asarray(rng.randn(8, 3), jnp.float32)}
+  apply = lambda p, b, _: b['x'] @ p['dense']['kernel'] + p['dense']['bias']
+  loss = lambda out, b: ({'mse': scale * jnp.sum((out - b['y']) ** 2)},
+                         {'mse': jnp.float32(b['y'].size)}, {})
+
+  def run(tx):
+    state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                 opt_state=tx.init(params))
+    f = lambda s: state_lib.step(s, batch, apply=apply, loss=loss, tx=tx,
+                                 base_rng=jax.random.key(0))
+    return jax.jit(f)(state), jax.make_jaxpr(f)(state)
+
+  (state, metrics), jaxpr = run(tx)
+  (ref_state, ref_metrics), ref_jaxpr = run(reference_tx)
+  assert jax.tree.structure(state.opt_state) == jax.tree.structure(ref_state.opt_state)
+  for a, b in zip(jax.tree.leaves((state, metrics)), jax.tree.leaves((ref_state, ref_metrics))):
+    np.testing.assert_array_equal(a, b)
+  assert (float(metrics['grad_norm']) > train.max_grad_norm) == (scale > 1)
+
+  def global_norms(jaxpr):   # sqrt of a scalar: a norm (Adam's sqrt is per element; LAMB
+    n = 0                    # takes one per leaf for its trust ratios).
+    for eqn in jaxpr.eqns:
+      n += eqn.primitive.name == 'sqrt' and eqn.outvars[0].aval.shape == ()
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        n += global_norms(sub)
+    return n
+  assert global_norms(ref_jaxpr.jaxpr) == global_norms(jaxpr.jaxpr) + 1
+  assert global_norms(jaxpr.jaxpr) == (1 if optimizer == 'adamw' else 1 + 2 * 2)
+
+
+def test_clipping_uses_the_norm_it_is_given():
+  clip = optim.clip_by_global_norm(1.0)
+  g = {'w': jnp.full((4,), 3.0)}   # Norm 6.
+  state = clip.init(g)
+  np.testing.assert_allclose(clip.update(g, state)[0]['w'], 0.5, rtol=1e-6)
+  np.testing.assert_allclose(
+      clip.update(g, state, global_grad_norm=jnp.float32(12.0))[0]['w'], 0.25, rtol=1e-6)
+  np.testing.assert_array_equal(
+      clip.update(g, state, global_grad_norm=jnp.float32(0.5))[0]['w'], g['w'])
