@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 
@@ -101,6 +102,14 @@ def test_the_readme_install_line_and_compile_command_as_a_user_types_them(tmp_pa
   venv = tmp_path / 'venv'
   subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages', str(venv)],
                  check=True)
+  if sys.prefix != sys.base_prefix:  # Run from a virtual environment (.ci/run's current stack):
+    # --system-site-packages shows the base Python's packages, not this one's; a .pth shows them.
+    purelib = subprocess.run(
+        [str(venv / 'bin' / 'python'), '-c',
+         'import sysconfig; print(sysconfig.get_paths()["purelib"])'],
+        check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(purelib, 'test_parent_site.pth'), 'w') as f:
+      f.write('\n'.join(site.getsitepackages()) + '\n')
   # The user's environment: none of the variables tests/conftest.py sets.
   env = {k: v for k, v in os.environ.items()
          if k not in ('JAX_PLATFORMS', 'XLA_FLAGS', 'JAX_DISABLE_MOST_OPTIMIZATIONS',
