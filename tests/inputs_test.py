@@ -1186,10 +1186,17 @@ def _bracket_outcome(root: str, case: str) -> str:
     return str(vocab_lib.expand_patterns([os.path.join(root, 'corpus[1].txt')]))
   if case == 'data.input=corpus[0-9].txt (a glob)':
     return str(_corpus_files(os.path.join(root, 'corpus[0-9].txt')))
-  folder = os.path.join(root, 'ckpt[1]')  # A Google checkpoint folder.
-  os.makedirs(folder)
-  for name in ('bert_config.json', 'model.ckpt-5.index'):
-    open(os.path.join(folder, name), 'w').close()
+  # A Google checkpoint folder, beside 'ckpt1' with two checkpoints, which the name read as a
+  # glob would match ("several TF checkpoints"). Remote: ram://, TensorFlow's in-memory
+  # filesystem, which globs as gs:// does (fnmatch, where '[1]' is a class); named per test.
+  base = f'ram://{os.path.basename(root)}' if 'ram://' in case else root
+  for name, files in (('ckpt[1]', ['model.ckpt-5.index']),
+                      ('ckpt1', ['model.ckpt-5.index', 'model.ckpt-6.index'])):
+    fileio.gfile().makedirs(f'{base}/{name}')
+    for file in ['bert_config.json'] + files:
+      with fileio.gfile().GFile(f'{base}/{name}/{file}', 'w') as f:
+        f.write('{}')  # An empty GFile is never made.
+  folder = f'{base}/ckpt[1]'
   return str(convert.read_metadata(folder)['format'])
 
 
@@ -1199,6 +1206,7 @@ BRACKET_ROWS = {
     'vocab --input=corpus[1].txt': "['ROOT/corpus[1].txt']",
     'data.input=corpus[0-9].txt (a glob)': "['ROOT/corpus1.txt']",
     'convert --input=ckpt[1] (a Google checkpoint folder)': 'google',
+    'convert --input=ram://.../ckpt[1] (remote, as gs://)': 'google',
 }
 
 
