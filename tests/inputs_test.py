@@ -768,20 +768,26 @@ def _features_over(root: str) -> tuple[str, str]:
                                                           path, path))
 
 
-def _run_in_workdir_of(kind: str):
+def _run_in_workdir_of(kind: str, command: str):
   def run(root: str) -> tuple[str, str]:
     from bert_jax import finetune  # pylint: disable=g-import-not-at-top
     workdir = os.path.join(root, 'work')
     os.makedirs(os.path.join(workdir, 'checkpoints'))
     record = {'task': 'mrpc'} if kind == 'fine-tuning' else {'model': {'size': 'tiny'}}
     fileio.write_json(os.path.join(workdir, 'config.json'), record)
-    if kind == 'fine-tuning':
+    glue = config_files.load_config('finetune_glue:mrpc')
+    if command == 'pretrain':
       call = lambda: train.train_and_evaluate(config_files.load_config('smoke'), workdir)
+    elif command == 'finetune':
+      call = lambda: finetune.finetune(glue, workdir)
     else:
-      call = lambda: finetune.finetune(config_files.load_config('finetune_glue:mrpc'), workdir)
+      call = lambda: finetune.sweep(glue, workdir)
+    before = sorted(os.listdir(workdir))
     outcome = _outcome(call)
     if fileio.read_json(os.path.join(workdir, 'config.json')) != record:
       outcome = f'config.json rewritten; {outcome}'
+    if sorted(os.listdir(workdir)) != before:
+      outcome = f'{sorted(set(os.listdir(workdir)) - set(before))} written; {outcome}'
     return workdir, outcome
   return run
 
@@ -826,12 +832,19 @@ OVER_AN_INPUT_ROWS = {
     'data --workdir where data.input=*.txt would read its vocab.txt': (
         _workdir_in_the_input_glob('data'), "data.input: 'PATH' also matches ROOT/vocab.txt"),
     'pretrain --workdir of a fine-tuning run': (
-        _run_in_workdir_of('fine-tuning'),
+        _run_in_workdir_of('fine-tuning', 'pretrain'),
         '--workdir=PATH holds a fine-tuning run (mrpc, its config.json): pre-train into another'),
     'finetune --workdir of a pre-training run': (
-        _run_in_workdir_of('pre-training'),
+        _run_in_workdir_of('pre-training', 'finetune'),
         '--workdir=PATH holds a pre-training run (its config.json has no task): fine-tune into '
         'another --workdir; to start from that run, set --config.train.init_checkpoint=PATH'),
+    'finetune --sweep --workdir of a pre-training run': (
+        _run_in_workdir_of('pre-training', 'sweep'),
+        '--workdir=PATH holds a pre-training run (its config.json has no task): fine-tune into '
+        'another --workdir'),
+    'finetune --sweep --workdir of a single fine-tuning run': (
+        _run_in_workdir_of('fine-tuning', 'sweep'),
+        '--workdir=PATH holds a single fine-tuning run (its config.json): sweep into another'),
 }
 
 
