@@ -618,16 +618,17 @@ def test_data_dir_paths(open_dir, task, kind, expected):
 # input, checked after the output: 'ok' rows stop there (proving the output passed its check
 # before any work), the others at the output, naming it. Each function prepares the rest in
 # `root` and returns the call.
-def _predict_output(root: str):
+def _predict_output(root: str, kind: str = 'glue', source: str = 'in.jsonl'):
   from bert_jax import predict  # pylint: disable=g-import-not-at-top
   workdir = os.path.join(root, 'finetuned')  # Says what it is, holds no weights.
   os.makedirs(workdir, exist_ok=True)
-  for name, value in (('task.json', {'kind': 'glue', 'task': 'mrpc'}), ('metrics.json', {}),
+  task = {'glue': 'mrpc', 'squad': 'squad_v1'}[kind]
+  for name, value in (('task.json', {'kind': kind, 'task': task}), ('metrics.json', {}),
                       ('config.json', {'eval': {'batch_size': 8}})):
     fileio.write_json(os.path.join(workdir, name), value)
-  with open(os.path.join(root, 'in.jsonl'), 'w') as f:
+  with open(os.path.join(root, source), 'w') as f:
     f.write('{"text_a": "a"}\n')
-  return lambda path: predict.predict(workdir, os.path.join(root, 'in.jsonl'), path)
+  return lambda path: predict.predict(workdir, os.path.join(root, source), path)
 
 
 def _features_output(root: str):
@@ -738,7 +739,12 @@ def _vocab_over(how: str):
   def run(root: str) -> tuple[str, str]:
     corpus = _corpus(root)
     output, inputs = corpus, [corpus]
-    if how == 'relative':
+    kind = 'wordpiece'
+    if how == 'sentencepiece':  # --output=corpus writes corpus.model and corpus.vocab.
+      corpus = os.path.join(root, 'corpus.vocab')
+      os.rename(os.path.join(root, 'corpus.txt'), corpus)
+      output, inputs, kind = os.path.join(root, 'corpus'), [corpus], 'sentencepiece'
+    elif how == 'relative':
       output = os.path.relpath(corpus)
     elif how == 'symlink':
       output = os.path.join(root, 'link.txt')
@@ -748,12 +754,16 @@ def _vocab_over(how: str):
       os.link(corpus, output)
     elif how == 'glob':
       inputs = [os.path.join(root, '*.txt')]
-    return corpus, _outcome(lambda: vocab_lib.run(inputs, output, 100))
+    return corpus, _outcome(lambda: vocab_lib.run(inputs, output, 100, kind=kind))
   return run
 
 
 def _predict_over(name: str):
   def run(root: str) -> tuple[str, str]:
+    if name == 'nbest':  # SQuAD writes pred.nbest.json beside --output=pred.json.
+      call = _predict_output(root, 'squad', 'pred.nbest.json')
+      return os.path.join(root, 'pred.nbest.json'), _outcome(
+          lambda: call(os.path.join(root, 'pred.json')))
     call = _predict_output(root)
     path = os.path.join(root, 'in.jsonl' if name == 'input' else 'finetuned/config.json')
     return path, _outcome(lambda: call(path))
@@ -824,6 +834,12 @@ OVER_AN_INPUT_ROWS = {
         _predict_over('workdir'),
         '--output=PATH is PATH, a file of the run in --workdir=ROOT/finetuned: writing it would '
         'replace it'),
+    'vocab --kind=sentencepiece --output = the prefix of --input (its .vocab)': (
+        _vocab_over('sentencepiece'), 'is the input --input=PATH'),
+    "predict --output whose SQuAD n-best file beside it is --input": (
+        _predict_over('nbest'),
+        '--output=ROOT/pred.json (and PATH beside it) is the input --input=PATH: writing it '
+        'would replace it'),
     'features --output = --input': (_features_over, '--output=PATH is the input --input'),
     'pretrain --workdir where data.input=*.txt would read its vocab.txt': (
         _workdir_in_the_input_glob('pretrain'),
