@@ -770,12 +770,25 @@ def _predict_over(name: str):
   return run
 
 
-def _features_over(root: str) -> tuple[str, str]:
-  path = os.path.join(root, 'in.jsonl')
-  with open(path, 'w') as f:
-    f.write('a text\n')
-  return path, _outcome(lambda: features.extract_features(os.path.join(root, 'no_checkpoint'),
-                                                          path, path))
+def _features_over(what: str):
+  def run(root: str) -> tuple[str, str]:
+    path = os.path.join(root, 'in.jsonl')
+    with open(path, 'w') as f:
+      f.write('a text\n')
+    checkpoint = os.path.join(root, 'checkpoint')  # Its files, no weights: refused before them.
+    os.makedirs(checkpoint)
+    open(os.path.join(checkpoint, 'vocab.txt'), 'w').close()
+    output = path if what == 'input' else os.path.join(checkpoint, 'vocab.txt')
+    return output, _outcome(lambda: features.extract_features(checkpoint, path, output))
+  return run
+
+
+def _convert_over(root: str) -> tuple[str, str]:
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  checkpoint = os.path.join(root, 'checkpoint')
+  os.makedirs(checkpoint)
+  open(os.path.join(checkpoint, 'bert_config.json'), 'w').close()
+  return checkpoint, _outcome(lambda: convert.convert(checkpoint, checkpoint))
 
 
 def _run_in_workdir_of(kind: str, command: str):
@@ -840,7 +853,13 @@ OVER_AN_INPUT_ROWS = {
         _predict_over('nbest'),
         '--output=ROOT/pred.json (and PATH beside it) is the input --input=PATH: writing it '
         'would replace it'),
-    'features --output = --input': (_features_over, '--output=PATH is the input --input'),
+    'features --output = --input': (_features_over('input'),
+                                    '--output=PATH is the input --input'),
+    "features --output = the checkpoint's vocab.txt": (
+        _features_over('checkpoint'),
+        '--output=PATH: the name must end in .jsonl, .npz or .npy'),  # No checkpoint file does.
+    'convert --output = --input (a folder, never written into unless empty)': (
+        _convert_over, '--output=PATH: output directory exists and is not empty'),
     'pretrain --workdir where data.input=*.txt would read its vocab.txt': (
         _workdir_in_the_input_glob('pretrain'),
         "data.input: 'PATH' also matches ROOT/vocab.txt, which this run writes: its next read "
