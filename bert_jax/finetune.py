@@ -150,6 +150,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   defaults.check_moved_keys(config)
   task_table.kind_of(config.task)  # A misspelt task fails before the workdir and the checkpoint.
   workdir = fileio.workdir_path(workdir)
+  if fileio.exists(os.path.join(workdir, 'sweep.json')):
+    raise UserError(f'--workdir={workdir} holds a --sweep (its sweep.json): fine-tune into '
+                    'another --workdir, or rerun the sweep with --sweep')
   # From the start, before the lock: SIGTERM during start-up is heard too.
   with monitor.Preemption() as preemption, run_lock.hold(workdir):
     preemption.check()

@@ -797,6 +797,15 @@ def _run_in_workdir_of(kind: str, command: str):
     workdir = os.path.join(root, 'work')
     os.makedirs(os.path.join(workdir, 'checkpoints'))
     record = {'task': 'mrpc'} if kind == 'fine-tuning' else {'model': {'size': 'tiny'}}
+    if kind == 'sweep':  # A sweep's folder: sweep.json and lr_<rate>/, no config.json.
+      record = {'task': 'mrpc', 'best_learning_rate': 5e-5}
+      fileio.write_json(os.path.join(workdir, 'sweep.json'), record)
+      before = sorted(os.listdir(workdir))
+      outcome = _outcome(lambda: finetune.finetune(
+          config_files.load_config('finetune_glue:mrpc'), workdir))
+      if sorted(os.listdir(workdir)) != before:
+        outcome = f'{sorted(set(os.listdir(workdir)) - set(before))} written; {outcome}'
+      return workdir, outcome
     fileio.write_json(os.path.join(workdir, 'config.json'), record)
     glue = config_files.load_config('finetune_glue:mrpc')
     if command == 'pretrain':
@@ -877,6 +886,9 @@ OVER_AN_INPUT_ROWS = {
         _run_in_workdir_of('pre-training', 'sweep'),
         '--workdir=PATH holds a pre-training run (its config.json has no task): fine-tune into '
         'another --workdir'),
+    'finetune --workdir of a --sweep (sweep.json, lr_<rate>/)': (
+        _run_in_workdir_of('sweep', 'finetune'),
+        '--workdir=PATH holds a --sweep (its sweep.json): fine-tune into another --workdir'),
     'finetune --sweep --workdir of a single fine-tuning run': (
         _run_in_workdir_of('fine-tuning', 'sweep'),
         '--workdir=PATH holds a single fine-tuning run (its config.json): sweep into another'),
