@@ -1363,7 +1363,7 @@ def _cache_outcome(root: str, case: str, monkeypatch) -> tuple[str, str]:
     os.makedirs(home, mode=0o555)
     os.chmod(home, 0o555)
     monkeypatch.setenv('HOME', home)
-    path = os.path.join(home, '.cache', 'bert_jax')
+    path = os.path.join(home, '.cache', 'bert-jax')
   else:
     path = os.path.join(root, 'cache')
     open(path, 'w').close()
@@ -1696,7 +1696,7 @@ def table() -> str:
       with pytest.MonkeyPatch.context() as patch:
         return _cache_outcome(where, case, patch)[1]
     for case in CACHE_ROWS:
-      row('the cache folder (BERT_JAX_CACHE, ~/.cache/bert_jax)', case,
+      row('the cache folder (BERT_JAX_CACHE, ~/.cache/bert-jax)', case,
           lambda where, c=case: cache(where, c))
     for case in CONLL_TAG_ROWS:
       row('config.data_dir (CoNLL)', case, lambda where, c=case: _conll_tag_outcome(where, c)[1])
