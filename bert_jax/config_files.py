@@ -61,9 +61,8 @@ def resolve_config_path(path: str) -> str:
   name = os.path.basename(name)
   shipped = os.path.join(configs_dir(), name if name.endswith('.py') else name + '.py')
   if not os.path.exists(shipped):
-    if os.path.isdir(path.split(':')[0]):
-      raise UserError(f'--config={path.split(":")[0]} is a directory; name a config file (.py) '
-                      'in it')
+    if os.path.isdir(path.split(':')[0]):  # Not a shipped name either: the folder was meant.
+      raise UserError(f'--config={path} is a directory; name a config file (.py) in it')
     shipped_names = sorted(f[:-3] for f in os.listdir(os.path.dirname(shipped))
                            if f.endswith('.py') and not f.startswith('_'))
     raise UserError(f'--config={path}: no such file (nor {shipped}); give the path of a config '

@@ -74,9 +74,9 @@ def isfile(path: str) -> bool:
 
 
 def escape_glob(path: str) -> str:
-  """`path` as a glob pattern that matches it alone: a folder named 'ckpt[1]' stays literal
-  (TensorFlow's remote globs take it as written)."""
-  return path if is_remote(path) else glob_lib.escape(path)
+  """`path` as a glob pattern that matches it alone: a folder named 'ckpt[1]' stays literal.
+  Remote globs too: TensorFlow matches gs:// names with fnmatch, where '[1]' is a class."""
+  return glob_lib.escape(path)
 
 
 def glob(pattern: str) -> list[str]:

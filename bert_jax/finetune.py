@@ -150,6 +150,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   defaults.check_moved_keys(config)
   task_table.kind_of(config.task)  # A misspelt task fails before the workdir and the checkpoint.
   workdir = fileio.workdir_path(workdir)
+  if fileio.exists(os.path.join(workdir, 'sweep.json')):
+    raise UserError(f'--workdir={workdir} holds a --sweep (its sweep.json): fine-tune into '
+                    'another --workdir, or rerun the sweep with --sweep')
   # From the start, before the lock: SIGTERM during start-up is heard too.
   with monitor.Preemption() as preemption, run_lock.hold(workdir):
     preemption.check()
@@ -521,6 +524,14 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
   if not learning_rates:
     raise UserError('sweep: no learning rates')
   workdir = fileio.workdir_path(workdir)
+  # Every check before the first run: a refusal at the second rate would leave the first run's
+  # folder, and sweep.json, in a workdir that was never a sweep's.
+  ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
+  if ckpt_lib.read_run_config(workdir) is not None:
+    raise UserError(f'--workdir={workdir} holds a single fine-tuning run (its config.json): '
+                    'sweep into another --workdir, which gets one lr_<rate> run folder a rate')
+  for lr in learning_rates:
+    ckpt_lib.check_workdir_kind(os.path.join(workdir, f'lr_{lr:g}'), fine_tuning=True)
   runs = {}
   for lr in learning_rates:
     run_config = copy.deepcopy(config)

@@ -62,12 +62,16 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
   if not fileio.isfile(input_path):
     raise UserError(f'--input={input_path}: {fileio.missing(input_path)}')
   fileio.check_output_file(output_path, '--output')  # Before the work, not after it.
-  fileio.check_not_an_input(output_path, '--output', {'--input': input_path})
-  for name in fileio.gfile().listdir(workdir):
-    if fileio.same_path(output_path, f'{workdir}/{name.rstrip("/")}'):
-      raise UserError(f'--output={output_path} is {workdir}/{name.rstrip("/")}, a file of the run '
-                      f'in --workdir={workdir}: writing it would replace it; name another '
-                      '--output')
+  # SQuAD's n-best answers and null odds go beside --output: no input may be any of them.
+  for path in [output_path] + [module.beside_output(output_path, name)
+                               for name in task_table.KINDS[kind].beside_output]:
+    what = f'--output={output_path}' + ('' if path == output_path else f' (and {path} beside it)')
+    inputs = [(f'the input --input={input_path}', input_path)] + [
+        (f'{workdir}/{name.rstrip("/")}, a file of the run in --workdir={workdir}',
+         f'{workdir}/{name.rstrip("/")}') for name in fileio.gfile().listdir(workdir)]
+    for shown, other in inputs:
+      if fileio.same_path(path, other):
+        raise UserError(f'{what} is {shown}: writing it would replace it; name another --output')
   if batch_size < 0:
     raise UserError(f'--batch_size={batch_size} must be positive (or 0: the run\'s '
                     'eval.batch_size)')

@@ -559,7 +559,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
             'hf_architecture': 'BertForQuestionAnswering'})
 
 
-def _beside(output_path: str, name: str) -> str:
+def beside_output(output_path: str, name: str) -> str:
   """<output without .json>.<name>.json: files that go with a predictions file."""
   stem = output_path[:-len('.json')] if output_path.endswith('.json') else output_path
   return f'{stem}.{name}.json'
@@ -581,10 +581,10 @@ def prediction(input_path: str, input_format: str, tok, bert_config: model_lib.B
     scores, answers, null_odds, nbest = answers_and_scores(
         examples, features, rows, run, bool(info['version_2']), lower_case)
     fileio.write_text(output_path, json.dumps(answers, indent=2, ensure_ascii=False))
-    files = {'nbest': _beside(output_path, 'nbest')}
+    files = {'nbest': beside_output(output_path, 'nbest')}
     fileio.write_text(files['nbest'], json.dumps(nbest, indent=2, ensure_ascii=False))
     if null_odds is not None:
-      files['null_odds'] = _beside(output_path, 'null_odds')
+      files['null_odds'] = beside_output(output_path, 'null_odds')
       fileio.write_text(files['null_odds'], json.dumps(null_odds, indent=2))
     return scores, files
   return tasks.Prediction(

@@ -38,11 +38,13 @@ from bert_jax.errors import UserError
 class Kind:
   description: str  # The config.task names the module accepts, for errors.
   predict_formats: tuple[str, ...]  # What `bert-jax predict` reads besides 'auto'.
+  # Files `bert-jax predict` may write beside --output, by name (<module>.beside_output).
+  beside_output: tuple[str, ...] = ()
 
 
 KINDS = {
     'glue': Kind('a GLUE task', ('tsv', 'jsonl')),
-    'squad': Kind('squad_v1, squad_v2', ('squad',)),
+    'squad': Kind('squad_v1, squad_v2', ('squad',), ('nbest', 'null_odds')),
     'ner': Kind('ner', ('conll', 'text')),
     'swag': Kind('swag (or multiple_choice)', ('csv', 'jsonl')),
 }

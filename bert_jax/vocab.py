@@ -336,8 +336,10 @@ def run(input_patterns: Sequence[str], output: str, vocab_size: int,
   file_patterns = [p for p in input_patterns if p not in tfds_specs]
   # Expanded here, before any work, so that a pattern matching nothing fails at once.
   paths = expand_patterns(file_patterns) if file_patterns else []
-  written = output if kind == 'wordpiece' else output.removesuffix('.model') + '.model'
-  fileio.check_not_an_input(written, '--output', {'--input': paths})
+  # SentencePiece writes <prefix>.model and <prefix>.vocab: neither may be an input.
+  prefix = output.removesuffix('.model')
+  for written in [output] if kind == 'wordpiece' else [prefix + '.model', prefix + '.vocab']:
+    fileio.check_not_an_input(written, '--output', {'--input': paths})
   data = ml_collections.ConfigDict({'tfds_text_key': tfds_text_key,
                                     'tfds_data_dir': tfds_data_dir})
   texts = itertools.chain(_read_files(paths),

@@ -618,16 +618,17 @@ def test_data_dir_paths(open_dir, task, kind, expected):
 # input, checked after the output: 'ok' rows stop there (proving the output passed its check
 # before any work), the others at the output, naming it. Each function prepares the rest in
 # `root` and returns the call.
-def _predict_output(root: str):
+def _predict_output(root: str, kind: str = 'glue', source: str = 'in.jsonl'):
   from bert_jax import predict  # pylint: disable=g-import-not-at-top
   workdir = os.path.join(root, 'finetuned')  # Says what it is, holds no weights.
   os.makedirs(workdir, exist_ok=True)
-  for name, value in (('task.json', {'kind': 'glue', 'task': 'mrpc'}), ('metrics.json', {}),
+  task = {'glue': 'mrpc', 'squad': 'squad_v1'}[kind]
+  for name, value in (('task.json', {'kind': kind, 'task': task}), ('metrics.json', {}),
                       ('config.json', {'eval': {'batch_size': 8}})):
     fileio.write_json(os.path.join(workdir, name), value)
-  with open(os.path.join(root, 'in.jsonl'), 'w') as f:
+  with open(os.path.join(root, source), 'w') as f:
     f.write('{"text_a": "a"}\n')
-  return lambda path: predict.predict(workdir, os.path.join(root, 'in.jsonl'), path)
+  return lambda path: predict.predict(workdir, os.path.join(root, source), path)
 
 
 def _features_output(root: str):
@@ -738,7 +739,12 @@ def _vocab_over(how: str):
   def run(root: str) -> tuple[str, str]:
     corpus = _corpus(root)
     output, inputs = corpus, [corpus]
-    if how == 'relative':
+    kind = 'wordpiece'
+    if how == 'sentencepiece':  # --output=corpus writes corpus.model and corpus.vocab.
+      corpus = os.path.join(root, 'corpus.vocab')
+      os.rename(os.path.join(root, 'corpus.txt'), corpus)
+      output, inputs, kind = os.path.join(root, 'corpus'), [corpus], 'sentencepiece'
+    elif how == 'relative':
       output = os.path.relpath(corpus)
     elif how == 'symlink':
       output = os.path.join(root, 'link.txt')
@@ -748,40 +754,72 @@ def _vocab_over(how: str):
       os.link(corpus, output)
     elif how == 'glob':
       inputs = [os.path.join(root, '*.txt')]
-    return corpus, _outcome(lambda: vocab_lib.run(inputs, output, 100))
+    return corpus, _outcome(lambda: vocab_lib.run(inputs, output, 100, kind=kind))
   return run
 
 
 def _predict_over(name: str):
   def run(root: str) -> tuple[str, str]:
+    if name == 'nbest':  # SQuAD writes pred.nbest.json beside --output=pred.json.
+      call = _predict_output(root, 'squad', 'pred.nbest.json')
+      return os.path.join(root, 'pred.nbest.json'), _outcome(
+          lambda: call(os.path.join(root, 'pred.json')))
     call = _predict_output(root)
     path = os.path.join(root, 'in.jsonl' if name == 'input' else 'finetuned/config.json')
     return path, _outcome(lambda: call(path))
   return run
 
 
-def _features_over(root: str) -> tuple[str, str]:
-  path = os.path.join(root, 'in.jsonl')
-  with open(path, 'w') as f:
-    f.write('a text\n')
-  return path, _outcome(lambda: features.extract_features(os.path.join(root, 'no_checkpoint'),
-                                                          path, path))
+def _features_over(what: str):
+  def run(root: str) -> tuple[str, str]:
+    path = os.path.join(root, 'in.jsonl')
+    with open(path, 'w') as f:
+      f.write('a text\n')
+    checkpoint = os.path.join(root, 'checkpoint')  # Its files, no weights: refused before them.
+    os.makedirs(checkpoint)
+    open(os.path.join(checkpoint, 'vocab.txt'), 'w').close()
+    output = path if what == 'input' else os.path.join(checkpoint, 'vocab.txt')
+    return output, _outcome(lambda: features.extract_features(checkpoint, path, output))
+  return run
 
 
-def _run_in_workdir_of(kind: str):
+def _convert_over(root: str) -> tuple[str, str]:
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  checkpoint = os.path.join(root, 'checkpoint')
+  os.makedirs(checkpoint)
+  open(os.path.join(checkpoint, 'bert_config.json'), 'w').close()
+  return checkpoint, _outcome(lambda: convert.convert(checkpoint, checkpoint))
+
+
+def _run_in_workdir_of(kind: str, command: str):
   def run(root: str) -> tuple[str, str]:
     from bert_jax import finetune  # pylint: disable=g-import-not-at-top
     workdir = os.path.join(root, 'work')
     os.makedirs(os.path.join(workdir, 'checkpoints'))
     record = {'task': 'mrpc'} if kind == 'fine-tuning' else {'model': {'size': 'tiny'}}
+    if kind == 'sweep':  # A sweep's folder: sweep.json and lr_<rate>/, no config.json.
+      record = {'task': 'mrpc', 'best_learning_rate': 5e-5}
+      fileio.write_json(os.path.join(workdir, 'sweep.json'), record)
+      before = sorted(os.listdir(workdir))
+      outcome = _outcome(lambda: finetune.finetune(
+          config_files.load_config('finetune_glue:mrpc'), workdir))
+      if sorted(os.listdir(workdir)) != before:
+        outcome = f'{sorted(set(os.listdir(workdir)) - set(before))} written; {outcome}'
+      return workdir, outcome
     fileio.write_json(os.path.join(workdir, 'config.json'), record)
-    if kind == 'fine-tuning':
+    glue = config_files.load_config('finetune_glue:mrpc')
+    if command == 'pretrain':
       call = lambda: train.train_and_evaluate(config_files.load_config('smoke'), workdir)
+    elif command == 'finetune':
+      call = lambda: finetune.finetune(glue, workdir)
     else:
-      call = lambda: finetune.finetune(config_files.load_config('finetune_glue:mrpc'), workdir)
+      call = lambda: finetune.sweep(glue, workdir)
+    before = sorted(os.listdir(workdir))
     outcome = _outcome(call)
     if fileio.read_json(os.path.join(workdir, 'config.json')) != record:
       outcome = f'config.json rewritten; {outcome}'
+    if sorted(os.listdir(workdir)) != before:
+      outcome = f'{sorted(set(os.listdir(workdir)) - set(before))} written; {outcome}'
     return workdir, outcome
   return run
 
@@ -818,7 +856,19 @@ OVER_AN_INPUT_ROWS = {
         _predict_over('workdir'),
         '--output=PATH is PATH, a file of the run in --workdir=ROOT/finetuned: writing it would '
         'replace it'),
-    'features --output = --input': (_features_over, '--output=PATH is the input --input'),
+    'vocab --kind=sentencepiece --output = the prefix of --input (its .vocab)': (
+        _vocab_over('sentencepiece'), 'is the input --input=PATH'),
+    "predict --output whose SQuAD n-best file beside it is --input": (
+        _predict_over('nbest'),
+        '--output=ROOT/pred.json (and PATH beside it) is the input --input=PATH: writing it '
+        'would replace it'),
+    'features --output = --input': (_features_over('input'),
+                                    '--output=PATH is the input --input'),
+    "features --output = the checkpoint's vocab.txt": (
+        _features_over('checkpoint'),
+        '--output=PATH: the name must end in .jsonl, .npz or .npy'),  # No checkpoint file does.
+    'convert --output = --input (a folder, never written into unless empty)': (
+        _convert_over, '--output=PATH: output directory exists and is not empty'),
     'pretrain --workdir where data.input=*.txt would read its vocab.txt': (
         _workdir_in_the_input_glob('pretrain'),
         "data.input: 'PATH' also matches ROOT/vocab.txt, which this run writes: its next read "
@@ -826,12 +876,22 @@ OVER_AN_INPUT_ROWS = {
     'data --workdir where data.input=*.txt would read its vocab.txt': (
         _workdir_in_the_input_glob('data'), "data.input: 'PATH' also matches ROOT/vocab.txt"),
     'pretrain --workdir of a fine-tuning run': (
-        _run_in_workdir_of('fine-tuning'),
+        _run_in_workdir_of('fine-tuning', 'pretrain'),
         '--workdir=PATH holds a fine-tuning run (mrpc, its config.json): pre-train into another'),
     'finetune --workdir of a pre-training run': (
-        _run_in_workdir_of('pre-training'),
+        _run_in_workdir_of('pre-training', 'finetune'),
         '--workdir=PATH holds a pre-training run (its config.json has no task): fine-tune into '
         'another --workdir; to start from that run, set --config.train.init_checkpoint=PATH'),
+    'finetune --sweep --workdir of a pre-training run': (
+        _run_in_workdir_of('pre-training', 'sweep'),
+        '--workdir=PATH holds a pre-training run (its config.json has no task): fine-tune into '
+        'another --workdir'),
+    'finetune --workdir of a --sweep (sweep.json, lr_<rate>/)': (
+        _run_in_workdir_of('sweep', 'finetune'),
+        '--workdir=PATH holds a --sweep (its sweep.json): fine-tune into another --workdir'),
+    'finetune --sweep --workdir of a single fine-tuning run': (
+        _run_in_workdir_of('fine-tuning', 'sweep'),
+        '--workdir=PATH holds a single fine-tuning run (its config.json): sweep into another'),
 }
 
 
@@ -1186,10 +1246,17 @@ def _bracket_outcome(root: str, case: str) -> str:
     return str(vocab_lib.expand_patterns([os.path.join(root, 'corpus[1].txt')]))
   if case == 'data.input=corpus[0-9].txt (a glob)':
     return str(_corpus_files(os.path.join(root, 'corpus[0-9].txt')))
-  folder = os.path.join(root, 'ckpt[1]')  # A Google checkpoint folder.
-  os.makedirs(folder)
-  for name in ('bert_config.json', 'model.ckpt-5.index'):
-    open(os.path.join(folder, name), 'w').close()
+  # A Google checkpoint folder, beside 'ckpt1' with two checkpoints, which the name read as a
+  # glob would match ("several TF checkpoints"). Remote: ram://, TensorFlow's in-memory
+  # filesystem, which globs as gs:// does (fnmatch, where '[1]' is a class); named per test.
+  base = f'ram://{os.path.basename(root)}' if 'ram://' in case else root
+  for name, files in (('ckpt[1]', ['model.ckpt-5.index']),
+                      ('ckpt1', ['model.ckpt-5.index', 'model.ckpt-6.index'])):
+    fileio.gfile().makedirs(f'{base}/{name}')
+    for file in ['bert_config.json'] + files:
+      with fileio.gfile().GFile(f'{base}/{name}/{file}', 'w') as f:
+        f.write('{}')  # An empty GFile is never made.
+  folder = f'{base}/ckpt[1]'
   return str(convert.read_metadata(folder)['format'])
 
 
@@ -1199,6 +1266,7 @@ BRACKET_ROWS = {
     'vocab --input=corpus[1].txt': "['ROOT/corpus[1].txt']",
     'data.input=corpus[0-9].txt (a glob)': "['ROOT/corpus1.txt']",
     'convert --input=ckpt[1] (a Google checkpoint folder)': 'google',
+    'convert --input=ram://.../ckpt[1] (remote, as gs://)': 'google',
 }
 
 
