@@ -302,6 +302,31 @@ def test_a_read_after_another_clients_append_is_whole(gcs, tmp_path):
   assert proc.stdout.strip() == repr('row 1\nrow 2\n')
 
 
+def test_appends_survive_429_503_a_reset_and_a_lost_answer(gcs):
+  """Every request of an append (the part's upload, the compose, the part's delete) meets a 503
+  or 429 burst, a connection reset halfway through its body, or (the compose) a lost answer
+  after the server did it: the rows end up in the file once each, in order, and no part is
+  left behind."""
+  path = gcs.url('faulty/metrics.jsonl')
+  rules = [dict(object='faulty/metrics.jsonl.part-', method='POST', status=503, every=3, burst=2),
+           dict(object='faulty/metrics.jsonl.part-', method='DELETE', status=429, every=4),
+           dict(object='faulty/metrics.jsonl', path='/compose', status='lost', every=5),
+           dict(object='faulty/metrics.jsonl', path='/compose', status='reset', every=7),
+           dict(object='faulty/metrics.jsonl', status=503, limit=1)]  # The first create.
+  gcs.inject(rules)
+  gcs.reset_log()
+  try:
+    for row in range(8):
+      gcs_lib.append(path, f'row {row}\n'.encode())
+  finally:
+    gcs.inject([])
+  faults = [q['status'] for q in gcs.requests() if q['status'] in (0, 429, 503) or
+            q['status'] < 0]
+  assert {0, 429, 503, -200} <= set(faults), faults
+  assert fileio.read_text(path) == ''.join(f'row {row}\n' for row in range(8))
+  assert [os.path.basename(p) for p in fileio.glob(gcs.url('faulty/*'))] == ['metrics.jsonl']
+
+
 def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
   monkeypatch.setattr(run_lock, '_LOCK_HEARTBEAT_SECONDS', 0.3)
   workdir = gcs.url('heartbeat')
