@@ -227,8 +227,11 @@ def denied(error: BaseException) -> UserError | None:
 
 
 # How long the access check retries a Cloud Storage it cannot reach (the client's own default
-# is 120 s, then a traceback).
+# is 120 s, then a traceback), and waits to connect. A server that took the connection is
+# reachable: its answer gets the client's own 60 s, so a refusal on a loaded machine stays a
+# refusal rather than 'cannot be reached'.
 CHECK_DEADLINE_S = 30.0
+_READ_TIMEOUT_S = 60.0
 
 
 def check_access(path: str, flag: str, write: bool = False) -> None:
@@ -246,7 +249,7 @@ def check_access(path: str, flag: str, write: bool = False) -> None:
     prefix = re.split(r'[*?[]', name, maxsplit=1)[0]
     retry = storage_retry.DEFAULT_RETRY.with_timeout(CHECK_DEADLINE_S)
     next(iter(client().list_blobs(bucket, prefix=prefix, max_results=1, retry=retry,
-                                  timeout=CHECK_DEADLINE_S)), None)
+                                  timeout=(CHECK_DEADLINE_S, _READ_TIMEOUT_S))), None)
   except (exceptions.RetryError, requests.exceptions.ConnectionError,
           google.auth.exceptions.TransportError) as e:
     cause = e.cause if isinstance(e, exceptions.RetryError) and e.cause is not None else e

@@ -216,7 +216,8 @@ class GcsServer:
     first `burst` (default 1) of every `every` (default 1: all) of them, at most `limit` times
     (default: no limit), with `status`: 429, 503, or 'reset' (the connection closed after half
     the request's body, as a dropped upload) or 'lost' (done, then the connection reset before
-    the answer). `path`, if given, must be in the request's path (`/compose`). Faulted requests
+    the answer), or 'slow' (answered as usual after `seconds`, as a loaded machine or server
+    would). `path`, if given, must be in the request's path (`/compose`). Faulted requests
     are logged with their status (0 for a reset, minus the server's status for a lost
     answer)."""
     with open(self._faults_path + '.tmp', 'w') as f:
@@ -312,7 +313,8 @@ class _Faults:
     self.lock = threading.Lock()
 
   def pick(self, method: str, path: str, name: str):
-    """The fault (429, 503, 'reset' or 'lost') for this request, or None."""
+    """The fault (429, 503, 'reset' or 'lost') for this request, or None (after a 'slow'
+    rule's wait)."""
     with self.lock:
       try:
         stamp = os.stat(self.path).st_mtime_ns
@@ -334,6 +336,9 @@ class _Faults:
         if ((rule['seen'] - 1) % rule.get('every', 1) < rule.get('burst', 1) and
             (limit is None or rule['failed'] < limit)):
           rule['failed'] += 1
+          if rule['status'] == 'slow':
+            time.sleep(rule.get('seconds', 1))
+            continue
           return rule['status']
     return None
 
