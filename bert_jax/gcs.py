@@ -20,6 +20,7 @@ import functools
 import random
 import re
 import time
+import urllib.parse
 import uuid
 
 from bert_jax.errors import UserError
@@ -222,6 +223,40 @@ def denied(error: BaseException) -> UserError | None:
       if match := re.search(r'/storage/v1/b/([^/?\s]+)', text):
         return no_permission(f'gs://{match.group(1)}', '', error,
                              write=bool(re.search(r'\b(POST|PUT|PATCH|DELETE) https?://', text)))
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _unavailable(error: BaseException) -> bool:
+  """Whether `error` is Cloud Storage failing past a client's retries: 429/5xx or a dropped
+  connection from google-cloud-storage (or its RetryError), TensorFlow's UnavailableError,
+  tensorstore's UNAVAILABLE."""
+  name = type(error).__name__
+  return (name in ('UnavailableError', 'RetryError', 'TooManyRequests', 'ServiceUnavailable',
+                   'InternalServerError', 'BadGateway', 'GatewayTimeout') or
+          (name == 'ValueError' and str(error).startswith('UNAVAILABLE')))
+
+
+def outage(error: BaseException) -> UserError | None:
+  """One line for Cloud Storage failing past the retries of the client that met it, naming the
+  object (TensorFlow and tensorstore quote its gs:// path; google-cloud-storage's URL holds it);
+  None for anything else."""
+  seen = []
+  while error is not None and error not in seen:
+    seen.append(error)
+    text = str(error)
+    if _unavailable(error):
+      path = ''
+      if match := re.search(r'gs://[^\s\'"]+', text):
+        path = match.group(0).rstrip('.,;:)')
+      elif match := re.search(r'/b/([^/?\s]+)/o/([^/?\s]+)', text):
+        path = f'gs://{match.group(1)}/{urllib.parse.unquote(match.group(2))}'
+      if path:
+        reason = _reason(error)
+        return UserError(
+            f'{path}: Cloud Storage kept failing ({reason}) past the retries (README: Cloud '
+            'Storage); the last committed checkpoint is intact: rerun the same command to '
+            'resume once Cloud Storage answers')
     error = error.__cause__ or error.__context__
   return None
 

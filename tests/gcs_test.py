@@ -362,6 +362,29 @@ def test_appends_survive_429_503_a_reset_and_a_lost_answer(gcs):
   assert [os.path.basename(p) for p in fileio.glob(gcs.url('faulty/*'))] == ['metrics.jsonl']
 
 
+def test_an_outage_past_the_retries_is_one_line_naming_the_object(gcs, monkeypatch):
+  """Every compose onto one object answers 503: the append gives up at its deadline (shortened
+  here from 120 s), and the `bert-jax` command's line names the object; the rows before the
+  outage are intact."""
+  from bert_jax import cli  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(gcs_lib, 'COMPOSE_DEADLINE_S', 2.0)
+  path = gcs.url('outage/metrics.jsonl')
+  gcs_lib.append(path, b'row 1\n')
+  gcs_lib.append(path, b'row 2\n')
+  gcs.inject([dict(object='outage/metrics.jsonl', path='/compose', status=503)])
+  try:
+    with pytest.raises(Exception) as failed:
+      gcs_lib.append(path, b'row 3\n')
+  finally:
+    gcs.inject([])
+  assert cli.user_error_message(failed.value) == (
+      f'{path}: Cloud Storage kept failing (Backend Error) past the retries (README: Cloud '
+      'Storage); the last committed checkpoint is intact: rerun the same command to resume '
+      'once Cloud Storage answers')
+  assert fileio.read_text(path) == 'row 1\nrow 2\n'
+  assert [os.path.basename(p) for p in fileio.glob(gcs.url('outage/*'))] == ['metrics.jsonl']
+
+
 def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
   monkeypatch.setattr(run_lock, '_LOCK_HEARTBEAT_SECONDS', 0.3)
   workdir = gcs.url('heartbeat')
