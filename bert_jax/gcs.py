@@ -229,9 +229,11 @@ def denied(error: BaseException) -> UserError | None:
 
 def _unavailable(error: BaseException) -> bool:
   """Whether `error` is Cloud Storage failing past a client's retries: 429/5xx or a dropped
-  connection from google-cloud-storage (or its RetryError), TensorFlow's UnavailableError,
-  tensorstore's UNAVAILABLE."""
+  connection from google-cloud-storage (or its RetryError), TensorFlow's UnavailableError (or
+  the AbortedError of its exhausted retries), tensorstore's UNAVAILABLE."""
   name = type(error).__name__
+  if name == 'AbortedError' and 'retry attempts failed' in str(error):
+    return True  # TensorFlow's file system, past its GCS_RETRY_CONFIG_MAX_RETRIES.
   return (name in ('UnavailableError', 'RetryError', 'TooManyRequests', 'ServiceUnavailable',
                    'InternalServerError', 'BadGateway', 'GatewayTimeout') or
           (name == 'ValueError' and str(error).startswith('UNAVAILABLE')))

@@ -383,6 +383,15 @@ def test_an_outage_past_the_retries_is_one_line_naming_the_object(gcs, monkeypat
       'once Cloud Storage answers')
   assert fileio.read_text(path) == 'row 1\nrow 2\n'
   assert [os.path.basename(p) for p in fileio.glob(gcs.url('outage/*'))] == ['metrics.jsonl']
+  # TensorFlow's file system past its retries (GCS_RETRY_CONFIG_MAX_RETRIES), as Orbax's
+  # mkdir of a step met it: an AbortedError, not an UnavailableError.
+  folder = gcs.url('run/checkpoints/8/')
+  tf_error = fileio.tensorflow().errors.AbortedError(None, None, (
+      'All 1 retry attempts failed. The last failure: Error executing an HTTP request: HTTP '
+      'response code 503 with body \'{"error": {"code": 503, "message": "Backend Error"}}\'\n'
+      f'\t when uploading {folder}'))
+  assert cli.user_error_message(tf_error).startswith(
+      f'{folder}: Cloud Storage kept failing (Backend Error) past the retries')
 
 
 def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
