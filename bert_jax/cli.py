@@ -449,6 +449,9 @@ def user_error_message(error: BaseException) -> str | None:
   refused = gcs.denied(error)  # Cloud Storage refused a path no check named before.
   if refused is not None:
     return str(refused)
+  failing = gcs.outage(error)  # Cloud Storage failed past the retries (429, 5xx, resets).
+  if failing is not None:
+    return str(failing)
   if isinstance(error, (flags.Error, app.UsageError)):
     return str(error)
   if isinstance(error, SyntaxError) and error.filename and not os.path.realpath(

@@ -15,8 +15,12 @@ The client follows google-cloud-storage's rules (Application Default Credentials
 STORAGE_EMULATOR_HOST for a test server).
 """
 
+import contextlib
 import functools
+import random
 import re
+import time
+import urllib.parse
 import uuid
 
 from bert_jax.errors import UserError
@@ -100,26 +104,74 @@ def delete_if_generation(path: str, generation: int) -> bool:
   return True
 
 
-# Objects this process has appended to: they exist, so their appends go straight to compose.
-_appended: set[str] = set()
+# Objects this process has appended to, and their size after its last append.
+_sizes: dict[str, int] = {}
+
+# How long an append retries a compose that met a 429, a 5xx or a dropped connection: the budget
+# google-cloud-storage gives the requests it retries itself (DEFAULT_RETRY: 1 s doubling to 60 s,
+# for 120 s).
+COMPOSE_DEADLINE_S = 120.0
+
+
+def _transient(error: BaseException) -> bool:
+  """Whether google-cloud-storage would retry `error` (its own rule: 408, 429, 5xx, dropped
+  connections)."""
+  from google.cloud.storage import retry as storage_retry  # pylint: disable=g-import-not-at-top
+  return storage_retry._should_retry(error)  # pylint: disable=protected-access
 
 
 def append(path: str, data: bytes) -> None:
   """Appends `data` to the object (creating it): a small upload composed onto its end, so the
   cost does not grow with the object (3 requests). Not atomic against another writer: one
-  writer per file."""
-  if path not in _appended:
-    _appended.add(path)
+  writer per file.
+
+  google-cloud-storage retries (429, 5xx, dropped connections) only requests that are safe to
+  repeat: the part is uploaded if absent (a new name), and the compose, which is not, is retried
+  here: after a failure the object's size says whether it landed (its answer lost) or not.
+  """
+  size = _sizes.get(path)
+  if size is None:
     if create_if_absent(path, data) is not None:
+      _sizes[path] = len(data)
       return
+    size = _stat_size(path)
   bucket = client().bucket(split(path)[0])
-  target = _blob(path)
   part = bucket.blob(f'{split(path)[1]}.part-{uuid.uuid4().hex}')
-  part.upload_from_string(data)
+  part.upload_from_string(data, if_generation_match=0)
   try:
-    target.compose([target, part])
+    _sizes[path] = _compose_once(path, part, size, len(data))
   finally:
-    part.delete()
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    with contextlib.suppress(exceptions.NotFound):  # A retried delete whose first try landed.
+      part.delete()
+
+
+def _stat_size(path: str) -> int:
+  blob = client().bucket(split(path)[0]).get_blob(split(path)[1])
+  if blob is None:
+    raise FileNotFoundError(f'{path}: deleted while this process appends to it')
+  return blob.size
+
+
+def _compose_once(path: str, part, size: int, added: int) -> int:
+  """Composes `part` onto the object of `size` bytes, exactly once; its new size."""
+  deadline, delay = time.monotonic() + COMPOSE_DEADLINE_S, 1.0
+  while True:
+    target = _blob(path)
+    try:
+      target.compose([target, part], retry=None)
+      return target.size
+    except Exception as e:  # pylint: disable=broad-except
+      if not _transient(e) or time.monotonic() + delay > deadline:
+        raise
+    time.sleep(delay * (0.5 + random.random() / 2))
+    delay = min(2 * delay, 60.0)
+    now = _stat_size(path)  # Retried itself by google-cloud-storage.
+    if now == size + added:
+      return now  # The compose landed; its answer was lost.
+    if now != size:
+      raise RuntimeError(f'{path}: {now} bytes after appending {added} to {size}: another '
+                         'process writes to it')
 
 
 def _reason(error: BaseException) -> str:
@@ -175,9 +227,48 @@ def denied(error: BaseException) -> UserError | None:
   return None
 
 
+def _unavailable(error: BaseException) -> bool:
+  """Whether `error` is Cloud Storage failing past a client's retries: 429/5xx or a dropped
+  connection from google-cloud-storage (or its RetryError), TensorFlow's UnavailableError (or
+  the AbortedError of its exhausted retries), tensorstore's UNAVAILABLE."""
+  name = type(error).__name__
+  if name == 'AbortedError' and 'retry attempts failed' in str(error):
+    return True  # TensorFlow's file system, past its GCS_RETRY_CONFIG_MAX_RETRIES.
+  return (name in ('UnavailableError', 'RetryError', 'TooManyRequests', 'ServiceUnavailable',
+                   'InternalServerError', 'BadGateway', 'GatewayTimeout') or
+          (name == 'ValueError' and str(error).startswith('UNAVAILABLE')))
+
+
+def outage(error: BaseException) -> UserError | None:
+  """One line for Cloud Storage failing past the retries of the client that met it, naming the
+  object (TensorFlow and tensorstore quote its gs:// path; google-cloud-storage's URL holds it);
+  None for anything else."""
+  seen = []
+  while error is not None and error not in seen:
+    seen.append(error)
+    text = str(error)
+    if _unavailable(error):
+      path = ''
+      if match := re.search(r'gs://[^\s\'"]+', text):
+        path = match.group(0).rstrip('.,;:)')
+      elif match := re.search(r'/b/([^/?\s]+)/o/([^/?\s]+)', text):
+        path = f'gs://{match.group(1)}/{urllib.parse.unquote(match.group(2))}'
+      if path:
+        reason = _reason(error)
+        return UserError(
+            f'{path}: Cloud Storage kept failing ({reason}) past the retries (README: Cloud '
+            'Storage); the last committed checkpoint is intact: rerun the same command to '
+            'resume once Cloud Storage answers')
+    error = error.__cause__ or error.__context__
+  return None
+
+
 # How long the access check retries a Cloud Storage it cannot reach (the client's own default
-# is 120 s, then a traceback).
+# is 120 s, then a traceback), and waits to connect. A server that took the connection is
+# reachable: its answer gets the client's own 60 s, so a refusal on a loaded machine stays a
+# refusal rather than 'cannot be reached'.
 CHECK_DEADLINE_S = 30.0
+_READ_TIMEOUT_S = 60.0
 
 
 def check_access(path: str, flag: str, write: bool = False) -> None:
@@ -195,7 +286,7 @@ def check_access(path: str, flag: str, write: bool = False) -> None:
     prefix = re.split(r'[*?[]', name, maxsplit=1)[0]
     retry = storage_retry.DEFAULT_RETRY.with_timeout(CHECK_DEADLINE_S)
     next(iter(client().list_blobs(bucket, prefix=prefix, max_results=1, retry=retry,
-                                  timeout=CHECK_DEADLINE_S)), None)
+                                  timeout=(CHECK_DEADLINE_S, _READ_TIMEOUT_S))), None)
   except (exceptions.RetryError, requests.exceptions.ConnectionError,
           google.auth.exceptions.TransportError) as e:
     cause = e.cause if isinstance(e, exceptions.RetryError) and e.cause is not None else e

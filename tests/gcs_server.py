@@ -14,6 +14,9 @@ The proxy logs every request (method, path, bytes each way) to a file: the tests
 costs on an object store from it. It also plays IAM for two more buckets, answering as Cloud
 Storage does when a permission is missing (403 and its JSON error): FORBIDDEN_BUCKET (no access)
 and READ_ONLY_BUCKET (roles/storage.objectViewer).
+Faults: `GcsServer.inject(rules)` makes the proxy answer chosen requests as Cloud Storage does
+under load (429, 503) or reset the connection halfway through the request's body. Which requests
+fail is decided by a counter per rule, never by chance, so a test that injects them cannot flake.
 
 Where the tests run as root, the server, the proxy's inner side and every `bert-jax` subprocess
 live in a network namespace of their own that holds only loopback (`unshare -n`): nothing they do
@@ -35,6 +38,7 @@ import re
 import shutil
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import tempfile
@@ -160,7 +164,8 @@ class GcsServer:
         '-public-host', 'storage.googleapis.com', '-log-level', 'error'])
     proxy = self._spawn([sys.executable, os.path.abspath(__file__), 'proxy',
                          f'--port={self.port}', f'--server_port={server_port}', f'--cert={cert}',
-                         f'--key={key}', f'--log={self.log_path}', f'--netns={netns}'])
+                         f'--key={key}', f'--log={self.log_path}', f'--netns={netns}',
+                         f'--faults={self._faults_path}'])
     _wait_for_port(self.port, proxy, 'the GCS proxy')
     url = f'http://127.0.0.1:{self.port}'
     deadline = time.time() + 30
@@ -204,6 +209,24 @@ class GcsServer:
   def url(self, path: str = '') -> str:
     """gs://BUCKET/<path>."""
     return f'gs://{BUCKET}/{path}' if path else f'gs://{BUCKET}'
+
+  def inject(self, rules: list[dict]) -> None:
+    """Faults from now on, replacing any before (`[]`: none). Each rule counts the requests
+    whose object name contains `object` (and whose method is `method`, if given) and fails the
+    first `burst` (default 1) of every `every` (default 1: all) of them, at most `limit` times
+    (default: no limit), with `status`: 429, 503, or 'reset' (the connection closed after half
+    the request's body, as a dropped upload) or 'lost' (done, then the connection reset before
+    the answer), or 'slow' (answered as usual after `seconds`, as a loaded machine or server
+    would). `path`, if given, must be in the request's path (`/compose`). Faulted requests
+    are logged with their status (0 for a reset, minus the server's status for a lost
+    answer)."""
+    with open(self._faults_path + '.tmp', 'w') as f:
+      json.dump(rules, f)
+    os.replace(self._faults_path + '.tmp', self._faults_path)
+
+  @property
+  def _faults_path(self) -> str:
+    return os.path.join(self.folder, 'faults.json')
 
   def reset_log(self) -> None:
     with open(self.log_path, 'w'):
@@ -280,7 +303,47 @@ def _denied(method: str, path: str, host: str) -> str:
   return ''
 
 
-def _handler(server_port: int, cert: str, key: str, log):
+class _Faults:
+  """The rules of GcsServer.inject, re-read when their file changes, with one counter each."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.stamp = None
+    self.rules: list[dict] = []
+    self.lock = threading.Lock()
+
+  def pick(self, method: str, path: str, name: str):
+    """The fault (429, 503, 'reset' or 'lost') for this request, or None (after a 'slow'
+    rule's wait)."""
+    with self.lock:
+      try:
+        stamp = os.stat(self.path).st_mtime_ns
+      except FileNotFoundError:
+        stamp = None
+      if stamp != self.stamp:
+        self.stamp = stamp
+        with contextlib.suppress(FileNotFoundError):
+          with open(self.path) as f:
+            self.rules = [dict(r, seen=0, failed=0) for r in json.load(f)]
+        if stamp is None:
+          self.rules = []
+      for rule in self.rules:
+        if (rule.get('object', '') not in name or rule.get('path', '') not in path or
+            rule.get('method', method) != method):
+          continue
+        rule['seen'] += 1
+        limit = rule.get('limit')
+        if ((rule['seen'] - 1) % rule.get('every', 1) < rule.get('burst', 1) and
+            (limit is None or rule['failed'] < limit)):
+          rule['failed'] += 1
+          if rule['status'] == 'slow':
+            time.sleep(rule.get('seconds', 1))
+            continue
+          return rule['status']
+    return None
+
+
+def _handler(server_port: int, cert: str, key: str, log, faults: _Faults):
   tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
   tls.load_cert_chain(cert, key)
   lock = threading.Lock()
@@ -322,8 +385,28 @@ def _handler(server_port: int, cert: str, key: str, log):
           self.rfile.readline()
       return self.rfile.read(int(self.headers.get('Content-Length') or 0))
 
+    def _reset(self):
+      # A zero linger time makes close() send a TCP reset (under TLS too: no close_notify).
+      with contextlib.suppress(OSError):
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))
+        self.connection.close()
+      self.close_connection = True
+
     def _forward(self):
-      body = self._body()
+      raw_path, _, raw_query = self.path.partition('?')
+      if raw_path.startswith('http://'):
+        raw_path = '/' + raw_path.split('/', 3)[3] if raw_path.count('/') >= 3 else '/'
+      # A fault is chosen once the first half of the body is in: a multipart upload names its
+      # object in the metadata at the start of its body.
+      length = int(self.headers.get('Content-Length') or 0)
+      chunked = self.headers.get('Transfer-Encoding', '').lower() == 'chunked'
+      head = b'' if chunked else self.rfile.read(length // 2)
+      fault = faults.pick(self.command, raw_path, _object_name(raw_path, raw_query, head))
+      if fault == 'reset':
+        self._log(raw_path, raw_query, head, b'', 0)
+        self._reset()
+        return
+      body = self._body() if chunked else head + self.rfile.read(length - len(head))
       path = self.path
       if path.startswith('http://'):  # A plain proxy request: absolute URI.
         path = '/' + path.split('/', 3)[3] if path.count('/') >= 3 else '/'
@@ -334,6 +417,16 @@ def _handler(server_port: int, cert: str, key: str, log):
       if body or self.command in ('POST', 'PUT', 'PATCH'):
         headers['Content-Length'] = str(len(body))
       path_only, _, query = path.partition('?')
+      if fault and fault != 'lost':
+        reason = 'Too Many Requests' if fault == 429 else 'Service Unavailable'
+        message = ('The rate of change requests to the object is too high; please reduce it.'
+                   if fault == 429 else 'Backend Error')
+        self._answer(fault, reason, json.dumps({'error': {
+            'code': fault, 'message': message,
+            'errors': [{'message': message, 'domain': 'global',
+                        'reason': 'rateLimitExceeded' if fault == 429 else 'backendError'}]}}
+                                                 ).encode(), path_only, query, body)
+        return
       if permission := _denied(self.command, path_only, self.tls_host):
         message = (f'{_ACCOUNT} does not have {permission} access to the Google Cloud Storage '
                    f'bucket. Permission \'{permission}\' denied on resource (or it may not '
@@ -358,17 +451,24 @@ def _handler(server_port: int, cert: str, key: str, log):
           if attempt:
             self.send_error(502)
             return
+      if fault == 'lost':  # Done by the server, but the answer never reaches the client.
+        self._log(path_only, query, body, data, -resp.status)
+        self._reset()
+        return
       self._answer(resp.status, resp.reason, data, path_only, query, body, resp.getheaders())
 
-    def _answer(self, status, reason, data, path, query, body, headers=(
-        ('Content-Type', 'application/json; charset=UTF-8'),)):
-      # Logged before the client has its answer: a test that counts after a call sees it.
+    def _log(self, path, query, body, data, status):
       record = dict(method=self.command, host=self.tls_host or 'http', path=path,
                     query=query, object=_object_name(path, query, body), sent=len(body),
                     received=len(data), status=status)
       with lock:
         log.write(json.dumps(record) + '\n')
         log.flush()
+
+    def _answer(self, status, reason, data, path, query, body, headers=(
+        ('Content-Type', 'application/json; charset=UTF-8'),)):
+      # Logged before the client has its answer: a test that counts after a call sees it.
+      self._log(path, query, body, data, status)
       self.send_response(status, reason)
       for k, v in headers:
         if k.lower() in _HOP_BY_HOP:
@@ -391,7 +491,7 @@ def _handler(server_port: int, cert: str, key: str, log):
 
 def _serve(args) -> None:
   log = open(args.log, 'a', buffering=1)  # pylint: disable=consider-using-with
-  handler = _handler(args.server_port, args.cert, args.key, log)
+  handler = _handler(args.server_port, args.cert, args.key, log, _Faults(args.faults))
   servers = [http.server.ThreadingHTTPServer(('127.0.0.1', args.port), handler)]
   if args.netns:
     # The outer listener is bound; from here on this process (and every socket it opens) lives
@@ -415,4 +515,5 @@ if __name__ == '__main__':
   parser.add_argument('--key', required=True)
   parser.add_argument('--log', required=True)
   parser.add_argument('--netns', default='')
+  parser.add_argument('--faults', required=True)
   _serve(parser.parse_args())
