@@ -13,11 +13,12 @@ cuDNN calls appear in the program.
 Caveats of XLA's numbers, handled here: `optimal_seconds` is not usable (it comes back
 negative), so the bound is computed from FLOPs and bytes; on a TPU its `bytes accessed` counts
 on-chip memory traffic as well as HBM's, so the bound's bytes are counted from the optimized
-program (`hbm_bytes`), never below the step's arguments read and results written once; the cost analysis counts the body of
-a `lax.scan` once, so when the config scans its layers the costs come from a second compile with
-the layers unrolled (same math, exact counts); it does not see into fused kernels (cuDNN,
-Pallas), whose analytic FLOPs are added; and for GPU targets `cost_analysis()` is empty, so
-the compiled module is costed by XLA's HLO cost analysis on the host.
+program (`hbm_bytes`), never below the step's arguments read and results written once; the
+cost analysis counts the body of a `lax.scan` once, so when the config scans its layers the
+costs come from a second compile with the layers unrolled (same math, exact counts); it does
+not see into fused kernels (cuDNN, Pallas), whose analytic FLOPs are added; and for GPU targets
+`cost_analysis()` is empty, so the compiled module is costed by XLA's HLO cost analysis on the
+host.
 """
 
 import contextlib

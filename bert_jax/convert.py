@@ -601,7 +601,8 @@ def _to_any_folder(export: Callable[..., None]) -> Callable[..., None]:
     if not fileio.is_remote(out_dir):
       return export(config, params, out_dir, *args, **kwargs)
     out_dir = out_dir.rstrip('/')
-    if fileio.exists(out_dir) and (not fileio.isdir(out_dir) or fileio.glob(fileio.escape_glob(out_dir) + '/*')):
+    if fileio.exists(out_dir) and (not fileio.isdir(out_dir) or
+                                   fileio.glob(fileio.escape_glob(out_dir) + '/*')):
       raise UserError(f'{out_dir}: output directory exists and is not empty')
     with tempfile.TemporaryDirectory() as tmp:
       export(config, params, tmp, *args, **kwargs)

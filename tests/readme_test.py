@@ -2,8 +2,8 @@
 
 What counts as a command: each logical line of a shell block in README.md and launch/README.md
 (a ```sh block or an indented block; a trailing `\\` continues the line, `#` starts a comment,
-`&&` separates commands) and each inline `code` span of three words or more that starts with a program
-(bert-jax, python, python3, pip, sbatch, bash, nice) and holds no pattern (`<command>`, `...`,
+`&&` separates commands) and each inline `code` span of three words or more that starts with a
+program (bert-jax, python, python3, pip, sbatch, bash, nice) and holds no pattern (`<command>`, `...`,
 `=N`). Every one of them is a key of
 COMMANDS, the one table to look at:
 
