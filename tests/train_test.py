@@ -754,7 +754,7 @@ elif fault in ('sigterm_slow', 'sigint_slow'):
     return x
   # Work on the device's queue that each step waits for (through its state).
   slow = jax.jit(lambda n: jax.pure_callback(sleep, jax.ShapeDtypeStruct(n.shape, n.dtype), n))
-  build = train.build_train_step
+  build = pretraining.build_train_step
   def build_slow(*args, **kwargs):
     run, calls = build(*args, **kwargs), [0]
     def step(state, batch):
@@ -767,7 +767,7 @@ elif fault in ('sigterm_slow', 'sigint_slow'):
       return state, metrics
     step.jitted = run.jitted  # Compiled before the first step.
     return step
-  train.build_train_step = build_slow
+  pretraining.build_train_step = build_slow
 cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
 '''
 
