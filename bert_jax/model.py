@@ -533,8 +533,13 @@ class MlmHead(nn.Module):
 
 
 def gather_positions(sequence: Array, positions: Array) -> Array:
-  """[B, T, H] gathered at [B, P] positions -> [B, P, H]."""
-  return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
+  """[B, T, H] gathered at [B, P] positions -> [B, P, H], as a batched one-hot matmul: exactly
+  the rows (one nonzero term each), and a matmul for a gradient. A gather's gradient is a
+  scatter-add into an all-zeros [B, T, H] tensor, with the padding slots (position 0) adding
+  into one row; as a matmul the BERT-base/128 step moves 2.5 GB less (deviceless H100
+  compile, README "Performance")."""
+  one_hot = jax.nn.one_hot(positions, sequence.shape[1], dtype=sequence.dtype)
+  return jnp.einsum('bpt,bth->bph', one_hot, sequence, precision=jax.lax.Precision.HIGHEST)
 
 
 class BertForPreTraining(nn.Module):

@@ -284,3 +284,25 @@ def test_decoder_matmul_runs_over_a_padded_vocabulary():
   jaxpr = jax.make_jaxpr(attend)(emb, x)
   (dot,) = [e for e in jaxpr.eqns if e.primitive.name == 'dot_general']
   assert dot.outvars[0].aval.shape == (3, 5, 128)
+
+
+def test_masked_positions_are_gathered_without_a_scatter_in_the_gradient():
+  """The MLM head's masked positions and packed rows' [CLS] positions are read as one-hot
+  matmuls: the rows of a gather and its gradient (repeated positions add up), and the
+  pre-training gradient's only scatter is the word embeddings'."""
+  seq = jax.random.normal(jax.random.key(13), (3, 12, 32))
+  positions = jnp.array([[1, 4, 4, 0], [11, 0, 0, 0], [2, 3, 5, 7]])
+  cot = jax.random.normal(jax.random.key(14), (3, 4, 32))
+  got = model_lib.gather_positions(seq, positions)
+  ref = jnp.take_along_axis(seq, positions[..., None], axis=1)
+  np.testing.assert_array_equal(got, ref)
+  grad, ref_grad = (jax.grad(lambda s: jnp.sum(f(s) * cot))(seq) for f in (
+      lambda s: model_lib.gather_positions(s, positions),
+      lambda s: jnp.take_along_axis(s, positions[..., None], axis=1)))
+  assert_close(grad, ref_grad, 1e-6, what='gradient')
+  params = model_lib.init_params(TINY, jax.random.key(15))
+  ids, mask, seg, pos = _batch()
+  loss = lambda p: jnp.sum(model_lib.BertForPreTraining(TINY).apply(
+      {'params': p}, ids, mask, seg, pos)[0])
+  hlo = jax.jit(jax.grad(loss)).lower(params).as_text()
+  assert hlo.count('scatter(') + hlo.count('"stablehlo.scatter"') == 1, 'one scatter: words'
