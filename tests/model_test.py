@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bert_jax import attention
 from bert_jax import model as model_lib
 from tolerance import assert_close
 
@@ -219,4 +220,89 @@ def test_embedding_lookups_match_gathers_and_scatter_only_words(packed):
                                ref_grads['bert']['embeddings'][table]['embedding'],
                                rtol=1e-5, atol=1e-6, err_msg=table)
   hlo = jax.jit(jax.grad(lambda p: jnp.sum(emb(p) * cot))).lower(params).as_text()
+  assert hlo.count('scatter(') + hlo.count('"stablehlo.scatter"') == 1, 'one scatter: words'
+
+
+def _attention_by_three_projections(p, x, sequence_ids):
+  """Self-attention as three separate Q, K, V projections (the layout of the parameters)."""
+  hi = jax.lax.Precision.HIGHEST
+  q, k, v = (jnp.einsum('bte,ehd->bthd', x, p[n]['kernel'], precision=hi) + p[n]['bias']
+             for n in ('query', 'key', 'value'))
+  out = attention.dot_product_attention(q, k, v, sequence_ids, impl='xla')
+  return jnp.einsum('bthd,hde->bte', out, p['output']['kernel'], precision=hi) + \
+      p['output']['bias']
+
+
+def test_fused_qkv_projection_matches_three_projections():
+  """Q, K and V come from one matmul over the stacked kernels: the same outputs and gradients
+  (parameters and input) as three projections, with the parameters still three."""
+  params = model_lib.init_params(TINY, jax.random.key(7))
+  p = params['bert']['encoder']['layer_0']['attention']
+  assert {n: p[n]['kernel'].shape for n in ('query', 'key', 'value')} == {
+      n: (32, 4, 8) for n in ('query', 'key', 'value')}
+  x = jax.random.normal(jax.random.key(8), (3, 12, TINY.hidden_size))
+  sequence_ids = jnp.asarray(_batch()[1])
+  cot = jax.random.normal(jax.random.key(9), x.shape)
+  with jax.default_matmul_precision('highest'):
+    fused = lambda p, x: jnp.sum(model_lib.SelfAttention(TINY).apply(
+        {'params': p}, x, sequence_ids) * cot)
+    ref = lambda p, x: jnp.sum(_attention_by_three_projections(p, x, sequence_ids) * cot)
+    out, ref_out = (model_lib.SelfAttention(TINY).apply({'params': p}, x, sequence_ids),
+                    _attention_by_three_projections(p, x, sequence_ids))
+    grads, ref_grads = (jax.grad(f, argnums=(0, 1))(p, x) for f in (fused, ref))
+  assert_close(out, ref_out, 1e-6, what='attention output')
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    r = ref_grads
+    for key in path:
+      r = r[key.key if hasattr(key, 'key') else key.idx]
+    assert_close(g, r, 1e-5, what=f'gradient {jax.tree_util.keystr(path)}')
+  # One projection matmul (then q k^T, probs v, and the output projection), not three.
+  jaxpr = jax.make_jaxpr(lambda p, x: model_lib.SelfAttention(TINY).apply(
+      {'params': p}, x, sequence_ids))(p, x)
+  assert str(jaxpr).count('dot_general') == 4
+
+
+def test_decoder_matmul_runs_over_a_padded_vocabulary():
+  """The tied decoder multiplies by the vocabulary padded to a multiple of 64 (99 -> 128) and
+  returns logits over the real vocabulary only: the values and gradients of x @ E^T."""
+  params = model_lib.init_params(TINY, jax.random.key(10))
+  emb = params['bert']['embeddings']
+  x = jax.random.normal(jax.random.key(11), (3, 5, TINY.hidden_size))
+  cot = jax.random.normal(jax.random.key(12), (3, 5, TINY.vocab_size))
+  attend = lambda e, x: model_lib.Embeddings(TINY).apply({'params': e}, x,
+                                                         method=model_lib.Embeddings.attend)
+  with jax.default_matmul_precision('highest'):
+    logits = attend(emb, x)
+    ref = jnp.einsum('bph,vh->bpv', x, emb['word_embeddings']['embedding'])
+    grads = jax.grad(lambda e, x: jnp.sum(attend(e, x) * cot), argnums=(0, 1))(emb, x)
+    ref_grads = jax.grad(lambda t, x: jnp.sum(jnp.einsum('bph,vh->bpv', x, t) * cot),
+                         argnums=(0, 1))(emb['word_embeddings']['embedding'], x)
+  assert logits.shape == (3, 5, 99)
+  assert_close(logits, ref, 1e-6, what='logits')
+  assert_close(grads[0]['word_embeddings']['embedding'], ref_grads[0], 1e-6, what='dE')
+  assert_close(grads[1], ref_grads[1], 1e-6, what='dx')
+  jaxpr = jax.make_jaxpr(attend)(emb, x)
+  (dot,) = [e for e in jaxpr.eqns if e.primitive.name == 'dot_general']
+  assert dot.outvars[0].aval.shape == (3, 5, 128)
+
+
+def test_masked_positions_are_gathered_without_a_scatter_in_the_gradient():
+  """The MLM head's masked positions and packed rows' [CLS] positions are read as one-hot
+  matmuls: the rows of a gather and its gradient (repeated positions add up), and the
+  pre-training gradient's only scatter is the word embeddings'."""
+  seq = jax.random.normal(jax.random.key(13), (3, 12, 32))
+  positions = jnp.array([[1, 4, 4, 0], [11, 0, 0, 0], [2, 3, 5, 7]])
+  cot = jax.random.normal(jax.random.key(14), (3, 4, 32))
+  got = model_lib.gather_positions(seq, positions)
+  ref = jnp.take_along_axis(seq, positions[..., None], axis=1)
+  np.testing.assert_array_equal(got, ref)
+  grad, ref_grad = (jax.grad(lambda s: jnp.sum(f(s) * cot))(seq) for f in (
+      lambda s: model_lib.gather_positions(s, positions),
+      lambda s: jnp.take_along_axis(s, positions[..., None], axis=1)))
+  assert_close(grad, ref_grad, 1e-6, what='gradient')
+  params = model_lib.init_params(TINY, jax.random.key(15))
+  ids, mask, seg, pos = _batch()
+  loss = lambda p: jnp.sum(model_lib.BertForPreTraining(TINY).apply(
+      {'params': p}, ids, mask, seg, pos)[0])
+  hlo = jax.jit(jax.grad(loss)).lower(params).as_text()
   assert hlo.count('scatter(') + hlo.count('"stablehlo.scatter"') == 1, 'one scatter: words'
