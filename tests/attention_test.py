@@ -316,3 +316,12 @@ def test_cudnn_varlen_errors_and_the_capability_jax_sees(monkeypatch):
     attention.dot_product_attention(q, k, v, ids, impl='cudnn_varlen')
   with pytest.raises(UserError, match='max_packed_sequences=0'):
     model_lib.BertConfig(max_packed_sequences=0)
+
+
+def test_the_varlen_tables_are_sized_by_the_packing_config():
+  from bert_jax import pretraining  # pylint: disable=g-import-not-at-top
+  packed = config_files.load_config('configs/smoke.py', {'data.packing': True,
+                                                         'data.packing_max_sequences': 5})
+  assert pretraining.model_config(packed, 512).max_packed_sequences == 5
+  unpacked = config_files.load_config('configs/smoke.py', {'data.packing': False})
+  assert pretraining.model_config(unpacked, 512).max_packed_sequences == 1
