@@ -27,7 +27,7 @@ Implementations (`model.attention_impl`):
           data.packing_max_sequences); a row with more runs (never made by our packer or an
           unpacked batch) gets NaN outputs rather than attention across its sequences. It uses
           JAX's private `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`
-          (its `q_offsets`/`kv_offsets`; present in jax 0.10-0.11), checked when traced.
+          (its `q_offsets`/`kv_offsets`; present in jax 0.10 to 0.12), checked when traced.
   splash  Pallas splash attention on TPUs, packing given as segment ids, under `shard_map`
           over the mesh (batch over data/fsdp, heads over tensor). Padding queries attend the
           padding keys. Sequence lengths must be multiples of 128 (the kernel's tiles).
