@@ -3,8 +3,9 @@
   python benchmarks/gpu.py --output=/tmp/gpu_bench      # the whole matrix, < 9 min on an H100
 
 The matrix: BERT-base and BERT-large, 128 and 512 tokens, bf16, padded and packed rows, `xla`
-and `cudnn` attention (bert_jax), and transformers' PyTorch `BertForPreTraining` (bf16
-autocast, SDPA attention, fused AdamW) on the same padded batches. Every case reports
+and `cudnn` attention (bert_jax; `--attention=cudnn,cudnn_varlen` adds cuDNN's packed layout,
+Hopper and later), and transformers' PyTorch `BertForPreTraining` (bf16 autocast, SDPA
+attention, fused AdamW) on the same padded batches. Every case reports
 sequences/s, real (non-padding) tokens/s, MFU, step time, memory, the top ops of one
 profiled step and all its kernels' time by group (matmul, attention, LayerNorm, GELU, dropout,
 optimizer, other); the attention kernels are also checked against each other on packed rows.
@@ -604,37 +605,56 @@ def _peak_flops_torch(torch, device) -> float | None:
 
 
 def check_attention(args) -> dict:
-  """cudnn vs xla on packed rows (bf16): outputs and q/k/v gradients at real tokens, relative
-  to a float32 xla reference."""
+  """cudnn and cudnn_varlen vs xla (bf16) on packed rows ('{impl}_{seq_len}') and on padded
+  rows of one sequence each ('..._padded'): outputs and q/k/v gradients at real tokens,
+  relative to a float32 xla reference, and whether every output (padding too) is finite. A
+  kernel this GPU or JAX cannot run (varlen before Hopper) is reported as an error of its
+  own."""
+  import jax  # pylint: disable=g-import-not-at-top
+  impls = ['xla'] + (['cudnn', 'cudnn_varlen'] if jax.default_backend() == 'gpu' else [])
+  out = {}
+  for seq_len in args.seq_lens:
+    rows = {'': packed_batch(8, seq_len, 20, 100, args.fill[seq_len], seed=7)['sequence_ids'],
+            '_padded': padded_batch(8, seq_len, 20, 100, args.fill[seq_len],
+                                    seed=7)['input_mask']}
+    for layout, ids in rows.items():
+      out.update(_check_attention_rows(impls, ids, f'_{seq_len}{layout}'))
+  return out
+
+
+def _check_attention_rows(impls: list[str], ids: np.ndarray, suffix: str) -> dict:
+  """check_attention on one batch of [8, T] sequence ids."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from bert_jax import attention  # pylint: disable=g-import-not-at-top
-  impls = ['xla'] + (['cudnn'] if jax.default_backend() == 'gpu' else [])
+  from bert_jax.errors import UserError  # pylint: disable=g-import-not-at-top
   out = {}
-  for seq_len in args.seq_lens:
-    b = packed_batch(8, seq_len, 20, 100, args.fill[seq_len], seed=7)
-    ids = jnp.asarray(b['sequence_ids'])
-    real = (ids > 0)[:, :, None, None]
-    rng = np.random.RandomState(seq_len)
-    q, k, v, g = (jnp.asarray(rng.randn(8, seq_len, 12, 64).astype(np.float32))
-                  for _ in range(4))
+  ids = jnp.asarray(ids)
+  real = (ids > 0)[:, :, None, None]
+  rng = np.random.RandomState(ids.shape[1])
+  q, k, v, g = (jnp.asarray(rng.randn(*ids.shape, 12, 64).astype(np.float32))
+                for _ in range(4))
 
-    def f(q, k, v, impl, dtype):
-      o = attention.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype),
-                                          ids, impl=impl)
-      return jnp.sum(jnp.where(real, o.astype(jnp.float32) * g, 0.0)), o
+  def f(q, k, v, impl, dtype):
+    o = attention.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype),
+                                        ids, impl=impl, max_sequences=PACK_MAX_SEQUENCES)
+    return jnp.sum(jnp.where(real, o.astype(jnp.float32) * g, 0.0)), o
 
-    ref_grad, ref_out = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v, 'xla',
-                                                                     jnp.float32)
-    rel = lambda x, y: float(jnp.linalg.norm(jnp.where(real, x - y, 0)) /
-                             jnp.linalg.norm(jnp.where(real, y, 0)))
-    for impl in impls:
+  ref_grad, ref_out = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v, 'xla',
+                                                                   jnp.float32)
+  rel = lambda x, y: float(jnp.linalg.norm(jnp.where(real, x - y, 0)) /
+                           jnp.linalg.norm(jnp.where(real, y, 0)))
+  for impl in impls:
+    try:
       grads, o = jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True),
                          static_argnums=(3, 4))(q, k, v, impl, jnp.bfloat16)
-      out[f'{impl}_{seq_len}'] = dict(
-          output_rel_error=rel(o.astype(jnp.float32), ref_out),
-          grad_rel_error=max(rel(a.astype(jnp.float32), r) for a, r in zip(grads, ref_grad)),
-          finite=bool(jnp.all(jnp.isfinite(o.astype(jnp.float32)))))
+    except UserError as e:
+      out[impl + suffix] = dict(error=str(e))
+      continue
+    out[impl + suffix] = dict(
+        output_rel_error=rel(o.astype(jnp.float32), ref_out),
+        grad_rel_error=max(rel(a.astype(jnp.float32), r) for a, r in zip(grads, ref_grad)),
+        finite=bool(jnp.all(jnp.isfinite(o.astype(jnp.float32)))))
   return out
 
 
@@ -671,7 +691,8 @@ def parse_args(argv=None):
   p.add_argument('--predictions', default='128:20,512:80', help='max_predictions_per_seq')
   p.add_argument('--padded_fill', default='128:0.65,512:0.23',
                  help='mean real-token share of a padded row (sample corpus: README Packing)')
-  p.add_argument('--attention', default='xla,cudnn')
+  p.add_argument('--attention', default='xla,cudnn',
+                 help="model.attention_impl values: xla, cudnn, cudnn_varlen (Hopper+)")
   p.add_argument('--packing', default='false,true')
   p.add_argument('--frameworks', default='bert_jax,transformers')
   p.add_argument('--attention_dropout_case', action=argparse.BooleanOptionalAction,
@@ -688,7 +709,7 @@ def parse_args(argv=None):
   p.add_argument('--steps', type=int, default=10)
   p.add_argument('--rounds', type=int, default=3)
   p.add_argument('--attention_check', action=argparse.BooleanOptionalAction, default=True,
-                 help='cudnn against xla on packed rows before the cases')
+                 help='cudnn and cudnn_varlen against xla on packed rows before the cases')
   p.add_argument('--profile', action=argparse.BooleanOptionalAction, default=True)
   p.add_argument('--trace_dir', default='', help='where profiles go; default OUTPUT/traces')
   p.add_argument('--compile_workers', type=int, default=8)

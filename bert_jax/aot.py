@@ -151,7 +151,7 @@ def _abstract_batch(config: ml_collections.ConfigDict, seq_len: int, preds: int,
 
 
 def _compile(config: ml_collections.ConfigDict, vocab_size: int, devices, seq_len: int,
-             preds: int):
+             preds: int, compute_capability: tuple[int, int] | None = None):
   """The train step of `pretraining.build_step`, the one the driver runs, compiled."""
   mesh = sharding_lib.make_mesh(config.mesh, devices)
   rules = sharding_lib.rules_from_config(config.mesh)
@@ -159,7 +159,7 @@ def _compile(config: ml_collections.ConfigDict, vocab_size: int, devices, seq_le
   built = pretraining.build_step(config, mesh, vocab_size)
   batch = _abstract_batch(config, seq_len, preds, sharding_lib.batch_sharding(mesh))
   platform = 'gpu' if devices[0].platform in ('gpu', 'cuda') else devices[0].platform
-  with sharding_lib.activate(mesh, rules), attention.lowering_for(platform):
+  with sharding_lib.activate(mesh, rules), attention.lowering_for(platform, compute_capability):
     lowered = built.train_step.jitted.lower(built.abstract, batch)
   with _without_persistent_cache():
     compiled = lowered.compile()
@@ -278,6 +278,8 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
   config.model.dtype = dtype
   vocab_size = config.model.vocab_size or vocab_size
   bert_config = pretraining.model_config(config, vocab_size)
+  capability = (tuple(flops_lib.GPU_CHIPS[chip]['compute_capability'])
+                if target.platform == 'gpu' else None)
   reports = []
   mesh_sizes = dict(zip(sharding_lib.MESH_AXES,
                         sharding_lib.mesh_shape(config.mesh, len(devices))))
@@ -289,7 +291,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                   mesh=mesh_sizes, attention_impl=bert_config.attention_impl)
     try:
       compiled, n_params = _compile(config, vocab_size, devices, phase.seq_len,
-                                    phase.max_predictions)
+                                    phase.max_predictions, capability)
     except jax.errors.JaxRuntimeError as e:
       if 'RESOURCE_EXHAUSTED' not in str(e):
         raise
@@ -301,7 +303,8 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     if bert_config.scan_layers:
       unscanned = copy.deepcopy(config)
       unscanned.model.scan_layers = False
-      costed, _ = _compile(unscanned, vocab_size, devices, phase.seq_len, phase.max_predictions)
+      costed, _ = _compile(unscanned, vocab_size, devices, phase.seq_len, phase.max_predictions,
+                           capability)
     else:
       costed = compiled
     cost = _cost(costed, target.platform)
@@ -321,9 +324,11 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     # then counts at least the analytic FLOPs, so that it stays a lower bound.
     pallas_calls = text.count('custom_call_target="tpu_custom_call"')
     # Nor inside cuDNN's fused attention, whose calls it counts as 0 FLOPs: theirs are added.
-    cudnn_calls = {'forward': text.count('custom_call_target="__cudnn$fmhaScaleBiasSoftmax"'),
-                   'backward': text.count(
-                       'custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward"')}
+    # (with a mask: __cudnn$fmhaScaleBiasSoftmax; packed layout, cudnn_varlen: __cudnn$fmhaSoftmax).
+    cudnn_calls = {'forward': len(re.findall(r'custom_call_target="__cudnn\$fmha\w*Softmax"',
+                                             text)),
+                   'backward': len(re.findall(
+                       r'custom_call_target="__cudnn\$fmha\w*SoftmaxBackward"', text))}
     if cudnn_calls['forward']:
       xla_flops += flops_lib.attention_flops_per_sequence(
           bert_config, phase.seq_len) * config.train.batch_size / n

@@ -127,7 +127,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     'model.size': _SIZES,
     'model.dtype': ('auto', 'float32', 'bfloat16', 'float16'),
     'model.remat_policy': ('none', 'full', 'dots'),
-    'model.attention_impl': ('xla', 'cudnn', 'splash'),
+    'model.attention_impl': ('xla', 'cudnn', 'cudnn_varlen', 'splash'),
     'data.objective': ('nsp', 'sop', 'none'),
     'train.optimizer': ('adamw', 'lamb'),
     'train.decay': ('linear', 'constant'),

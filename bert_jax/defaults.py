@@ -55,7 +55,9 @@ def pretrain() -> ml_collections.ConfigDict:
   # Rematerialization: 'none', 'full' or 'dots' (save matmul outputs, recompute the rest).
   config.model.remat_policy = 'none'
   # Attention kernel: 'xla' (any backend; the only one with attention dropout), 'cudnn' (fused,
-  # NVIDIA GPUs) or 'splash' (Pallas, TPUs; sequence lengths multiples of 128). The fused ones
+  # NVIDIA GPUs), 'cudnn_varlen' (fused, cuDNN's packed layout: no tiles between packed
+  # sequences; Hopper GPUs and later) or 'splash' (Pallas, TPUs; sequence lengths multiples of
+  # 128). The fused ones
   # apply no attention dropout: they need model.attention_probs_dropout_prob=0 (README,
   # "Attention").
   config.model.attention_impl = 'xla'
@@ -223,7 +225,8 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.model.scan_layers = False
   # Rematerialization: 'none', 'full' or 'dots' (long sequences on small accelerators).
   config.model.remat_policy = 'none'
-  # 'xla', 'cudnn' (GPUs) or 'splash' (TPUs); the fused ones need attention dropout 0.
+  # 'xla', 'cudnn' or 'cudnn_varlen' (GPUs) or 'splash' (TPUs); the fused ones need attention
+  # dropout 0.
   config.model.attention_impl = 'xla'
 
   config.train = ml_collections.ConfigDict()

@@ -68,7 +68,9 @@ class BertConfig:
   dtype: str = 'float32'
   scan_layers: bool = False
   remat_policy: str = 'none'
-  attention_impl: str = 'xla'   # 'xla', 'cudnn' or 'splash': see attention.py.
+  attention_impl: str = 'xla'   # 'xla', 'cudnn', 'cudnn_varlen' or 'splash': see attention.py.
+  # The most sequences in one row (data.packing_max_sequences): cudnn_varlen's segment tables.
+  max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
 
   def __post_init__(self):
     if self.hidden_size % self.num_attention_heads:
@@ -82,6 +84,9 @@ class BertConfig:
     if self.attention_impl not in attention.IMPLEMENTATIONS:
       raise UserError(f'attention_impl {self.attention_impl!r} is not one of '
                       f'{attention.IMPLEMENTATIONS}')
+    if self.max_packed_sequences < 1:
+      raise UserError(f'max_packed_sequences={self.max_packed_sequences}: a row holds at least '
+                      'one sequence (data.packing_max_sequences)')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
 
   @property
@@ -399,7 +404,8 @@ class SelfAttention(nn.Module):
     # kernel's tiles may not fit: initialization always takes the xla path.
     impl = 'xla' if self.is_initializing() else c.attention_impl
     out = attention.dot_product_attention(q, k, v, sequence_ids, impl=impl,
-                                          probs_dropout=probs_dropout)
+                                          probs_dropout=probs_dropout,
+                                          max_sequences=c.max_packed_sequences)
     out = _constrain(out, ('batch', 'length', 'act_heads', 'kv'))
     return _dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1))(out)
 

@@ -54,7 +54,13 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_li
       hidden_dropout_prob=m.hidden_dropout_prob,
       attention_probs_dropout_prob=m.attention_probs_dropout_prob,
       dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
-      remat_policy=m.remat_policy, attention_impl=m.attention_impl)
+      remat_policy=m.remat_policy, attention_impl=m.attention_impl,
+      max_packed_sequences=packed_sequences(config))
+
+
+def packed_sequences(config: ml_collections.ConfigDict) -> int:
+  """The most sequences one row of the batches holds: data.packing_max_sequences, else 1."""
+  return int(config.data.packing_max_sequences) if config.data.packing else 1
 
 
 def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:

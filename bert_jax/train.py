@@ -138,7 +138,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   m = config.model
   bert_config = loaded_config.replace(
       dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
-      remat_policy=m.remat_policy, attention_impl=m.attention_impl)
+      remat_policy=m.remat_policy, attention_impl=m.attention_impl,
+      max_packed_sequences=pretraining.packed_sequences(config))
   # A checkpoint without the sentence head (BertForMaskedLM) is scored on MLM alone.
   objective = config.data.objective if 'nsp' in params else 'none'
   params = model_lib.with_nsp_head(params, bert_config.hidden_size)  # Not reported without.

@@ -115,6 +115,7 @@ def test_gpu_benchmark_runs_without_tensorflow(tmp_path):
   assert results[-1]['sequences_per_row'] > 1.0   # packed
   assert results[-1]['real_token_fraction'] > results[-2]['real_token_fraction']
   assert report['attention_check']['xla_128']['finite']
+  assert report['attention_check']['xla_128_padded']['finite']  # Padded rows too.
 
 
 @pytest.mark.parametrize('script, args, message', [
