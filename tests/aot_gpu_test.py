@@ -28,20 +28,24 @@ if importlib.util.find_spec('jax_plugins.xla_cuda12') is None and not os.environ
 # cuDNN attention, bf16, layers unrolled, compiled deviceless for one H100. Each figure is the
 # one measured on the date below plus a small margin, per jax minor version (another jax
 # compiles another program); a change that adds kernels, non-matmul bytes or memory past it
-# fails. Measured 2026-11-26, jax 0.10.2 + jax-cuda12-plugin 0.10.2, after bias + GELU became one
-# custom_vjp: 1,479 kernels, 64.45 GB, 12.54 GiB. Regenerate (then tighten the budget to the new
-# figures plus about 1.5%):
+# fails. Measured 2026-11-26, jax 0.10.2 + jax-cuda12-plugin 0.10.2 (the floor stack), after
+# bias + GELU became one custom_vjp: 1,479 kernels, 64.45 GB, 12.54 GiB. Regenerate (then set
+# the budget to the new figures plus about 1.5%):
 #   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 bert-jax compile --config=configs/bert_base.py \
 #     --topology=h100 --config.data.packing=true --config.model.attention_impl=cudnn \
 #     --config.model.attention_probs_dropout_prob=0 --config.train.phases=
 # and read its "memory per device" and "kernels per step" lines.
 STEP_BUDGET = {
     '0.10': dict(kernels=1500, non_matmul_gb=65.5, memory_gib=12.75),
+    # The current stack: 1,454 kernels, 65.62 GB, 12.57 GiB (jax 0.12.0.1, Python 3.12.1,
+    # 2026-11-26); its cuBLAS calls are custom calls where 0.10's GEMMs are Triton fusions.
+    '0.12': dict(kernels=1475, non_matmul_gb=66.6, memory_gib=12.75),
 }
 # What issue 30's items 3 and 4 change, asserted as the step is today so that the change shows
 # here: flip each when its item lands (3: one fused QKV projection; 4: the MLM loss without
-# the f32 [predictions, vocab] zeros scatter).
-ATTENTION_INPUT_PROJECTIONS = 3
+# the f32 [predictions, vocab] zeros scatter). XLA may merge two of three projections that share
+# their input into one GEMM (jax 0.11.2 on a GPU did), so "fused" means one per layer.
+QKV_FUSED = False
 MLM_ZEROS_SCATTER = True
 
 
@@ -91,9 +95,10 @@ def test_bert_base_step_for_an_h100_stays_within_its_budget():
   assert bool(zeros_scatters) == MLM_ZEROS_SCATTER, (
       f'zeros scatters: {zeros_scatters}; all large scatters: {k["large_scatters"]}' +
       ('' if zeros_scatters else ' (none left: set MLM_ZEROS_SCATTER = False)'))
-  assert k['attention_projections'] == ATTENTION_INPUT_PROJECTIONS, (
-      f"{k['attention_projections']} attention input projections per layer, expected "
-      f'{ATTENTION_INPUT_PROJECTIONS} (ATTENTION_INPUT_PROJECTIONS)')
+  assert k['attention_projections'] > 0, 'no attention input projection found by its scope'
+  assert (k['attention_projections'] == 1) == QKV_FUSED, (
+      f"{k['attention_projections']} attention input projections per layer (query, key, value "
+      f'or one qkv); QKV_FUSED = {QKV_FUSED}')
 
 
 def _config(**overrides):

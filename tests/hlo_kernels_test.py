@@ -5,7 +5,8 @@ backend: the operations' name scopes (Flax modules, `optimizer`) and opcodes. Th
 reads a cut of the BERT-base/128 packed cuDNN step compiled deviceless for an H100
 (testdata/h100_bert_base_step_snippet.hlo.txt: 2026-11-26, jax 0.10.2 and its CUDA plugin; a
 few launches of each group with their fused computations), whose fusion names are the kernel
-names a GPU profile of that jax shows.
+names a GPU profile of that jax shows; and a cut of the same step compiled on a GPU by jax
+0.11.2, with kernel names from its profile.
 """
 
 import os
@@ -20,6 +21,10 @@ from bert_jax import sharding as sharding_lib
 
 SNIPPET = os.path.join(os.path.dirname(__file__), 'testdata',
                        'h100_bert_base_step_snippet.hlo.txt')
+# The same step compiled on an H200 by jax 0.11.2 (benchmarks/gpu.py --dump_hlo, 2026-11-26,
+# before the optimizer had its name scope), whose profile named these kernels.
+GPU_SNIPPET = os.path.join(os.path.dirname(__file__), 'testdata',
+                           'h200_jax0.11.2_bert_base_step_snippet.hlo.txt')
 
 
 @pytest.fixture(scope='module')
@@ -104,3 +109,20 @@ def test_h100_kernels_are_grouped_by_what_their_fusion_computes():
   assert {k: info[k][0] for k in expected} == expected
   assert set(g for g, _ in info.values()) == set(hlo_kernels.GROUPS)
   assert 'attention_layer_norm' in info['fusion_3343'][1]
+
+
+def test_kernels_of_a_jax_0_11_gpu_profile_are_found_in_its_program():
+  """The top kernels of the H200 profile (jax 0.11.2, CUDA-graph command buffers, every
+  kernel's op `XlaModule:`): XLA's are found in the program and grouped, cuBLAS's and cuDNN's
+  are not (the benchmark groups those by name)."""
+  with open(GPU_SNIPPET) as f:
+    info = hlo_kernels.kernel_info(f.read())
+  assert info['input_convert_reduce_fusion_9'][0] == 'gelu'    # 2.73 ms: bias_gelu_bwd.
+  assert info['loop_convert_fusion_11'][0] == 'gelu'           # 1.98 ms: bias_gelu forward.
+  # 1.53 ms: the MLP output's bias gradient with the dropout backward before it.
+  assert info['input_reduce_select_fusion_16'][0] == 'dropout'
+  assert info['custom_call_147'][0] == 'matmul'                # cuBLAS: attention/query.
+  assert info['dot_product_attention_fwd_60'][0] == 'attention'
+  for library in ('nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_splitK_NTN',
+                  'cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26'):
+    assert library not in info
