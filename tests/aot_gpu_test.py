@@ -139,6 +139,12 @@ def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
   assert reports['cudnn']['flops']['xla_total'] == pytest.approx(
       reports['xla']['flops']['xla_total'], rel=0.05)
   assert 'cuDNN attention: 2 forward and 2 backward calls' in aot.format_report(reports['cudnn'])
+  # The kernels by group (hlo_kernels.step_budget): cuDNN's calls are attention, XLA's softmax
+  # fusions are attention when XLA computes it.
+  kernels = {impl: r['kernels']['kernels_by_group'] for impl, r in reports.items()}
+  assert kernels['cudnn']['attention'] >= 2 * layers and kernels['xla']['attention'] > 0
+  assert all(k['matmul'] and k['layernorm'] and k['optimizer'] for k in kernels.values())
+  assert 'kernels per step: ' in aot.format_report(reports['xla'])
 
 
 def test_eight_gpus_with_fsdp():
