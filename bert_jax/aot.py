@@ -37,6 +37,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from bert_jax import attention
 from bert_jax import flops as flops_lib
+from bert_jax import hlo_kernels
 from bert_jax import model as model_lib
 from bert_jax import pretraining
 from bert_jax import sharding as sharding_lib
@@ -340,8 +341,12 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     # rows are full but for the packer's few percent (`bert-jax data --stats`).
     real_tokens = dict(real_tokens_per_second_per_chip=tokens_per_chip) if config.data.packing \
         else {}
+    # A GPU program's kernels by what they compute, the bytes its non-matmul kernels move and
+    # the patterns the step budget keeps out (tests/aot_gpu_test.py); of the unrolled program
+    # when the layers are scanned, so that every layer's launches count.
+    kernels = dict(kernels=hlo_kernels.step_budget(text)) if target.platform == 'gpu' else {}
     reports.append(dict(
-        header, params=n_params,
+        header, params=n_params, **kernels,
         memory=dict(arguments_gib=mem.argument_size_in_bytes / 2**30,
                     outputs_gib=mem.output_size_in_bytes / 2**30,
                     temporaries_gib=mem.temp_size_in_bytes / 2**30,
@@ -404,6 +409,11 @@ def format_report(report: dict[str, Any]) -> str:
          if f.get('cudnn_attention_flops_added') else '') + ')',
       f"  HBM traffic per device and step: {h['counted'] / 1e9:.2f} GB (at least "
       f"{h['minimum'] / 1e9:.2f} GB: each argument read and each result written once)",
+      *([] if 'kernels' not in report else [
+          f"  kernels per step: {report['kernels']['kernels']} ("
+          + ', '.join(f'{g} {n}' for g, n in report['kernels']['kernels_by_group'].items())
+          + f"); non-matmul kernels move {report['kernels']['non_matmul_bytes'] / 1e9:.2f} GB "
+          '(operands + results, hlo_kernels.step_budget)']),
       f"  roofline bound (not a measurement): step >= {r['step_seconds'] * 1e3:.1f} ms "
       f"(compute {r['compute_seconds'] * 1e3:.1f} ms, memory {r['memory_seconds'] * 1e3:.1f} "
       f"ms), <= {r['sequences_per_second']:.0f} {rows}, "

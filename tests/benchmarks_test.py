@@ -47,19 +47,24 @@ def _gpu_module():
   return module
 
 
-@pytest.mark.parametrize('seq_len, fill', [(128, 0.65), (512, 0.23)])
-def test_gpu_benchmark_batches_are_what_the_pipeline_makes(seq_len, fill):
+@pytest.mark.parametrize('seq_len, fill, row_fill', [
+    (128, 0.65, None), (512, 0.23, None), (128, 0.65, 0.997), (512, 0.23, 0.962)])
+def test_gpu_benchmark_batches_are_what_the_pipeline_makes(seq_len, fill, row_fill):
   """The synthetic rows obey the pipeline's invariants: packed sequences contiguous, positions
   restarting, predictions inside their own sequence and within the row's slots, NSP entries
-  at each [CLS]; padded rows near the asked fill, packed rows nearly full."""
+  at each [CLS]; padded rows near the asked fill, packed rows at the real pipeline's fill
+  (--packed_fill's default) or, without it, as first-fit decreasing packs them."""
   gpu = _gpu_module()
   preds = 20 if seq_len == 128 else 80
   padded = gpu.padded_batch(64, seq_len, preds, 1000, fill)
   assert abs(padded['input_mask'].mean() - fill) < 0.1
-  packed = gpu.packed_batch(64, seq_len, preds, 1000, fill)
-  # These lengths leave the packed rows of 128 tokens 88% full (the real pipeline, 99.7% on
-  # the sample corpus): the benchmark understates packing there rather than overstate it.
-  assert packed['input_mask'].mean() > (0.85 if seq_len == 128 else 0.95)
+  packed = gpu.packed_batch(64, seq_len, preds, 1000, fill, row_fill=row_fill)
+  if row_fill is None:
+    # These lengths leave the packed rows of 128 tokens 88% full (the real pipeline, 99.7% on
+    # the sample corpus) and those of 512 fuller than the pipeline's 96.2%.
+    assert packed['input_mask'].mean() > (0.85 if seq_len == 128 else 0.99)
+  else:
+    assert abs(packed['input_mask'].mean() - row_fill) < 0.002
   assert packed['masked_lm_positions'].shape[1] == preds + gpu.PACK_MAX_SEQUENCES // 2
   for r in range(64):
     ids = packed['sequence_ids'][r]
@@ -114,6 +119,14 @@ def test_gpu_benchmark_runs_without_tensorflow(tmp_path):
     assert r['profile']['ops' if r['framework'] == 'bert_jax' else 'kernels']['top']
   assert results[-1]['sequences_per_row'] > 1.0   # packed
   assert results[-1]['real_token_fraction'] > results[-2]['real_token_fraction']
+  # Packed rows at the real pipeline's fill, and the same step's MFU at first-fit's fill.
+  assert abs(results[-1]['real_token_fraction'] - 0.997) < 0.01
+  other = results[-1]['at_first_fit_fill']
+  assert other['real_token_fraction'] < results[-1]['real_token_fraction']
+  assert 0 < other['mfu'] < results[-1]['mfu'] if results[-1]['mfu'] else True
+  for r in results[1:] if results[0]['framework'] == 'transformers' else results:
+    # The compiled program's kernels, every one in a group (hlo_kernels).
+    assert r['program']['kernels'] == sum(r['program']['kernels_by_group'].values()) > 0
   assert report['attention_check']['xla_128']['finite']
   assert report['attention_check']['xla_128_padded']['finite']  # Padded rows too.
 
@@ -202,6 +215,19 @@ def test_gpu_benchmark_classifies_every_kernel_once():
   assert abs(sum(g['share'] for g in groups.values()) - 1.0) < 1e-9
   assert groups['attention']['count'] == 5 + 6 + 7   # Counted once, never as matmul too.
   assert groups['matmul']['ms'] == (1 + 2 + 3 + 4) * 1e-3
+  # What the compiled program says a fusion computes wins over its name (the MLM head's
+  # scatter, a LayerNorm fusion named after its convert); the library kernels keep their names.
+  program = {'input_scatter_fusion_2': ('embedding_mlm', 'jit(step)/mlm/scatter-add'),
+             'loop_convert_fusion': ('layernorm', 'jit(step)/.../attention_layer_norm/convert')}
+  groups = gpu.group_kernels(kernels, {k: c for k, (c, _) in cases.items()}, program)
+  assert groups['embedding_mlm']['count'] == 17 and groups['layernorm']['count'] == 8 + 9 + 16
+  assert groups['attention']['count'] == 5 + 6 + 7
+  # A trace that names no op (CUDA-graph command buffers): the op table from the kernels.
+  ops, detail = gpu.ops_from_kernels(kernels, program)
+  assert ops['input_scatter_fusion_2'] == kernels['input_scatter_fusion_2']
+  assert detail['loop_convert_fusion']['group'] == 'layernorm'
+  assert ops['(library) attention'] == (sum(kernels[k][0] for k in list(cases)[4:7]), 18)
+  assert sum(n for _, n in ops.values()) == sum(n for _, n in kernels.values())
 
 
 def test_gpu_benchmark_reports_a_failed_framework():

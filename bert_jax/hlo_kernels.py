@@ -1,0 +1,240 @@
+"""What each kernel of a compiled XLA step does, read from its optimized HLO text.
+
+A GPU profile names XLA's kernels after the fusions that emit them (the kernel
+`loop_add_fusion_113` runs the fusion `%loop_add_fusion.113`; identical fusions share the first
+one's kernel), cuBLAS's and cuDNN's after themselves (`nvjet_*`, `cudnn_*`). On jax 0.11+ a GPU
+trace carries nothing else (the step runs as CUDA-graph command buffers: every kernel's op is
+`XlaModule:`), so what a kernel computes comes from the program: the operations inside its fused
+computation and the `op_name` metadata they carry, which holds the jax name scope and the Flax
+module path (`.../layer_3/attention_layer_norm/rsqrt`; the optimizer runs under
+`jax.named_scope('optimizer')` in `train_state.step`).
+
+`kernel_info(text)` maps every kernel-launching instruction (a fusion or custom call the program
+executes, not one nested in a fused computation) to one of GROUPS and its op_name;
+`step_budget(text)` counts them, the bytes the non-matmul ones read and write, and the patterns
+the GPU step budget keeps out (tests/aot_gpu_test.py). Used by benchmarks/gpu.py's profile
+summary and `bert-jax compile`'s GPU report; plain text parsing, no jax.
+"""
+
+import dataclasses
+import re
+
+GROUPS = ('matmul', 'attention', 'layernorm', 'gelu', 'dropout', 'optimizer', 'embedding_mlm',
+          'other')
+
+_DTYPE_BYTES = {'pred': 1, 's4': 0.5, 'u4': 0.5, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1,
+                'bf16': 2, 'f16': 2, 's16': 2, 'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8,
+                's64': 8, 'u64': 8}
+_ARRAY = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([0-9,]*)\]')
+_COMPUTATION = re.compile(r'^(ENTRY )?%?([\w.\-]+) [(].*[{]\s*$')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_CALLED = re.compile(r'\b(calls|to_apply|body|condition|branch_computations|'
+                     r'async_execution_thread_computation)=(\{[^}]*\}|%?[\w.\-]+)')
+_BACKEND_KIND = re.compile(r'"kind":"([^"]*)"')
+# Instructions that compute nothing: their op_name says nothing about the kernel's work.
+_PLUMBING = frozenset({'parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast',
+                       'reshape', 'broadcast', 'transpose', 'copy', 'convert', 'slice',
+                       'concatenate', 'iota'})
+# What a fused operation does, by its name scope (op_name) or opcode, in priority order: the
+# first tag that any operation of a fusion carries names its group. LayerNorm's fusions take in
+# the residual add and dropout before them; dropout's mask generation is its own fusion.
+_TAGS = (
+    # XLA's own attention (softmax, mask): operations of the attention module that are not its
+    # projections; cuDNN's attention is a custom call, so the layout ops around it are not.
+    ('attention', re.compile(r'/attention/(?!(query|key|value|qkv|output)\b|'
+                             r'dot_product_attention|dropout)', re.I), frozenset()),
+    ('layernorm', re.compile(r'layer_?norm', re.I), frozenset({'rsqrt'})),
+    ('gelu', re.compile(r'gelu', re.I), frozenset({'erf'})),
+    ('dropout', re.compile(r'dropout|threefry|random_bits|_bernoulli|_uniform|rng_bit', re.I),
+     frozenset({'rng-bit-generator', 'rng', 'rng-get-and-update-state'})),
+    ('optimizer', re.compile(r'(^|/)optimizer(/|$)'), frozenset()),
+    ('embedding_mlm', re.compile(r'/embeddings/|/mlm/|/nsp/|/sop/|/cls/|log_softmax|'
+                                 r'take_along_axis', re.I), frozenset()),
+)
+
+
+@dataclasses.dataclass
+class Instruction:
+  name: str
+  opcode: str
+  shape: str
+  operands: list[str]
+  called: list[str]
+  attributes: str
+  op_name: str
+
+
+def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
+  """An HLO module's computations (name -> instructions) and its entry computation's name."""
+  computations, entry, current = {}, '', None
+  for line in text.split('\n'):
+    if current is None:
+      m = _COMPUTATION.match(line)
+      if m:
+        current = computations.setdefault(m.group(2), [])
+        entry = m.group(2) if m.group(1) else entry
+      continue
+    if line.startswith('}'):
+      current = None
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, shape, opcode = m.groups()
+    rest = line[m.end():]
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+      depth += {'(': 1, ')': -1}.get(ch, 0)
+      if depth == 0:
+        end = i
+        break
+    operands = re.findall(r'%([\w.\-]+)', rest[:end])
+    attributes = rest[end + 1:]
+    called = [c for _, v in _CALLED.findall(attributes) for c in re.findall(r'%?([\w.\-]+)', v)]
+    op_name = _OP_NAME.search(attributes)
+    current.append(Instruction(name, opcode, shape, operands, called, attributes,
+                               op_name.group(1) if op_name else ''))
+  return computations, entry
+
+
+def launches(computations: dict[str, list[Instruction]], entry: str) -> list[Instruction]:
+  """The instructions that launch kernels: fusions and custom calls of the computations the
+  program executes (the entry and what it calls, loops and branches included), not those
+  nested in fused computations or reducers."""
+  out, seen, todo = [], set(), [entry]
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in computations:
+      continue
+    seen.add(name)
+    for inst in computations[name]:
+      if inst.opcode in ('fusion', 'custom-call'):
+        out.append(inst)
+      elif inst.opcode in ('call', 'while', 'conditional', 'async-start'):
+        todo.extend(inst.called)
+  return out
+
+
+def _fused(computations, inst: Instruction) -> list[Instruction]:
+  """Every instruction inside a fusion, nested fusions included (not reducers: one reducer
+  computation serves many reductions and carries the op_name of the first)."""
+  out, todo, seen = [], list(inst.called), set()
+  while todo:
+    name = todo.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    for i in computations.get(name, []):
+      out.append(i)
+      if i.opcode == 'fusion':
+        todo.extend(i.called)
+  return out
+
+
+def classify(computations: dict[str, list[Instruction]], inst: Instruction) -> str:
+  """The group (one of GROUPS) of one kernel-launching instruction."""
+  if inst.opcode == 'custom-call':
+    target = _TARGET.search(inst.attributes)
+    target = target.group(1).lower() if target else ''
+    if 'fmha' in target or 'attention' in target:
+      return 'attention'
+    if 'gemm' in target or 'matmul' in target or 'cudnn' in target or 'conv' in target:
+      return 'matmul'
+    return _tagged([inst])
+  kinds = _BACKEND_KIND.findall(inst.attributes)
+  if any('gemm' in k or 'cudnn' in k or 'cublas' in k for k in kinds):
+    return 'matmul'
+  body = _fused(computations, inst)
+  if any(i.opcode in ('dot', 'convolution') for i in body):
+    return 'matmul'
+  return _tagged(body + [inst])
+
+
+def _tagged(instructions: list[Instruction]) -> str:
+  """The group of the first tag (in _TAGS' order) that the instructions' computing operations
+  carry; when none of them carries one, that of any instruction (a fusion of data movement
+  only, such as a random-bits reshuffle, is named by what it moves)."""
+  def tags(insts):
+    found = set()
+    for i in insts:
+      for group, pattern, opcodes in _TAGS:
+        if i.opcode in opcodes or pattern.search(i.op_name):
+          found.add(group)
+    return found
+  found = (tags([i for i in instructions if i.opcode not in _PLUMBING]) or
+           tags([i for i in instructions if i.opcode != 'parameter']))
+  return next((g for g, _, _ in _TAGS if g in found), 'other')
+
+
+def kernel_name(instruction_name: str) -> str:
+  """The name of the kernel XLA's GPU backend emits for an instruction."""
+  return re.sub(r'[.\-]', '_', instruction_name)
+
+
+def kernel_info(text: str) -> dict[str, tuple[str, str]]:
+  """Kernel name -> (group, op_name) for every kernel-launching instruction of an optimized
+  HLO module."""
+  computations, entry = parse(text)
+  return {kernel_name(i.name): (classify(computations, i), i.op_name)
+          for i in launches(computations, entry)}
+
+
+def _bytes(shape: str) -> float:
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(shape):
+    size = _DTYPE_BYTES[dtype]
+    for d in filter(None, dims.split(',')):
+      size *= int(d)
+    total += size
+  return total
+
+
+def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
+  """The figures of one compiled step that tests/aot_gpu_test.py budgets, from its optimized
+  HLO.
+
+  kernels: kernel-launching instructions (fusions and custom calls the program executes; a
+    cuBLAS call may launch two, a split-K reduction say, so a profile can count a few more);
+    also by group.
+  non_matmul_bytes: for every launching instruction but the matmuls (cuBLAS and Triton GEMM
+    kernels) and the library calls (cuDNN's fused attention), the bytes of its operands plus
+    those of its results, at their full shapes: what those kernels would move if each read
+    every operand once (more where a fusion reads part of an operand, less where it re-reads
+    one). On a profile of jax 0.11.2, the kernels also number more than the launching
+    instructions (1,716 against 1,515 for BERT-base/128): cuBLAS launches several per call.
+  erfc_ops: operations from an `erfc` (XLA's expansion of jax.nn.gelu's exact form).
+  large_scatters: `dtype[dims] (op_name)` of each scatter whose result has scatter_min_bytes
+    or more (a gradient scattered into a zeros tensor).
+  attention_projections: per encoder layer, the forward projections (query, key, value or one
+    fused qkv) that have a dot of their own; its most over the layers.
+  """
+  computations, entry = parse(text)
+  shapes = {i.name: i.shape for insts in computations.values() for i in insts}
+  counts = {g: 0 for g in GROUPS}
+  moved = {g: 0.0 for g in GROUPS}
+  non_matmul = 0.0
+  for inst in launches(computations, entry):
+    group = classify(computations, inst)
+    counts[group] += 1
+    size = _bytes(inst.shape) + sum(_bytes(shapes.get(o, '')) for o in inst.operands)
+    moved[group] += size
+    if group != 'matmul' and inst.opcode != 'custom-call':
+      non_matmul += size
+  everything = [i for insts in computations.values() for i in insts]
+  projections = {}
+  for i in everything:
+    m = re.search(r'jvp\(\w+\)/.*?(layer_\d+)/attention/(query|key|value|qkv\w*)/', i.op_name)
+    # A Triton GEMM fusion holds a `dot`; a cuBLAS call (jax 0.11+ on a GPU) is a custom call.
+    matmul = i.opcode == 'dot' or (i.opcode == 'custom-call' and 'gemm' in i.attributes)
+    if matmul and m and 'transpose(' not in i.op_name:
+      projections.setdefault(m.group(1), set()).add(m.group(2))
+  return dict(
+      kernels=sum(counts.values()), kernels_by_group=counts,
+      non_matmul_bytes=non_matmul,
+      bytes_by_group=moved,
+      erfc_ops=sum(1 for i in everything if re.search(r'(^|/)erfc(/|$)', i.op_name)),
+      large_scatters=[f'{i.shape.split("{")[0]} ({i.op_name})' for i in everything
+                      if i.opcode == 'scatter' and _bytes(i.shape) >= scatter_min_bytes],
+      attention_projections=max((len(v) for v in projections.values()), default=0))
