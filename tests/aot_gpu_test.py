@@ -45,8 +45,8 @@ STEP_BUDGET = {
 # here: flip each when its item lands (3: one fused QKV projection; 4: the MLM loss without
 # the f32 [predictions, vocab] zeros scatter). XLA may merge two of three projections that share
 # their input into one GEMM (jax 0.11.2 on a GPU did), so "fused" means one per layer.
-QKV_FUSED = False
-MLM_ZEROS_SCATTER = True
+QKV_FUSED = True
+MLM_ZEROS_SCATTER = False
 
 
 def _budget_step_config():
