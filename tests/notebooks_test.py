@@ -1,10 +1,11 @@
 """Runs the notebooks in notebooks/ top to bottom, each in a fresh kernel, with their tiny
 settings (BERT_JAX_NOTEBOOK_SMOKE=1), and fails on any cell error.
 
-They run in one test, in one temporary BERT_JAX_NOTEBOOKS_DIR, in the order that covers both
-ways notebooks 2 and 3 find a model: 03 first, on its own (it makes a tiny random checkpoint),
-then 01 (pre-training), then 02, which fine-tunes 01's workdir. (`pytest --nbmake notebooks/`
-also runs them with tiny settings, through notebooks/conftest.py.)
+They run in two tests that cover both ways notebooks 2 and 3 find a model, each with a
+temporary BERT_JAX_NOTEBOOKS_DIR of its own: 03 on its own (it makes a tiny random checkpoint);
+and 01 (pre-training), then 02, which fine-tunes 01's workdir. Two tests, so that `pytest -n 2`
+runs them side by side. (`pytest --nbmake notebooks/` also runs them with tiny settings, through
+notebooks/conftest.py.)
 """
 
 from importlib import metadata
@@ -97,11 +98,12 @@ def test_colab_install_cell_keeps_the_images_jax(monkeypatch):
     exec(install_cell, {})  # pylint: disable=exec-used
 
 
-def test_notebooks_run(tmp_path):
+@pytest.mark.parametrize('names', [ORDER[:1], ORDER[1:]], ids=['03', '01_then_02'])
+def test_notebooks_run(tmp_path, names):
   root, cwd = tmp_path / 'root', tmp_path / 'cwd'
   cwd.mkdir()
   failures, timings = [], []
-  for name in ORDER:
+  for name in names:
     try:
       seconds, images = _run(name, str(root), str(cwd))
     except Exception as e:  # pylint: disable=broad-except  (a cell error, timeout, dead kernel)

@@ -982,33 +982,35 @@ def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, voca
                                                                    compilation_cache):
   """JAX returns from a step once it is dispatched: a loop that reads nothing until its next
   log line would queue its steps, and the save after SIGTERM would wait for all of them. With
-  steps made slow, no log line or checkpoint for 1,000 steps, and SIGTERM as the 40th step is
+  steps made slow, no log line or checkpoint for 1,000 steps, and SIGTERM as the 16th step is
   dispatched, the run saves a step at most two past those computed when the signal came.
+  (Queued steps would leave about 15 of the 16 uncomputed: each takes 0.25 s, its dispatch
+  milliseconds.)
   Ctrl-C (SIGINT) in the resumed run stops it in the same way, with the same exit status."""
   workdir = str(tmp_path / 'run')
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'log.every_steps': 1000,
                             'checkpoint.every_steps': 1000, 'log.progress': True})
-  proc, marker = _faulty_run(tmp_path, workdir, 'sigterm_slow:40', overrides, compilation_cache)
+  proc, marker = _faulty_run(tmp_path, workdir, 'sigterm_slow:16', overrides, compilation_cache)
   out, err = _communicate(proc, 400)
   ended = time.time()
   assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
   with open(marker) as f:
     signalled, computed = f.read().split()
   saved = ckpt_lib.checkpoint_steps(workdir)
-  assert saved == [40], saved
-  assert 40 - int(computed) <= 2, f'{computed} steps computed at SIGTERM, 40 dispatched'
+  assert saved == [16], saved
+  assert 16 - int(computed) <= 2, f'{computed} steps computed at SIGTERM, 16 dispatched'
   seconds = ended - float(signalled)
   assert seconds < NOTICE_SECONDS, f'{seconds:.1f} s from SIGTERM to exit'
-  print(f'{computed} of 40 steps computed at SIGTERM; {seconds:.1f} s from SIGTERM to exit')
-  # The progress bar counts computed steps: it reached 40 only once step 40 was computed.
-  assert '40/200' in err and '41/200' not in err, err[-3000:]
-  assert 'bert-jax pretrain: stopped by SIGTERM: saved step 40; rerun the same command' in out
+  print(f'{computed} of 16 steps computed at SIGTERM; {seconds:.1f} s from SIGTERM to exit')
+  # The progress bar counts computed steps: it reached 16 only once step 16 was computed.
+  assert '16/200' in err and '17/200' not in err, err[-3000:]
+  assert 'bert-jax pretrain: stopped by SIGTERM: saved step 16; rerun the same command' in out
 
   proc, marker = _faulty_run(tmp_path, workdir, 'sigint_slow:5', overrides, compilation_cache)
   out, err = _communicate(proc, 400)
   assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
-  assert ckpt_lib.checkpoint_steps(workdir) == [40, 45]
-  assert 'bert-jax pretrain: stopped by Ctrl-C: saved step 45; rerun the same command' in out
+  assert ckpt_lib.checkpoint_steps(workdir) == [16, 21]
+  assert 'bert-jax pretrain: stopped by Ctrl-C: saved step 21; rerun the same command' in out
   assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
 
 
