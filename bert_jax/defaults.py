@@ -59,6 +59,10 @@ def pretrain() -> ml_collections.ConfigDict:
   # apply no attention dropout: they need model.attention_probs_dropout_prob=0 (README,
   # "Attention").
   config.model.attention_impl = 'xla'
+  # Each encoder sub-layer's end, LayerNorm(x + dropout(projection + bias)): 'pallas' (one
+  # fused Pallas kernel each way, NVIDIA GPUs), 'xla' (plain jnp, any backend) or 'auto'
+  # (pallas on GPUs, xla elsewhere). Same float32 numerics (README, "LayerNorm").
+  config.model.layer_norm_impl = 'auto'
 
   # ---- Input -----------------------------------------------------------------------------
   config.data = ml_collections.ConfigDict()
@@ -225,6 +229,8 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.model.remat_policy = 'none'
   # 'xla', 'cudnn' (GPUs) or 'splash' (TPUs); the fused ones need attention dropout 0.
   config.model.attention_impl = 'xla'
+  # 'auto' (fused Pallas kernel on GPUs, xla elsewhere), 'pallas' or 'xla'.
+  config.model.layer_norm_impl = 'auto'
 
   config.train = ml_collections.ConfigDict()
   # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a

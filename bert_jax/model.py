@@ -34,6 +34,7 @@ import numpy as np
 
 from bert_jax import activations
 from bert_jax import attention
+from bert_jax import layer_norm
 from bert_jax.errors import UserError
 
 Array = jax.Array
@@ -69,6 +70,7 @@ class BertConfig:
   scan_layers: bool = False
   remat_policy: str = 'none'
   attention_impl: str = 'xla'   # 'xla', 'cudnn' or 'splash': see attention.py.
+  layer_norm_impl: str = 'auto'  # 'auto', 'pallas' or 'xla': see layer_norm.py.
 
   def __post_init__(self):
     if self.hidden_size % self.num_attention_heads:
@@ -82,6 +84,9 @@ class BertConfig:
     if self.attention_impl not in attention.IMPLEMENTATIONS:
       raise UserError(f'attention_impl {self.attention_impl!r} is not one of '
                       f'{attention.IMPLEMENTATIONS}')
+    if self.layer_norm_impl not in layer_norm.IMPLEMENTATIONS:
+      raise UserError(f'layer_norm_impl {self.layer_norm_impl!r} is not one of '
+                      f'{layer_norm.IMPLEMENTATIONS}')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
 
   @property
@@ -243,6 +248,33 @@ class LayerNorm(nn.Module):
     return y.astype(self.config.compute_dtype)
 
 
+class ResidualLayerNorm(nn.Module):
+  """LayerNorm(residual + dropout(x + bias)): a post-LN sub-layer's end (`layer_norm.py`).
+
+  The parameters are LayerNorm's (scale, bias). `x` is the sub-layer's projection without its
+  bias, which is passed as `x_bias` (float32) so that the fused kernel adds it, and returns its
+  gradient, in the same pass. Dropout masks come from the 'dropout' rng stream.
+  """
+  config: BertConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: Array, residual: Array, x_bias: Array | None) -> Array:
+    c = self.config
+    h = x.shape[-1]
+    scale = self.param('scale', _ones(('embed',)), (h,), jnp.float32)
+    bias = self.param('bias', _zeros(('embed',)), (h,), jnp.float32)
+    rate = 0.0 if self.deterministic else c.hidden_dropout_prob
+    bits = None
+    if layer_norm.keep_threshold(rate):
+      bits = layer_norm.dropout_bits(self.make_rng('dropout'), x.shape)
+    # Initialization traces a dummy batch for the parameters' shapes only: plain jnp.
+    impl = 'xla' if self.is_initializing() else c.layer_norm_impl
+    return layer_norm.residual_layer_norm(
+        x, residual, x_bias, scale, bias, bits, rate=rate, eps=c.layer_norm_eps, impl=impl,
+        out_dtype=c.compute_dtype)
+
+
 class DenseGeneral(nn.Module):
   """`nn.DenseGeneral` over the trailing `num_in` input axes: same parameters, init and math.
 
@@ -257,6 +289,8 @@ class DenseGeneral(nn.Module):
   axes: tuple[str | None, ...]   # The kernel's logical axes: input axes, then features.
   num_in: int = 1
   activation: str | None = None  # A key of _ACTIVATIONS applied to the output, or none.
+  # False: return (x @ kernel, bias) for a consumer that adds the float32 bias itself.
+  add_bias: bool = True
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -264,9 +298,12 @@ class DenseGeneral(nn.Module):
     kernel = self.param('kernel', _init(c, self.axes), x.shape[-n:] + self.features,
                         jnp.float32)
     bias = self.param('bias', _zeros(self.axes[n:]), self.features, jnp.float32)
+    f32_bias = bias
     x, kernel, bias = promote_dtype(x, kernel, bias, dtype=c.compute_dtype)
     dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
     y = jax.lax.dot_general(x, kernel, dims)
+    if not self.add_bias:
+      return y, f32_bias
     if self.activation == 'gelu':
       # Bias add and exact GELU in one function that keeps only y for its backward.
       return activations.bias_gelu(y, bias)
@@ -275,13 +312,13 @@ class DenseGeneral(nn.Module):
 
 
 def _dense(config: BertConfig, features, axes, name: str, in_axes=-1,
-           activation: str | None = None) -> nn.Module:
+           activation: str | None = None, add_bias: bool = True) -> nn.Module:
   features = features if isinstance(features, tuple) else (features,)
   in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
   if in_axes != tuple(range(-len(in_axes), 0)):
     raise ValueError(f'in_axes {in_axes} are not the trailing axes')
   return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
-                      activation=activation, name=name)
+                      activation=activation, add_bias=add_bias, name=name)
 
 
 def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
@@ -296,7 +333,8 @@ def _one_hot_lookup(table: Array, ids: Array, dtype) -> Array:
 
 
 class Embeddings(nn.Module):
-  """Word + learned position + token type embeddings, LayerNorm, dropout."""
+  """Word + learned position + token type embeddings, LayerNorm, dropout (8-bit masks:
+  `layer_norm.dropout_bits`)."""
   config: BertConfig
 
   def setup(self):
@@ -311,7 +349,6 @@ class Embeddings(nn.Module):
                                           dtype=c.compute_dtype, param_dtype=jnp.float32,
                                           embedding_init=_init(c, (None, 'embed')))
     self.layer_norm = _layer_norm(c, 'layer_norm')
-    self.dropout = nn.Dropout(c.hidden_dropout_prob)
 
   def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool,
                position_ids: Array | None = None) -> Array:
@@ -332,7 +369,11 @@ class Embeddings(nn.Module):
     token_types = _one_hot_lookup(self.token_type_embeddings.embedding, segment_ids, dtype)
     x = self.word_embeddings(input_ids) + positions + token_types
     x = _constrain(x, ('batch', 'length', 'act_embed'))
-    return self.dropout(self.layer_norm(x), deterministic=deterministic)
+    x = self.layer_norm(x)
+    rate = 0.0 if deterministic else self.config.hidden_dropout_prob
+    if layer_norm.keep_threshold(rate):
+      x = layer_norm.dropout(x, layer_norm.dropout_bits(self.make_rng('dropout'), x.shape), rate)
+    return x
 
   def attend(self, x: Array) -> Array:
     """Logits over the vocabulary with the (tied) word embedding matrix."""
@@ -363,7 +404,9 @@ class SelfAttention(nn.Module):
     out = attention.dot_product_attention(q, k, v, sequence_ids, impl=impl,
                                           probs_dropout=probs_dropout)
     out = _constrain(out, ('batch', 'length', 'act_heads', 'kv'))
-    return _dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1))(out)
+    # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
+    return _dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1),
+                  add_bias=False)(out)
 
 
 class Mlp(nn.Module):
@@ -375,7 +418,8 @@ class Mlp(nn.Module):
     h = _dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
                activation=c.hidden_act)(x)
     h = _constrain(h, ('batch', 'length', 'act_mlp'))
-    return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output')(h)
+    # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
+    return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False)(h)
 
 
 class EncoderLayer(nn.Module):
@@ -389,12 +433,12 @@ class EncoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x: Array, sequence_ids: Array) -> tuple[Array, Array | None]:
     c = self.config
-    drop = nn.Dropout(c.hidden_dropout_prob, deterministic=self.deterministic)
-    attn = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
-    x = _layer_norm(c, 'attention_layer_norm')(x + drop(attn))
+    # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
+    attn, attn_bias = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
+    x = ResidualLayerNorm(c, self.deterministic, name='attention_layer_norm')(attn, x, attn_bias)
     x = _constrain(x, ('batch', 'length', 'act_embed'))
-    y = Mlp(c, name='mlp')(x)
-    x = _layer_norm(c, 'output_layer_norm')(x + drop(y))
+    y, y_bias = Mlp(c, name='mlp')(x)
+    x = ResidualLayerNorm(c, self.deterministic, name='output_layer_norm')(y, x, y_bias)
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     # Returned twice: as the scan carry and as the per-layer output (hidden states).
     return x, (x if self.hidden_states else None)

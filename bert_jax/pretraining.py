@@ -54,7 +54,8 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_li
       hidden_dropout_prob=m.hidden_dropout_prob,
       attention_probs_dropout_prob=m.attention_probs_dropout_prob,
       dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
-      remat_policy=m.remat_policy, attention_impl=m.attention_impl)
+      remat_policy=m.remat_policy, attention_impl=m.attention_impl,
+      layer_norm_impl=m.layer_norm_impl)
 
 
 def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
