@@ -57,6 +57,9 @@ def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
   assert reports['cudnn']['flops']['cudnn_attention_calls'] == {'forward': layers,
                                                                 'backward': layers}
   assert reports['xla']['flops']['cudnn_attention_calls'] == {'forward': 0, 'backward': 0}
+  # model.layer_norm_impl='auto' compiles the fused Pallas LayerNorm for the GPU (through
+  # Triton): one forward and one backward call per sub-layer, two sub-layers per layer.
+  assert reports['xla']['flops']['pallas_kernel_calls'] == 2 * 2 * layers
   assert reports['cudnn']['flops']['xla_total'] == pytest.approx(
       reports['xla']['flops']['xla_total'], rel=0.05)
   assert 'cuDNN attention: 2 forward and 2 backward calls' in aot.format_report(reports['cudnn'])
