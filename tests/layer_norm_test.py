@@ -137,3 +137,30 @@ def test_dropout_multiplies_and_keeps_the_expectation():
   assert layer_norm.dropout(x, bits, 0.0) is x
   with pytest.raises(ValueError, match='dropout rate'):
     layer_norm.keep_threshold(1.0)
+
+
+def test_pallas_on_a_mesh_runs_per_device_and_sums_the_parameter_gradients():
+  """Under a data x fsdp x tensor mesh the kernels run per device on their rows (shard_map),
+  and the bias/scale/beta gradients are the sums over every device's rows."""
+  from bert_jax import config_files  # pylint: disable=g-import-not-at-top
+  from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  x, residual, bias, scale, beta, bits, dy = _inputs(6, 24, jnp.float32, seed=5)
+  x, residual, bits, dy = (jnp.concatenate([a, a[::-1] * 0.5]) for a in (x, residual, bits, dy))
+
+  def run(impl):
+    def f(x, residual, bias, scale, beta):
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=0.1,
+                                            impl=impl)
+    y, vjp = jax.vjp(f, x, residual, bias, scale, beta)
+    return (y,) + vjp(dy)
+
+  reference = jax.jit(lambda: run('xla'))()
+  config = config_files.load_config('configs/smoke.py', {'mesh.data': 2, 'mesh.fsdp': 2,
+                                                         'mesh.tensor': 2})
+  mesh = sharding_lib.make_mesh(config.mesh, jax.devices()[:8])
+  with sharding_lib.activate(mesh, sharding_lib.rules_from_config(config.mesh)):
+    jaxpr = str(jax.make_jaxpr(lambda: run('pallas'))())
+    out = jax.jit(lambda: run('pallas'))()
+  assert 'shard_map' in jaxpr and 'pallas_call' in jaxpr
+  for a, b in zip(reference, out):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5)
