@@ -231,7 +231,16 @@ def _flat_inputs(x, residual, bias, bits):
   return ins
 
 
+def _check_index_range(x):
+  # The kernels index the flattened arrays with int32 (Triton's default): a device's share of
+  # one step's tokens x hidden stays far below 2^31 (BERT-large/512 x 64 rows: 2^25).
+  if x.size >= 2**31:
+    raise ValueError(f'residual_layer_norm: {x.shape} has 2^31 elements or more per device; '
+                     "use model.layer_norm_impl='xla' or a smaller per-device batch")
+
+
 def _pallas_forward(x, residual, bias, scale, beta, bits, *, rate, eps, out_dtype, interpret):
+  _check_index_range(x)
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   block = pl.next_power_of_2(n_cols)
@@ -350,6 +359,9 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'layer norm impl {impl!r} is not one of {IMPLEMENTATIONS}')
   out_dtype = jnp.dtype(out_dtype or x.dtype)
+  if x.shape != residual.shape or (bits is not None and bits.shape != x.shape):
+    raise ValueError(f'x {x.shape}, residual {residual.shape} and bits '
+                     f'{None if bits is None else bits.shape} must have one shape')
   if bits is not None and keep_threshold(rate) == 0:
     bits = None
   gpu = attention.target_platform() == 'gpu'
