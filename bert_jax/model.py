@@ -248,26 +248,33 @@ class LayerNorm(nn.Module):
     return y.astype(self.config.compute_dtype)
 
 
+def hidden_dropout_bits(module: nn.Module, config: BertConfig, deterministic: bool,
+                        shape: tuple[int, ...]) -> Array | None:
+  """The 8-bit hidden-dropout mask of `shape` from `module`'s 'dropout' rng, or None when no
+  dropout applies. Drawn by the caller, outside the LayerNorm's scope, so that profiles name
+  the generator's kernels dropout, not LayerNorm."""
+  if deterministic or not layer_norm.keep_threshold(config.hidden_dropout_prob):
+    return None
+  return layer_norm.dropout_bits(module.make_rng('dropout'), shape)
+
+
 class ResidualLayerNorm(nn.Module):
   """LayerNorm(residual + dropout(x + bias)): a post-LN sub-layer's end (`layer_norm.py`).
 
   The parameters are LayerNorm's (scale, bias). `x` is the sub-layer's projection without its
   bias, which is passed as `x_bias` (float32) so that the fused kernel adds it, and returns its
-  gradient, in the same pass. Dropout masks come from the 'dropout' rng stream.
+  gradient, in the same pass. `bits`: `hidden_dropout_bits`' mask, or None (no dropout).
   """
   config: BertConfig
-  deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, residual: Array, x_bias: Array | None) -> Array:
+  def __call__(self, x: Array, residual: Array, x_bias: Array | None,
+               bits: Array | None) -> Array:
     c = self.config
     h = x.shape[-1]
     scale = self.param('scale', _ones(('embed',)), (h,), jnp.float32)
     bias = self.param('bias', _zeros(('embed',)), (h,), jnp.float32)
-    rate = 0.0 if self.deterministic else c.hidden_dropout_prob
-    bits = None
-    if layer_norm.keep_threshold(rate):
-      bits = layer_norm.dropout_bits(self.make_rng('dropout'), x.shape)
+    rate = c.hidden_dropout_prob if bits is not None else 0.0
     # Initialization traces a dummy batch for the parameters' shapes only: plain jnp.
     impl = 'xla' if self.is_initializing() else c.layer_norm_impl
     return layer_norm.residual_layer_norm(
@@ -370,10 +377,8 @@ class Embeddings(nn.Module):
     x = self.word_embeddings(input_ids) + positions + token_types
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     x = self.layer_norm(x)
-    rate = 0.0 if deterministic else self.config.hidden_dropout_prob
-    if layer_norm.keep_threshold(rate):
-      x = layer_norm.dropout(x, layer_norm.dropout_bits(self.make_rng('dropout'), x.shape), rate)
-    return x
+    bits = hidden_dropout_bits(self, self.config, deterministic, x.shape)
+    return layer_norm.dropout(x, bits, self.config.hidden_dropout_prob)
 
   def attend(self, x: Array) -> Array:
     """Logits over the vocabulary with the (tied) word embedding matrix."""
@@ -434,11 +439,12 @@ class EncoderLayer(nn.Module):
   def __call__(self, x: Array, sequence_ids: Array) -> tuple[Array, Array | None]:
     c = self.config
     # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
+    drop = lambda: hidden_dropout_bits(self, c, self.deterministic, x.shape)
     attn, attn_bias = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
-    x = ResidualLayerNorm(c, self.deterministic, name='attention_layer_norm')(attn, x, attn_bias)
+    x = ResidualLayerNorm(c, name='attention_layer_norm')(attn, x, attn_bias, drop())
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     y, y_bias = Mlp(c, name='mlp')(x)
-    x = ResidualLayerNorm(c, self.deterministic, name='output_layer_norm')(y, x, y_bias)
+    x = ResidualLayerNorm(c, name='output_layer_norm')(y, x, y_bias, drop())
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     # Returned twice: as the scan carry and as the per-layer output (hidden states).
     return x, (x if self.hidden_states else None)
