@@ -37,6 +37,8 @@ How the numbers are made:
   Real tokens/s counts the non-padding tokens of the batches actually fed. Step times do not
   depend on the data (the shapes are fixed), so `at_first_fit_fill` gives the same step's
   real tokens/s and MFU over the rows before that adjustment.
+- LayerNorm: --layernorm=xla,pallas runs every bert_jax case with each `model.layer_norm_impl`
+  (README "LayerNorm and dropout"), before and after the fused kernel in one run.
 - Dropout: hidden 0.1 (the paper's); attention dropout 0 for every case, since the fused
   kernels have none (README "Attention"); --attention_dropout_case adds the paper's exact
   recipe (xla, attention dropout 0.1) at base/128 to show what it costs.
@@ -366,7 +368,8 @@ def summarize_trace(trace_dir: str, top: int = 12,
 
 
 def _bert_jax_config(args, size: str, seq_len: int, rows: int, preds: int, packing: bool,
-                     impl: str, attention_dropout: float, scan_layers: bool):
+                     impl: str, attention_dropout: float, scan_layers: bool,
+                     layer_norm_impl: str = 'auto'):
   from bert_jax import defaults  # pylint: disable=g-import-not-at-top
   config = defaults.pretrain()
   config.model.size = size
@@ -376,6 +379,7 @@ def _bert_jax_config(args, size: str, seq_len: int, rows: int, preds: int, packi
   config.model.scan_layers = scan_layers
   config.model.attention_impl = impl
   config.model.attention_probs_dropout_prob = attention_dropout
+  config.model.layer_norm_impl = layer_norm_impl
   config.data.max_seq_length = seq_len
   config.data.max_predictions_per_seq = preds
   config.data.packing = packing
@@ -402,7 +406,7 @@ class JaxCase:
     self.rows = rows
     self.config = _bert_jax_config(a, s['size'], s['seq_len'], rows, s['max_predictions'],
                                    s['packing'], s['attention_impl'], s['attention_dropout'],
-                                   s['scan_layers'])
+                                   s['scan_layers'], s.get('layer_norm_impl', 'auto'))
     pretraining.check_attention(self.config, jax.default_backend())
     self.mesh = sharding_lib.make_mesh(self.config.mesh)
     self.rules = sharding_lib.rules_from_config(self.config.mesh)
@@ -498,7 +502,8 @@ class JaxCase:
     s = self.spec
     return (f"{s['size']}_{s['seq_len']}_{'packed' if s['packing'] else 'padded'}_"
             f"{s['attention_impl']}" + ('_attndrop' if s['attention_dropout'] else '') +
-            ('' if s['scan_layers'] else '_unscanned'))
+            ('' if s['scan_layers'] else '_unscanned') +
+            (f"_ln{s['layer_norm_impl']}" if s.get('layer_norm_impl', 'auto') != 'auto' else ''))
 
 
 def _rates(bert_config, host_batches, rows, step, round_times, peak) -> dict:
@@ -790,7 +795,9 @@ def _case(r: dict) -> str:
   return (f"{r['framework']:12s} {r['size']:5s} {r['seq_len']:4d} "
           f"{'packed' if r['packing'] else 'padded'} {r['attention_impl']:6s}"
           + (' attn-dropout' if r.get('attention_dropout') else '')
-          + (' unscanned' if r.get('scan_layers') is False else ''))
+          + (' unscanned' if r.get('scan_layers') is False else '')
+          + (f" ln-{r['layer_norm_impl']}" if r.get('layer_norm_impl', 'auto') != 'auto'
+             else ''))
 
 
 def parse_args(argv=None):
@@ -810,6 +817,9 @@ def parse_args(argv=None):
   p.add_argument('--attention', default='xla,cudnn',
                  help="model.attention_impl values: xla, cudnn, cudnn_varlen (Hopper+)")
   p.add_argument('--packing', default='false,true')
+  p.add_argument('--layernorm', default='auto',
+                 help="model.layer_norm_impl values, each its own bert_jax case: 'auto', "
+                      "'pallas', 'xla' (e.g. xla,pallas: before/after the fused kernel)")
   p.add_argument('--frameworks', default='bert_jax,transformers')
   p.add_argument('--attention_dropout_case', action=argparse.BooleanOptionalAction,
                  default=True)
@@ -841,6 +851,10 @@ def parse_args(argv=None):
   args.packed_fill = pairs(args.packed_fill, float) if args.packed_fill else {}
   args.attention = args.attention.split(',')
   args.packing = [x.lower() == 'true' for x in args.packing.split(',')]
+  args.layernorm = args.layernorm.split(',')
+  bad = [x for x in args.layernorm if x not in ('auto', 'pallas', 'xla')]
+  if bad:
+    p.error(f'--layernorm: {bad} not among auto, pallas, xla')
   args.scan_layers = [x.lower() == 'true' for x in args.scan_layers.split(',')]
   args.dump_hlo = [x for x in args.dump_hlo.split(',') if x]
   args.frameworks = args.frameworks.split(',')
@@ -858,8 +872,9 @@ def case_specs(args) -> tuple[list[dict], list[dict]]:
         for packing in args.packing:
           for impl in args.attention:
             fill = dict(row_fill=args.packed_fill.get(seq_len)) if packing else {}
-            jax_specs.append(dict(base, packing=packing, attention_impl=impl, scan_layers=scan,
-                                  **fill))
+            for ln in args.layernorm:
+              jax_specs.append(dict(base, packing=packing, attention_impl=impl,
+                                    scan_layers=scan, layer_norm_impl=ln, **fill))
       if args.attention_dropout_case and size == args.sizes[0] and seq_len == args.seq_lens[0]:
         jax_specs.append(dict(base, packing=False, attention_impl='xla', attention_dropout=0.1,
                               scan_layers=args.scan_layers[0]))

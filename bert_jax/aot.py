@@ -321,9 +321,11 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     per_chip_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes +
                       mem.temp_size_in_bytes - mem.alias_size_in_bytes)
     text = costed.as_text()
-    # XLA's cost analysis does not see inside a Pallas kernel (splash attention): the bound
-    # then counts at least the analytic FLOPs, so that it stays a lower bound.
-    pallas_calls = text.count('custom_call_target="tpu_custom_call"')
+    # XLA's cost analysis does not see inside a Pallas kernel (splash attention on TPUs; the
+    # fused LayerNorm on GPUs, lowered through Triton): the bound then counts at least the
+    # analytic FLOPs, so that it stays a lower bound.
+    pallas_calls = (text.count('custom_call_target="tpu_custom_call"') +
+                    text.count('custom_call_target="__gpu$xla.gpu.triton"'))
     # Nor inside cuDNN's fused attention, whose calls it counts as 0 FLOPs: theirs are added.
     # (with a mask: __cudnn$fmhaScaleBiasSoftmax; packed layout, cudnn_varlen: __cudnn$fmhaSoftmax).
     cudnn_calls = {'forward': len(re.findall(r'custom_call_target="__cudnn\$fmha\w*Softmax"',

@@ -128,6 +128,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     'model.dtype': ('auto', 'float32', 'bfloat16', 'float16'),
     'model.remat_policy': ('none', 'full', 'dots'),
     'model.attention_impl': ('xla', 'cudnn', 'cudnn_varlen', 'splash'),
+    'model.layer_norm_impl': ('auto', 'pallas', 'xla'),
     'data.objective': ('nsp', 'sop', 'none'),
     'train.optimizer': ('adamw', 'lamb'),
     'train.decay': ('linear', 'constant'),

@@ -61,6 +61,10 @@ def pretrain() -> ml_collections.ConfigDict:
   # apply no attention dropout: they need model.attention_probs_dropout_prob=0 (README,
   # "Attention").
   config.model.attention_impl = 'xla'
+  # Each encoder sub-layer's end, LayerNorm(x + dropout(projection + bias)): 'pallas' (one
+  # fused Pallas kernel each way, NVIDIA GPUs), 'xla' (plain jnp, any backend) or 'auto'
+  # (pallas on GPUs, xla elsewhere). Same float32 numerics (README, "LayerNorm").
+  config.model.layer_norm_impl = 'xla'
 
   # ---- Input -----------------------------------------------------------------------------
   config.data = ml_collections.ConfigDict()
@@ -228,6 +232,8 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # 'xla', 'cudnn' or 'cudnn_varlen' (GPUs) or 'splash' (TPUs); the fused ones need attention
   # dropout 0.
   config.model.attention_impl = 'xla'
+  # 'auto' (fused Pallas kernel on GPUs, xla elsewhere), 'pallas' or 'xla'.
+  config.model.layer_norm_impl = 'xla'
 
   config.train = ml_collections.ConfigDict()
   # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a

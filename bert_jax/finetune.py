@@ -472,7 +472,8 @@ def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertC
       hidden_dropout_prob=config.model.hidden_dropout_prob,
       attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
       scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy,
-      attention_impl=config.model.attention_impl)
+      attention_impl=config.model.attention_impl,
+      layer_norm_impl=config.model.layer_norm_impl)
 
 
 def _batch_settings(config: ml_collections.ConfigDict, train_features: dict[str, np.ndarray],

@@ -34,6 +34,7 @@ import numpy as np
 
 from bert_jax import activations
 from bert_jax import attention
+from bert_jax import layer_norm
 from bert_jax.errors import UserError
 
 Array = jax.Array
@@ -71,6 +72,7 @@ class BertConfig:
   attention_impl: str = 'xla'   # 'xla', 'cudnn', 'cudnn_varlen' or 'splash': see attention.py.
   # The most sequences in one row (data.packing_max_sequences): cudnn_varlen's segment tables.
   max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
+  layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto': see layer_norm.py.
 
   def __post_init__(self):
     if self.hidden_size % self.num_attention_heads:
@@ -87,6 +89,9 @@ class BertConfig:
     if self.max_packed_sequences < 1:
       raise UserError(f'max_packed_sequences={self.max_packed_sequences}: a row holds at least '
                       'one sequence (data.packing_max_sequences)')
+    if self.layer_norm_impl not in layer_norm.IMPLEMENTATIONS:
+      raise UserError(f'layer_norm_impl {self.layer_norm_impl!r} is not one of '
+                      f'{layer_norm.IMPLEMENTATIONS}')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
 
   @property
@@ -248,6 +253,40 @@ class LayerNorm(nn.Module):
     return y.astype(self.config.compute_dtype)
 
 
+def hidden_dropout_bits(module: nn.Module, config: BertConfig, deterministic: bool,
+                        shape: tuple[int, ...]) -> Array | None:
+  """The 8-bit hidden-dropout mask of `shape` from `module`'s 'dropout' rng, or None when no
+  dropout applies. Drawn by the caller, outside the LayerNorm's scope, so that profiles name
+  the generator's kernels dropout, not LayerNorm."""
+  if deterministic or not layer_norm.keep_threshold(config.hidden_dropout_prob):
+    return None
+  return layer_norm.dropout_bits(module.make_rng('dropout'), shape)
+
+
+class ResidualLayerNorm(nn.Module):
+  """LayerNorm(residual + dropout(x + bias)): a post-LN sub-layer's end (`layer_norm.py`).
+
+  The parameters are LayerNorm's (scale, bias). `x` is the sub-layer's projection without its
+  bias, which is passed as `x_bias` (float32) so that the fused kernel adds it, and returns its
+  gradient, in the same pass. `bits`: `hidden_dropout_bits`' mask, or None (no dropout).
+  """
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x: Array, residual: Array, x_bias: Array | None,
+               bits: Array | None) -> Array:
+    c = self.config
+    h = x.shape[-1]
+    scale = self.param('scale', _ones(('embed',)), (h,), jnp.float32)
+    bias = self.param('bias', _zeros(('embed',)), (h,), jnp.float32)
+    rate = c.hidden_dropout_prob if bits is not None else 0.0
+    # Initialization traces a dummy batch for the parameters' shapes only: plain jnp.
+    impl = 'xla' if self.is_initializing() else c.layer_norm_impl
+    return layer_norm.residual_layer_norm(
+        x, residual, x_bias, scale, bias, bits, rate=rate, eps=c.layer_norm_eps, impl=impl,
+        out_dtype=c.compute_dtype)
+
+
 class DenseGeneral(nn.Module):
   """`nn.DenseGeneral` over the trailing `num_in` input axes: same parameters, init and math.
 
@@ -262,6 +301,8 @@ class DenseGeneral(nn.Module):
   axes: tuple[str | None, ...]   # The kernel's logical axes: input axes, then features.
   num_in: int = 1
   activation: str | None = None  # A key of _ACTIVATIONS applied to the output, or none.
+  # False: return (x @ kernel, bias) for a consumer that adds the float32 bias itself.
+  add_bias: bool = True
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -269,9 +310,12 @@ class DenseGeneral(nn.Module):
     kernel = self.param('kernel', _init(c, self.axes), x.shape[-n:] + self.features,
                         jnp.float32)
     bias = self.param('bias', _zeros(self.axes[n:]), self.features, jnp.float32)
+    f32_bias = bias
     x, kernel, bias = promote_dtype(x, kernel, bias, dtype=c.compute_dtype)
     dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
     y = jax.lax.dot_general(x, kernel, dims)
+    if not self.add_bias:
+      return y, f32_bias
     if self.activation == 'gelu':
       # Bias add and exact GELU in one function that keeps only y for its backward.
       return activations.bias_gelu(y, bias)
@@ -280,13 +324,13 @@ class DenseGeneral(nn.Module):
 
 
 def _dense(config: BertConfig, features, axes, name: str, in_axes=-1,
-           activation: str | None = None) -> nn.Module:
+           activation: str | None = None, add_bias: bool = True) -> nn.Module:
   features = features if isinstance(features, tuple) else (features,)
   in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
   if in_axes != tuple(range(-len(in_axes), 0)):
     raise ValueError(f'in_axes {in_axes} are not the trailing axes')
   return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
-                      activation=activation, name=name)
+                      activation=activation, add_bias=add_bias, name=name)
 
 
 def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
@@ -306,7 +350,8 @@ def _one_hot_lookup(table: Array, ids: Array, dtype) -> Array:
 
 
 class Embeddings(nn.Module):
-  """Word + learned position + token type embeddings, LayerNorm, dropout."""
+  """Word + learned position + token type embeddings, LayerNorm, dropout (8-bit masks:
+  `layer_norm.dropout_bits`)."""
   config: BertConfig
 
   def setup(self):
@@ -321,7 +366,6 @@ class Embeddings(nn.Module):
                                           dtype=c.compute_dtype, param_dtype=jnp.float32,
                                           embedding_init=_init(c, (None, 'embed')))
     self.layer_norm = _layer_norm(c, 'layer_norm')
-    self.dropout = nn.Dropout(c.hidden_dropout_prob)
 
   def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool,
                position_ids: Array | None = None) -> Array:
@@ -342,7 +386,9 @@ class Embeddings(nn.Module):
     token_types = _one_hot_lookup(self.token_type_embeddings.embedding, segment_ids, dtype)
     x = self.word_embeddings(input_ids) + positions + token_types
     x = _constrain(x, ('batch', 'length', 'act_embed'))
-    return self.dropout(self.layer_norm(x), deterministic=deterministic)
+    x = self.layer_norm(x)
+    bits = hidden_dropout_bits(self, self.config, deterministic, x.shape)
+    return layer_norm.dropout(x, bits, self.config.hidden_dropout_prob)
 
   def attend(self, x: Array) -> Array:
     """Logits over the vocabulary with the (tied) word embedding matrix.
@@ -408,7 +454,9 @@ class SelfAttention(nn.Module):
                                           probs_dropout=probs_dropout,
                                           max_sequences=c.max_packed_sequences)
     out = _constrain(out, ('batch', 'length', 'act_heads', 'kv'))
-    return _dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1))(out)
+    # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
+    return _dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1),
+                  add_bias=False)(out)
 
 
 class Mlp(nn.Module):
@@ -420,7 +468,8 @@ class Mlp(nn.Module):
     h = _dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
                activation=c.hidden_act)(x)
     h = _constrain(h, ('batch', 'length', 'act_mlp'))
-    return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output')(h)
+    # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
+    return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False)(h)
 
 
 class EncoderLayer(nn.Module):
@@ -434,12 +483,13 @@ class EncoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x: Array, sequence_ids: Array) -> tuple[Array, Array | None]:
     c = self.config
-    drop = nn.Dropout(c.hidden_dropout_prob, deterministic=self.deterministic)
-    attn = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
-    x = _layer_norm(c, 'attention_layer_norm')(x + drop(attn))
+    # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
+    drop = lambda: hidden_dropout_bits(self, c, self.deterministic, x.shape)
+    attn, attn_bias = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
+    x = ResidualLayerNorm(c, name='attention_layer_norm')(attn, x, attn_bias, drop())
     x = _constrain(x, ('batch', 'length', 'act_embed'))
-    y = Mlp(c, name='mlp')(x)
-    x = _layer_norm(c, 'output_layer_norm')(x + drop(y))
+    y, y_bias = Mlp(c, name='mlp')(x)
+    x = ResidualLayerNorm(c, name='output_layer_norm')(y, x, y_bias, drop())
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     # Returned twice: as the scan carry and as the per-layer output (hidden states).
     return x, (x if self.hidden_states else None)

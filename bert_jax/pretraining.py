@@ -55,6 +55,7 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_li
       attention_probs_dropout_prob=m.attention_probs_dropout_prob,
       dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
       remat_policy=m.remat_policy, attention_impl=m.attention_impl,
+      layer_norm_impl=m.layer_norm_impl,
       max_packed_sequences=packed_sequences(config))
 
 

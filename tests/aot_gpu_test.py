@@ -124,7 +124,8 @@ def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
   memory and FLOPs come back, and they count the same work."""
   reports = {}
   for impl in ('cudnn', 'cudnn_varlen', 'xla'):
-    (r,) = aot.compile_for_topology(_config(**{'model.attention_impl': impl}), 'h100')
+    (r,) = aot.compile_for_topology(
+        _config(**{'model.attention_impl': impl, 'model.layer_norm_impl': 'auto'}), 'h100')
     assert r['platform'] == 'gpu' and r['chips'] == 1 and r['dtype'] == 'bfloat16'
     assert r['memory']['fits'] and 0 < r['memory']['total_gib'] < 1
     assert r['memory']['aliased_gib'] > 0  # The train state is donated.
@@ -139,6 +140,9 @@ def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
   assert reports['cudnn_varlen']['flops']['xla_total'] == pytest.approx(
       reports['xla']['flops']['xla_total'], rel=0.05)
   assert reports['xla']['flops']['cudnn_attention_calls'] == {'forward': 0, 'backward': 0}
+  # model.layer_norm_impl='auto' (asked for above) compiles the fused Pallas LayerNorm for the GPU (through
+  # Triton): one forward and one backward call per sub-layer, two sub-layers per layer.
+  assert reports['xla']['flops']['pallas_kernel_calls'] == 2 * 2 * layers
   assert reports['cudnn']['flops']['xla_total'] == pytest.approx(
       reports['xla']['flops']['xla_total'], rel=0.05)
   assert 'cuDNN attention: 2 forward and 2 backward calls' in aot.format_report(reports['cudnn'])

@@ -25,6 +25,8 @@ import processes
      {'step_time_ratio_bounded_vs_unbounded', 'ratio_per_round'}),
     ('packing.py', ['--what=padding', '--seq_lens=128', '--batches=2'],
      {'padded_padding_fraction', 'packed_padding_fraction', 'packed_sequences_per_row'}),
+    ('layernorm.py', ['--rows=9', '--hidden=24', '--iters=1'],
+     {'backend', 'pallas_interpreted', 'cases'}),
     ('finetune_buckets.py', ['--num_examples=64', '--batch_size=16', '--max_seq_length=32',
                              '--buckets=16,32', '--vocab_size=100', '--rounds=1'],
      {'padding', 'fixed', 'bucketed', 'speedup'}),
@@ -255,3 +257,17 @@ def test_benchmark_flags_are_never_abbreviated(script):
   if script == 'gpu.py':
     with pytest.raises(SystemExit):
       _gpu_module().parse_args(['--output=/tmp/x', '--size=tiny'])
+
+
+def test_gpu_benchmark_runs_each_layer_norm_impl_as_its_own_case():
+  gpu = _gpu_module()
+  args = gpu.parse_args(['--output=/tmp/x', '--sizes=base', '--seq_lens=128', '--attention=cudnn',
+                         '--packing=true', '--layernorm=xla,pallas',
+                         '--no-attention_dropout_case'])
+  jax_specs, _ = gpu.case_specs(args)
+  assert [s['layer_norm_impl'] for s in jax_specs] == ['xla', 'pallas']
+  names = [gpu.JaxCase(args, s).name() for s in jax_specs]
+  assert names == ['base_128_packed_cudnn_unscanned_lnxla',
+                   'base_128_packed_cudnn_unscanned_lnpallas'], names
+  with pytest.raises(SystemExit):
+    gpu.parse_args(['--output=/tmp/x', '--layernorm=triton'])

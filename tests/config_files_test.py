@@ -91,12 +91,14 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   """config_checks writes the values out (the modules import JAX); they must not drift."""
   from bert_jax import attention  # pylint: disable=g-import-not-at-top
   from bert_jax import config_checks  # pylint: disable=g-import-not-at-top
+  from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
   from bert_jax import model  # pylint: disable=g-import-not-at-top
   from bert_jax import objectives  # pylint: disable=g-import-not-at-top
   from bert_jax import train_state  # pylint: disable=g-import-not-at-top
   choices = config_checks.CHOICES
   assert set(choices['model.size']) == set(model.SIZES)
   assert set(choices['model.attention_impl']) == set(attention.IMPLEMENTATIONS)
+  assert set(choices['model.layer_norm_impl']) == set(layer_norm.IMPLEMENTATIONS)
   remat_policies = model._REMAT_POLICIES  # pylint: disable=protected-access
   assert set(choices['model.remat_policy']) == set(remat_policies)
   assert set(choices['data.objective']) == set(objectives.OBJECTIVES)

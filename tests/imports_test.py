@@ -22,7 +22,7 @@ LAYERS = (
     ('fine-tuning tasks', {'task_table', 'metrics', *task_table.KINDS}),
     ('training', {'pretraining', 'train_state', 'optim', 'sharding', 'monitor'}),
     ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint', 'run_lock'}),
-    ('model', {'model', 'attention', 'activations', 'flops'}),
+    ('model', {'model', 'attention', 'activations', 'layer_norm', 'flops'}),
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
               'vocab', 'sample_corpus', 'batching'}),
     ('what is trained', {'objectives', 'tasks'}),

@@ -306,3 +306,35 @@ def test_masked_positions_are_gathered_without_a_scatter_in_the_gradient():
       {'params': p}, ids, mask, seg, pos)[0])
   hlo = jax.jit(jax.grad(loss)).lower(params).as_text()
   assert hlo.count('scatter(') + hlo.count('"stablehlo.scatter"') == 1, 'one scatter: words'
+
+
+def test_pallas_layer_norm_matches_xla_in_training_with_dropout():
+  """model.layer_norm_impl='pallas' (interpreted here) against 'xla': the same dropout masks
+  from the same rng, the same outputs and parameter gradients (scanned layers: one kernel
+  trace; interpreting Pallas compiles slowly)."""
+  params = model_lib.init_params(TINY, jax.random.key(4))
+  ids, mask, seg, pos = _batch()
+  rngs = {'dropout': jax.random.key(5)}
+
+  def loss_and_grads(cfg):
+    def loss(p):
+      mlm, nsp = model_lib.BertForPreTraining(cfg).apply(
+          {'params': model_lib.match_layout(cfg, p)}, ids, mask, seg, pos, deterministic=False,
+          rngs=rngs)
+      return jnp.sum(mlm * jnp.linspace(-1, 1, mlm.size).reshape(mlm.shape)) + jnp.sum(nsp)
+    return jax.value_and_grad(loss)(params)
+
+  ref = loss_and_grads(TINY.replace(layer_norm_impl='xla', scan_layers=True))
+  out = loss_and_grads(TINY.replace(layer_norm_impl='pallas', scan_layers=True))
+  # Float32 both ways; leaves near zero (a few biases) are held to the largest's scale.
+  top = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref))
+  jax.tree.map(lambda a, b: assert_close(b, a, 2e-5, scale=top), ref, out)
+  # Dropout is on: the loss differs from the deterministic one.
+  det = model_lib.BertForPreTraining(TINY).apply({'params': params}, ids, mask, seg, pos)
+  assert not np.allclose(det[0], model_lib.BertForPreTraining(TINY).apply(
+      {'params': params}, ids, mask, seg, pos, deterministic=False, rngs=rngs)[0])
+
+
+def test_bad_layer_norm_impl_is_one_line():
+  with pytest.raises(model_lib.UserError, match="layer_norm_impl 'triton' is not one of"):
+    TINY.replace(layer_norm_impl='triton')

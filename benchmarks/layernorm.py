@@ -1,0 +1,121 @@
+"""The post-LN sub-layer end, LayerNorm(residual + dropout(x + bias)): XLA vs the Pallas kernel.
+
+  python3 benchmarks/layernorm.py                      # GPU: [256*128, 768] and [.., 1024] bf16
+  python3 benchmarks/layernorm.py --rows=63 --hidden=24,64 --iters=2   # CPU: a check only
+
+Times forward and forward+backward (dx, d residual, d bias, d scale, d beta) of
+`layer_norm.residual_layer_norm` with dropout 0.1 for impl='xla' and impl='pallas', each jitted,
+the median of --iters runs after a warm-up, and reports ms, GB/s (the bytes the fused kernels
+must move: forward reads x, residual, the 1-byte mask and writes y; backward reads x, residual,
+mask, dy and writes dx, d residual) and the largest absolute difference of every output from
+the xla path. --rows_per_program sweeps the kernels' rows per program (e.g. 4:32,1:16,8:64);
+one JSON line per (hidden, impl, rows per program), then a summary line with the best.
+Needs no TensorFlow.
+Off a GPU the Pallas kernel runs in interpret mode: the differences are checked, timings mean
+nothing.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+
+from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0], allow_abbrev=False)
+  parser.add_argument('--rows', type=int, default=256 * 128, help='rows (tokens)')
+  parser.add_argument('--hidden', default='768,1024', help='comma-separated hidden sizes')
+  parser.add_argument('--rate', type=float, default=0.1, help='dropout rate')
+  parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
+  parser.add_argument('--iters', type=int, default=50, help='timed runs (median reported)')
+  parser.add_argument('--rows_per_program', default='4:32',
+                      help='FWD:BWD rows each Pallas program handles, comma-separated to sweep '
+                           '(the first is the module default, layer_norm._FWD_ROWS/_BWD_ROWS)')
+  return parser.parse_args(argv)
+
+
+def _time(fn, args, iters):
+  jax.block_until_ready(fn(*args))  # Compile and warm up.
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def run_case(rows, hidden, rate, dtype, iters, tilings):
+  keys = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(keys[0], (1, rows, hidden), dtype)
+  residual = jax.random.normal(keys[1], (1, rows, hidden), dtype)
+  bias = 0.1 * jax.random.normal(keys[2], (hidden,), jnp.float32)
+  scale = 1.0 + 0.1 * jax.random.normal(keys[3], (hidden,), jnp.float32)
+  beta = 0.1 * jax.random.normal(keys[4], (hidden,), jnp.float32)
+  bits = layer_norm.dropout_bits(keys[5], x.shape)
+  dy = jax.random.normal(jax.random.key(1), x.shape, dtype)
+  size = jnp.dtype(dtype).itemsize * rows * hidden
+  fwd_bytes = 3 * size + rows * hidden
+  bwd_bytes = 5 * size + rows * hidden + fwd_bytes  # fwd+bwd moves both.
+  results, outputs = [], {}
+  defaults = layer_norm._FWD_ROWS, layer_norm._BWD_ROWS  # pylint: disable=protected-access
+  runs = [('xla', None)] + [('pallas', t) for t in tilings]
+  for impl, tiling in runs:
+    if tiling:
+      layer_norm._FWD_ROWS, layer_norm._BWD_ROWS = tiling  # pylint: disable=protected-access
+    def f(x, residual, bias, scale, beta, impl=impl):
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=rate,
+                                            impl=impl)
+
+    fwd = jax.jit(f)
+    fwd_bwd = jax.jit(lambda *a, f=f: jax.vjp(f, *a)[1](dy) + (f(*a),))
+    args = (x, residual, bias, scale, beta)
+    out = fwd_bwd(*args)
+    t_fwd, t_all = _time(fwd, args, iters), _time(fwd_bwd, args, iters)
+    r = dict(impl=impl, rows=rows, hidden=hidden, dtype=dtype, rate=rate,
+             fwd_ms=1e3 * t_fwd, fwd_bwd_ms=1e3 * t_all,
+             fwd_gbps=fwd_bytes / t_fwd / 1e9, fwd_bwd_gbps=bwd_bytes / t_all / 1e9)
+    if impl == 'xla':
+      outputs = out
+    else:
+      r['rows_per_program'] = f'{tiling[0]}:{tiling[1]}'
+      names = ('dx', 'dresidual', 'dbias', 'dscale', 'dbeta', 'y')
+      r['max_abs_diff_vs_xla'] = {
+          n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+          for n, a, b in zip(names, outputs, out)}
+    results.append(r)
+  layer_norm._FWD_ROWS, layer_norm._BWD_ROWS = defaults  # pylint: disable=protected-access
+  return results
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  summary = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+                 jax=jax.__version__,
+                 pallas_interpreted=jax.default_backend() != 'gpu', cases=[])
+  tilings = [tuple(int(v) for v in t.split(':')) for t in args.rows_per_program.split(',')]
+  for hidden in [int(h) for h in args.hidden.split(',')]:
+    xla, *pallas = run_case(args.rows, hidden, args.rate, args.dtype, args.iters, tilings)
+    for r in [xla] + pallas:
+      print(json.dumps(r), flush=True)
+    best = min(pallas, key=lambda r: r['fwd_bwd_ms'])
+    summary['cases'].append(dict(
+        hidden=hidden, xla_fwd_bwd_ms=xla['fwd_bwd_ms'], pallas_fwd_bwd_ms=best['fwd_bwd_ms'],
+        best_rows_per_program=best['rows_per_program'],
+        speedup_fwd=xla['fwd_ms'] / best['fwd_ms'],
+        speedup_fwd_bwd=xla['fwd_bwd_ms'] / best['fwd_bwd_ms'],
+        max_abs_diff_vs_xla=max((p['max_abs_diff_vs_xla'] for p in pallas),
+                                key=lambda d: max(d.values()))))
+  print(json.dumps(summary), flush=True)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,166 @@
+"""The fused sub-layer end against its jnp reference, and the 8-bit dropout masks.
+
+The Pallas kernels run in interpret mode here (CPU): the same kernel code a GPU lowers through
+Triton, masked lanes and rows included.
+"""
+
+import jax
+from jax import test_util
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax import layer_norm
+
+
+def _inputs(rows, hidden, dtype, seed=0):
+  k = jax.random.split(jax.random.key(seed), 7)
+  x = jax.random.normal(k[0], (2, rows, hidden), dtype)
+  residual = jax.random.normal(k[1], (2, rows, hidden), dtype)
+  bias = 0.5 * jax.random.normal(k[2], (hidden,), jnp.float32)
+  scale = 1.0 + 0.3 * jax.random.normal(k[3], (hidden,), jnp.float32)
+  beta = 0.3 * jax.random.normal(k[4], (hidden,), jnp.float32)
+  bits = layer_norm.dropout_bits(k[5], x.shape)
+  dy = jax.random.normal(k[6], x.shape, dtype)
+  return x, residual, bias, scale, beta, bits, dy
+
+
+def _ln_ref64(x, residual, bias, scale, beta, keep_mult, eps):
+  """The formula in float64 numpy: the ground truth both implementations approximate."""
+  z = np.asarray(x, np.float64) + (0 if bias is None else np.asarray(bias, np.float64))
+  h = z * keep_mult + np.asarray(residual, np.float64)
+  mean = h.mean(-1, keepdims=True)
+  var = ((h - mean) ** 2).mean(-1, keepdims=True)
+  return (h - mean) / np.sqrt(var + eps) * np.asarray(scale, np.float64) + np.asarray(
+      beta, np.float64)
+
+
+@pytest.mark.parametrize('rows, hidden, rate, with_bias', [
+    (7, 24, 0.1, True),     # Odd rows (the last kernel program partly empty); H not 2^k.
+    (33, 64, 0.1, False),   # No bias (as the embeddings would call it).
+    (5, 48, 0.0, True),     # Rate 0: no mask at all.
+])
+def test_pallas_matches_xla_forward_and_every_gradient(rows, hidden, rate, with_bias):
+  x, residual, bias, scale, beta, bits, dy = _inputs(rows, hidden, jnp.float32)
+  bias = bias if with_bias else None
+  outs = {}
+  for impl in ('xla', 'pallas'):
+    def f(x, residual, bias, scale, beta, impl=impl):
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=rate,
+                                            eps=1e-12, impl=impl)
+    y, vjp = jax.vjp(f, x, residual, bias, scale, beta)
+    outs[impl] = (y,) + vjp(dy)
+  names = ('y', 'dx', 'dresidual', 'dbias', 'dscale', 'dbeta')
+  for name, a, b in zip(names, outs['xla'], outs['pallas']):
+    if a is None:
+      assert b is None, name
+      continue
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5, err_msg=name)
+  # And both are the formula: the forward against float64.
+  t = layer_norm.keep_threshold(rate)
+  mult = np.where(np.asarray(bits) >= t, 256 / (256 - t), 0.0) if t else 1.0
+  np.testing.assert_allclose(np.asarray(outs['pallas'][0]),
+                             _ln_ref64(x, residual, bias, scale, beta, mult, 1e-12),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_dropped_elements_get_no_gradient_and_kept_ones_are_scaled():
+  x, residual, bias, scale, beta, bits, dy = _inputs(9, 32, jnp.float32, seed=3)
+  rate = 0.25
+  t = layer_norm.keep_threshold(rate)
+  dropped = np.asarray(bits) < t
+  assert 0 < dropped.sum() < dropped.size
+  for impl in ('xla', 'pallas'):
+    f = lambda x, r: layer_norm.residual_layer_norm(x, r, bias, scale, beta, bits, rate=rate,
+                                                    impl=impl)
+    _, vjp = jax.vjp(f, x, residual)
+    dx, dr = (np.asarray(g) for g in vjp(dy))
+    assert np.all(dx[dropped] == 0), impl
+    np.testing.assert_allclose(dx[~dropped], dr[~dropped] * 256 / (256 - t), rtol=1e-5, atol=1e-6,
+                               err_msg=impl)
+
+
+def test_check_grads_of_the_pallas_kernel():
+  x, residual, bias, scale, beta, bits, _ = _inputs(5, 24, jnp.float32, seed=1)
+  f = lambda x, r, b, s, be: layer_norm.residual_layer_norm(x, r, b, s, be, bits, rate=0.1,
+                                                            impl='pallas')
+  test_util.check_grads(f, (x, residual, bias, scale, beta), order=1, modes=['rev'],
+                            atol=1e-2, rtol=1e-2, eps=1e-3)
+
+
+def test_bfloat16_in_and_out_with_float32_statistics():
+  x, residual, bias, scale, beta, bits, dy = _inputs(11, 40, jnp.bfloat16, seed=2)
+  outs = {}
+  for impl in ('xla', 'pallas'):
+    f = lambda x, r, b, impl=impl: layer_norm.residual_layer_norm(
+        x, r, b, scale, beta, bits, rate=0.1, impl=impl)
+    y, vjp = jax.vjp(f, x, residual, bias)
+    outs[impl] = (y,) + vjp(dy)
+    assert [o.dtype for o in outs[impl]] == [jnp.bfloat16] * 3 + [jnp.float32], impl
+  for a, b in zip(outs['xla'], outs['pallas']):
+    # The same float32 math; the bf16 outputs differ by at most one rounding step.
+    np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_auto_is_xla_off_gpu():
+  x, residual, bias, scale, beta, bits, _ = _inputs(3, 8, jnp.float32)
+  jaxpr = str(jax.make_jaxpr(lambda *a: layer_norm.residual_layer_norm(
+      *a, bits, rate=0.1, impl='auto'))(x, residual, bias, scale, beta))
+  assert 'pallas_call' not in jaxpr
+  jaxpr = str(jax.make_jaxpr(lambda *a: layer_norm.residual_layer_norm(
+      *a, bits, rate=0.1, impl='pallas'))(x, residual, bias, scale, beta))
+  assert 'pallas_call' in jaxpr
+
+
+def test_dropout_bits_rate_and_independence():
+  bits = np.asarray(layer_norm.dropout_bits(jax.random.key(0), (64, 513)))
+  assert bits.shape == (64, 513) and bits.dtype == np.uint8
+  t = layer_norm.keep_threshold(0.1)
+  assert t == 26 and layer_norm.effective_rate(0.1) == 26 / 256
+  dropped = bits < t
+  # Binomial: 32,832 draws at p = 0.1016, standard deviation 0.0017.
+  assert abs(dropped.mean() - 26 / 256) < 0.006
+  # The four bytes of one 32-bit word are independent draws: neighbours' drops uncorrelated.
+  a, b = dropped[:, :-1].ravel(), dropped[:, 1:].ravel()
+  assert abs(np.corrcoef(a, b)[0, 1]) < 0.03
+  other = np.asarray(layer_norm.dropout_bits(jax.random.key(1), (64, 513)))
+  assert (other != bits).mean() > 0.9
+
+
+def test_dropout_multiplies_and_keeps_the_expectation():
+  x = jnp.ones((256, 256), jnp.bfloat16)
+  bits = layer_norm.dropout_bits(jax.random.key(0), x.shape)
+  y = np.asarray(layer_norm.dropout(x, bits, 0.1), np.float32)
+  assert set(np.unique(y).tolist()) == {0.0, float(jnp.bfloat16(256 / 230))}
+  assert abs(y.mean() - 1.0) < 0.01
+  assert layer_norm.dropout(x, bits, 0.0) is x
+  with pytest.raises(ValueError, match='dropout rate'):
+    layer_norm.keep_threshold(1.0)
+
+
+def test_pallas_on_a_mesh_runs_per_device_and_sums_the_parameter_gradients():
+  """Under a data x fsdp x tensor mesh the kernels run per device on their rows (shard_map),
+  and the bias/scale/beta gradients are the sums over every device's rows."""
+  from bert_jax import config_files  # pylint: disable=g-import-not-at-top
+  from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  x, residual, bias, scale, beta, bits, dy = _inputs(6, 24, jnp.float32, seed=5)
+  x, residual, bits, dy = (jnp.concatenate([a, a[::-1] * 0.5]) for a in (x, residual, bits, dy))
+
+  def run(impl):
+    def f(x, residual, bias, scale, beta):
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=0.1,
+                                            impl=impl)
+    y, vjp = jax.vjp(f, x, residual, bias, scale, beta)
+    return (y,) + vjp(dy)
+
+  reference = jax.jit(lambda: run('xla'))()
+  config = config_files.load_config('configs/smoke.py', {'mesh.data': 2, 'mesh.fsdp': 2,
+                                                         'mesh.tensor': 2})
+  mesh = sharding_lib.make_mesh(config.mesh, jax.devices()[:8])
+  with sharding_lib.activate(mesh, sharding_lib.rules_from_config(config.mesh)):
+    jaxpr = str(jax.make_jaxpr(lambda: run('pallas'))())
+    out = jax.jit(lambda: run('pallas'))()
+  assert 'shard_map' in jaxpr and 'pallas_call' in jaxpr
+  for a, b in zip(reference, out):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5)
