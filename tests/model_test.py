@@ -243,12 +243,15 @@ def test_fused_qkv_projection_matches_three_projections():
   x = jax.random.normal(jax.random.key(8), (3, 12, TINY.hidden_size))
   sequence_ids = jnp.asarray(_batch()[1])
   cot = jax.random.normal(jax.random.key(9), x.shape)
+  def attend(p, x):
+    # The output projection's bias comes back beside it (the layer's LayerNorm adds it).
+    y, bias = model_lib.SelfAttention(TINY).apply({'params': p}, x, sequence_ids)
+    return y + bias
+
   with jax.default_matmul_precision('highest'):
-    fused = lambda p, x: jnp.sum(model_lib.SelfAttention(TINY).apply(
-        {'params': p}, x, sequence_ids) * cot)
+    fused = lambda p, x: jnp.sum(attend(p, x) * cot)
     ref = lambda p, x: jnp.sum(_attention_by_three_projections(p, x, sequence_ids) * cot)
-    out, ref_out = (model_lib.SelfAttention(TINY).apply({'params': p}, x, sequence_ids),
-                    _attention_by_three_projections(p, x, sequence_ids))
+    out, ref_out = attend(p, x), _attention_by_three_projections(p, x, sequence_ids)
     grads, ref_grads = (jax.grad(f, argnums=(0, 1))(p, x) for f in (fused, ref))
   assert_close(out, ref_out, 1e-6, what='attention output')
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
@@ -257,8 +260,7 @@ def test_fused_qkv_projection_matches_three_projections():
       r = r[key.key if hasattr(key, 'key') else key.idx]
     assert_close(g, r, 1e-5, what=f'gradient {jax.tree_util.keystr(path)}')
   # One projection matmul (then q k^T, probs v, and the output projection), not three.
-  jaxpr = jax.make_jaxpr(lambda p, x: model_lib.SelfAttention(TINY).apply(
-      {'params': p}, x, sequence_ids))(p, x)
+  jaxpr = jax.make_jaxpr(attend)(p, x)
   assert str(jaxpr).count('dot_general') == 4
 
 
