@@ -21,7 +21,9 @@ removed when the manager cleans up.
 A committed checkpoint that cannot be read back (truncated or corrupt files) is named in a
 warning, moved aside to `<step>.corrupt`, and the one before it is used; one whose shapes do not
 match the config is an error (never a partial load). A save that fails (a full disk) is removed
-and named in the error; the checkpoints before it stay usable.
+and named in the error; the checkpoints before it stay usable. A save that Cloud Storage fails
+past the retries ends the run with one line naming the object (`gcs.outage`): its step folder
+there has no `commit_success.txt` and is never resumed from.
 
 Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) works like a
 local one (Orbax handles its own paths).
@@ -45,6 +47,7 @@ from absl import logging
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from bert_jax import fileio
+from bert_jax import gcs
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
 
@@ -197,7 +200,13 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
   manager.reload()
   kept = manager.latest_step()
   cause = _disk_error(error)
-  _ORBAX_ERRORS.release(show=cause is None)
+  failing = gcs.outage(error, f'the last complete checkpoint, step {kept},' if kept is not None
+                       else 'every file written before')
+  _ORBAX_ERRORS.release(show=cause is None and failing is None)
+  if failing is not None:
+    # Cloud Storage past the retries: Orbax's step folder there has no commit_success.txt, so
+    # it is never resumed from; the rerun writes it again.
+    raise failing from error
   if cause is None:
     raise error
   failed = ', '.join(os.path.join(ckpt_dir, p) for p in partial) or 'the checkpoint being saved'

@@ -7,7 +7,8 @@ A user's mistake (`errors.UserError`, a bad flag or config override) ends as one
 `bert-jax <command>: error: ...`, with exit status 2; anything else is a bug and keeps its
 traceback (status 1). `--traceback` or BERT_JAX_TRACEBACK=1 shows the traceback of a mistake too.
 SIGTERM or Ctrl-C, in any phase of any command, ends with one line and status 143 (training
-saves first): rerun to resume (`EXIT_STATUSES`, also in `bert-jax --help`).
+saves first), and so does Cloud Storage failing past the retries (`errors.Outage`): rerun to
+resume (`EXIT_STATUSES`, also in `bert-jax --help`).
 """
 
 import contextlib
@@ -391,8 +392,9 @@ EXIT_STATUSES = f'''exit status:
   {errors.EXIT_FINISHED:<3d}  finished
   {errors.EXIT_USER_ERROR:<3d}  a mistake to fix: the message names the flag, config key or file
   {errors.EXIT_BUG:<3d}  a bug: the traceback is for a bug report
-  {errors.EXIT_PREEMPTED:<3d}  stopped by SIGTERM (preemption) or Ctrl-C; training saved first:
-       rerun the same command to resume (schedulers: retry on this status)'''
+  {errors.EXIT_PREEMPTED:<3d}  stopped by SIGTERM (preemption) or Ctrl-C, training saved first, or
+       by Cloud Storage failing past the retries (the last checkpoint intact): rerun the
+       same command to resume (schedulers: retry on this status)'''
 
 
 def _usage() -> str:
@@ -600,7 +602,8 @@ def _stop_at_once_on_signals(name: str) -> dict[int, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  """Runs `bert-jax <command> [--flags]`; a user's mistake exits with one message, status 2."""
+  """Runs `bert-jax <command> [--flags]`; a user's mistake exits with one message, status 2
+  (Cloud Storage failing past the retries: one message, EXIT_PREEMPTED)."""
   argv = list(sys.argv if argv is None else argv)
   if len(argv) < 2 or argv[1] in ('-h', '--help', 'help'):
     print(_usage())
@@ -632,7 +635,8 @@ def main(argv: list[str] | None = None) -> None:
       traceback.print_exc()
     sys.stderr.flush()
     print(f'bert-jax {name}: error: {message}', file=sys.stderr, flush=True)
-    sys.exit(errors.EXIT_USER_ERROR)
+    # Cloud Storage down past the retries: rerun (as after a preemption), not a mistake.
+    sys.exit(errors.EXIT_PREEMPTED if gcs.outage(e) is not None else errors.EXIT_USER_ERROR)
   finally:
     for signum, handler in previous_handlers.items():  # main() called in a process that goes on
       signal.signal(signum, handler)

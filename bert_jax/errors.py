@@ -4,6 +4,8 @@ A `UserError` is a mistake the person running bert_jax can fix (a flag, a config
 a checkpoint that does not match): the `bert-jax` command prints its message alone and exits
 with status 2. Anything else is a bug and keeps its traceback (status 1). `Preempted` is
 neither: a run stopped by SIGTERM or Ctrl-C (status 143), after saving what it had trained.
+`Outage`, Cloud Storage failing past its clients' retries (429s, 503s, resets), is not a
+mistake nor a bug either: one line and status 143 too, since a rerun resumes.
 """
 
 import re
@@ -13,10 +15,11 @@ import re
 EXIT_FINISHED = 0
 EXIT_BUG = 1
 EXIT_USER_ERROR = 2
-# Stopped by SIGTERM (a preemption notice, `kill`, a pod's deletion) or Ctrl-C; rerun the same
-# command to resume. 128 + 15, what a process killed by SIGTERM reports in a shell, a
-# container's status and SLURM's epilogue: a notice that lands before bert_jax listens
-# (interpreter start-up) reads the same as one it handled, so a scheduler needs one rule.
+# Stopped by SIGTERM (a preemption notice, `kill`, a pod's deletion) or Ctrl-C, or by Cloud
+# Storage failing past the retries (`Outage`); rerun the same command to resume. 128 + 15, what
+# a process killed by SIGTERM reports in a shell, a container's status and SLURM's epilogue: a
+# notice that lands before bert_jax listens (interpreter start-up) reads the same as one it
+# handled, so a scheduler needs one rule.
 EXIT_PREEMPTED = 143
 
 
@@ -32,6 +35,15 @@ class Preempted(Exception):
   reached or, before its first step (nothing new to save), at once. Rerunning the same command
   resumes it. Not a mistake: the `bert-jax` command prints the message and exits with
   EXIT_PREEMPTED."""
+
+
+class Outage(Exception):
+  """Storage kept failing past the retries of the client that met it (`gcs.outage`): not a
+  mistake to fix nor a bug, but the infrastructure, for now. Nothing committed is lost, so the
+  `bert-jax` command prints the message alone and exits with EXIT_PREEMPTED: the status on which
+  a scheduler already reruns a run (launch/), and the rerun resumes from the last committed
+  checkpoint. EXIT_USER_ERROR would end a Kubernetes Job or a SLURM allocation for a fault that
+  is gone minutes later."""
 
 
 # Marks a user's mistake found inside a tf.data graph (a `tf.debugging.Assert` message): TF

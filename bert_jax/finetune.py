@@ -284,9 +284,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
                       'config.train.learning_rate')
     ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed,
                                                       eval_pending=eval_pending))
-    # Kept: this step (to resume from) and the best epoch's (its weights are the result).
-    for old in manager.all_steps():
-      if old != step and (best is None or old != best['step']):
+    # Kept: this step (to resume from), the best epoch's (its weights are the result) and,
+    # until this step's asynchronous save is committed (the next save waits for it), the
+    # latest committed one: a save that fails (Cloud Storage down) leaves a step to resume from.
+    steps = manager.all_steps()
+    committed = max((old for old in steps if old != step), default=None)
+    for old in steps:
+      if old not in (step, committed) and (best is None or old != best['step']):
         manager.delete(old)
 
   # ---- Logs ----------------------------------------------------------------------------------
@@ -408,7 +412,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
         raise preemption.stopped(step)
   finally:
     bar.close()
-    manager.wait_until_finished()
+    ckpt_lib.wait_for_saves(manager, workdir)  # A failed save as one line (a disk, an outage).
     manager.close()
     log.close()
 

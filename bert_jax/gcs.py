@@ -23,6 +23,7 @@ import time
 import urllib.parse
 import uuid
 
+from bert_jax.errors import Outage
 from bert_jax.errors import UserError
 
 _FIX_CREDENTIALS = ('give this machine Google credentials: `gcloud auth application-default '
@@ -184,6 +185,9 @@ def _reason(error: BaseException) -> str:
   text = getattr(error, 'message', None) or str(error)
   if match := re.search(r'"message":\s*"((?:[^"\\]|\\.)*)"', text):
     return match.group(1).replace('\\"', '"')
+  # tensorstore quotes the response's body with its quotes escaped.
+  if match := re.search(r'\\"message\\":\s*\\"(.*?)\\"', text):
+    return match.group(1)
   return (text.strip().splitlines() or [type(error).__name__])[0][:300]
 
 
@@ -230,22 +234,28 @@ def denied(error: BaseException) -> UserError | None:
 def _unavailable(error: BaseException) -> bool:
   """Whether `error` is Cloud Storage failing past a client's retries: 429/5xx or a dropped
   connection from google-cloud-storage (or its RetryError), TensorFlow's UnavailableError (or
-  the AbortedError of its exhausted retries), tensorstore's UNAVAILABLE."""
-  name = type(error).__name__
-  if name == 'AbortedError' and 'retry attempts failed' in str(error):
-    return True  # TensorFlow's file system, past its GCS_RETRY_CONFIG_MAX_RETRIES.
+  the AbortedError of its exhausted retries), tensorstore's UNAVAILABLE (or the ABORTED of its
+  exhausted retries)."""
+  name, text = type(error).__name__, str(error)
+  if name in ('AbortedError', 'ValueError') and 'retry attempts failed' in text:
+    # TensorFlow's file system past its GCS_RETRY_CONFIG_MAX_RETRIES; tensorstore past its
+    # gcs_request_retries ("ABORTED: ... All 32 retry attempts failed").
+    return True
   return (name in ('UnavailableError', 'RetryError', 'TooManyRequests', 'ServiceUnavailable',
                    'InternalServerError', 'BadGateway', 'GatewayTimeout') or
-          (name == 'ValueError' and str(error).startswith('UNAVAILABLE')))
+          (name == 'ValueError' and text.startswith('UNAVAILABLE')))
 
 
-def outage(error: BaseException) -> UserError | None:
+def outage(error: BaseException, intact: str = 'the last committed checkpoint'
+           ) -> Outage | None:
   """One line for Cloud Storage failing past the retries of the client that met it, naming the
-  object (TensorFlow and tensorstore quote its gs:// path; google-cloud-storage's URL holds it);
-  None for anything else."""
+  object (TensorFlow and tensorstore quote its gs:// path; google-cloud-storage's URL holds it)
+  and saying that `intact` is; None for anything else."""
   seen = []
   while error is not None and error not in seen:
     seen.append(error)
+    if isinstance(error, Outage):
+      return error  # Named already (checkpoint._save_failed says which step is intact).
     text = str(error)
     if _unavailable(error):
       path = ''
@@ -255,10 +265,10 @@ def outage(error: BaseException) -> UserError | None:
         path = f'gs://{match.group(1)}/{urllib.parse.unquote(match.group(2))}'
       if path:
         reason = _reason(error)
-        return UserError(
+        return Outage(
             f'{path}: Cloud Storage kept failing ({reason}) past the retries (README: Cloud '
-            'Storage); the last committed checkpoint is intact: rerun the same command to '
-            'resume once Cloud Storage answers')
+            f'Storage); {intact} is intact: rerun the same command to resume once Cloud '
+            'Storage answers')
     error = error.__cause__ or error.__context__
   return None
 

@@ -17,6 +17,10 @@ and READ_ONLY_BUCKET (roles/storage.objectViewer).
 Faults: `GcsServer.inject(rules)` makes the proxy answer chosen requests as Cloud Storage does
 under load (429, 503) or reset the connection halfway through the request's body. Which requests
 fail is decided by a counter per rule, never by chance, so a test that injects them cannot flake.
+A client that then asks how much of a resumable upload arrived (after the proxy failed the request
+that carried its bytes) is told none, as Cloud Storage tells it (308): fake-gcs-server answered
+200 and finalized the object empty, and TensorFlow's next read of a 9 MB input position found 0
+bytes.
 
 Where the tests run as root, the server, the proxy's inner side and every `bert-jax` subprocess
 live in a network namespace of their own that holds only loopback (`unshare -n`): nothing they do
@@ -347,6 +351,9 @@ def _handler(server_port: int, cert: str, key: str, log, faults: _Faults):
   tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
   tls.load_cert_chain(cert, key)
   lock = threading.Lock()
+  # Resumable uploads whose bytes this proxy failed (a 429, a 503, a reset) before the server
+  # saw any of them.
+  unsent: set[str] = set()
 
   class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = 'HTTP/1.1'
@@ -402,11 +409,27 @@ def _handler(server_port: int, cert: str, key: str, log, faults: _Faults):
       chunked = self.headers.get('Transfer-Encoding', '').lower() == 'chunked'
       head = b'' if chunked else self.rfile.read(length // 2)
       fault = faults.pick(self.command, raw_path, _object_name(raw_path, raw_query, head))
+      upload = (urllib.parse.parse_qs(raw_query).get('upload_id') or [''])[0]
       if fault == 'reset':
+        if upload and length:
+          with lock:
+            unsent.add(upload)
         self._log(raw_path, raw_query, head, b'', 0)
         self._reset()
         return
       body = self._body() if chunked else head + self.rfile.read(length - len(head))
+      if upload and self.command == 'PUT' and not fault:
+        with lock:
+          nothing_sent = upload in unsent
+          if body:
+            unsent.discard(upload)
+        if nothing_sent and not body and self.headers.get('Content-Range', '').startswith(
+            'bytes */'):
+          # A client asking how much of an upload arrived, after this proxy failed the request
+          # that carried its bytes: nothing did. Cloud Storage says so (308, no Range header);
+          # fake-gcs-server would answer 200 and make the object empty.
+          self._answer(308, 'Resume Incomplete', b'', raw_path, raw_query, body, ())
+          return
       path = self.path
       if path.startswith('http://'):  # A plain proxy request: absolute URI.
         path = '/' + path.split('/', 3)[3] if path.count('/') >= 3 else '/'
@@ -418,6 +441,9 @@ def _handler(server_port: int, cert: str, key: str, log, faults: _Faults):
         headers['Content-Length'] = str(len(body))
       path_only, _, query = path.partition('?')
       if fault and fault != 'lost':
+        if upload and body:
+          with lock:
+            unsent.add(upload)
         reason = 'Too Many Requests' if fault == 429 else 'Service Unavailable'
         message = ('The rate of change requests to the object is too high; please reduce it.'
                    if fault == 429 else 'Backend Error')

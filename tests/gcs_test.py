@@ -149,13 +149,29 @@ def test_pretrain_writes_its_workdir_to_the_bucket(reference):
   assert config.num_hidden_layers == 2
 
 
-def test_pretraining_through_429s_503s_and_resets_logs_the_clean_losses(gcs, cache, data,
-                                                                        reference):
+# Runs `bert-jax pretrain` with tensorstore retrying a Cloud Storage request 4 times, 0.1 s then
+# 0.2 s apart, instead of its default 32 times up to 32 s apart (about 15 minutes).
+_SHORT_TENSORSTORE_RETRIES = '''
+import sys
+from orbax.checkpoint._src.serialization import tensorstore_utils
+from bert_jax import cli
+for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+  context['gcs_request_retries'] = {'max_retries': 4, 'initial_delay': '0.1s',
+                                    'max_delay': '0.2s'}
+cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
+'''
+
+
+def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losses(
+    gcs, cache, data, reference, tmp_path):
   """The proxy answers 503 and 429 (single and in bursts) and resets connections halfway through
   uploads, on every layer's objects: tensorstore's checkpoint arrays, Orbax's metadata, the lock
   and metrics.jsonl (google-cloud-storage), TensorBoard's events and config.json (TensorFlow).
-  Each layer retries: the run logs exactly the losses of the clean reference run and saves the
-  same checkpoints."""
+  Each layer retries. Meanwhile the arrays of the 2nd checkpoint (step 8) answer only 503, past
+  tensorstore's retries (shortened here): the run ends with one line naming the folder and
+  EXIT_PREEMPTED, step 4 committed and step 8 not. A rerun, through the same faults, resumes
+  from step 4: the log holds exactly the losses of the clean reference run, and the same
+  checkpoints."""
   workdir = gcs.url('faults')
   rules = [dict(object='faults/checkpoints/', status=503, every=25, burst=2),
            dict(object='faults/checkpoints/', method='POST', status='reset', every=40, limit=2),
@@ -165,14 +181,39 @@ def test_pretraining_through_429s_503s_and_resets_logs_the_clean_losses(gcs, cac
            dict(object='faults/events.out.tfevents', status=503, limit=2),
            dict(object='faults/run.lock', status=503, limit=1),
            dict(object='faults/config.json', method='POST', status='reset', limit=1)]
-  gcs.inject(rules)
+  outage = 'faults/checkpoints/8/params/ocdbt.process_0/'
+  script = tmp_path / 'short_retries.py'
+  script.write_text(_SHORT_TENSORSTORE_RETRIES)
+  overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
   gcs.reset_log()
+  gcs.inject([dict(object=outage, status=503)] + rules)
   try:
-    proc = _pretrain(gcs, cache, workdir, _overrides(data, train__stop_at_step=REFERENCE_STEPS))
+    proc = _pretrain(gcs, cache, workdir, overrides, script=str(script))
+    _, err = _communicate(proc, 400)
+  finally:
+    gcs.inject([])
+  assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
+  assert err.strip().splitlines()[-1] == (
+      f'bert-jax pretrain: error: gs://{gcs_server.BUCKET}/{outage}: Cloud Storage kept failing '
+      '(Backend Error) past the retries (README: Cloud Storage); the last complete checkpoint, '
+      'step 4, is intact: rerun the same command to resume once Cloud Storage answers')
+  assert 'Traceback' not in err, err[-5000:]
+  assert ckpt_lib.checkpoint_steps(workdir) == [4]  # Step 8's folder is there, uncommitted.
+  assert fileio.exists(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '8'))
+  # Step 4's input position, written through 429s, is the clean run's, byte for byte.
+  for name in ('process_0.index', 'process_0.data-00000-of-00001'):
+    written, clean = (fileio.gfile().GFile(os.path.join(w, ckpt_lib.DATA_STATE_DIR, '4', name),
+                                           'rb').read() for w in (workdir, reference[0]))
+    assert written == clean, (name, len(written), len(clean))
+
+  gcs.inject(rules)
+  try:
+    proc = _pretrain(gcs, cache, workdir, overrides)
     _, err = _communicate(proc, 400)
   finally:
     gcs.inject([])
   assert proc.returncode == 0, err[-5000:]
+  assert 'Resumed from step 4' in err, err[-5000:]
   faulted = {}
   for q in gcs.requests():
     if q['status'] in (0, 429, 503) or q['status'] < 0:
@@ -182,7 +223,6 @@ def test_pretraining_through_429s_503s_and_resets_logs_the_clean_losses(gcs, cac
   assert 0 in faulted['checkpoints'] and -200 in faulted['metrics'], faulted
   assert _losses(workdir) == _losses(reference[0])
   assert ckpt_lib.checkpoint_steps(workdir) == ckpt_lib.checkpoint_steps(reference[0])
-
 
 # Runs `bert-jax pretrain`, SIGKILLed as Orbax is about to commit step BERT_JAX_TEST_KILL_AT. On
 # Cloud Storage Orbax writes a step in place and commits it by writing commit_success.txt last.
@@ -392,6 +432,16 @@ def test_an_outage_past_the_retries_is_one_line_naming_the_object(gcs, monkeypat
       f'\t when uploading {folder}'))
   assert cli.user_error_message(tf_error).startswith(
       f'{folder}: Cloud Storage kept failing (Backend Error) past the retries')
+  # tensorstore past its gcs_request_retries, as an Orbax save of a step's arrays met it (the
+  # response's body quoted with its quotes escaped).
+  arrays = gcs.url('run/checkpoints/8/params/ocdbt.process_0/')
+  body = '{\\"error\\": {\\"code\\": 503, \\"message\\": \\"Backend Error\\"}}'
+  ts_error = ValueError(
+      f'ABORTED: Error reading "nsp.kernel/.zarray" in OCDBT database at {arrays}: Error '
+      f'reading {arrays}manifest.ocdbt: All 32 retry attempts failed: Backend Error '
+      f"[http_response_code='503'] [http_response_body='{body}']")
+  assert cli.user_error_message(ts_error).startswith(
+      f'{arrays}: Cloud Storage kept failing (Backend Error) past the retries')
 
 
 def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
@@ -449,7 +499,8 @@ def test_init_checkpoint_on_gs_and_tfrecords_on_gs(gcs, data, reference):
 def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monkeypatch,
                                                      tmp_path):
   """Fine-tuning with its workdir, task data and initial checkpoint on gs://: a SIGTERM and a
-  rerun end as an uninterrupted run. Then predict, eval, features, fill-mask and convert read
+  rerun, both through 429s, 503s, resets and a lost answer, end as an uninterrupted clean run
+  (the same metrics, the same losses). Then predict, eval, features, fill-mask and convert read
   their checkpoints and inputs from gs:// (predict and convert write there too)."""
   from bert_jax import convert, features, fill_mask, finetune, predict  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(1)
@@ -473,11 +524,23 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
       signal.raise_signal(signal.SIGTERM)
   monkeypatch.setattr(monitor.MetricsLog, 'train', train_then_sigterm)
   workdir = gcs.url('sst2')
-  with pytest.raises(errors.Preempted, match='saved step 2'):
-    finetune.finetune(config, workdir)
-  assert ckpt_lib.checkpoint_steps(workdir) == [2]
-  monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
-  assert finetune.finetune(config, workdir) == full
+  # Both runs meet a few percent of 503s and 429s on every object of the workdir, connection
+  # resets halfway through uploads and a lost answer to a compose.
+  gcs.inject([dict(object='sst2/', method='POST', status='reset', every=40, limit=3),
+              dict(object='sst2/metrics.jsonl', path='/compose', status='lost', limit=1),
+              dict(object='sst2/', status=503, every=25),
+              dict(object='sst2/', status=429, every=35, burst=2)])
+  gcs.reset_log()
+  try:
+    with pytest.raises(errors.Preempted, match='saved step 2'):
+      finetune.finetune(config, workdir)
+    assert ckpt_lib.checkpoint_steps(workdir) == [2]
+    monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
+    assert finetune.finetune(config, workdir) == full
+  finally:
+    gcs.inject([])
+  faulted = {q['status'] for q in gcs.requests() if q['object'].startswith('sst2/')}
+  assert {0, 429, 503, -200} <= faulted, faulted
   assert _losses(workdir) == _losses(gcs.url('sst2_full'))
 
   texts = gcs.url('use/texts.txt')
