@@ -101,7 +101,18 @@ def _pre_norm(x, residual, bias, bits, rate):
 
 
 def _xla(x, residual, bias, scale, beta, bits, *, rate, eps, out_dtype):
-  h = _pre_norm(x, residual, bias, bits, rate)
+  if x.dtype != jnp.float32 and residual.dtype == x.dtype:
+    # The sum in the compute dtype (bf16), statistics in float32, as flax's Dense, Dropout and
+    # LayerNorm did: a float32 sum here makes XLA keep and move float32 [tokens, hidden]
+    # tensors (BERT-base/128 on an H100, deviceless: 65.1 GB moved by non-matmul kernels and
+    # 13.15 GiB, against 58.4 GB and 12.02 GiB this way). The Pallas kernel sums in float32
+    # in registers, where it costs nothing.
+    z = x if bias is None else x + bias.astype(x.dtype)
+    if bits is not None and keep_threshold(rate):
+      z = z * _keep_multiplier(bits, rate).astype(x.dtype)
+    h = (z + residual).astype(jnp.float32)
+  else:
+    h = _pre_norm(x, residual, bias, bits, rate)
   mean = jnp.mean(h, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
   y = (h - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + beta.astype(
