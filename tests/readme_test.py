@@ -173,6 +173,12 @@ COMMANDS: dict[str, Run | NotHere] = {
     'python benchmarks/gpu.py --output=/tmp/gpu_bench --sizes=large --packing=true '
     '--attention=cudnn --no-attention_dropout_case --frameworks=bert_jax --scan_layers=false '
     '--compile_workers=2': NotHere(_GPU),
+    'python3 benchmarks/gpu.py --output=/tmp/gpu_bench --sizes=base,large --seq_lens=128,512 '
+    '--attention=cudnn --packing=true --frameworks=bert_jax --no-attention_dropout_case':
+        NotHere(_GPU),
+    'python3 benchmarks/gpu.py --output=/tmp/gpu_bench --sizes=base,large --seq_lens=128,512 '
+    '--attention=cudnn,cudnn_varlen --packing=true --layernorm=xla,pallas --frameworks=bert_jax '
+    '--no-attention_dropout_case': NotHere(_GPU),
     'bert-jax compile --config=configs/bert_base.py --topology=h100 --config.data.packing=true '
     '--config.model.attention_impl=cudnn --config.model.attention_probs_dropout_prob=0 '
     '--config.model.remat_policy=none': NotHere(_COMPILE + ' (with the gpu_aot packages)'),
