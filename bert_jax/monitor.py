@@ -8,8 +8,11 @@
   evaluation sets: `eval/<set>/<name>`).
 - `InFlight`: bounds how far the host runs ahead of the device (one step).
 - `progress`: the tqdm bar of the loop.
+- `Steps`: a loop's steps since its last log row (their metrics, checked for divergence), with
+  its `InFlight`, bar and `Chrono`.
 - `Preemption`: SIGTERM and Ctrl-C as a flag the loop polls, so it saves before exiting
-  (`Preempted`); before the first step (nothing new to save) it stops the run at once.
+  (`Preempted`); before the first step (nothing new to save) it stops the run at once. It owns
+  the run's whole preemption state: whether a notice came, and whether the loop stops.
 """
 
 import collections
@@ -29,6 +32,7 @@ from bert_jax import fileio
 from bert_jax import gcs
 from bert_jax.errors import EXIT_PREEMPTED
 from bert_jax.errors import Preempted
+from bert_jax.errors import UserError
 
 METRICS_FILE = 'metrics.jsonl'
 
@@ -247,6 +251,52 @@ def progress(total: int, initial: int, enabled: bool):
                    dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
 
 
+class Steps:
+  """A training loop's steps since its last log row, as the loop runs them.
+
+  Their metrics stay on the device until a log row (`summary`) or a save (`check`) reads them;
+  the host runs at most one step ahead of the device (`InFlight`), so a stop (SIGTERM) waits
+  for one step, not for every step dispatched since the last log row. The progress bar (`bar`)
+  and the rates count computed steps; `chrono` is the loop's clock.
+  """
+
+  def __init__(self, step: int, total: int, show_progress: bool):
+    self.bar = progress(total, step, show_progress)
+    self.chrono = Chrono(step)
+    self._in_flight = InFlight()
+    self._metrics: list[Any] = []
+
+  def add(self, metrics: dict[str, Any]) -> None:
+    """A dispatched step's metrics."""
+    self._metrics.append(metrics)
+    self.bar.update(self._in_flight.add(metrics))
+
+  def drain(self) -> None:
+    """Waits for every dispatched step."""
+    self.bar.update(self._in_flight.drain())
+
+  def check(self, step: int, advice: str, saving: bool = False) -> list[dict[str, Any]]:
+    """The host values of the steps since the last `summary` (`step` the last of them); a
+    UserError naming the first that diverged (`divergence`), with `advice`: weights after such
+    a step are never logged as fine nor saved."""
+    self.drain()
+    host = jax.device_get(self._metrics) if self._metrics else []
+    diverged = divergence(host, step - len(host) + 1)
+    if diverged:
+      raise UserError(f'{diverged}: stopping{" without saving it" if saving else ""}; {advice}')
+    return host
+
+  def summary(self, step: int, advice: str) -> dict[str, float]:
+    """The averages (`summarize`) of the steps since the last summary, checked; the next
+    summary starts after `step`."""
+    host = self.check(step, advice)
+    self._metrics = []
+    return summarize(host)
+
+  def close(self) -> None:
+    self.bar.close()
+
+
 class Preemption:
   """Turns SIGTERM and Ctrl-C (SIGINT) into a flag the loop polls, so it can save before exiting.
 
@@ -259,12 +309,18 @@ class Preemption:
   With several processes, jax.distributed's preemption service catches SIGTERM instead and
   makes every process stop at the same step: ask `stop_now(step, manager)`. The flag stays
   unset there (one process alone must not stop early).
+
+  Two states: `requested`, set by the signal whenever it comes, and `stopping`, the loop's
+  decision to stop at its current step, taken only where the loop asks (`stop_now` after a
+  step, `cut_short` between the batches of an evaluation, which is dropped then: the notice is
+  too short to finish one).
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
     self.requested = False
+    self.stopping = False
     self.cause = ''  # What stopped the run, for its message.
     self._previous: dict[int, Any] = {}
     if jax.process_count() > 1:
@@ -325,9 +381,16 @@ class Preemption:
     return result[0]
 
   def stop_now(self, step: int, manager) -> bool:
-    """Whether the run must save and stop after `step` (every process agrees)."""
+    """Whether the run must save and stop after `step` (every process agrees): `stopping`."""
     if not self.requested and manager.reached_preemption(step):
       self.requested, self.cause = True, 'a preemption notice (jax.distributed)'
+    self.stopping = self.stopping or self.requested
+    return self.stopping
+
+  def cut_short(self) -> bool:
+    """Whether work that can be dropped and redone (an evaluation) must stop now; the loop
+    then stops at its current step (`stopping`)."""
+    self.stopping = self.stopping or self.requested
     return self.requested
 
   def restore(self) -> None:

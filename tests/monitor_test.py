@@ -1,7 +1,10 @@
 """What a run reports: summaries of (sum, count) pairs, and the loop's clock."""
 
+import signal
+
 import pytest
 
+from bert_jax import errors
 from bert_jax import monitor
 
 
@@ -70,3 +73,40 @@ def test_in_flight_waits_for_the_oldest_step_past_its_limit():
   assert in_flight.add(Step(3)) == 1 and waited == [1, 2]
   assert in_flight.drain() == 1 and waited == [1, 2, 3]
   assert in_flight.drain() == 0
+
+
+def test_steps_summarize_since_the_last_row_and_name_a_diverged_step():
+  """A summary averages the steps since the last one; a save's check of unlogged steps (kept
+  for the next summary) names the first diverged step and that nothing was saved."""
+  steps = monitor.Steps(step=10, total=20, show_progress=False)
+  steps.add({'loss': 2.0})
+  steps.add({'loss': 4.0})
+  assert steps.summary(12, 'lower the rate') == {'loss': 3.0}
+  steps.add({'loss': 1.0})
+  steps.add({'loss': float('nan')})
+  with pytest.raises(errors.UserError,
+                     match=r'^loss is nan at step 14: stopping without saving it; lower it$'):
+    steps.check(14, 'lower it', saving=True)
+  with pytest.raises(errors.UserError, match=r'^loss is nan at step 14: stopping; lower it$'):
+    steps.summary(14, 'lower it')
+  steps.close()
+
+
+def test_preemption_stops_the_loop_only_where_it_asks():
+  """SIGTERM sets `requested` at once; the loop's `stopping` turns true only at its decision
+  points: after a step (`stop_now`) or between evaluation batches (`cut_short`)."""
+
+  class Manager:
+    def reached_preemption(self, step):
+      return False
+
+  with monitor.Preemption() as preemption:
+    assert not preemption.cut_short() and not preemption.stop_now(1, Manager())
+    preemption._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+    assert preemption.requested and not preemption.stopping
+    assert preemption.cut_short() and preemption.stopping
+  with monitor.Preemption() as preemption:
+    preemption._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+    assert preemption.stop_now(2, Manager()) and preemption.stopping
+    assert str(preemption.stopped(2)) == ('stopped by SIGTERM: saved step 2; rerun the same '
+                                          'command to resume')
