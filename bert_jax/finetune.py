@@ -285,8 +285,9 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   # ---- Steps, and every shape the run trains and predicts compiled before its first step -----
   batch_sharding = sharding_lib.batch_sharding(mesh)
   train_step = state_lib.jit_step(
-      tasks.train_apply(task.model), task.loss_fn, tx, mesh, rules, shardings,
-      state_lib.dropout_rng(config.train), config.train.grad_accum_steps)
+      tasks.train_apply(task.model), state_lib.with_rate_counts(task.loss_fn, tasks.rate_counts),
+      tx, mesh, rules, shardings, state_lib.dropout_rng(config.train),
+      config.train.grad_accum_steps)
   predict_step = jax.jit(functools.partial(tasks.predict_step, model=task.model,
                                            head=task.head),
                          in_shardings=(shardings.params, batch_sharding),
@@ -374,14 +375,12 @@ def _train_epoch(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption
     run.state, metrics = run.train_step(run.state, _to_device(run, batch))
     run.step += 1
     steps.add(metrics)
-    steps.chrono.count(sequences=float(batch['weight'].sum()), tokens=batch['input_ids'].size)
     if (run.step % config.log.every_steps == 0 or run.step == epoch_end
         or run.step == run.stop_at):
       summary = steps.summary(run.step, 'lower config.train.learning_rate')
-      rates = steps.chrono.report(run.step)
-      summary.update(epoch=epoch, learning_rate=float(run.schedule(run.step - 1)),
-                     sequences_per_second=rates['sequences_per_second'],
-                     tokens_per_second=rates['tokens_per_second'])
+      summary.update(epoch=epoch, learning_rate=float(run.schedule(run.step - 1)))
+      summary = monitor.with_rates(summary, steps.chrono.report(run.step)['steps_per_second'],
+                                   int(config.train.batch_size))
       run.log.train(run.step, summary)
       steps.bar.set_postfix(loss=f'{summary["loss"]:.4f}')
     if (preemption.stop_now(run.step, run.manager) or run.step == epoch_end

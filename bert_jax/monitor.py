@@ -1,6 +1,7 @@
 """What a training run reports and listens to: metrics, progress, preemption.
 
 - `summarize`: the (sum, count) pairs of steps or batches as averages.
+- `with_rates`: a log row's rates, counted one way in pre-training and fine-tuning.
 - `Chrono`: the loop's clock: steps (and what they carry) per second, input wait, and the time
   that is not training (compiles, saves, evaluations) kept out.
 - `MetricsLog`: metrics.jsonl + TensorBoard on process 0, one tag scheme for every run:
@@ -77,14 +78,29 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, float]:
   return out
 
 
+def with_rates(summary: dict[str, float], steps_per_second: float,
+               batch_size: int) -> dict[str, float]:
+  """A log row's summary with its rates in place of the per-row counts of its steps
+  (`train_state.with_rate_counts`): steps, sequences (packed rows: each of theirs; a
+  multiple-choice row: each choice), token slots and real (non-padding) tokens per second, for
+  global batches of `batch_size` rows."""
+  rows_per_second = steps_per_second * batch_size
+  summary.update(
+      steps_per_second=steps_per_second,
+      sequences_per_second=summary.pop('sequences_per_row') * rows_per_second,
+      tokens_per_second=summary.pop('tokens_per_row') * rows_per_second,
+      real_tokens_per_second=summary.pop('real_tokens_per_row') * rows_per_second)
+  return summary
+
+
 class Chrono:
   """The training loop's clock (after big_vision's `utils.Chrono`): one per loop, in place of
   hand-kept timers.
 
-  A period runs from one `report` to the next. `report` gives its steps per second, the share
-  of its time spent waiting for input, and `<name>_per_second` of what `count` added up; time
-  inside `excluded()` (and the steps it names: a segment's first, compiling step) is left out,
-  unless the period holds nothing else.
+  A period runs from one `report` to the next. `report` gives its steps per second and the
+  share of its time spent waiting for input; time inside `excluded()` (and the steps it names:
+  a segment's first, compiling step) is left out, unless the period holds nothing else. What
+  the steps processed is counted on the device (`with_rates`).
   """
 
   def __init__(self, step: int):
@@ -94,7 +110,6 @@ class Chrono:
     self._start, self._step = time.time(), step
     self._wait = self._excluded = 0.0
     self._excluded_steps = 0
-    self._counts = collections.defaultdict(float)
 
   @contextlib.contextmanager
   def waiting(self) -> Iterator[None]:
@@ -111,20 +126,13 @@ class Chrono:
     self._excluded += time.time() - start
     self._excluded_steps += steps
 
-  def count(self, **amounts: float) -> None:
-    """Adds to what the period processed (sequences, tokens), for `<name>_per_second`."""
-    for name, amount in amounts.items():
-      self._counts[name] += amount
-
   def report(self, step: int) -> dict[str, float]:
-    """The period's rates (steps_per_second, input_wait_fraction, <name>_per_second); starts the
-    next period."""
+    """The period's steps_per_second and input_wait_fraction; starts the next period."""
     elapsed, steps = time.time() - self._start, step - self._step
     if steps > self._excluded_steps:
       elapsed, steps = elapsed - self._excluded, steps - self._excluded_steps
     elapsed = max(elapsed, 1e-9)
     rates = dict(steps_per_second=steps / elapsed, input_wait_fraction=self._wait / elapsed)
-    rates.update((f'{name}_per_second', amount / elapsed) for name, amount in self._counts.items())
     self._restart(step)
     return rates
 

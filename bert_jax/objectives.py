@@ -84,9 +84,12 @@ def get(name: str) -> Objective:
   return OBJECTIVES[name]
 
 
-def _nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
+def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """The negative log-likelihood of each label under softmax(logits), in float32: every loss
+  of pre-training and fine-tuning (`tasks.py`) is built from it. Negative labels (ignored
+  positions) read class 0: weight them out."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+  return -jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
 
 
 def mlm_loss(logits: jax.Array, batch: dict[str, jax.Array]):
@@ -94,10 +97,11 @@ def mlm_loss(logits: jax.Array, batch: dict[str, jax.Array]):
   metrics) of the term 'mlm'."""
   weights = batch['masked_lm_weights'].astype(jnp.float32)
   labels = batch['masked_lm_ids']
-  total, count = jnp.sum(_nll(logits, labels) * weights), jnp.sum(weights)
+  total, count = jnp.sum(nll(logits, labels) * weights), jnp.sum(weights)
   correct = jnp.sum((jnp.argmax(logits, -1) == labels) * weights)
-  # The original divides by sum(weights) + 1e-5, so that a batch without predictions gives 0.
-  return ({'mlm': total}, {'mlm': count + 1e-5},
+  # A batch without predictions gives 0: `train_state.normalize` floors every count at 1 (the
+  # original's sum(weights) + 1e-5, without its 1e-5 bias on the mean).
+  return ({'mlm': total}, {'mlm': count},
           {'mlm_loss': (total, count), 'mlm_accuracy': (correct, count)})
 
 
@@ -116,9 +120,9 @@ def sentence_loss(logits: jax.Array, batch: dict[str, jax.Array], name: str):
   else:
     real = jnp.ones(labels.shape, jnp.float32)
   count = jnp.sum(real)
-  total = jnp.sum(_nll(logits, labels) * real)
+  total = jnp.sum(nll(logits, labels) * real)
   correct = jnp.sum((jnp.argmax(logits, -1) == labels) * real)
-  return ({name: total}, {name: jnp.maximum(count, 1.0)},
+  return ({name: total}, {name: count},
           {f'{name}_loss': (total, count), f'{name}_accuracy': (correct, count)})
 
 

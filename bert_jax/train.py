@@ -428,7 +428,7 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
 
         if run.step % config.log.every_steps == 0 or run.step == run.stop_at:
           summary = _with_rates(steps.summary(run.step, _divergence_advice(run)),
-                                steps.chrono.report(run.step), config, phase, flops_per_token,
+                                steps.chrono.report(run.step), config, flops_per_token,
                                 learning_rate=float(run.built.schedule(run.step - 1)))
           run.log.train(run.step, summary)
           steps.bar.set_postfix(loss=f'{summary["loss"]:.3f}',
@@ -552,20 +552,15 @@ def _check_phase_data(config: ml_collections.ConfigDict, phases: list[pretrainin
 
 
 def _with_rates(summary: dict[str, float], timing: dict[str, float],
-                config: ml_collections.ConfigDict, phase: pretraining.Phase, flops_per_token: float,
+                config: ml_collections.ConfigDict, flops_per_token: float,
                 learning_rate: float) -> dict[str, float]:
-  """A log row: the steps' metrics, the learning rate and the rates of metrics.jsonl (rows,
-  sequences, row slots and real tokens per second, input wait, MFU) from the Chrono's."""
-  sps = timing['steps_per_second']
-  rows_per_second = sps * config.train.batch_size
-  real_tokens_per_second = summary.pop('real_tokens_per_row') * rows_per_second
+  """A log row: the steps' metrics, the learning rate, the rates of every run
+  (`monitor.with_rates`), the input wait and MFU."""
+  summary['learning_rate'] = learning_rate
+  summary = monitor.with_rates(summary, timing['steps_per_second'], config.train.batch_size)
   peak = flops_lib.peak_flops_per_device()
   summary.update(
-      learning_rate=learning_rate, steps_per_second=sps,
-      sequences_per_second=summary.pop('sequences_per_row') * rows_per_second,
-      tokens_per_second=sps * config.train.batch_size * phase.seq_len,
-      real_tokens_per_second=real_tokens_per_second,
       input_wait_fraction=timing['input_wait_fraction'],
-      mfu=(flops_per_token * real_tokens_per_second / (peak * jax.device_count())
+      mfu=(flops_per_token * summary['real_tokens_per_second'] / (peak * jax.device_count())
            if peak else None))
   return summary
