@@ -85,11 +85,17 @@ def get(name: str) -> Objective:
 
 
 def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """The negative log-likelihood of each label under softmax(logits), in float32: every loss
-  of pre-training and fine-tuning (`tasks.py`) is built from it. Negative labels (ignored
-  positions) read class 0: weight them out."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+  """-log softmax(logits)[label] in float32: every loss of pre-training and fine-tuning
+  (`tasks.py`) is built from it. A negative label (an ignored position) picks nothing: weight
+  it out.
+
+  As logsumexp minus the label's logit picked by a one-hot mask: its gradient, softmax -
+  one_hot, is elementwise. Picking with `take_along_axis` made the gradient a scatter into an
+  all-zeros f32 [B, P, vocab] tensor (875 MB at BERT-base/128)."""
+  logits = logits.astype(jnp.float32)
+  picked = jnp.sum(jnp.where(jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.bool_),
+                             logits, 0.0), axis=-1)
+  return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 def mlm_loss(logits: jax.Array, batch: dict[str, jax.Array]):
