@@ -1,8 +1,9 @@
 """Fine-tuning on the tasks of task_table.py (GLUE, SQuAD v1.1/v2.0, NER, ...), the paper's recipe.
 
-`finetune(config, workdir)` runs, in order: setup -> mesh -> pre-trained encoder and tokenizer ->
-task data -> model & optimizer -> abstract init & shardings -> init (pre-trained encoder, fresh
-head) -> steps -> loop over epochs (train, evaluate on dev, keep the best) -> test predictions.
+`finetune(config, workdir)` is setup, then loop. `_setup`: mesh -> pre-trained encoder and
+tokenizer -> task data -> model & optimizer -> abstract init & shardings -> init (pre-trained
+encoder, fresh head) -> steps, compiled; it returns one `_Run`. `_train`, the loop: epochs (train,
+evaluate on dev, keep the best) -> test predictions; `monitor.Preemption` decides where it stops.
 `sweep` repeats it over the paper's learning rates.
 
 Batches are cut to length buckets (`batching.bucket_batches`): short GLUE sentences do not pay
@@ -31,6 +32,7 @@ Every path goes through tf.io.gfile (local or gs://).
 """
 
 import copy
+import dataclasses
 import functools
 import itertools
 import math
@@ -159,24 +161,68 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
     return _finetune(config, workdir, preemption)
 
 
-class _EvalStopped(Exception):
-  """SIGTERM between two evaluation batches: the evaluation is dropped (redone on resume)."""
+@dataclasses.dataclass
+class _Run:
+  """One fine-tuning run as `_setup` makes it, ready for its first step; the loop advances
+  `state`, `step`, `best` and `eval_pending`."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  task: tasks.Task
+  mesh: jax.sharding.Mesh
+  rules: Any
+  batch_sharding: NamedSharding
+  buckets: tuple[int, ...]
+  sort_window: int
+  steps_per_epoch: int
+  total_steps: int
+  stop_at: int
+  schedule: Callable[[int], Any]
+  manager: Any  # Orbax's CheckpointManager.
+  abstract: state_lib.TrainState
+  train_step: Callable  # (state, batch) -> (state, metrics), state donated.
+  predict_step: Callable  # (params, batch) -> `tasks.predict_step`'s outputs.
+  log: monitor.MetricsLog
+  state: state_lib.TrainState
+  step: int
+  # The best epoch so far (what metrics.json will hold), kept in every checkpoint's meta.
+  best: dict[str, Any] | None
+  # SIGTERM cut short the evaluation of the epoch that ends at `step`: its rerun evaluates
+  # first. Kept in the checkpoint's meta as well.
+  eval_pending: bool
+
+  @property
+  def is_main(self) -> bool:
+    return jax.process_index() == 0
+
+  @property
+  def predictions_dir(self) -> str:
+    return os.path.join(self.workdir, PREDICTIONS_DIR)
 
 
 def _finetune(config: ml_collections.ConfigDict, workdir: str,
               preemption: monitor.Preemption) -> dict[str, Any] | None:
-  # ---- Setup ---------------------------------------------------------------------------------
   input_pipeline.hide_accelerators_from_tf()
   ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
-  is_main = jax.process_index() == 0
   if config.train.epochs < 1:
     raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')
   metrics_path = os.path.join(workdir, 'metrics.json')
   if fileio.exists(metrics_path):
     return _finished(workdir, metrics_path)
   fileio.gfile().makedirs(workdir)
+  run = _setup(config, workdir, preemption)
+  if not _train(run, preemption):
+    return None
+  # metrics.json marks the run finished; then only the best epoch's checkpoint is kept.
+  if run.is_main:
+    fileio.write_json(metrics_path, run.best)
+  return _finished(workdir, metrics_path, fresh=True)
 
+
+def _setup(config: ml_collections.ConfigDict, workdir: str,
+           preemption: monitor.Preemption) -> _Run:
+  """Mesh, pre-trained encoder, task data, optimizer, state (restored, or the encoder with a
+  fresh head), steps compiled for every shape the run meets, run files and metrics log."""
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
@@ -234,34 +280,18 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
   # Only now, with the checkpoint found to match: a refused run leaves the workdir's record as
   # it was.
   _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
-  best: dict[str, Any] | None = meta.get('best')
-  pretrained = None  # The host copy of the checkpoint is not needed any more.
   step = int(state.step)
 
-  # ---- Steps ---------------------------------------------------------------------------------
+  # ---- Steps, and every shape the run trains and predicts compiled before its first step -----
   batch_sharding = sharding_lib.batch_sharding(mesh)
   train_step = state_lib.jit_step(
-      tasks.train_apply(task.model), task.loss_fn, tx, mesh, rules, shardings,
-      state_lib.dropout_rng(config.train), config.train.grad_accum_steps)
-  jit_predict = jax.jit(functools.partial(tasks.predict_step, model=task.model, head=task.head),
-                        in_shardings=(shardings.params, batch_sharding),
-                        out_shardings=NamedSharding(mesh, P()))
-
-  def to_device(batch):
-    return sharding_lib.make_global_batch(batching.local_rows(batch), batch_sharding)
-
-  def predict(params, eval_set: tasks.EvalSet) -> list[np.ndarray]:
-    """Every row's prediction; `_EvalStopped` at SIGTERM (the notice is too short to finish)."""
-
-    def predict_batch(batch):
-      if preemption.requested:
-        raise _EvalStopped()
-      return jit_predict(params, to_device(batch))
-
-    with sharding_lib.activate(mesh, rules):
-      return batching.predict_rows(predict_batch, eval_set.features, eval_batch_size, buckets)
-
-  # ---- Every shape the run trains and predicts, compiled before its first step ---------------
+      tasks.train_apply(task.model), state_lib.with_rate_counts(task.loss_fn, tasks.rate_counts),
+      tx, mesh, rules, shardings, state_lib.dropout_rng(config.train),
+      config.train.grad_accum_steps)
+  predict_step = jax.jit(functools.partial(tasks.predict_step, model=task.model,
+                                           head=task.head),
+                         in_shardings=(shardings.params, batch_sharding),
+                         out_shardings=NamedSharding(mesh, P()))
   train_shapes, predict_shapes = _batch_shapes(
       task, config, range(step // steps_per_epoch + 1, math.ceil(stop_at / steps_per_epoch) + 1),
       buckets, sort_window, with_test=stop_at == total_steps)
@@ -269,157 +299,201 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
                         for k, v in shape.items()}
   preemption.wait(lambda: state_lib.compile_ahead(
       [(train_step.jitted, (abstract, spec(s))) for s in train_shapes] +
-      [(jit_predict, (abstract.params, spec(s))) for s in predict_shapes], mesh, rules,
+      [(predict_step, (abstract.params, spec(s))) for s in predict_shapes], mesh, rules,
       f'the train step for {len(train_shapes)} length bucket(s) and the prediction step for '
       f'{len(predict_shapes)}'))
-
-  def save(eval_pending: bool = False) -> None:
-    bar.update(in_flight.drain())
-    # The steps since the last log were not checked yet (the log checks its own): a diverged
-    # step's weights are never kept.
-    unchecked = jax.device_get(history) if history else []
-    diverged = monitor.divergence(unchecked, step - len(unchecked) + 1)
-    if diverged:
-      raise UserError(f'{diverged}: stopping without saving it; lower '
-                      'config.train.learning_rate')
-    ckpt_lib.save(manager, workdir, step, state, dict(best=best, seed=config.train.seed,
-                                                      eval_pending=eval_pending))
-    # Kept: this step (to resume from), the best epoch's (its weights are the result) and,
-    # until this step's asynchronous save is committed (the next save waits for it), the
-    # latest committed one: a save that fails (Cloud Storage down) leaves a step to resume from.
-    steps = manager.all_steps()
-    committed = max((old for old in steps if old != step), default=None)
-    for old in steps:
-      if old not in (step, committed) and (best is None or old != best['step']):
-        manager.delete(old)
 
   # ---- Logs ----------------------------------------------------------------------------------
   # Rows past the checkpoint are from an attempt that did not save them: written again below.
   monitor.truncate_metrics(workdir, start)
-  log = monitor.MetricsLog(workdir)
-  predictions_dir = os.path.join(workdir, PREDICTIONS_DIR)
-
-  # ---- Loop: epochs of steps, each epoch evaluated on dev; the best epoch is kept -------------
   logging.info('%s: %d epochs x %d steps of %d sequences, peak lr %g, %d warmup steps',
                config.task, config.train.epochs, steps_per_epoch, batch_size,
                config.train.learning_rate, warmup_steps)
-  bar = monitor.progress(total_steps, step, is_main and config.log.progress)
-  chrono = monitor.Chrono(step)
-  # The host stays one step ahead of the device: a stop (SIGTERM) waits for a step, not for
-  # every step dispatched since the last log line; the bar and the rates count computed steps.
-  in_flight = monitor.InFlight()
-  every = int(config.checkpoint.every_steps)
-  # pending: SIGTERM cut an epoch's evaluation short; its rerun evaluates first.
-  history, stopped, pending = [], False, False
+  return _Run(config, workdir, task, mesh, rules, batch_sharding, buckets, sort_window,
+              steps_per_epoch, total_steps, stop_at, schedule, manager, abstract, train_step,
+              predict_step, monitor.MetricsLog(workdir), state, step, meta.get('best'),
+              bool(meta.get('eval_pending')))
 
-  def end_epoch(epoch: int, saved: bool = False) -> bool:
-    """Evaluates on every dev set, keeps the epoch if it is the best, saves (unless `saved`:
-    this step's checkpoint is there); False when SIGTERM cut the evaluation short (then the
-    state is saved with the evaluation still to do)."""
-    nonlocal best
-    with chrono.excluded():
-      try:
-        evaluated = [(s, *s.evaluate(predict(state.params, s))) for s in task.dev]
-      except _EvalStopped:
-        logging.warning('Evaluation of epoch %d stopped by SIGTERM: saving step %d, the rerun '
-                        'evaluates it', epoch, step)
-        if not saved:
-          save(eval_pending=True)
-        return False
-      results, writers = {}, {}
-      for eval_set, scores, writers[eval_set.name] in evaluated:
-        results[eval_set.name] = fileio.json_safe(scores)
-        log.eval(step, _scalars(scores), eval_set.name, split=eval_set.name, epoch=epoch)
-      score = float(results[task.dev[0].name][task.main_metric])
-      logging.info('Epoch %d (step %d): %s', epoch, step,
-                   {n: _scalars(r) for n, r in results.items()})
-      bar.set_postfix(**{task.main_metric: f'{score:.4f}'})
-      # A NaN score (e.g. the correlation of constant predictions) never counts as best.
-      if best is None or score > best['score'] or math.isnan(best['score']):
-        best = dict(task=config.task, main_metric=task.main_metric, score=score,
-                    epoch=epoch, step=step, learning_rate=float(config.train.learning_rate),
-                    **results)
-        if is_main:
-          for write in writers.values():
-            if write:
-              write(predictions_dir)
-      if not saved:
-        save()
-    return True
 
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def _train(run: _Run, preemption: monitor.Preemption) -> bool:
+  """Epochs of steps, each ended by its evaluation on dev (the best epoch is kept), then the
+  test predictions; whether the run finished (False: stopped at train.stop_at_step)."""
+  config = run.config
+  steps = monitor.Steps(run.step, run.total_steps, run.is_main and config.log.progress)
   state_lib.wait_for_processes('the first step')
   try:
-    if meta.get('eval_pending'):  # Stopped inside the evaluation of the epoch that ends here.
+    if run.eval_pending:  # Stopped inside the evaluation of the epoch that ends here.
       # Its checkpoint stays as it is: later saves carry the new best.
-      pending = stopped = not end_epoch(step // steps_per_epoch, saved=True)
-    while step < stop_at and not stopped:
-      epoch = step // steps_per_epoch + 1
-      epoch_end = epoch * steps_per_epoch
-      # The epoch's batches are planned from its seed alone, so a resumed run skips exactly
-      # the ones it had trained on.
-      plan = batching.batches(task.train, batch_size, buckets, shuffle=True,
-                              seed=_epoch_seed(config, epoch),
-                              window_batches=sort_window)
-      for batch in itertools.islice(plan, step - (epoch - 1) * steps_per_epoch, None):
-        state, step_metrics = train_step(state, to_device(batch))
-        step += 1
-        history.append(step_metrics)
-        chrono.count(sequences=float(batch['weight'].sum()), tokens=batch['input_ids'].size)
-        bar.update(in_flight.add(step_metrics))
-        if step % config.log.every_steps == 0 or step == epoch_end or step == stop_at:
-          bar.update(in_flight.drain())
-          host_history = jax.device_get(history)
-          diverged = monitor.divergence(host_history, step - len(history) + 1)
-          if diverged:
-            raise UserError(f'{diverged}: stopping; lower config.train.learning_rate')
-          summary = monitor.summarize(host_history)
-          rates = chrono.report(step)
-          summary.update(epoch=epoch, learning_rate=float(schedule(step - 1)),
-                         sequences_per_second=rates['sequences_per_second'],
-                         tokens_per_second=rates['tokens_per_second'])
-          log.train(step, summary)
-          bar.set_postfix(loss=f'{summary["loss"]:.4f}')
-          history = []
-        stopped = preemption.stop_now(step, manager) or step == stop_at
-        if step == epoch_end or stopped:
-          break
-        if every and step % every == 0:
-          save()
+      _end_epoch(run, steps, preemption, run.step // run.steps_per_epoch, saved=True)
+    while run.step < run.stop_at and not preemption.stopping:
+      epoch = run.step // run.steps_per_epoch + 1
+      _train_epoch(run, steps, preemption, epoch)
+      if run.step == epoch * run.steps_per_epoch:
+        _end_epoch(run, steps, preemption, epoch)
+        preemption.stop_now(run.step, run.manager)
+      elif preemption.stopping or run.step == run.stop_at:
+        _save(run, steps)  # Inside an epoch: saved where it stopped, to resume there.
 
-      if step == epoch_end:
-        pending = not end_epoch(epoch)
-        stopped = pending or stopped or preemption.stop_now(step, manager)
-      elif stopped:  # Inside an epoch: saved where it stopped, to resume there.
-        save()
-
-    if step < total_steps or pending:
-      logging.warning('Stopped at step %d of %d; rerun the same command to resume.', step,
-                      total_steps)
-      if is_main:
-        print(f'\nbert_jax finetune {config.task}: stopped at step {step} of {total_steps} '
-              f'(epoch {step // steps_per_epoch + 1}); rerun the same command to resume from '
-              f'{workdir}', flush=True)
+    if run.step < run.total_steps or run.eval_pending:
+      logging.warning('Stopped at step %d of %d; rerun the same command to resume.', run.step,
+                      run.total_steps)
+      if run.is_main:
+        print(f'\nbert_jax finetune {config.task}: stopped at step {run.step} of '
+              f'{run.total_steps} (epoch {run.step // run.steps_per_epoch + 1}); rerun the '
+              f'same command to resume from {run.workdir}', flush=True)
       if preemption.requested:
-        raise preemption.stopped(step)
-      return None
-
-    # ---- Test predictions with the best epoch's weights --------------------------------------
-    if task.test:
-      params = state.params
-      if best['step'] != step:
-        params = ckpt_lib.restore_params(manager, best['step'], abstract.params)
-      if not _predict_test(task.test, predict, params, best, log, predictions_dir, is_main):
-        raise preemption.stopped(step)
+        raise preemption.stopped(run.step)
+      return False
+    if run.task.test and not _predict_test(run, preemption):
+      raise preemption.stopped(run.step)
   finally:
-    bar.close()
-    ckpt_lib.wait_for_saves(manager, workdir)  # A failed save as one line (a disk, an outage).
-    manager.close()
-    log.close()
+    steps.close()
+    ckpt_lib.wait_for_saves(run.manager, run.workdir)  # A failed save as one line.
+    run.manager.close()
+    run.log.close()
+  return True
 
-  # metrics.json marks the run finished; then only the best epoch's checkpoint is kept.
-  if is_main:
-    fileio.write_json(metrics_path, best)
-  return _finished(workdir, metrics_path, fresh=True)
+
+def _train_epoch(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,
+                 epoch: int) -> None:
+  """Trains `epoch` from `run.step` to its end, train.stop_at_step or a stop (`stop_now`),
+  with a checkpoint every checkpoint.every_steps and a log row every log.every_steps."""
+  config = run.config
+  epoch_end = epoch * run.steps_per_epoch
+  every = int(config.checkpoint.every_steps)
+  # The epoch's batches are planned from its seed alone, so a resumed run skips exactly the
+  # ones it had trained on.
+  plan = batching.batches(run.task.train, int(config.train.batch_size), run.buckets,
+                          shuffle=True, seed=_epoch_seed(config, epoch),
+                          window_batches=run.sort_window)
+  for batch in itertools.islice(plan, run.step - (epoch - 1) * run.steps_per_epoch, None):
+    run.state, metrics = run.train_step(run.state, _to_device(run, batch))
+    run.step += 1
+    steps.add(metrics)
+    if (run.step % config.log.every_steps == 0 or run.step == epoch_end
+        or run.step == run.stop_at):
+      summary = steps.summary(run.step, 'lower config.train.learning_rate')
+      summary.update(epoch=epoch, learning_rate=float(run.schedule(run.step - 1)))
+      summary = monitor.with_rates(summary, steps.chrono.report(run.step)['steps_per_second'],
+                                   int(config.train.batch_size))
+      run.log.train(run.step, summary)
+      steps.bar.set_postfix(loss=f'{summary["loss"]:.4f}')
+    if (preemption.stop_now(run.step, run.manager) or run.step == epoch_end
+        or run.step == run.stop_at):
+      return
+    if every and run.step % every == 0:
+      _save(run, steps)
+
+
+def _end_epoch(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption, epoch: int,
+               saved: bool = False) -> None:
+  """Evaluates on every dev set, keeps the epoch if it is the best and saves (unless `saved`:
+  this step's checkpoint is there). SIGTERM between two evaluation batches drops the
+  evaluation: the state is saved with it still to do (`eval_pending`)."""
+  task = run.task
+  with steps.chrono.excluded():
+    evaluated = []
+    for eval_set in task.dev:
+      rows = _predict(run, preemption, run.state.params, eval_set)
+      if rows is None:
+        logging.warning('Evaluation of epoch %d stopped by SIGTERM: saving step %d, the rerun '
+                        'evaluates it', epoch, run.step)
+        run.eval_pending = True
+        if not saved:
+          _save(run, steps)
+        return
+      evaluated.append((eval_set, *eval_set.evaluate(rows)))
+    run.eval_pending = False
+    results, writers = {}, {}
+    for eval_set, scores, writers[eval_set.name] in evaluated:
+      results[eval_set.name] = fileio.json_safe(scores)
+      run.log.eval(run.step, _scalars(scores), eval_set.name, split=eval_set.name, epoch=epoch)
+    score = float(results[task.dev[0].name][task.main_metric])
+    logging.info('Epoch %d (step %d): %s', epoch, run.step,
+                 {n: _scalars(r) for n, r in results.items()})
+    steps.bar.set_postfix(**{task.main_metric: f'{score:.4f}'})
+    # A NaN score (e.g. the correlation of constant predictions) never counts as best.
+    if run.best is None or score > run.best['score'] or math.isnan(run.best['score']):
+      run.best = dict(task=run.config.task, main_metric=task.main_metric, score=score,
+                      epoch=epoch, step=run.step,
+                      learning_rate=float(run.config.train.learning_rate), **results)
+      if run.is_main:
+        for write in writers.values():
+          if write:
+            write(run.predictions_dir)
+    if not saved:
+      _save(run, steps)
+
+
+def _save(run: _Run, steps: monitor.Steps) -> None:
+  """Saves the state at `run.step`, with the best epoch so far. Kept: this step (to resume
+  from), the best epoch's (its weights are the result) and, until this step's asynchronous save
+  is committed (the next save waits for it), the latest committed one: a save that fails
+  (Cloud Storage down, a full disk) leaves a step to resume from."""
+  # The steps since the last log row were not checked yet (the log checks its own): a
+  # diverged step's weights are never kept.
+  steps.check(run.step, 'lower config.train.learning_rate', saving=True)
+  ckpt_lib.save(run.manager, run.workdir, run.step, run.state,
+                dict(best=run.best, seed=run.config.train.seed, eval_pending=run.eval_pending))
+  kept = run.manager.all_steps()
+  committed = max((old for old in kept if old != run.step), default=None)
+  for old in kept:
+    if old not in (run.step, committed) and (run.best is None or old != run.best['step']):
+      run.manager.delete(old)
+
+
+def _to_device(run: _Run, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+  """The global batch from this process's rows of it."""
+  return sharding_lib.make_global_batch(batching.local_rows(batch), run.batch_sharding)
+
+
+def _predict(run: _Run, preemption: monitor.Preemption, params: Any,
+             eval_set: tasks.EvalSet) -> list[np.ndarray] | None:
+  """Every row's prediction; None when SIGTERM came between two batches (`cut_short`: the
+  notice is too short to finish)."""
+
+  class CutShort(Exception):
+    pass
+
+  def predict_batch(batch):
+    if preemption.cut_short():
+      raise CutShort()
+    return run.predict_step(params, _to_device(run, batch))
+
+  try:
+    with sharding_lib.activate(run.mesh, run.rules):
+      return batching.predict_rows(predict_batch, eval_set.features,
+                                   int(run.config.eval.batch_size), run.buckets)
+  except CutShort:
+    return None
+
+
+def _predict_test(run: _Run, preemption: monitor.Preemption) -> bool:
+  """Predicts each test set with the best epoch's weights, writes the predictions and adds
+  the scores of a labelled set to `run.best`; False when SIGTERM stopped it."""
+  best = run.best
+  params = run.state.params
+  if best['step'] != run.step:
+    params = ckpt_lib.restore_params(run.manager, best['step'], run.abstract.params)
+  for eval_set in run.task.test:
+    rows = _predict(run, preemption, params, eval_set)
+    if rows is None:
+      logging.warning('Test predictions stopped by SIGTERM; rerun the same command to make them.')
+      return False
+    scores, write = eval_set.evaluate(rows)
+    if scores is not None:
+      best[eval_set.name] = fileio.json_safe(scores)
+      run.log.eval(best['step'], _scalars(scores), eval_set.name, split=eval_set.name,
+                   epoch=best['epoch'])
+    if write and run.is_main:
+      write(run.predictions_dir)
+  logging.info('Test predictions in %s', run.predictions_dir)
+  return True
 
 
 def _epoch_seed(config: ml_collections.ConfigDict, epoch: int) -> int:
@@ -440,28 +514,6 @@ def _batch_shapes(task: tasks.Task, config: ml_collections.ConfigDict, epochs: r
     for shape in batching.batch_shapes(eval_set.features, int(config.eval.batch_size), buckets):
       predict_shapes[str(shape)] = shape
   return train_shapes, list(predict_shapes.values())
-
-
-def _predict_test(test_sets: list[tasks.EvalSet], predict: Callable, params: Any,
-                  best: dict[str, Any], log: monitor.MetricsLog, predictions_dir: str,
-                  is_main: bool) -> bool:
-  """Predicts each test set with the best epoch's `params`, writes the predictions and adds
-  the scores of a labelled set to `best`; False when SIGTERM stopped it."""
-  for eval_set in test_sets:
-    try:
-      rows = predict(params, eval_set)
-    except _EvalStopped:
-      logging.warning('Test predictions stopped by SIGTERM; rerun the same command to make them.')
-      return False
-    scores, write = eval_set.evaluate(rows)
-    if scores is not None:
-      best[eval_set.name] = fileio.json_safe(scores)
-      log.eval(best['step'], _scalars(scores), eval_set.name, split=eval_set.name,
-               epoch=best['epoch'])
-    if write and is_main:
-      write(predictions_dir)
-  logging.info('Test predictions in %s', predictions_dir)
-  return True
 
 
 def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertConfig

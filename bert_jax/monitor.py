@@ -1,6 +1,7 @@
 """What a training run reports and listens to: metrics, progress, preemption.
 
 - `summarize`: the (sum, count) pairs of steps or batches as averages.
+- `with_rates`: a log row's rates, counted one way in pre-training and fine-tuning.
 - `Chrono`: the loop's clock: steps (and what they carry) per second, input wait, and the time
   that is not training (compiles, saves, evaluations) kept out.
 - `MetricsLog`: metrics.jsonl + TensorBoard on process 0, one tag scheme for every run:
@@ -8,8 +9,11 @@
   evaluation sets: `eval/<set>/<name>`).
 - `InFlight`: bounds how far the host runs ahead of the device (one step).
 - `progress`: the tqdm bar of the loop.
+- `Steps`: a loop's steps since its last log row (their metrics, checked for divergence), with
+  its `InFlight`, bar and `Chrono`.
 - `Preemption`: SIGTERM and Ctrl-C as a flag the loop polls, so it saves before exiting
-  (`Preempted`); before the first step (nothing new to save) it stops the run at once.
+  (`Preempted`); before the first step (nothing new to save) it stops the run at once. It owns
+  the run's whole preemption state: whether a notice came, and whether the loop stops.
 """
 
 import collections
@@ -29,6 +33,7 @@ from bert_jax import fileio
 from bert_jax import gcs
 from bert_jax.errors import EXIT_PREEMPTED
 from bert_jax.errors import Preempted
+from bert_jax.errors import UserError
 
 METRICS_FILE = 'metrics.jsonl'
 
@@ -73,14 +78,29 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, float]:
   return out
 
 
+def with_rates(summary: dict[str, float], steps_per_second: float,
+               batch_size: int) -> dict[str, float]:
+  """A log row's summary with its rates in place of the per-row counts of its steps
+  (`train_state.with_rate_counts`): steps, sequences (packed rows: each of theirs; a
+  multiple-choice row: each choice), token slots and real (non-padding) tokens per second, for
+  global batches of `batch_size` rows."""
+  rows_per_second = steps_per_second * batch_size
+  summary.update(
+      steps_per_second=steps_per_second,
+      sequences_per_second=summary.pop('sequences_per_row') * rows_per_second,
+      tokens_per_second=summary.pop('tokens_per_row') * rows_per_second,
+      real_tokens_per_second=summary.pop('real_tokens_per_row') * rows_per_second)
+  return summary
+
+
 class Chrono:
   """The training loop's clock (after big_vision's `utils.Chrono`): one per loop, in place of
   hand-kept timers.
 
-  A period runs from one `report` to the next. `report` gives its steps per second, the share
-  of its time spent waiting for input, and `<name>_per_second` of what `count` added up; time
-  inside `excluded()` (and the steps it names: a segment's first, compiling step) is left out,
-  unless the period holds nothing else.
+  A period runs from one `report` to the next. `report` gives its steps per second and the
+  share of its time spent waiting for input; time inside `excluded()` (and the steps it names:
+  a segment's first, compiling step) is left out, unless the period holds nothing else. What
+  the steps processed is counted on the device (`with_rates`).
   """
 
   def __init__(self, step: int):
@@ -90,7 +110,6 @@ class Chrono:
     self._start, self._step = time.time(), step
     self._wait = self._excluded = 0.0
     self._excluded_steps = 0
-    self._counts = collections.defaultdict(float)
 
   @contextlib.contextmanager
   def waiting(self) -> Iterator[None]:
@@ -107,20 +126,13 @@ class Chrono:
     self._excluded += time.time() - start
     self._excluded_steps += steps
 
-  def count(self, **amounts: float) -> None:
-    """Adds to what the period processed (sequences, tokens), for `<name>_per_second`."""
-    for name, amount in amounts.items():
-      self._counts[name] += amount
-
   def report(self, step: int) -> dict[str, float]:
-    """The period's rates (steps_per_second, input_wait_fraction, <name>_per_second); starts the
-    next period."""
+    """The period's steps_per_second and input_wait_fraction; starts the next period."""
     elapsed, steps = time.time() - self._start, step - self._step
     if steps > self._excluded_steps:
       elapsed, steps = elapsed - self._excluded, steps - self._excluded_steps
     elapsed = max(elapsed, 1e-9)
     rates = dict(steps_per_second=steps / elapsed, input_wait_fraction=self._wait / elapsed)
-    rates.update((f'{name}_per_second', amount / elapsed) for name, amount in self._counts.items())
     self._restart(step)
     return rates
 
@@ -247,6 +259,52 @@ def progress(total: int, initial: int, enabled: bool):
                    dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
 
 
+class Steps:
+  """A training loop's steps since its last log row, as the loop runs them.
+
+  Their metrics stay on the device until a log row (`summary`) or a save (`check`) reads them;
+  the host runs at most one step ahead of the device (`InFlight`), so a stop (SIGTERM) waits
+  for one step, not for every step dispatched since the last log row. The progress bar (`bar`)
+  and the rates count computed steps; `chrono` is the loop's clock.
+  """
+
+  def __init__(self, step: int, total: int, show_progress: bool):
+    self.bar = progress(total, step, show_progress)
+    self.chrono = Chrono(step)
+    self._in_flight = InFlight()
+    self._metrics: list[Any] = []
+
+  def add(self, metrics: dict[str, Any]) -> None:
+    """A dispatched step's metrics."""
+    self._metrics.append(metrics)
+    self.bar.update(self._in_flight.add(metrics))
+
+  def drain(self) -> None:
+    """Waits for every dispatched step."""
+    self.bar.update(self._in_flight.drain())
+
+  def check(self, step: int, advice: str, saving: bool = False) -> list[dict[str, Any]]:
+    """The host values of the steps since the last `summary` (`step` the last of them); a
+    UserError naming the first that diverged (`divergence`), with `advice`: weights after such
+    a step are never logged as fine nor saved."""
+    self.drain()
+    host = jax.device_get(self._metrics) if self._metrics else []
+    diverged = divergence(host, step - len(host) + 1)
+    if diverged:
+      raise UserError(f'{diverged}: stopping{" without saving it" if saving else ""}; {advice}')
+    return host
+
+  def summary(self, step: int, advice: str) -> dict[str, float]:
+    """The averages (`summarize`) of the steps since the last summary, checked; the next
+    summary starts after `step`."""
+    host = self.check(step, advice)
+    self._metrics = []
+    return summarize(host)
+
+  def close(self) -> None:
+    self.bar.close()
+
+
 class Preemption:
   """Turns SIGTERM and Ctrl-C (SIGINT) into a flag the loop polls, so it can save before exiting.
 
@@ -259,12 +317,18 @@ class Preemption:
   With several processes, jax.distributed's preemption service catches SIGTERM instead and
   makes every process stop at the same step: ask `stop_now(step, manager)`. The flag stays
   unset there (one process alone must not stop early).
+
+  Two states: `requested`, set by the signal whenever it comes, and `stopping`, the loop's
+  decision to stop at its current step, taken only where the loop asks (`stop_now` after a
+  step, `cut_short` between the batches of an evaluation, which is dropped then: the notice is
+  too short to finish one).
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
     self.requested = False
+    self.stopping = False
     self.cause = ''  # What stopped the run, for its message.
     self._previous: dict[int, Any] = {}
     if jax.process_count() > 1:
@@ -325,9 +389,16 @@ class Preemption:
     return result[0]
 
   def stop_now(self, step: int, manager) -> bool:
-    """Whether the run must save and stop after `step` (every process agrees)."""
+    """Whether the run must save and stop after `step` (every process agrees): `stopping`."""
     if not self.requested and manager.reached_preemption(step):
       self.requested, self.cause = True, 'a preemption notice (jax.distributed)'
+    self.stopping = self.stopping or self.requested
+    return self.stopping
+
+  def cut_short(self) -> bool:
+    """Whether work that can be dropped and redone (an evaluation) must stop now; the loop
+    then stops at its current step (`stopping`)."""
+    self.stopping = self.stopping or self.requested
     return self.requested
 
   def restore(self) -> None:

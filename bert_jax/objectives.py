@@ -84,10 +84,14 @@ def get(name: str) -> Objective:
   return OBJECTIVES[name]
 
 
-def _nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """-log softmax(logits)[label], as logsumexp minus the label's logit picked by a one-hot mask:
-  its gradient, softmax - one_hot, is elementwise. Picking with `take_along_axis` made the
-  gradient a scatter into an all-zeros f32 [B, P, vocab] tensor (875 MB at BERT-base/128)."""
+def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """-log softmax(logits)[label] in float32: every loss of pre-training and fine-tuning
+  (`tasks.py`) is built from it. A negative label (an ignored position) picks nothing: weight
+  it out.
+
+  As logsumexp minus the label's logit picked by a one-hot mask: its gradient, softmax -
+  one_hot, is elementwise. Picking with `take_along_axis` made the gradient a scatter into an
+  all-zeros f32 [B, P, vocab] tensor (875 MB at BERT-base/128)."""
   logits = logits.astype(jnp.float32)
   picked = jnp.sum(jnp.where(jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.bool_),
                              logits, 0.0), axis=-1)
@@ -99,10 +103,11 @@ def mlm_loss(logits: jax.Array, batch: dict[str, jax.Array]):
   metrics) of the term 'mlm'."""
   weights = batch['masked_lm_weights'].astype(jnp.float32)
   labels = batch['masked_lm_ids']
-  total, count = jnp.sum(_nll(logits, labels) * weights), jnp.sum(weights)
+  total, count = jnp.sum(nll(logits, labels) * weights), jnp.sum(weights)
   correct = jnp.sum((jnp.argmax(logits, -1) == labels) * weights)
-  # The original divides by sum(weights) + 1e-5, so that a batch without predictions gives 0.
-  return ({'mlm': total}, {'mlm': count + 1e-5},
+  # A batch without predictions gives 0: `train_state.normalize` floors every count at 1 (the
+  # original's sum(weights) + 1e-5, without its 1e-5 bias on the mean).
+  return ({'mlm': total}, {'mlm': count},
           {'mlm_loss': (total, count), 'mlm_accuracy': (correct, count)})
 
 
@@ -121,9 +126,9 @@ def sentence_loss(logits: jax.Array, batch: dict[str, jax.Array], name: str):
   else:
     real = jnp.ones(labels.shape, jnp.float32)
   count = jnp.sum(real)
-  total = jnp.sum(_nll(logits, labels) * real)
+  total = jnp.sum(nll(logits, labels) * real)
   correct = jnp.sum((jnp.argmax(logits, -1) == labels) * real)
-  return ({name: total}, {name: jnp.maximum(count, 1.0)},
+  return ({name: total}, {name: count},
           {f'{name}_loss': (total, count), f'{name}_accuracy': (correct, count)})
 
 

@@ -139,24 +139,19 @@ def pretraining_apply(model: nn.Module) -> state_lib.Apply:
 
 
 def pretraining_loss(objective: objectives.Objective) -> state_lib.Loss:
-  """The objective's loss (`objectives.loss`), plus the real tokens and sequences per row that
-  the rates in metrics.jsonl need ((sum, rows) pairs add up over micro-batches)."""
-
-  def loss(outputs, batch):
-    sums, counts, metrics = objectives.loss(objective, outputs, batch)
-    rows = jnp.float32(batch['input_ids'].shape[0])
-    metrics.update(
-        real_tokens_per_row=(jnp.sum(batch['input_mask'].astype(jnp.float32)), rows),
-        sequences_per_row=(_sequences(batch), rows))
-    return sums, counts, metrics
-  return loss
+  """The objective's loss (`objectives.loss`), with the counts of the rates in metrics.jsonl
+  (`train_state.with_rate_counts`)."""
+  return state_lib.with_rate_counts(functools.partial(objectives.loss, objective), rate_counts)
 
 
-def _sequences(batch: dict[str, jax.Array]) -> jax.Array:
-  """The batch's sequences: its rows, or with packed rows their sequences (at least 1)."""
+def rate_counts(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """(sequences, real tokens) of a batch: its rows, or with packed rows their sequences (at
+  least 1), and its non-padding tokens."""
+  real_tokens = jnp.sum(batch['input_mask'].astype(jnp.float32))
   if 'next_sentence_weights' in batch:
-    return jnp.maximum(jnp.sum(batch['next_sentence_weights'].astype(jnp.float32)), 1.0)
-  return jnp.asarray(batch['input_ids'].shape[0], jnp.float32)
+    return (jnp.maximum(jnp.sum(batch['next_sentence_weights'].astype(jnp.float32)), 1.0),
+            real_tokens)
+  return jnp.asarray(batch['input_ids'].shape[0], jnp.float32), real_tokens
 
 
 def train_step(state: state_lib.TrainState, batch: dict[str, jax.Array], *, model: nn.Module,

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bert_jax import objectives
+
 # Model inputs of every task, in the order the models take them.
 INPUTS = ('input_ids', 'input_mask', 'segment_ids')
 
@@ -99,26 +101,30 @@ def subset(features: dict, keys: Sequence[str], index_key: str | None = None) ->
   return out
 
 
+def rate_counts(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """(sequences, real tokens) of a batch, for the rates in metrics.jsonl: its rows of weight
+  1, each of a multiple-choice row's choices a sequence of its own, and their non-padding
+  tokens (`train_state.with_rate_counts`)."""
+  shape = batch['input_ids'].shape
+  weight = batch['weight'].astype(jnp.float32)
+  sequences = jnp.sum(weight) * float(np.prod(shape[1:-1]))
+  mask = batch['input_mask'].astype(jnp.float32).reshape(shape[0], -1)
+  return sequences, jnp.sum(mask * weight[:, None])
+
+
 # ---------------------------------------------------------------------------------------------
 # Losses, in the convention of every objective and task (`train_state.Loss`): (sums, counts,
-# metrics); each reports its own 'loss' as a (sum, count) pair, so that a log period averages it
-# over labels exactly.
+# metrics); the logged 'loss' is the normalized training loss, as in pre-training.
 # ---------------------------------------------------------------------------------------------
-
-
-def _nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
 
 
 def classification_loss(logits, batch):
   """Cross-entropy of each row's label, over the real rows (weight 1)."""
   w = batch['weight']
   n = jnp.sum(w)
-  nll = jnp.sum(_nll(logits, batch['label']) * w)
+  total = jnp.sum(objectives.nll(logits, batch['label']) * w)
   correct = jnp.sum((jnp.argmax(logits, -1) == batch['label']) * w)
-  return ({'classification': nll}, {'classification': jnp.maximum(n, 1.0)},
-          {'loss': (nll, n), 'accuracy': (correct, n)})
+  return {'classification': total}, {'classification': n}, {'accuracy': (correct, n)}
 
 
 def regression_loss(logits, batch):
@@ -126,17 +132,16 @@ def regression_loss(logits, batch):
   w = batch['weight']
   n = jnp.sum(w)
   se = jnp.sum(jnp.square(logits[:, 0] - batch['label']) * w)
-  return {'regression': se}, {'regression': jnp.maximum(n, 1.0)}, {'loss': (se, n)}
+  return {'regression': se}, {'regression': n}, {}
 
 
 def token_loss(logits, batch):
   """Cross-entropy on labelled positions (first word pieces); -1 labels are ignored."""
   w = (batch['labels'] >= 0) * batch['weight'][:, None]
   n = jnp.sum(w)
-  nll = jnp.sum(_nll(logits, batch['labels']) * w)
+  total = jnp.sum(objectives.nll(logits, batch['labels']) * w)
   correct = jnp.sum((jnp.argmax(logits, -1) == batch['labels']) * w)
-  return ({'token': nll}, {'token': jnp.maximum(n, 1.0)},
-          {'loss': (nll, n), 'accuracy': (correct, n)})
+  return {'token': total}, {'token': n}, {'accuracy': (correct, n)}
 
 
 def span_loss(outputs, batch):
@@ -152,6 +157,6 @@ def span_loss(outputs, batch):
   end = jnp.where(valid, end.astype(jnp.float32), very_negative)
   w = batch['weight']
   n = jnp.sum(w)
-  total = jnp.sum((_nll(start, batch['start_positions']) +
-                   _nll(end, batch['end_positions'])) * w) / 2
-  return {'span': total}, {'span': jnp.maximum(n, 1.0)}, {'loss': (total, n)}
+  total = jnp.sum((objectives.nll(start, batch['start_positions']) +
+                   objectives.nll(end, batch['end_positions'])) * w) / 2
+  return {'span': total}, {'span': n}, {}

@@ -1,11 +1,13 @@
-"""BERT pre-training: one straight function from a config to a trained, checkpointed model.
+"""BERT pre-training: one straight path from a config to a trained, checkpointed model.
 
-Sections of `train_and_evaluate`, in order: setup -> mesh -> data -> model, optimizer, abstract
-init, shardings and steps (`pretraining.build_step`, which `aot.py` and the benchmarks use too)
--> init or restore -> loop (log, eval, checkpoint, preemption). The step functions are pure and
-live in `pretraining.py`.
+`train_and_evaluate` is setup, then loop. `_setup` runs, in order: mesh -> data -> model,
+optimizer, abstract init, shardings and steps (`pretraining.build_step`, which `aot.py` and the
+benchmarks use too) -> init or restore -> compiles, and returns one `_Run`; `_train` is the loop
+(log, checkpoint, evaluate, stop for preemption), which `monitor.Preemption` decides. The step
+functions are pure and live in `pretraining.py`.
 """
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -217,21 +219,67 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     return _train_and_evaluate(config, workdir, preemption)
 
 
+@dataclasses.dataclass
+class _Run:
+  """One pre-training run as `_setup` makes it, ready for its first step; the loop advances
+  `state`, `step` and `last_saved`."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  phases: list[pretraining.Phase]
+  mesh: jax.sharding.Mesh
+  rules: Any
+  batch_sharding: jax.sharding.NamedSharding
+  vocab_file: str
+  # (phase, train, batch_size=local batch, seed=None) -> this process's tf.data dataset.
+  dataset_for: Callable[..., Any]
+  built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
+  manager: Any  # Orbax's CheckpointManager.
+  log: monitor.MetricsLog
+  stop_at: int
+  start: int | None  # The step restored from; None for a fresh run.
+  meta: dict[str, Any]  # The restored checkpoint's.
+  state: state_lib.TrainState
+  step: int
+  last_saved: int | None
+
+  @property
+  def is_main(self) -> bool:
+    return jax.process_index() == 0
+
+
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         preemption: monitor.Preemption) -> dict[str, float]:
-  # TensorFlow is imported only when data is needed.
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
-  from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
-
-  # ---- Setup ---------------------------------------------------------------------------------
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   input_pipeline.hide_accelerators_from_tf()
   ckpt_lib.check_workdir_kind(workdir, fine_tuning=False)
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
-  is_main = jax.process_index() == 0
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)
   if not 0 < stop_at <= config.train.steps:
     raise UserError(f'train.stop_at_step={config.train.stop_at_step} must lie in '
                     f'[1, train.steps={config.train.steps}] (0 = run to train.steps)')
+  return _train(_setup(config, workdir, stop_at, preemption), preemption)
+
+
+def _dataset(config: ml_collections.ConfigDict, vocab_file: str, phase: pretraining.Phase,
+             train: bool, batch_size: int | None = None, seed: int | None = None):
+  """This process's share of the phase's training or held-out data, in batches of
+  `batch_size` (default: its share of train.batch_size)."""
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  return input_pipeline.make_pretraining_dataset(
+      pretraining.phase_data(config, phase),
+      batch_size=batch_size or config.train.batch_size // jax.process_count(),
+      seq_len=phase.seq_len, max_predictions=phase.max_predictions, train=train,
+      process_index=jax.process_index(), process_count=jax.process_count(), seed=seed,
+      vocab_file=vocab_file)
+
+
+def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
+           preemption: monitor.Preemption) -> _Run:
+  """Mesh, data (checked for every phase), model and steps, state (restored or initialized),
+  every phase's steps compiled, run files and metrics log."""
+  from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
 
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
@@ -251,7 +299,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   for phase in phases:
     input_pipeline.check_vocab_given(pretraining.phase_data(config, phase),
                                      f'phase {phase.index + 1} reads ')
-  from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
   written = [os.path.join(workdir, name) for name in ckpt_lib.RUN_FILES]
   for phase in phases:
     data = pretraining.phase_data(config, phase)
@@ -270,60 +317,26 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                          'train.init_checkpoint')
   vocab_file = input_pipeline.resolve_vocab(pretraining.phase_data(config, phases[0]), workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
-  local_batch = config.train.batch_size // jax.process_count()
-
-  def dataset_for(phase: pretraining.Phase, train: bool, batch_size: int = local_batch,
-                  seed: int | None = None):
-    return input_pipeline.make_pretraining_dataset(
-        pretraining.phase_data(config, phase), batch_size=batch_size, seq_len=phase.seq_len,
-        max_predictions=phase.max_predictions, train=train,
-        process_index=jax.process_index(), process_count=jax.process_count(), seed=seed,
-        vocab_file=vocab_file)
-
-  def training_input(phase: pretraining.Phase, step: int) -> input_pipeline.TrainingInput:
-    """The phase's training input; a saved position is restored only where it fits."""
-    data = pretraining.phase_data(config, phase)
-    fingerprint = input_pipeline.input_fingerprint(
-        data, batch_size=local_batch, seq_len=phase.seq_len,
-        max_predictions=phase.max_predictions, process_count=jax.process_count())
-    return input_pipeline.TrainingInput(lambda seed: dataset_for(phase, True, seed=seed),
-                                        fingerprint, step, int(data.seed))
-
+  dataset_for = functools.partial(_dataset, config, vocab_file)
   logging.info('Checking the input of %d phase(s)', len(phases))
   _check_phase_data(config, phases, dataset_for)
   preemption.check()
 
   # ---- Model, optimizer, abstract init and shardings, steps (nothing allocated yet) ----------
   built = pretraining.build_step(config, mesh, tokenizer.vocab_size)
-  bert_config, tx, schedule = built.bert_config, built.tx, built.schedule
-  abstract, state_shardings, init_fn = built.abstract, built.shardings, built.init
-  n_params = model_lib.count_params(abstract.params)
+  n_params = model_lib.count_params(built.abstract.params)
   logging.info('Model %s: %s parameters, dtype %s', config.model.size, f'{n_params:,}',
-               bert_config.dtype)
+               built.bert_config.dtype)
 
   # ---- Init or restore -----------------------------------------------------------------------
   manager = ckpt_lib.make_manager(workdir, config.checkpoint.keep)
-
-  def init() -> state_lib.TrainState:
-    state = jax.jit(init_fn, out_shardings=state_shardings)(jax.random.key(config.train.seed))
-    if not config.train.init_checkpoint:
-      return state
-    # Host copies of the fresh parameters (heads the checkpoint lacks come from them); with
-    # fsdp or tensor axes across hosts no process holds every shard, so gather them.
-    fresh = (multihost_utils.process_allgather(state.params, tiled=True)
-             if jax.process_count() > 1 else jax.tree.map(np.asarray, state.params))
-    params = _init_from_checkpoint(config.train.init_checkpoint, bert_config, fresh)
-    logging.info('Initialized from %s', config.train.init_checkpoint)
-    return state_lib.state_from_params(state_lib.put_sharded(params, state_shardings.params),
-                                       tx, state_shardings)
-
   # A fresh init compiles (minutes for a large model on a pod): SIGTERM does not wait for it.
-  start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
-                                                lambda: preemption.wait(init))
+  start, state, meta = ckpt_lib.restore_or_init(
+      manager, workdir, built.abstract, lambda: preemption.wait(lambda: _init(config, built)))
   preemption.check()
   # Only now, with the checkpoint found to match: a refused resume (another model size) leaves
   # the record of the run it refused to touch as it was.
-  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), bert_config,
+  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), built.bert_config,
                            vocab_file)
   # Rows past the checkpoint are from a run that died after it: they are logged again.
   monitor.truncate_metrics(workdir, start)
@@ -332,136 +345,170 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                     meta.get('seed'))
   step = int(state.step)
 
-  # ---- Steps ---------------------------------------------------------------------------------
-  p_train_step, p_eval_step = built.train_step, built.eval_step
+  # ---- Every phase this run trains, compiled before its first step ---------------------------
+  # A compile of the next phase thousands of steps in would not stop for SIGTERM (the notice
+  # is about 30 s).
   batch_sharding = sharding_lib.batch_sharding(mesh)
   eval_local = config.eval.batch_size // jax.process_count()
-  # Every phase this run trains, compiled before its first step: a compile of the next phase
-  # thousands of steps in would not stop for SIGTERM (the notice is about 30 s).
   remaining = [p for p in phases if p.end > step and p.start < stop_at]
 
   def steps_to_compile():  # Lazy: the datasets are made on the compiling thread too.
     for phase in remaining:
-      yield p_train_step.jitted, (abstract, _global_batch_spec(
+      yield built.train_step.jitted, (built.abstract, _global_batch_spec(
           dataset_for(phase, True).element_spec, batch_sharding))
-      yield p_eval_step, (abstract.params, _global_batch_spec(
+      yield built.eval_step, (built.abstract.params, _global_batch_spec(
           dataset_for(phase, False, eval_local).element_spec, batch_sharding))
 
   preemption.wait(lambda: state_lib.compile_ahead(
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
-  log = monitor.MetricsLog(workdir)
+  return _Run(config, workdir, phases, mesh, rules, batch_sharding, vocab_file, dataset_for,
+              built, manager, monitor.MetricsLog(workdir), stop_at, start, meta, state, step,
+              last_saved=start)
 
-  def save(phase: pretraining.Phase, data_it) -> None:
-    # The steps since the last log were not checked yet (the log checks its own): a diverged
-    # step's weights never become the last good checkpoint.
-    unchecked = jax.device_get(history) if history else []
-    diverged = monitor.divergence(unchecked, step - len(unchecked) + 1)
-    if diverged:
-      raise UserError(f'{diverged}: stopping without saving it; {last_good()}. Lower '
-                      'train.learning_rate or raise train.warmup_steps.')
-    ckpt_lib.save(manager, workdir, step, state,
-                  dict(seed=config.train.seed, data_phase=phase.index), data_it)
 
-  def last_good() -> str:
-    if last_saved is None:
-      return f'no checkpoint was saved yet in {workdir}'
-    return f'the last good checkpoint (step {last_saved}) is kept in {workdir}'
+def _init(config: ml_collections.ConfigDict, built: pretraining.Step) -> state_lib.TrainState:
+  """A fresh state; with train.init_checkpoint, its weights (and fresh heads it lacks)."""
+  state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(config.train.seed))
+  if not config.train.init_checkpoint:
+    return state
+  # Host copies of the fresh parameters (heads the checkpoint lacks come from them); with
+  # fsdp or tensor axes across hosts no process holds every shard, so gather them.
+  fresh = (multihost_utils.process_allgather(state.params, tiled=True)
+           if jax.process_count() > 1 else jax.tree.map(np.asarray, state.params))
+  params = _init_from_checkpoint(config.train.init_checkpoint, built.bert_config, fresh)
+  logging.info('Initialized from %s', config.train.init_checkpoint)
+  return state_lib.state_from_params(state_lib.put_sharded(params, built.shardings.params),
+                                     built.tx, built.shardings)
 
-  # ---- Loop: phases of steps; log, checkpoint, evaluate, stop for preemption -----------------
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
+  """Phases of steps; log, checkpoint, evaluate, stop for preemption. The last evaluation's
+  metrics."""
+  config = run.config
+  steps = monitor.Steps(run.step, run.stop_at, run.is_main and config.log.progress)
   eval_metrics: dict[str, float] = {}
-  bar = monitor.progress(stop_at, step, is_main and config.log.progress)
-  chrono = monitor.Chrono(step)
-  # The host stays one step ahead of the device: a stop (SIGTERM) waits for a step, not for
-  # every step dispatched since the last log line; the bar and the rates count computed steps.
-  in_flight = monitor.InFlight()
-  history, last_saved, preempted = [], start, False
-  first_step = step
+  first_step = run.step
   try:
-    while step < stop_at and not preempted:
-      phase = pretraining.phase_at(phases, step)
-      data_it = training_input(phase, step)
-      if step > 0 and meta.get('data_phase') == phase.index and start == step:
-        if not ckpt_lib.restore_data_state(workdir, step, data_it):
-          logging.warning('No input position saved for step %d: the data restarts', step)
+    while run.step < run.stop_at and not preemption.stopping:
+      phase = pretraining.phase_at(run.phases, run.step)
+      data_it = _training_input(run, phase)
+      if (run.step > 0 and run.meta.get('data_phase') == phase.index
+          and run.start == run.step):
+        if not ckpt_lib.restore_data_state(run.workdir, run.step, data_it):
+          logging.warning('No input position saved for step %d: the data restarts', run.step)
       # Model FLOPs per real (non-padding) token: MFU counts only the tokens trained on, so
       # packed and padded runs compare honestly.
       flops_per_token = flops_lib.train_flops_per_sequence(
-          bert_config, phase.seq_len, phase.max_predictions) / phase.seq_len
+          run.built.bert_config, phase.seq_len, phase.max_predictions) / phase.seq_len
       first_in_segment = True
-      while step < min(phase.end, stop_at) and not preempted:
-        with chrono.waiting():
+      while run.step < min(phase.end, run.stop_at) and not preemption.stopping:
+        with steps.chrono.waiting():
           # The run's first batch fills the shuffle buffer; nothing is trained yet, so SIGTERM
           # does not wait for it.
-          local = (preemption.wait(lambda: next(data_it)) if step == first_step
+          local = (preemption.wait(lambda: next(data_it)) if run.step == first_step
                    else next(data_it))
-        batch = sharding_lib.make_global_batch(local, batch_sharding)
-        if step == first_step:
-          with chrono.excluded():
+        batch = sharding_lib.make_global_batch(local, run.batch_sharding)
+        if run.step == first_step:
+          with steps.chrono.excluded():
             state_lib.wait_for_processes('the first step')
         if first_in_segment:  # It compiles: its time and the step are not throughput.
-          jax.block_until_ready(state)  # Earlier steps are training time, not compile time.
-          with chrono.excluded(steps=1):
-            state, metrics = p_train_step(state, batch)
+          jax.block_until_ready(run.state)  # Earlier steps are training time, not compile time.
+          with steps.chrono.excluded(steps=1):
+            run.state, metrics = run.built.train_step(run.state, batch)
             jax.block_until_ready(metrics['loss'])
           first_in_segment = False
         else:
-          state, metrics = p_train_step(state, batch)
-        step += 1
-        history.append(metrics)
-        bar.update(in_flight.add(metrics))
+          run.state, metrics = run.built.train_step(run.state, batch)
+        run.step += 1
+        steps.add(metrics)
 
-        if step % config.log.every_steps == 0 or step == stop_at:
-          bar.update(in_flight.drain())
-          host_history = jax.device_get(history)
-          diverged = monitor.divergence(host_history, step - len(history) + 1)
-          if diverged:
-            raise UserError(f'{diverged}: stopping; {last_good()}. Lower '
-                            'train.learning_rate or raise train.warmup_steps.')
-          summary = monitor.summarize(host_history)
-          summary = _with_rates(summary, chrono.report(step), config, phase, flops_per_token,
-                                learning_rate=float(schedule(step - 1)))
-          log.train(step, summary)
-          bar.set_postfix(loss=f'{summary["loss"]:.3f}',
-                          mlm_acc=f'{summary["mlm_accuracy"]:.3f}')
-          history = []
-
-        preempted = preemption.stop_now(step, manager)
-        if step % config.checkpoint.every_steps == 0 or step == stop_at or preempted:
-          bar.update(in_flight.drain())
-          jax.block_until_ready(state)
-          with chrono.excluded():
-            save(phase, data_it)
-          last_saved = step
+        if run.step % config.log.every_steps == 0 or run.step == run.stop_at:
+          summary = _with_rates(steps.summary(run.step, _divergence_advice(run)),
+                                steps.chrono.report(run.step), config, flops_per_token,
+                                learning_rate=float(run.built.schedule(run.step - 1)))
+          run.log.train(run.step, summary)
+          steps.bar.set_postfix(loss=f'{summary["loss"]:.3f}',
+                                mlm_acc=f'{summary["mlm_accuracy"]:.3f}')
+        preemption.stop_now(run.step, run.manager)
+        if (run.step % config.checkpoint.every_steps == 0 or run.step == run.stop_at
+            or preemption.stopping):
+          steps.drain()
+          jax.block_until_ready(run.state)
+          with steps.chrono.excluded():
+            _save(run, steps, phase, data_it)
         # After the save: a failing or killed evaluation never costs the steps before it.
-        if (step % config.eval.every_steps == 0 or step == stop_at) and not preempted:
-          bar.update(in_flight.drain())
-          jax.block_until_ready(state)
-          with chrono.excluded():
-            ckpt_lib.wait_for_saves(manager, workdir)
-            evaluated = evaluate_params(config, phase, state.params, p_eval_step, mesh,
-                                        rules, vocab_file, stop=lambda: preemption.requested)
-          if evaluated is None:  # SIGTERM: the evaluation is dropped, the step is saved.
-            preempted = True
-            if last_saved != step:
-              save(phase, data_it)
-              last_saved = step
-          else:
-            eval_metrics = evaluated
-            log.eval(step, eval_metrics, eval=True)
-            logging.info('Step %d eval: %s', step, eval_metrics)
-    if preempted:
-      logging.warning('Stopped for preemption at step %d; rerun to resume.', step)
+        if ((run.step % config.eval.every_steps == 0 or run.step == run.stop_at)
+            and not preemption.stopping):
+          eval_metrics = _evaluate(run, steps, preemption, phase, data_it) or eval_metrics
+    if preemption.stopping:
+      logging.warning('Stopped for preemption at step %d; rerun to resume.', run.step)
   finally:
-    bar.close()
-    ckpt_lib.wait_for_saves(manager, workdir)
-    manager.close()
-    log.close()
+    steps.close()
+    ckpt_lib.wait_for_saves(run.manager, run.workdir)
+    run.manager.close()
+    run.log.close()
 
-  if is_main:
-    _print_summary(config, workdir, step, stop_at, start, eval_metrics)
-  if preempted:
-    raise preemption.stopped(step)
+  if run.is_main:
+    _print_summary(config, run.workdir, run.step, run.stop_at, run.start, eval_metrics)
+  if preemption.stopping:
+    raise preemption.stopped(run.step)
   return eval_metrics
+
+
+def _training_input(run: _Run, phase: pretraining.Phase):
+  """The phase's training input (`input_pipeline.TrainingInput`) from `run.step`; a saved
+  position is restored only where it fits."""
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  data = pretraining.phase_data(run.config, phase)
+  fingerprint = input_pipeline.input_fingerprint(
+      data, batch_size=run.config.train.batch_size // jax.process_count(),
+      seq_len=phase.seq_len, max_predictions=phase.max_predictions,
+      process_count=jax.process_count())
+  return input_pipeline.TrainingInput(lambda seed: run.dataset_for(phase, True, seed=seed),
+                                      fingerprint, run.step, int(data.seed))
+
+
+def _save(run: _Run, steps: monitor.Steps, phase: pretraining.Phase, data_it) -> None:
+  """Saves the state at `run.step` with the input's position."""
+  # The steps since the last log were not checked yet (the log checks its own): a diverged
+  # step's weights never become the last good checkpoint.
+  steps.check(run.step, _divergence_advice(run), saving=True)
+  ckpt_lib.save(run.manager, run.workdir, run.step, run.state,
+                dict(seed=run.config.train.seed, data_phase=phase.index), data_it)
+  run.last_saved = run.step
+
+
+def _evaluate(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,
+              phase: pretraining.Phase, data_it) -> dict[str, float] | None:
+  """Evaluates the state at `run.step` and logs it; None when SIGTERM cut the evaluation
+  short (`cut_short`): it is dropped, the step saved, and the loop stops."""
+  steps.drain()
+  jax.block_until_ready(run.state)
+  with steps.chrono.excluded():
+    ckpt_lib.wait_for_saves(run.manager, run.workdir)
+    evaluated = evaluate_params(run.config, phase, run.state.params, run.built.eval_step,
+                                run.mesh, run.rules, run.vocab_file, stop=preemption.cut_short)
+  if evaluated is None:
+    if run.last_saved != run.step:
+      _save(run, steps, phase, data_it)
+    return None
+  run.log.eval(run.step, evaluated, eval=True)
+  logging.info('Step %d eval: %s', run.step, evaluated)
+  return evaluated
+
+
+def _divergence_advice(run: _Run) -> str:
+  """What a diverged step's error says about the checkpoints and the fix."""
+  if run.last_saved is None:
+    kept = f'no checkpoint was saved yet in {run.workdir}'
+  else:
+    kept = f'the last good checkpoint (step {run.last_saved}) is kept in {run.workdir}'
+  return f'{kept}. Lower train.learning_rate or raise train.warmup_steps.'
 
 
 def _print_summary(config: ml_collections.ConfigDict, workdir: str, step: int, stop_at: int,
@@ -506,20 +553,15 @@ def _check_phase_data(config: ml_collections.ConfigDict, phases: list[pretrainin
 
 
 def _with_rates(summary: dict[str, float], timing: dict[str, float],
-                config: ml_collections.ConfigDict, phase: pretraining.Phase, flops_per_token: float,
+                config: ml_collections.ConfigDict, flops_per_token: float,
                 learning_rate: float) -> dict[str, float]:
-  """A log row: the steps' metrics, the learning rate and the rates of metrics.jsonl (rows,
-  sequences, row slots and real tokens per second, input wait, MFU) from the Chrono's."""
-  sps = timing['steps_per_second']
-  rows_per_second = sps * config.train.batch_size
-  real_tokens_per_second = summary.pop('real_tokens_per_row') * rows_per_second
+  """A log row: the steps' metrics, the learning rate, the rates of every run
+  (`monitor.with_rates`), the input wait and MFU."""
+  summary['learning_rate'] = learning_rate
+  summary = monitor.with_rates(summary, timing['steps_per_second'], config.train.batch_size)
   peak = flops_lib.peak_flops_per_device()
   summary.update(
-      learning_rate=learning_rate, steps_per_second=sps,
-      sequences_per_second=summary.pop('sequences_per_row') * rows_per_second,
-      tokens_per_second=sps * config.train.batch_size * phase.seq_len,
-      real_tokens_per_second=real_tokens_per_second,
       input_wait_fraction=timing['input_wait_fraction'],
-      mfu=(flops_per_token * real_tokens_per_second / (peak * jax.device_count())
+      mfu=(flops_per_token * summary['real_tokens_per_second'] / (peak * jax.device_count())
            if peak else None))
   return summary

@@ -113,9 +113,10 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 # - sums: {term: the term's loss summed over the batch's labelled items (masked tokens, pairs,
 #   examples)};
 # - counts: {term: what that sum averages over}, from the batch alone (its labels and weights,
-#   never the outputs) and positive even for a batch with nothing to count;
+#   never the outputs); 0 for a batch with nothing to count (`normalize` floors it);
 # - metrics: {name: (sum, count)} pairs, which add up over micro-batches, devices and batches
-#   (`monitor.summarize` divides them), and may hold the loss as the task reports it ('loss').
+#   (`monitor.summarize` divides them). 'loss' is not among them: the step logs the normalized
+#   loss under that name, in pre-training and fine-tuning alike.
 # Every loss is normalized here, in one way (`normalize`), with the counts of the whole global
 # batch: k accumulated micro-batches give exactly the gradient of one big batch, and padded
 # rows (weight 0) count for nothing.
@@ -125,12 +126,30 @@ Apply = Callable[[Any, dict, jax.Array], Any]
 
 
 def normalize(sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> jax.Array:
-  """The training loss: the sum over terms of each term's mean, sums[t] / counts[t]."""
+  """The training loss: the sum over terms of each term's mean, sums[t] / max(counts[t], 1)
+  (the one floor of every count: a term with nothing to count adds 0)."""
   total = None
   for term, value in sums.items():
-    mean = value / counts[term]
+    mean = value / jnp.maximum(counts[term], 1.0)
     total = mean if total is None else total + mean
   return total
+
+
+def with_rate_counts(loss: Loss, rate_counts: Callable[[dict], tuple[jax.Array, jax.Array]]
+                     ) -> Loss:
+  """`loss` with what the rates of metrics.jsonl count (`monitor.with_rates`), per row, as
+  (amount, rows) pairs that add up over micro-batches: `rate_counts(batch)`'s (sequences, real
+  tokens) and the token slots. Counted on the device, so packed rows and every process's rows
+  count exactly."""
+
+  def counted(outputs, batch):
+    sums, counts, metrics = loss(outputs, batch)
+    sequences, real_tokens = rate_counts(batch)
+    rows = jnp.float32(batch['input_ids'].shape[0])
+    metrics.update(sequences_per_row=(sequences, rows), real_tokens_per_row=(real_tokens, rows),
+                   tokens_per_row=(jnp.float32(batch['input_ids'].size), rows))
+    return sums, counts, metrics
+  return counted
 
 
 def _counts(apply: Apply, loss: Loss, params: Any, batch: dict, rng: jax.Array) -> dict:
@@ -146,8 +165,8 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
          ) -> tuple[TrainState, dict[str, Any]]:
   """One optimizer step over the global batch (optionally as `accum_steps` micro-batches).
 
-  Metrics: the loss's, 'loss' (the normalized training loss, unless the loss reports its own),
-  and 'grad_norm'.
+  Metrics: the loss's, 'loss' (the normalized training loss, what the gradient is of) and
+  'grad_norm'.
   """
   rng = jax.random.fold_in(base_rng, state.step)
   # One batch: the counts come with its loss. Micro-batches: each is normalized by the whole
