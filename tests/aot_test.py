@@ -42,9 +42,13 @@ def test_compile_reports_memory_flops_and_a_roofline_bound():
     hbm = r['hbm_bytes_per_chip']
     assert hbm['minimum'] == pytest.approx(
         (r['memory']['arguments_gib'] + r['memory']['outputs_gib']) * 2**30)
-    assert hbm['minimum'] <= hbm['counted'] < 2 * hbm['minimum']
+    # An argument the program never reads (XLA drops it) is in the minimum, not in what the
+    # operations move: hence the 2% below it (0.2% seen, 2026-11-26, after the MLM head's
+    # one-hot gathers).
+    assert 0.98 * hbm['minimum'] <= hbm['counted'] < 2 * hbm['minimum']
     assert hbm['xla_bytes_accessed'] > 2 * hbm['counted']
-    assert bound['memory_seconds'] == pytest.approx(hbm['counted'] / 0.82e12)  # v5e's HBM.
+    assert bound['memory_seconds'] == pytest.approx(
+        max(hbm['counted'], hbm['minimum']) / 0.82e12)  # v5e's HBM.
   # A scanned layer stack is costed from an unrolled compile: the same FLOPs as the loop.
   unrolled = aot.compile_for_topology(_config(**{'model.scan_layers': False}), 'v5e:2x2')
   for a, b in zip(scanned, unrolled):

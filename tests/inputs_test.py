@@ -1043,7 +1043,7 @@ CHOICE_ROWS = [
      'mini, small, medium, base, large or L{2..12}_H{128,256,512,768}'),
     (_P, 'model.remat_policy', 'dot', "(did you mean 'dots'?)"),
     (_P, 'model.attention_impl', 'flash', "--config.model.attention_impl='flash': expected one "
-     'of xla, cudnn, splash'),
+     'of xla, cudnn, cudnn_varlen, splash'),
     (_P, 'data.objective', 'NSP', "--config.data.objective='NSP': expected one of nsp, sop, "
      'none'),
     (_P, 'train.optimizer', 'adam', "(did you mean 'adamw'?)"),
