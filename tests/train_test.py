@@ -964,14 +964,15 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
     out = run(fault)
     assert 'stopped by SIGTERM before the first step' in out, (fault, out)
     assert ckpt_lib.checkpoint_steps(workdir) == []
-  # Orbax commits in the background: the loop may have gone a few steps past 4 by then.
+  # Orbax commits in the background: the loop may have gone a few steps past 4 by then, past
+  # the next periodic checkpoint (8) too when the commit is slow: [4, 8, 9] was seen.
   run('sigterm_commit:4')
   saved = ckpt_lib.checkpoint_steps(workdir)
-  assert saved[0] == 4 and len(saved) == 2 and saved[1] > 4
-  assert max(_losses(workdir)) == saved[1]
-  run('sigterm_eval', **{'eval.every_steps': saved[1] + 2})
-  assert ckpt_lib.checkpoint_steps(workdir)[-1] == saved[1] + 2
-  assert max(_losses(workdir)) == saved[1] + 2 and not _rows(workdir)[1]
+  assert saved[0] == 4 and 2 <= len(saved) <= 3 and saved[-1] > 4, saved
+  assert max(_losses(workdir)) == saved[-1]
+  run('sigterm_eval', **{'eval.every_steps': saved[-1] + 2})
+  assert ckpt_lib.checkpoint_steps(workdir)[-1] == saved[-1] + 2
+  assert max(_losses(workdir)) == saved[-1] + 2 and not _rows(workdir)[1]
 
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
   assert _losses(workdir) == _losses(reference)
