@@ -91,28 +91,24 @@ def dropout(x: Array, bits: Array | None, rate: float) -> Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _pre_norm(x, residual, bias, bits, rate):
-  z = x.astype(jnp.float32)
+def _pre_norm(x, residual, bias, bits, rate, dtype):
+  """residual + dropout(x + bias), summed in `dtype`."""
+  z = x.astype(dtype)
   if bias is not None:
-    z = z + bias.astype(jnp.float32)
+    z = z + bias.astype(dtype)
   if bits is not None and keep_threshold(rate):
-    z = z * _keep_multiplier(bits, rate)
-  return z + residual.astype(jnp.float32)
+    z = z * _keep_multiplier(bits, rate).astype(dtype)
+  return z + residual.astype(dtype)
 
 
 def _xla(x, residual, bias, scale, beta, bits, *, rate, eps, out_dtype):
-  if x.dtype != jnp.float32 and residual.dtype == x.dtype:
-    # The sum in the compute dtype (bf16), statistics in float32, as flax's Dense, Dropout and
-    # LayerNorm did: a float32 sum here makes XLA keep and move float32 [tokens, hidden]
-    # tensors (BERT-base/128 on an H100, deviceless: 65.1 GB moved by non-matmul kernels and
-    # 13.15 GiB, against 58.4 GB and 12.02 GiB this way). The Pallas kernel sums in float32
-    # in registers, where it costs nothing.
-    z = x if bias is None else x + bias.astype(x.dtype)
-    if bits is not None and keep_threshold(rate):
-      z = z * _keep_multiplier(bits, rate).astype(x.dtype)
-    h = (z + residual).astype(jnp.float32)
-  else:
-    h = _pre_norm(x, residual, bias, bits, rate)
+  # The sum in the compute dtype (bf16), statistics in float32, as flax's Dense, Dropout and
+  # LayerNorm did: a float32 sum here makes XLA keep and move float32 [tokens, hidden]
+  # tensors (BERT-base/128 on an H100, deviceless: 65.1 GB moved by non-matmul kernels and
+  # 13.15 GiB, against 58.4 GB and 12.02 GiB this way). The Pallas kernel sums in float32
+  # in registers, where it costs nothing.
+  dtype = x.dtype if residual.dtype == x.dtype else jnp.float32
+  h = _pre_norm(x, residual, bias, bits, rate, dtype).astype(jnp.float32)
   mean = jnp.mean(h, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
   y = (h - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + beta.astype(
@@ -145,6 +141,19 @@ def _row_stats(h, cmask, n_cols, eps):
   return centered * jax.lax.rsqrt(var + eps), jax.lax.rsqrt(var + eps)
 
 
+def _row_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t):
+  """One row's residual + dropout(x + bias) in float32 (0 outside the mask), and the dropout
+  multiplier (None without dropout): what both kernels start from."""
+  z = _load(x_ref, idx, mask)
+  if bias is not None:
+    z = z + bias
+  mult = None
+  if bits_ref is not None:
+    mult = jnp.where(_load(bits_ref, idx, mask) >= t, 256.0 / (256 - t), 0.0)
+    z = z * mult
+  return jnp.where(mask, z + _load(r_ref, idx, mask), 0.0), mult
+
+
 def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bits):
   refs = list(refs)
   x_ref, r_ref = refs.pop(0), refs.pop(0)
@@ -163,13 +172,7 @@ def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bit
     row = first + i
     mask = cmask & (row < n_rows)
     idx = row * n_cols + cols
-    z = _load(x_ref, idx, mask)
-    if has_bias:
-      z = z + bias
-    if has_bits:
-      keep = _load(bits_ref, idx, mask) >= t
-      z = jnp.where(keep, z * (256.0 / (256 - t)), 0.0)
-    h = jnp.where(mask, z + _load(r_ref, idx, mask), 0.0)
+    h, _ = _row_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t)
     xhat, _ = _row_stats(h, cmask, n_cols, eps)
     _store(y_ref, idx, xhat * scale + beta, mask)
 
@@ -193,15 +196,7 @@ def _bwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bit
     row = first + i
     mask = cmask & (row < n_rows)
     idx = row * n_cols + cols
-    z = _load(x_ref, idx, mask)
-    if has_bias:
-      z = z + bias
-    mult = None
-    if has_bits:
-      keep = _load(bits_ref, idx, mask) >= t
-      mult = jnp.where(keep, 256.0 / (256 - t), 0.0)
-      z = z * mult
-    h = jnp.where(mask, z + _load(r_ref, idx, mask), 0.0)
+    h, mult = _row_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t)
     xhat, rstd = _row_stats(h, cmask, n_cols, eps)
     dy = _load(dy_ref, idx, mask)
     g = dy * scale
@@ -209,7 +204,7 @@ def _bwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bit
     c2 = jnp.sum(g) / n_cols
     dh = jnp.where(mask, (g - xhat * c1 - c2) * rstd, 0.0)
     _store(dr_ref, idx, dh, mask)
-    dz = dh * mult if has_bits else dh
+    dz = dh if mult is None else dh * mult
     _store(dx_ref, idx, dz, mask)
     return dbias + dz, dscale + dy * xhat, dbeta + dy
 
