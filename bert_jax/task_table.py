@@ -23,15 +23,20 @@ starts from `defaults.finetune(task)` and adds the task's own keys inside
 `with config.unlocked():` (the defaults are locked, so that a misspelt key is an error).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import importlib
 import types
+from typing import TYPE_CHECKING
 
 import ml_collections
 
-from bert_jax import model as model_lib
-from bert_jax import tasks
 from bert_jax.errors import UserError
+
+if TYPE_CHECKING:  # Types only: the table loads no JAX (`bert-jax predict` defines its flags).
+  from bert_jax import model as model_lib
+  from bert_jax import tasks
 
 
 @dataclasses.dataclass(frozen=True)

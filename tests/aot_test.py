@@ -21,7 +21,14 @@ def _config(path='configs/bert_base.py', **overrides):
   return config_files.load_config(path, base)
 
 
-def test_compile_reports_memory_flops_and_a_roofline_bound():
+@pytest.fixture(scope='module')
+def unrolled():
+  """The reports of the tiny step compiled for v5e:2x2 with its layers unrolled (the default):
+  one compile (about 8 s of CPU) that two tests read."""
+  return aot.compile_for_topology(_config(**{'model.scan_layers': False}), 'v5e:2x2')
+
+
+def test_compile_reports_memory_flops_and_a_roofline_bound(unrolled):
   scanned = aot.compile_for_topology(_config(**{'model.scan_layers': True}), 'v5e:2x2')
   assert [r['seq_len'] for r in scanned] == [64]
   for r in scanned:
@@ -50,7 +57,6 @@ def test_compile_reports_memory_flops_and_a_roofline_bound():
     assert bound['memory_seconds'] == pytest.approx(
         max(hbm['counted'], hbm['minimum']) / 0.82e12)  # v5e's HBM.
   # A scanned layer stack is costed from an unrolled compile: the same FLOPs as the loop.
-  unrolled = aot.compile_for_topology(_config(**{'model.scan_layers': False}), 'v5e:2x2')
   for a, b in zip(scanned, unrolled):
     assert a['flops']['xla_per_chip'] == pytest.approx(b['flops']['xla_per_chip'], rel=1e-6)
   assert 'roofline bound (not a measurement)' in aot.format_report(scanned[0])
@@ -115,8 +121,8 @@ def test_a_step_that_does_not_fit_is_reported_not_raised():
   assert 'DOES NOT FIT in 16 GiB HBM per device' in text and 'model.remat_policy' in text
 
 
-def test_packed_config_compiles_packed_rows_and_reports_real_tokens():
-  padded, = aot.compile_for_topology(_config(), 'v5e:2x2')
+def test_packed_config_compiles_packed_rows_and_reports_real_tokens(unrolled):
+  padded, = unrolled
   packed, = aot.compile_for_topology(_config(**{'data.packing': True}), 'v5e:2x2')
   assert 'real_tokens_per_second_per_chip' not in padded['roofline_bound']
   bound = packed['roofline_bound']

@@ -181,6 +181,36 @@ def test_flag_and_config_mistakes_are_one_message(args, fragments):
   _assert_user_error(_cli(args), args[0], *fragments)
 
 
+# cli.main with the named packages made unimportable (an import of one raises ImportError).
+_WITHOUT_PACKAGES = """
+import sys
+for name in sys.argv[1].split(','):
+  sys.modules[name] = None
+from bert_jax import cli
+cli.main(['bert-jax'] + sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize('blocked, args, fragment', [
+    ('tensorflow,jax', ['pretrain', '--workdir=FILE'], '--workdir=FILE is a file, not a folder'),
+    ('tensorflow,jax', ['finetune', '--workdir=FILE'], '--workdir=FILE is a file, not a folder'),
+    ('tensorflow,jax', ['data', '--workdir=FILE'], '--workdir=FILE is a file, not a folder'),
+    ('tensorflow,jax', ['predict', '--workdir=w', '--input=a', '--output=b',
+                        '--input_format=xml'], '--input_format=xml'),
+    ('tensorflow', ['compile', '--topology=v5e'], "--topology='v5e': expected"),  # After JAX.
+], ids=['pretrain', 'finetune', 'data', 'predict', 'compile'])
+def test_mistakes_found_before_tensorflow_and_jax_load(tmp_path, blocked, args, fragment):
+  # Each mistake is found without the packages it does not need (about 5 s of CPU to load):
+  # an import of one would end in a traceback here.
+  path = tmp_path / 'a_file'
+  path.write_text('')
+  args = [a.replace('FILE', str(path)) for a in args]
+  proc = subprocess.run([sys.executable, '-c', _WITHOUT_PACKAGES, blocked] + args, cwd=_ROOT,
+                        env=dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu'),
+                        capture_output=True, text=True, timeout=300)
+  _assert_user_error(proc, args[0], fragment.replace('FILE', str(path)))
+
+
 def test_unknown_command_suggests_the_closest():
   proc = _cli(['pretrian'])
   assert proc.returncode == 2
