@@ -278,7 +278,8 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
   config = copy.deepcopy(config)
   config.model.dtype = dtype
   vocab_size = config.model.vocab_size or vocab_size
-  bert_config = pretraining.model_config(config, vocab_size)
+  bert_config = model_lib.config_from(config.model, vocab_size=vocab_size,
+                                     max_packed_sequences=pretraining.packed_sequences(config))
   capability = (tuple(flops_lib.GPU_CHIPS[chip]['compute_capability'])
                 if target.platform == 'gpu' else None)
   reports = []

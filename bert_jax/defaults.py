@@ -32,39 +32,48 @@ def _adamw_terms(train: ml_collections.ConfigDict) -> None:
   train.max_grad_norm = 1.0
 
 
+def _model(from_scratch: bool) -> ml_collections.ConfigDict:
+  """The `model` block (model.config_from decodes it). Pre-training from scratch also says what
+  the model is; fine-tuning takes that from its checkpoint, so its block lacks those keys."""
+  model = ml_collections.ConfigDict()
+  if from_scratch:
+    # Named size: tiny, mini, small, medium, base, large or L{2..12}_H{128,256,512,768}.
+    model.size = 'base'
+    # Vocabulary size; 0 = take it from the vocabulary file (data.vocab_file).
+    model.vocab_size = 0
+    model.max_position_embeddings = 512
+    model.type_vocab_size = 2
+  model.hidden_dropout_prob = 0.1
+  model.attention_probs_dropout_prob = 0.1
+  # Compute dtype: 'bfloat16' on accelerators, 'float32' on CPU ('auto' picks by backend).
+  # Parameters stay float32.
+  model.dtype = 'auto'
+  # Stack the encoder layers with nn.scan: faster compiles (23 s instead of 54 s for BERT-base
+  # on an H100), but a slower step: 108 ms instead of 72 ms for BERT-base at 256 x 128 on an
+  # H100 (the loop's copies; README "Performance"), so layers are unrolled by default.
+  model.scan_layers = False
+  # Rematerialization: 'none', 'full' or 'dots' (save matmul outputs, recompute the rest; long
+  # sequences on small accelerators).
+  model.remat_policy = 'none'
+  # Attention kernel: 'xla' (any backend; the only one with attention dropout), 'cudnn' (fused,
+  # NVIDIA GPUs), 'cudnn_varlen' (fused, cuDNN's packed layout: no tiles between packed
+  # sequences; Hopper GPUs and later) or 'splash' (Pallas, TPUs; sequence lengths multiples of
+  # 128). The fused ones apply no attention dropout: they need
+  # model.attention_probs_dropout_prob=0 (README, "Attention").
+  model.attention_impl = 'xla'
+  # Each encoder sub-layer's end, LayerNorm(x + dropout(projection + bias)): 'pallas' (one
+  # fused Pallas kernel each way, NVIDIA GPUs), 'xla' (plain jnp, any backend) or 'auto'
+  # (pallas on GPUs, xla elsewhere). Same float32 numerics (README, "LayerNorm").
+  model.layer_norm_impl = 'xla'
+  return model
+
+
 def pretrain() -> ml_collections.ConfigDict:
   """Every pre-training key, commented, with BERT-base's values (the paper's recipe)."""
   config = ml_collections.ConfigDict()
 
   # ---- Model -----------------------------------------------------------------------------
-  config.model = ml_collections.ConfigDict()
-  # Named size: tiny, mini, small, medium, base, large or L{2..12}_H{128,256,512,768}.
-  config.model.size = 'base'
-  # Vocabulary size; 0 = take it from the vocabulary file (data.vocab_file).
-  config.model.vocab_size = 0
-  config.model.max_position_embeddings = 512
-  config.model.type_vocab_size = 2
-  config.model.hidden_dropout_prob = 0.1
-  config.model.attention_probs_dropout_prob = 0.1
-  # Compute dtype: 'bfloat16' on accelerators, 'float32' on CPU ('auto' picks by backend).
-  config.model.dtype = 'auto'
-  # Stack the encoder layers with nn.scan: faster compiles (23 s instead of 54 s for BERT-base
-  # on an H100), but a slower step: 108 ms instead of 72 ms for BERT-base at 256 x 128 on an
-  # H100 (the loop's copies; README "Performance"), so layers are unrolled by default.
-  config.model.scan_layers = False
-  # Rematerialization: 'none', 'full' or 'dots' (save matmul outputs, recompute the rest).
-  config.model.remat_policy = 'none'
-  # Attention kernel: 'xla' (any backend; the only one with attention dropout), 'cudnn' (fused,
-  # NVIDIA GPUs), 'cudnn_varlen' (fused, cuDNN's packed layout: no tiles between packed
-  # sequences; Hopper GPUs and later) or 'splash' (Pallas, TPUs; sequence lengths multiples of
-  # 128). The fused ones
-  # apply no attention dropout: they need model.attention_probs_dropout_prob=0 (README,
-  # "Attention").
-  config.model.attention_impl = 'xla'
-  # Each encoder sub-layer's end, LayerNorm(x + dropout(projection + bias)): 'pallas' (one
-  # fused Pallas kernel each way, NVIDIA GPUs), 'xla' (plain jnp, any backend) or 'auto'
-  # (pallas on GPUs, xla elsewhere). Same float32 numerics (README, "LayerNorm").
-  config.model.layer_norm_impl = 'xla'
+  config.model = _model(from_scratch=True)
 
   # ---- Input -----------------------------------------------------------------------------
   config.data = ml_collections.ConfigDict()
@@ -221,19 +230,8 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.data.lower_case = ml_collections.config_dict.placeholder(bool)
   config.data.max_seq_length = 128
 
-  config.model = ml_collections.ConfigDict()
-  # Compute dtype: 'auto' = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
-  config.model.dtype = 'auto'
-  config.model.hidden_dropout_prob = 0.1
-  config.model.attention_probs_dropout_prob = 0.1
-  config.model.scan_layers = False
-  # Rematerialization: 'none', 'full' or 'dots' (long sequences on small accelerators).
-  config.model.remat_policy = 'none'
-  # 'xla', 'cudnn' or 'cudnn_varlen' (GPUs) or 'splash' (TPUs); the fused ones need attention
-  # dropout 0.
-  config.model.attention_impl = 'xla'
-  # 'auto' (fused Pallas kernel on GPUs, xla elsewhere), 'pallas' or 'xla'.
-  config.model.layer_norm_impl = 'xla'
+  # How to run the checkpoint's encoder; its architecture is the checkpoint's own.
+  config.model = _model(from_scratch=False)
 
   config.train = ml_collections.ConfigDict()
   # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a

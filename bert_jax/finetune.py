@@ -523,13 +523,7 @@ def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertC
     raise UserError(f'config.data.max_seq_length={config.data.max_seq_length} exceeds the '
                     'checkpoint\'s max_position_embeddings='
                     f'{pre_config.max_position_embeddings}')
-  return pre_config.replace(
-      dtype=model_lib.resolve_dtype(config.model.dtype),
-      hidden_dropout_prob=config.model.hidden_dropout_prob,
-      attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
-      scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy,
-      attention_impl=config.model.attention_impl,
-      layer_norm_impl=config.model.layer_norm_impl)
+  return model_lib.config_from(config.model, checkpoint=pre_config)
 
 
 def _batch_settings(config: ml_collections.ConfigDict, train_features: dict[str, np.ndarray],

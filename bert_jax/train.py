@@ -137,10 +137,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   if 'mlm' not in params:
     raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
                     'fine-tuned model has no pre-training metrics')
-  m = config.model
-  bert_config = loaded_config.replace(
-      dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
-      remat_policy=m.remat_policy, attention_impl=m.attention_impl,
+  bert_config = model_lib.config_from(
+      config.model, checkpoint=loaded_config,
       max_packed_sequences=pretraining.packed_sequences(config))
   # A checkpoint without the sentence head (BertForMaskedLM) is scored on MLM alone.
   objective = config.data.objective if 'nsp' in params else 'none'
