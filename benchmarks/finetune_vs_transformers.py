@@ -193,7 +193,7 @@ def run_bert_jax(args, checkpoint: str, data_dir: str, seed: int, workdir: str) 
   """`bert-jax finetune` in a subprocess; dev accuracy after each epoch and the reported one."""
   cmd = [sys.executable, '-m', 'bert_jax.cli', 'finetune',
          f'--config={os.path.join(ROOT, "configs", "finetune_glue.py")}:sst2',
-         f'--config.train.init_checkpoint={checkpoint}', f'--config.data_dir={data_dir}',
+         f'--config.train.init_checkpoint={checkpoint}', f'--config.task.data_dir={data_dir}',
          f'--config.train.seed={seed}', f'--config.train.learning_rate={args.learning_rate}',
          f'--config.train.batch_size={args.batch_size}', f'--config.train.epochs={args.epochs}',
          f'--config.data.max_seq_length={args.max_seq_length}', '--config.log.progress=False',

@@ -159,7 +159,9 @@ def learning(args):
     params[packing] = ckpt_lib.load_pretrained_from_workdir(workdir)[1]
   # The same held-out, padded batches for both models.
   config = _config(args, seq_len, preds, batch, False)
-  bert_config = pretraining.model_config(config, len(open(vocab).read().splitlines()))
+  bert_config = model_lib.config_from(
+      config.model, vocab_size=len(open(vocab).read().splitlines()),
+      max_packed_sequences=pretraining.packed_sequences(config))
   model = model_lib.BertForPreTraining(bert_config)
   step = jax.jit(lambda p, b: pretraining.eval_step(p, b, model=model, objective='nsp'))
   ds = input_pipeline.make_pretraining_dataset(config.data, batch_size=batch, seq_len=seq_len,

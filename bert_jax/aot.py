@@ -36,6 +36,7 @@ from jax.experimental import topologies
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from bert_jax import attention
+from bert_jax import config_checks
 from bert_jax import flops as flops_lib
 from bert_jax import hlo_kernels
 from bert_jax import model as model_lib
@@ -260,6 +261,7 @@ def hbm_bytes(hlo_text: str) -> float:
 def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                          vocab_size: int = 30522) -> list[dict[str, Any]]:
   """Compiles the train step of every phase of `config` for `topology`; one report each."""
+  config_checks.check_config(config, kind='pretrain')
   target = parse_topology(topology)
   chip = target.chip
   pretraining.check_attention(config, target.platform)
@@ -278,7 +280,8 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
   config = copy.deepcopy(config)
   config.model.dtype = dtype
   vocab_size = config.model.vocab_size or vocab_size
-  bert_config = pretraining.model_config(config, vocab_size)
+  bert_config = model_lib.config_from(config.model, vocab_size=vocab_size,
+                                     max_packed_sequences=pretraining.packed_sequences(config))
   capability = (tuple(flops_lib.GPU_CHIPS[chip]['compute_capability'])
                 if target.platform == 'gpu' else None)
   reports = []

@@ -46,6 +46,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import gcs
 from bert_jax import model as model_lib
@@ -533,11 +534,14 @@ def check_workdir_kind(workdir: str, fine_tuning: bool) -> None:
   `bert-jax finetune`, a fine-tuning run's for `pretrain`), before anything is written there:
   its checkpoints could never resume this run, and its record would be overwritten."""
   record = read_run_config(workdir)
-  if not isinstance(record, dict) or ('task' in record) == fine_tuning:
+  if not isinstance(record, dict):
+    return
+  record = defaults.saved_config(record)  # Its config.kind (a record from before: guessed).
+  if (record['kind'] == 'finetune') == fine_tuning:
     return
   if fine_tuning:
     raise UserError(f'--workdir={workdir} holds a pre-training run (its config.json has no '
                     'task): fine-tune into another --workdir; to start from that run, set '
                     f'--config.train.init_checkpoint={workdir}')
-  raise UserError(f'--workdir={workdir} holds a fine-tuning run ({record["task"]}, its '
+  raise UserError(f'--workdir={workdir} holds a fine-tuning run ({record["task"]["name"]}, its '
                   'config.json): pre-train into another --workdir')

@@ -255,7 +255,7 @@ def _finetune_flags():
     from bert_jax import finetune  # pylint: disable=g-import-not-at-top
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.distributed)
-    workdir = FLAGS.workdir or fileio.default_workdir(f'finetune_{FLAGS.config.task}')
+    workdir = FLAGS.workdir or fileio.default_workdir(f'finetune_{FLAGS.config.task.name}')
     if not FLAGS.sweep:
       finetune.finetune(FLAGS.config, workdir)
       return
@@ -487,6 +487,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if missing:
       raise UserError(f'missing required flag(s): {", ".join("--" + m for m in missing)} '
                       f'(bert-jax {command} --helpshort describes them)') from e
+    if str(e).startswith('flag --config.'):
+      _explain_config_overrides(argv[1:])  # A value for a key now a group: its new place.
     raise UserError(f'{e} (bert-jax {command} --helpshort lists the flags)') from e
   except (KeyError, AttributeError):
     _explain_config_overrides(argv[1:])

@@ -8,6 +8,9 @@ job. A value out of range is a UserError naming the key as the user sets it
 adding a key is one more row here and one more row in tests/inputs_test.py. `CHOICES` does the
 same for every categorical key (`--config.model.dtype='fp16': expected one of auto, ...`).
 
+Every check needs config.kind ('pretrain' or 'finetune', set by defaults.pretrain() and
+defaults.finetune()): which job the config is for, never guessed from the keys it has.
+
 `CROSS_CHECKS` are the rules between keys that are each in range (max_predictions_per_seq
 within max_seq_length, warmup within the steps, batches that split over a fixed mesh, the
 phases of train.phases); their messages name every key involved. What depends on the machine
@@ -20,6 +23,7 @@ from typing import Any, Callable
 
 import ml_collections
 
+from bert_jax import defaults
 from bert_jax.errors import UserError
 
 Check = tuple[Callable[[Any, ml_collections.ConfigDict], bool], str]
@@ -60,7 +64,7 @@ def mesh_size() -> Check:
 
 def _every_steps(v, c) -> bool:
   # Fine-tuning saves after each epoch anyway (0 = only then); pre-training needs a period.
-  return _integer(v) and v >= (0 if 'task' in c else 1)
+  return _integer(v) and v >= (0 if defaults.kind(c) == 'finetune' else 1)
 
 
 RANGES: dict[str, Check] = {
@@ -81,11 +85,11 @@ RANGES: dict[str, Check] = {
     'data.shuffle_buffer': at_least(1),
     'data.docs_per_batch': at_least(1),
     'data.seed': at_least(0),
-    # Fine-tuning input.
-    'max_query_length': at_least(1),
-    'doc_stride': at_least(1),
-    'max_answer_length': at_least(1),
-    'n_best_size': at_least(1),
+    # Fine-tuning input (SQuAD's windows and decoding).
+    'task.max_query_length': at_least(1),
+    'task.doc_stride': at_least(1),
+    'task.max_answer_length': at_least(1),
+    'task.n_best_size': at_least(1),
     # Optimization.
     'train.steps': at_least(1),
     'train.epochs': at_least(1),
@@ -133,7 +137,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     'train.optimizer': ('adamw', 'lamb'),
     'train.decay': ('linear', 'constant'),
     'train.rng_impl': ('threefry2x32', 'rbg', 'unsafe_rbg'),
-    'data_source': ('tsv', 'tfds'),
+    'task.data_source': ('tsv', 'tfds'),
 }
 
 
@@ -256,10 +260,27 @@ CROSS_CHECKS: tuple[Callable[[ml_collections.ConfigDict], None], ...] = (
     _lengths, _phases, _schedule, _batches)
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
-  """Raises a UserError naming the first key of RANGES whose value is out of its range, the
-  first key of CHOICES whose value is not one of them, or the keys of the first CROSS_CHECKS
-  rule they break."""
+# config.kind -> (the job, the command that runs it).
+_JOBS = {'pretrain': ('pre-training', 'bert-jax pretrain'),
+         'finetune': ('fine-tuning', 'bert-jax finetune')}
+
+
+def check_config(config: ml_collections.ConfigDict, kind: str | None = None) -> None:
+  """Raises a UserError for a config without config.kind (or not of `kind`, when given: the
+  job that runs it), a fine-tuning key set at its old place (defaults.MOVED_KEYS), the first key
+  of RANGES whose value is out of its range, the first key of CHOICES whose value is not one of
+  them, or the keys of the first CROSS_CHECKS rule they break.
+
+  Called where a config is loaded (config_files, the command line), before any work, and by
+  the drivers on entry for a config changed in Python after loading (a notebook, a sweep).
+  """
+  found = defaults.kind(config)
+  if kind is not None and found != kind:
+    raise UserError(f'--config is a {_JOBS[found][0]} config (run it with '
+                    f'`{_JOBS[found][1]}`), not a {_JOBS[kind][0]} config '
+                    f'(config.kind={found!r})')
+  if found == 'finetune':
+    defaults.check_moved_keys(config)
   for key, (test, wording) in RANGES.items():
     present, value = _lookup(config, key)
     if present and not test(value, config):

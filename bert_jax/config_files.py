@@ -80,8 +80,13 @@ def _where_in(path: str, error: BaseException) -> str:
 
 
 def _locked_key_error(error: BaseException, path: str) -> UserError | None:
-  """The UserError of a config file that sets a key its (locked) base config does not have."""
+  """The UserError of a config file that sets a key its (locked) base config does not have,
+  or a value where the base has a group of keys (`config.task = 'mrpc'`, now config.task.name).
+  """
   text = str(error.args[0]) if error.args else ''
+  group = re.match(r"Could not override field '([^']+)' \(reference\)", text)
+  if group and group.group(1) in defaults.MOVED_KEYS:
+    return UserError(f'{_where_in(path, error)}: {defaults.moved_key_message(group.group(1))}')
   found = re.search(r'Key "([^"]+)" does not exist and cannot be added since the config is '
                     r'locked', text)
   if not found:
@@ -89,8 +94,7 @@ def _locked_key_error(error: BaseException, path: str) -> UserError | None:
   key = found.group(1)
   close = re.search(r'Did you mean "([^"]+)" instead of', text)
   if key in defaults.MOVED_KEYS:
-    hint = (f'config.{key} is now config.{defaults.MOVED_KEYS[key]} (where pre-training has '
-            'it), if this is fine-tuning')
+    hint = f'{defaults.moved_key_message(key)}, if this is fine-tuning'
   elif close:
     hint = f'did you mean {close.group(1)}?'
   else:
@@ -117,7 +121,7 @@ def _run_get_config(path: str, arg: str | None) -> Any:
     spec.loader.exec_module(module)
   except SyntaxError as e:
     raise UserError(f'{e.filename}:{e.lineno}: {e.msg}: {(e.text or "").strip()}') from e
-  except (AttributeError, KeyError) as e:
+  except (AttributeError, KeyError, TypeError) as e:
     raise _locked_key_error(e, path) or e
   get_config = getattr(module, 'get_config', None)
   if not callable(get_config):
@@ -133,7 +137,7 @@ def _run_get_config(path: str, arg: str | None) -> Any:
                     f"':{arg}'")
   try:
     config = get_config() if arg is None else get_config(arg)
-  except (AttributeError, KeyError) as e:
+  except (AttributeError, KeyError, TypeError) as e:
     raise _locked_key_error(e, path) or e
   if not isinstance(config, ml_collections.ConfigDict):
     what = 'None (no return statement?)' if config is None else f'a {type(config).__name__}'
@@ -185,6 +189,12 @@ def check_key(config: ml_collections.ConfigDict, key: str, path: str, flag: str)
   The message names `flag` (how the user wrote the key), where a key of fine-tuning moved to
   (`defaults.MOVED_KEYS`), or else the closest key ("did you mean") and the keys that exist.
   """
+  fine_tuning = config.get('kind') == 'finetune'
+  if fine_tuning and key in defaults.MOVED_KEYS and isinstance(config.get(key),
+                                                                 ml_collections.ConfigDict):
+    # A value for what is now a group (--config.task=mrpc): ml_collections would say that it
+    # failed to parse 'mrpc' as a ConfigDict.
+    raise UserError(f'{flag}: {defaults.moved_key_message(key)}')
   node, parts = config, key.split('.')
   for i, part in enumerate(parts):
     if isinstance(node, ml_collections.ConfigDict) and part in node:
@@ -194,9 +204,8 @@ def check_key(config: ml_collections.ConfigDict, key: str, path: str, flag: str)
     if not isinstance(node, ml_collections.ConfigDict):
       raise UserError(f'{flag}: {where} is a value ({node!r}), not a group of keys; '
                       f'set it with --{where}=VALUE')
-    if i == 0 and key in defaults.MOVED_KEYS and 'task' in config:
-      raise UserError(f'{flag}: config.{key} is now config.{defaults.MOVED_KEYS[key]} (the '
-                      f'place pre-training has it): set --config.{defaults.MOVED_KEYS[key]}')
+    if i == 0 and key in defaults.MOVED_KEYS and fine_tuning:
+      raise UserError(f'{flag}: {defaults.moved_key_message(key)}')
     keys = sorted(node.keys())
     close = difflib.get_close_matches(part, keys, n=1)
     hint = (f'did you mean --{where}.{close[0]}?' if close else

@@ -16,6 +16,8 @@ Both return a locked ConfigDict: setting a key they lack (`config.train.stepz = 
 error, as on the command line; a config's own new keys go inside `with config.unlocked():`.
 """
 
+from typing import Any
+
 import ml_collections
 
 from bert_jax.errors import UserError
@@ -32,39 +34,51 @@ def _adamw_terms(train: ml_collections.ConfigDict) -> None:
   train.max_grad_norm = 1.0
 
 
-def pretrain() -> ml_collections.ConfigDict:
-  """Every pre-training key, commented, with BERT-base's values (the paper's recipe)."""
-  config = ml_collections.ConfigDict()
-
-  # ---- Model -----------------------------------------------------------------------------
-  config.model = ml_collections.ConfigDict()
-  # Named size: tiny, mini, small, medium, base, large or L{2..12}_H{128,256,512,768}.
-  config.model.size = 'base'
-  # Vocabulary size; 0 = take it from the vocabulary file (data.vocab_file).
-  config.model.vocab_size = 0
-  config.model.max_position_embeddings = 512
-  config.model.type_vocab_size = 2
-  config.model.hidden_dropout_prob = 0.1
-  config.model.attention_probs_dropout_prob = 0.1
+def _model(from_scratch: bool) -> ml_collections.ConfigDict:
+  """The `model` block (model.config_from decodes it). Pre-training from scratch also says what
+  the model is; fine-tuning takes that from its checkpoint, so its block lacks those keys."""
+  model = ml_collections.ConfigDict()
+  if from_scratch:
+    # Named size: tiny, mini, small, medium, base, large or L{2..12}_H{128,256,512,768}.
+    model.size = 'base'
+    # Vocabulary size; 0 = take it from the vocabulary file (data.vocab_file).
+    model.vocab_size = 0
+    model.max_position_embeddings = 512
+    model.type_vocab_size = 2
+  model.hidden_dropout_prob = 0.1
+  model.attention_probs_dropout_prob = 0.1
   # Compute dtype: 'bfloat16' on accelerators, 'float32' on CPU ('auto' picks by backend).
-  config.model.dtype = 'auto'
+  # Parameters stay float32.
+  model.dtype = 'auto'
   # Stack the encoder layers with nn.scan: faster compiles (23 s instead of 54 s for BERT-base
   # on an H100), but a slower step: 108 ms instead of 72 ms for BERT-base at 256 x 128 on an
   # H100 (the loop's copies; README "Performance"), so layers are unrolled by default.
-  config.model.scan_layers = False
-  # Rematerialization: 'none', 'full' or 'dots' (save matmul outputs, recompute the rest).
-  config.model.remat_policy = 'none'
+  model.scan_layers = False
+  # Rematerialization: 'none', 'full' or 'dots' (save matmul outputs, recompute the rest; long
+  # sequences on small accelerators).
+  model.remat_policy = 'none'
   # Attention kernel: 'xla' (any backend; the only one with attention dropout), 'cudnn' (fused,
   # NVIDIA GPUs), 'cudnn_varlen' (fused, cuDNN's packed layout: no tiles between packed
   # sequences; Hopper GPUs and later) or 'splash' (Pallas, TPUs; sequence lengths multiples of
-  # 128). The fused ones
-  # apply no attention dropout: they need model.attention_probs_dropout_prob=0 (README,
-  # "Attention").
-  config.model.attention_impl = 'xla'
+  # 128). The fused ones apply no attention dropout: they need
+  # model.attention_probs_dropout_prob=0 (README, "Attention").
+  model.attention_impl = 'xla'
   # Each encoder sub-layer's end, LayerNorm(x + dropout(projection + bias)): 'pallas' (one
   # fused Pallas kernel each way, NVIDIA GPUs), 'xla' (plain jnp, any backend) or 'auto'
   # (pallas on GPUs, xla elsewhere). Same float32 numerics (README, "LayerNorm").
-  config.model.layer_norm_impl = 'xla'
+  model.layer_norm_impl = 'xla'
+  return model
+
+
+def pretrain() -> ml_collections.ConfigDict:
+  """Every pre-training key, commented, with BERT-base's values (the paper's recipe)."""
+  config = ml_collections.ConfigDict()
+  # Which job the config is for ('pretrain' or 'finetune'): `bert-jax pretrain` and `finetune`
+  # refuse the other's, and a run's config.json says which run it was.
+  config.kind = 'pretrain'
+
+  # ---- Model -----------------------------------------------------------------------------
+  config.model = _model(from_scratch=True)
 
   # ---- Input -----------------------------------------------------------------------------
   config.data = ml_collections.ConfigDict()
@@ -200,13 +214,19 @@ def pretrain() -> ml_collections.ConfigDict:
 
 def finetune(task: str) -> ml_collections.ConfigDict:
   """The keys every fine-tuning task has, commented, with the GLUE recipe's values; each task's
-  config adds its own keys. Settings that pre-training has too are where pre-training has them
-  (`data.vocab_file`, `data.max_seq_length`, `train.init_checkpoint`, the optimizer's)."""
+  config adds its own keys to `config.task`. Settings that pre-training has too are where
+  pre-training has them (`data.vocab_file`, `data.max_seq_length`, `train.init_checkpoint`, the
+  optimizer's)."""
   config = ml_collections.ConfigDict()
+  config.kind = 'finetune'  # See `pretrain`.
+
+  # What to fine-tune on: the task, its files, and the keys of its own, which each task's config
+  # adds to this group (finetune_squad.py's windows and decoding, finetune_ner.py's labels).
+  config.task = ml_collections.ConfigDict()
   # A task name that a module of task_table.KINDS accepts (each finetune_*.py config sets it).
-  config.task = task
+  config.task.name = task
   # Directory of the task's files (see each config's docstring).
-  config.data_dir = ''
+  config.task.data_dir = ''
   # Sequence-length buckets: each batch is cut to the smallest one that holds its longest
   # example (one compiled step per bucket). () = every batch padded to data.max_seq_length
   # (on the command line: --config.buckets=16,32,64,128 or --config.buckets='()').
@@ -221,19 +241,8 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.data.lower_case = ml_collections.config_dict.placeholder(bool)
   config.data.max_seq_length = 128
 
-  config.model = ml_collections.ConfigDict()
-  # Compute dtype: 'auto' = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
-  config.model.dtype = 'auto'
-  config.model.hidden_dropout_prob = 0.1
-  config.model.attention_probs_dropout_prob = 0.1
-  config.model.scan_layers = False
-  # Rematerialization: 'none', 'full' or 'dots' (long sequences on small accelerators).
-  config.model.remat_policy = 'none'
-  # 'xla', 'cudnn' or 'cudnn_varlen' (GPUs) or 'splash' (TPUs); the fused ones need attention
-  # dropout 0.
-  config.model.attention_impl = 'xla'
-  # 'auto' (fused Pallas kernel on GPUs, xla elsewhere), 'pallas' or 'xla'.
-  config.model.layer_norm_impl = 'xla'
+  # How to run the checkpoint's encoder; its architecture is the checkpoint's own.
+  config.model = _model(from_scratch=False)
 
   config.train = ml_collections.ConfigDict()
   # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a
@@ -298,16 +307,65 @@ def finetune(task: str) -> ml_collections.ConfigDict:
 
 
 # Keys that fine-tuning configs had at the top level before they took the places pre-training
-# has them: a config or override that still sets one is an error naming the new key.
-MOVED_KEYS = {'init_checkpoint': 'train.init_checkpoint', 'vocab_file': 'data.vocab_file',
-              'lower_case': 'data.lower_case', 'max_seq_length': 'data.max_seq_length',
-              'tfds_data_dir': 'data.tfds_data_dir'}
+# has them, or their task's group: a config or override that still sets one is an error naming
+# the new key (a config file written for an earlier bert_jax would otherwise lose the setting).
+MOVED_KEYS = {
+    # Where pre-training has them.
+    'init_checkpoint': 'train.init_checkpoint', 'vocab_file': 'data.vocab_file',
+    'lower_case': 'data.lower_case', 'max_seq_length': 'data.max_seq_length',
+    'tfds_data_dir': 'data.tfds_data_dir',
+    # The task's group.
+    'task': 'task.name', 'data_dir': 'task.data_dir', 'data_source': 'task.data_source',
+    'label_list': 'task.label_list', 'train_file': 'task.train_file',
+    'predict_file': 'task.predict_file', 'doc_stride': 'task.doc_stride',
+    'max_query_length': 'task.max_query_length', 'n_best_size': 'task.n_best_size',
+    'max_answer_length': 'task.max_answer_length',
+    'null_score_diff_threshold': 'task.null_score_diff_threshold',
+}
+
+KINDS = ('pretrain', 'finetune')
+
+
+def moved_key_message(old: str) -> str:
+  """'config.OLD is now config.NEW (why there): set ...' for a key of MOVED_KEYS."""
+  new = MOVED_KEYS[old]
+  where = ("with the task's other keys" if new.startswith('task.') else
+           'where pre-training has it')
+  return (f'config.{old} is now config.{new} ({where}): set config.{new} instead '
+          f'(--config.{new}=... on the command line)')
 
 
 def check_moved_keys(config: ml_collections.ConfigDict) -> None:
-  """Refuses a fine-tuning config that sets a key at its old place (a config file written for
-  an earlier bert_jax would otherwise have that setting ignored)."""
-  for old, new in MOVED_KEYS.items():
-    if old in config:
-      raise UserError(f'config.{old} is now config.{new} (where pre-training has it): set '
-                      f'config.{new} instead (--config.{new}=... on the command line)')
+  """Refuses a fine-tuning config that sets a key at its old place (a value where the key was;
+  `task` is a group now, which a config of today has there)."""
+  for old in MOVED_KEYS:
+    if old in config and not isinstance(config[old], ml_collections.ConfigDict):
+      raise UserError(moved_key_message(old))
+
+
+def kind(config: ml_collections.ConfigDict) -> str:
+  """config.kind, 'pretrain' or 'finetune'; a config without one (built by hand, not from
+  `pretrain()` or `finetune(task)`) is a UserError."""
+  value = config.get('kind') if isinstance(config, ml_collections.ConfigDict) else None
+  if value is None:
+    raise UserError("the config has no key 'kind' ('pretrain' or 'finetune'): start a config "
+                    'file from defaults.pretrain() or defaults.finetune(TASK), which set it')
+  if value not in KINDS:
+    raise UserError(f'--config.kind={value!r}: expected one of {", ".join(KINDS)}')
+  return value
+
+
+def saved_config(record: dict[str, Any]) -> dict[str, Any]:
+  """A run's saved config.json as today's keys say it: records written before config.kind and
+  the task group (no 'kind'; 'task' a name, its keys at the top level) get both; today's are
+  returned as they are."""
+  record = dict(record)
+  if 'kind' not in record:
+    record['kind'] = 'finetune' if 'task' in record else 'pretrain'
+  if record['kind'] == 'finetune' and not isinstance(record.get('task'), dict):
+    task = {'name': record.pop('task', '')}
+    for old, new in MOVED_KEYS.items():
+      if new.startswith('task.') and old in record and old != 'task':
+        task[new[len('task.'):]] = record.pop(old)
+    record['task'] = task
+  return record

@@ -182,7 +182,7 @@ def check_readable_dir(path: str, flag: str = '') -> None:
 
 def check_input_dir(path: str, flag: str) -> None:
   """Raises a UserError naming `flag` if the folder `path` is missing, is a file or (locally)
-  cannot be read: the one line a folder of inputs (config.data_dir) gets, before its files'."""
+  cannot be read: the one line a folder of inputs (config.task.data_dir) gets, before its files'."""
   check_bucket(path, flag)
   if not exists(path):
     raise UserError(f'{flag}={path}: no such folder')

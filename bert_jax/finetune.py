@@ -51,8 +51,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from bert_jax import attention
 from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
+from bert_jax import config_checks
 from bert_jax import convert
-from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
@@ -149,8 +149,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   step, with nothing new to save, at once). One run at a time per workdir, as in pre-training: a
   second one is refused while this one holds the workdir's lock.
   """
-  defaults.check_moved_keys(config)
-  task_table.kind_of(config.task)  # A misspelt task fails before the workdir and the checkpoint.
+  # As where it was loaded: a config changed in Python since (a notebook) is refused the same way.
+  config_checks.check_config(config, kind='finetune')
+  task_table.kind_of(config.task.name)  # A misspelt task fails before the workdir and checkpoint.
   workdir = fileio.workdir_path(workdir)
   if fileio.exists(os.path.join(workdir, 'sweep.json')):
     raise UserError(f'--workdir={workdir} holds a --sweep (its sweep.json): fine-tune into '
@@ -204,8 +205,6 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
   input_pipeline.hide_accelerators_from_tf()
   ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
-  if config.train.epochs < 1:
-    raise UserError(f'config.train.epochs={config.train.epochs} must be at least 1')
   metrics_path = os.path.join(workdir, 'metrics.json')
   if fileio.exists(metrics_path):
     return _finished(workdir, metrics_path)
@@ -307,7 +306,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   # Rows past the checkpoint are from an attempt that did not save them: written again below.
   monitor.truncate_metrics(workdir, start)
   logging.info('%s: %d epochs x %d steps of %d sequences, peak lr %g, %d warmup steps',
-               config.task, config.train.epochs, steps_per_epoch, batch_size,
+               config.task.name, config.train.epochs, steps_per_epoch, batch_size,
                config.train.learning_rate, warmup_steps)
   return _Run(config, workdir, task, mesh, rules, batch_sharding, buckets, sort_window,
               steps_per_epoch, total_steps, stop_at, schedule, manager, abstract, train_step,
@@ -343,7 +342,7 @@ def _train(run: _Run, preemption: monitor.Preemption) -> bool:
       logging.warning('Stopped at step %d of %d; rerun the same command to resume.', run.step,
                       run.total_steps)
       if run.is_main:
-        print(f'\nbert_jax finetune {config.task}: stopped at step {run.step} of '
+        print(f'\nbert_jax finetune {config.task.name}: stopped at step {run.step} of '
               f'{run.total_steps} (epoch {run.step // run.steps_per_epoch + 1}); rerun the '
               f'same command to resume from {run.workdir}', flush=True)
       if preemption.requested:
@@ -419,7 +418,7 @@ def _end_epoch(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption, 
     steps.bar.set_postfix(**{task.main_metric: f'{score:.4f}'})
     # A NaN score (e.g. the correlation of constant predictions) never counts as best.
     if run.best is None or score > run.best['score'] or math.isnan(run.best['score']):
-      run.best = dict(task=run.config.task, main_metric=task.main_metric, score=score,
+      run.best = dict(task=run.config.task.name, main_metric=task.main_metric, score=score,
                       epoch=epoch, step=run.step,
                       learning_rate=float(run.config.train.learning_rate), **results)
       if run.is_main:
@@ -523,23 +522,14 @@ def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertC
     raise UserError(f'config.data.max_seq_length={config.data.max_seq_length} exceeds the '
                     'checkpoint\'s max_position_embeddings='
                     f'{pre_config.max_position_embeddings}')
-  return pre_config.replace(
-      dtype=model_lib.resolve_dtype(config.model.dtype),
-      hidden_dropout_prob=config.model.hidden_dropout_prob,
-      attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
-      scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy,
-      attention_impl=config.model.attention_impl,
-      layer_norm_impl=config.model.layer_norm_impl)
+  return model_lib.config_from(config.model, checkpoint=pre_config)
 
 
 def _batch_settings(config: ml_collections.ConfigDict, train_features: dict[str, np.ndarray],
                     batch_size: int) -> tuple[tuple[int, ...], int]:
   """(length buckets, length_sort_window), checked, with what the buckets save logged."""
   buckets = batching.parse_buckets(config.buckets)
-  sort_window = int(config.train.length_sort_window)
-  if sort_window < 1:
-    raise UserError(f'config.train.length_sort_window={sort_window}: expected 1 (uniformly '
-                    'random batches) or more batches to sort by length together')
+  sort_window = int(config.train.length_sort_window)  # >= 1 (config_checks).
   attention.check_config(config.model.attention_impl,
                          config.model.attention_probs_dropout_prob, jax.default_backend(),
                          tuple(buckets or ()) + (config.data.max_seq_length,))
@@ -547,7 +537,7 @@ def _batch_settings(config: ml_collections.ConfigDict, train_features: dict[str,
                                      buckets or (config.data.max_seq_length,),
                                      window_batches=sort_window)
   logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '
-               'fixed %d-token batches', config.task, len(train_features['input_ids']),
+               'fixed %d-token batches', config.task.name, len(train_features['input_ids']),
                buckets, 100 * (1 - savings['tokens_saved_share']), config.data.max_seq_length)
   return buckets, sort_window
 
@@ -599,7 +589,7 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
       return None
   best_lr = max(runs, key=lambda k: runs[k]['score'])
   result = {
-      'task': config.task, 'main_metric': runs[best_lr]['main_metric'],
+      'task': config.task.name, 'main_metric': runs[best_lr]['main_metric'],
       'best_learning_rate': float(best_lr), 'best_score': runs[best_lr]['score'],
       'best_workdir': os.path.join(workdir, f'lr_{best_lr}'),
       'runs': {lr: {'score': r['score'], 'epoch': r['epoch']} for lr, r in runs.items()},

@@ -408,7 +408,7 @@ MAIN_METRIC = {'cola': 'mcc', 'stsb': 'spearman', 'mrpc': 'f1', 'qqp': 'f1'}
 
 
 def accepts(task: str) -> bool:
-  """Whether config.task names a GLUE task."""
+  """Whether config.task.name names a GLUE task."""
   try:
     metrics.canonical_task(task)
   except ValueError:
@@ -418,24 +418,25 @@ def accepts(task: str) -> bool:
 
 def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
               lower_case: bool) -> tasks.Task:
-  """The GLUE task `config.task` (finetune_glue.py's keys): data, classifier, loss, scoring."""
+  """The GLUE task `config.task.name` (finetune_glue.py's keys): data, classifier, loss, scoring."""
   del lower_case  # The tokenizer's.
-  name = metrics.canonical_task(config.task)
+  name = metrics.canonical_task(config.task.name)
   if name in ('mnli_matched', 'mnli_mismatched'):
     name = 'mnli'
   if name == 'ax':
-    raise UserError("config.task='ax' is test-only: fine-tune 'mnli' with "
+    raise UserError("config.task.name='ax' is test-only: fine-tune 'mnli' with "
                     'config.predict_test=True, which also writes AX.tsv')
   label_list, metric_names = task_info(name)
-  if config.data_source == 'tsv':
-    if not config.data_dir:
-      raise UserError('config.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
-    fileio.check_input_dir(config.data_dir, 'config.data_dir')
-    read = lambda task, split: read_task(task, config.data_dir, split)
-  elif config.data_source == 'tfds':
+  if config.task.data_source == 'tsv':
+    if not config.task.data_dir:
+      raise UserError('config.task.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
+    fileio.check_input_dir(config.task.data_dir, 'config.task.data_dir')
+    read = lambda task, split: read_task(task, config.task.data_dir, split)
+  elif config.task.data_source == 'tfds':
     read = lambda task, split: read_tfds(task, split, config.data.tfds_data_dir or None)
   else:
-    raise UserError(f"config.data_source={config.data_source!r}: expected 'tsv' or 'tfds'")
+    raise UserError(f'config.task.data_source={config.task.data_source!r}: expected '
+                    "'tsv' or 'tfds'")
 
   def convert_split(task, split):
     return convert_examples(read(task, split), tok, config.data.max_seq_length,
@@ -480,8 +481,8 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   if config.predict_test:
     splits = ['test_matched', 'test_mismatched'] if name == 'mnli' else ['test']
     test = [test_set(name, s) for s in splits]
-    diagnostic = os.path.join(config.data_dir, 'diagnostic', 'diagnostic.tsv')
-    if name == 'mnli' and (config.data_source == 'tfds' or fileio.exists(diagnostic)):
+    diagnostic = os.path.join(config.task.data_dir, 'diagnostic', 'diagnostic.tsv')
+    if name == 'mnli' and (config.task.data_source == 'tfds' or fileio.exists(diagnostic)):
       test.append(test_set('ax', 'test'))
   num_labels = 1 if regression else len(label_list)
   train = convert_split(name, 'train')

@@ -182,6 +182,33 @@ def config_for_size(size: str, **overrides) -> BertConfig:
                     intermediate_size=4 * hidden, **overrides)
 
 
+def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | None = None,
+                max_packed_sequences: int | None = None) -> BertConfig:
+  """The BertConfig of a config's `model` block: the one place that decodes it.
+
+  The architecture is `checkpoint`'s when given (fine-tuning or evaluating a checkpoint: its
+  shape wins), else model.size's with model.vocab_size (0 = `vocab_size`, the tokenizer's),
+  model.max_position_embeddings and model.type_vocab_size (pre-training from scratch). Either
+  way the block says how to run it: dtype ('auto' resolved for this backend), dropout, layer
+  stacking, rematerialization, the attention and LayerNorm kernels. `max_packed_sequences` is
+  the most sequences one row holds (data.packing_max_sequences); None keeps BertConfig's.
+  """
+  run = dict(dtype=resolve_dtype(model.dtype), hidden_dropout_prob=model.hidden_dropout_prob,
+             attention_probs_dropout_prob=model.attention_probs_dropout_prob,
+             scan_layers=model.scan_layers, remat_policy=model.remat_policy,
+             attention_impl=model.attention_impl, layer_norm_impl=model.layer_norm_impl)
+  if max_packed_sequences is not None:
+    run['max_packed_sequences'] = max_packed_sequences
+  if checkpoint is not None:
+    return checkpoint.replace(**run)
+  if model.vocab_size and model.vocab_size < vocab_size:
+    raise UserError(f'model.vocab_size={model.vocab_size} is smaller than the vocabulary '
+                    f'({vocab_size} tokens in data.vocab_file)')
+  return config_for_size(model.size, vocab_size=model.vocab_size or vocab_size,
+                         max_position_embeddings=model.max_position_embeddings,
+                         type_vocab_size=model.type_vocab_size, **run)
+
+
 def resolve_dtype(name: str) -> str:
   """A config's `model.dtype`: 'auto' is bfloat16 on GPUs and TPUs, float32 on CPUs."""
   if name == 'auto':

@@ -235,7 +235,7 @@ def _conll_file(data_dir: str, names: Sequence[str], what: str, required: bool =
     if fileio.isfile(path):
       return path
   if required:
-    raise UserError(f'config.data_dir={data_dir}: no {what} file ({" or ".join(names)})')
+    raise UserError(f'config.task.data_dir={data_dir}: no {what} file ({" or ".join(names)})')
   return None
 
 
@@ -309,7 +309,7 @@ def tags_and_scores(sentences: Sequence[Sentence], features: dict[str, Any], row
 
 
 def accepts(task: str) -> bool:
-  """Whether config.task names this task."""
+  """Whether config.task.name names this task."""
   return task.lower().replace('-', '_').replace('.', '') in ('ner', 'conll2003')
 
 
@@ -322,7 +322,7 @@ def check_tags(sentences: Sequence[Sentence], path: str, label_list: Sequence[st
     for offset, tag in enumerate(sentence.tags or ()):
       if tag not in known:
         raise UserError(f'{path}:{sentence.line + offset}: tag {tag!r} is not in {origin} '
-                        f'({", ".join(label_list)}): fix the tag, or set --config.label_list '
+                        f'({", ".join(label_list)}): fix the tag, or set --config.task.label_list '
                         'to every tag of the data')
 
 
@@ -330,18 +330,18 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
               lower_case: bool) -> tasks.Task:
   """The NER task of `config` (finetune_ner.py's keys): CoNLL files, token head, span F1."""
   del lower_case  # Words are tagged as the tokenizer splits them, cased or not.
-  if not config.data_dir:
-    raise UserError('config.data_dir is empty: the folder of train.txt, valid.txt, test.txt')
-  fileio.check_input_dir(config.data_dir, 'config.data_dir')
-  train_path = _conll_file(config.data_dir, ['train.txt'], 'training')
+  if not config.task.data_dir:
+    raise UserError('config.task.data_dir is empty: the folder of train.txt, valid.txt, test.txt')
+  fileio.check_input_dir(config.task.data_dir, 'config.task.data_dir')
+  train_path = _conll_file(config.task.data_dir, ['train.txt'], 'training')
   train_sentences = read_conll(train_path)
-  label_list = list(config.label_list)
-  origin = 'config.label_list'
+  label_list = list(config.task.label_list)
+  origin = 'config.task.label_list'
   if not label_list:
     tags = {t for s in train_sentences for t in s.tags}
     label_list = (list(CONLL_LABELS) if tags <= set(CONLL_LABELS)
                   else label_list_from_data(train_sentences))
-    origin = f'the tags of {train_path}, the label list while config.label_list is empty'
+    origin = f'the tags of {train_path}, the label list while config.task.label_list is empty'
   check_tags(train_sentences, train_path, label_list, origin)
   logging.info('NER labels: %s', label_list)
 
@@ -356,10 +356,10 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
                                             predicted)
     return tasks.EvalSet(name, tasks.subset(feats, tasks.INPUTS, 'feature_index'), evaluate)
 
-  dev = [eval_set('dev', _conll_file(config.data_dir, ['valid.txt', 'dev.txt'], 'dev'))]
+  dev = [eval_set('dev', _conll_file(config.task.data_dir, ['valid.txt', 'dev.txt'], 'dev'))]
   test = []
   if config.predict_test:
-    test = [eval_set('test', _conll_file(config.data_dir, ['test.txt'], 'test'))]
+    test = [eval_set('test', _conll_file(config.task.data_dir, ['test.txt'], 'test'))]
   train = convert_sentences(train_sentences, tok, config.data.max_seq_length, label_list)
   return tasks.Task(
       kind='ner', head='token',

@@ -21,6 +21,7 @@ import ml_collections
 
 from bert_jax import batching
 from bert_jax import convert
+from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import model as model_lib
 from bert_jax import tasks
@@ -54,7 +55,8 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
     raise UserError(f'--workdir={workdir} has no metrics.json: its fine-tuning run has not '
                     'finished (rerun its `bert-jax finetune` command to finish it)')
   info = fileio.read_json(task_path)
-  run = ml_collections.ConfigDict(fileio.read_json(f'{workdir}/config.json'))
+  # The run's config, in today's keys (a workdir of an earlier bert_jax: its task keys moved).
+  run = ml_collections.ConfigDict(defaults.saved_config(fileio.read_json(f'{workdir}/config.json')))
   kind = info['kind']
   module = task_table.module(kind)
   if fileio.isdir(input_path):

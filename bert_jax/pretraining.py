@@ -42,23 +42,6 @@ class Phase:
 # ---------------------------------------------------------------------------------------------
 
 
-def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_lib.BertConfig:
-  """The BertConfig of `config.model`, with the vocabulary size of the tokenizer."""
-  m = config.model
-  if m.vocab_size and m.vocab_size < vocab_size:
-    raise UserError(f'model.vocab_size={m.vocab_size} is smaller than the vocabulary '
-                    f'({vocab_size} tokens in data.vocab_file)')
-  return model_lib.config_for_size(
-      m.size, vocab_size=m.vocab_size or vocab_size,
-      max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size,
-      hidden_dropout_prob=m.hidden_dropout_prob,
-      attention_probs_dropout_prob=m.attention_probs_dropout_prob,
-      dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
-      remat_policy=m.remat_policy, attention_impl=m.attention_impl,
-      layer_norm_impl=m.layer_norm_impl,
-      max_packed_sequences=packed_sequences(config))
-
-
 def packed_sequences(config: ml_collections.ConfigDict) -> int:
   """The most sequences one row of the batches holds: data.packing_max_sequences, else 1."""
   return int(config.data.packing_max_sequences) if config.data.packing else 1
@@ -227,7 +210,8 @@ def build_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
   on `mesh`, for a vocabulary of `vocab_size` tokens (`model.vocab_size`, when set, wins)."""
   rules = sharding_lib.rules_from_config(config.mesh)
   objective = objectives.get(config.data.objective).name
-  bert_config = model_config(config, vocab_size)
+  bert_config = model_lib.config_from(config.model, vocab_size=vocab_size,
+                                     max_packed_sequences=packed_sequences(config))
   model = model_lib.BertForPreTraining(bert_config)
   tx, schedule = optim.make_optimizer(config.train)
   abstract, shardings, init = abstract_state_and_shardings(model, tx, mesh, rules)

@@ -465,18 +465,18 @@ def gold_answers(examples: Sequence[SquadExample]) -> dict[str, list[str]]:
 
 
 def answers_and_scores(examples: Sequence[SquadExample], features: Mapping[str, Any], rows,
-                       config: ml_collections.ConfigDict, version_2: bool, lower_case: bool
+                       settings: ml_collections.ConfigDict, version_2: bool, lower_case: bool
                        ) -> tuple[dict | None, dict[str, str], dict[str, float] | None, dict]:
-  """Decodes per-window outputs `rows` ([2, L'] start and end logits each) with `config`'s
-  n_best_size, max_answer_length and null_score_diff_threshold.
+  """Decodes per-window outputs `rows` ([2, L'] start and end logits each) with the
+  n_best_size, max_answer_length and null_score_diff_threshold of `settings` (config.task).
 
   Returns (official scores, or None when some question has neither answers nor is_impossible;
   qid -> answer; qid -> no-answer odds, v2 only; qid -> n-best list).
   """
   answers, null_odds, nbest = decode_predictions(
       examples, features, [r[0] for r in rows], [r[1] for r in rows],
-      n_best_size=config.n_best_size, max_answer_length=config.max_answer_length,
-      version_2=version_2, null_score_diff_threshold=config.null_score_diff_threshold,
+      n_best_size=settings.n_best_size, max_answer_length=settings.max_answer_length,
+      version_2=version_2, null_score_diff_threshold=settings.null_score_diff_threshold,
       do_lower_case=lower_case)
   null_odds = null_odds if version_2 else None
   scores = None
@@ -517,33 +517,34 @@ def _version(task: str) -> int | None:
 
 
 def accepts(task: str) -> bool:
-  """Whether config.task names this task."""
+  """Whether config.task.name names this task."""
   return _version(task) is not None
 
 
 def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
               lower_case: bool) -> tasks.Task:
   """The SQuAD task of `config` (finetune_squad.py's keys): windows, span head, decoding."""
-  version_2 = _version(config.task) == 2
+  version_2 = _version(config.task.name) == 2
   suffix = 'v2.0' if version_2 else 'v1.1'
-  train_file = config.train_file or os.path.join(config.data_dir, f'train-{suffix}.json')
-  predict_file = config.predict_file or os.path.join(config.data_dir, f'dev-{suffix}.json')
-  convert_args = dict(max_seq_length=config.data.max_seq_length,
-                      doc_stride=config.doc_stride, max_query_length=config.max_query_length)
-  train_examples = _read_squad(train_file, True, 'config.train_file')
+  settings = config.task
+  train_file = settings.train_file or os.path.join(settings.data_dir, f'train-{suffix}.json')
+  predict_file = settings.predict_file or os.path.join(settings.data_dir, f'dev-{suffix}.json')
+  convert_args = dict(max_seq_length=config.data.max_seq_length, doc_stride=settings.doc_stride,
+                      max_query_length=settings.max_query_length)
+  train_examples = _read_squad(train_file, True, 'config.task.train_file')
   train = convert_examples(train_examples, tok, is_training=True, **convert_args)
-  dev_examples = _read_squad(predict_file, False, 'config.predict_file')
+  dev_examples = _read_squad(predict_file, False, 'config.task.predict_file')
   unanswered = [e.qas_id for e in dev_examples if not (e.answers or e.is_impossible)]
   if unanswered:
-    raise UserError(f'config.predict_file={predict_file}: {len(unanswered)} questions have no '
-                    f'answers and are not is_impossible (e.g. {unanswered[:3]}), but it is the '
+    raise UserError(f'config.task.predict_file={predict_file}: {len(unanswered)} questions have '
+                    f'no answers and are not is_impossible (e.g. {unanswered[:3]}), but it is the '
                     'dev set scored after each epoch: give the dev file (bert-jax predict '
                     'answers new questions)')
   dev_features = convert_examples(dev_examples, tok, is_training=False, **convert_args)
 
   def evaluate(rows):
     scores, predictions, null_odds, nbest = answers_and_scores(
-        dev_examples, dev_features, rows, config, version_2, lower_case)
+        dev_examples, dev_features, rows, config.task, version_2, lower_case)
     return scores, lambda d: write_predictions(d, predictions, null_odds, nbest)
 
   names = ('exact', 'f1', 'best_exact', 'best_f1') if version_2 else ('exact', 'f1')
@@ -574,12 +575,12 @@ def prediction(input_path: str, input_format: str, tok, bert_config: model_lib.B
   del input_format  # Only 'squad'.
   examples = read_squad(input_path, is_training=False)
   features = convert_examples(
-      examples, tok, max_seq_length=int(info['max_seq_length']), doc_stride=run.doc_stride,
-      max_query_length=run.max_query_length, is_training=False)
+      examples, tok, max_seq_length=int(info['max_seq_length']), doc_stride=run.task.doc_stride,
+      max_query_length=run.task.max_query_length, is_training=False)
 
   def finish(rows, output_path):
     scores, answers, null_odds, nbest = answers_and_scores(
-        examples, features, rows, run, bool(info['version_2']), lower_case)
+        examples, features, rows, run.task, bool(info['version_2']), lower_case)
     fileio.write_text(output_path, json.dumps(answers, indent=2, ensure_ascii=False))
     files = {'nbest': beside_output(output_path, 'nbest')}
     fileio.write_text(files['nbest'], json.dumps(nbest, indent=2, ensure_ascii=False))

@@ -9,7 +9,7 @@ load and export under the same names. An example's choices stay together in one 
 [N, C, L] features that `batching` cuts to the bucket of the longest choice; the model runs them
 as N*C rows of the encoder's batch.
 
-Data (config.data_dir): SWAG's release, `train.csv`, `val.csv`, `test.csv` (columns `sent1`,
+Data (config.task.data_dir): SWAG's release, `train.csv`, `val.csv`, `test.csv` (columns `sent1`,
 `sent2`, `ending0`..`ending3`, `label`; the test file has no labels), or JSONL for any n-way
 choice set, `train.jsonl`, `dev.jsonl` (or `val.jsonl`), `test.jsonl`, one example per line:
 {"context": "...", "start": "...", "endings": ["...", ...], "label": 0} ("start" and "label"
@@ -204,12 +204,12 @@ def write_jsonl(path: str, lines: Sequence[dict]) -> None:
 # The fine-tuning task
 # ---------------------------------------------------------------------------------------------
 
-# config.task names: SWAG, and any other set in SWAG's or the JSONL layout.
+# config.task.name values: SWAG, and any other set in SWAG's or the JSONL layout.
 _NAMES = ('swag', 'multiple_choice')
 
 
 def accepts(task: str) -> bool:
-  """Whether config.task names this task."""
+  """Whether config.task.name names this task."""
   return task.lower().replace('-', '_') in _NAMES
 
 
@@ -219,10 +219,10 @@ def _split_file(data_dir: str, split: str) -> str:
   names = [f'{stem}.{ext}' for ext in ('csv', 'jsonl') for stem in stems]
   found = [n for n in names if fileio.isfile(os.path.join(data_dir, n))]
   if len(found) > 1:
-    raise UserError(f'config.data_dir={data_dir}: {" and ".join(found)} are both {split} '
+    raise UserError(f'config.task.data_dir={data_dir}: {" and ".join(found)} are both {split} '
                     'files; keep one')
   if not found:
-    raise UserError(f'config.data_dir={data_dir}: no {split} file ({" or ".join(names)})')
+    raise UserError(f'config.task.data_dir={data_dir}: no {split} file ({" or ".join(names)})')
   return os.path.join(data_dir, found[0])
 
 
@@ -230,14 +230,14 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
               lower_case: bool) -> tasks.Task:
   """The multiple-choice task of `config` (finetune_swag.py's keys): accuracy on dev."""
   del lower_case  # The tokenizer's.
-  if not config.data_dir:
-    raise UserError('config.data_dir is empty: the folder of train.csv, val.csv, test.csv '
+  if not config.task.data_dir:
+    raise UserError('config.task.data_dir is empty: the folder of train.csv, val.csv, test.csv '
                     '(or train.jsonl, dev.jsonl, test.jsonl)')
-  fileio.check_input_dir(config.data_dir, 'config.data_dir')
+  fileio.check_input_dir(config.task.data_dir, 'config.task.data_dir')
   max_seq_length = config.data.max_seq_length
 
   def read(split, labelled):
-    path = _split_file(config.data_dir, split)
+    path = _split_file(config.task.data_dir, split)
     examples, _ = read_file(path)
     unlabelled = next((e for e in examples if e.label is None), None)
     if labelled and unlabelled:
@@ -263,7 +263,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       loss_fn=tasks.classification_loss, label_keys=('label',),
       train=tasks.subset(train, tasks.INPUTS + ('label',)), dev=dev, test=test,
       main_metric='accuracy', metric_names=('accuracy',),
-      info={'task': config.task, 'choices': len(train_examples[0].endings),
+      info={'task': config.task.name, 'choices': len(train_examples[0].endings),
             'hf_architecture': 'BertForMultipleChoice'})
 
 

@@ -1,15 +1,16 @@
 """The fine-tuning tasks: one table from a kind of task to the module that implements it.
 
 KINDS maps each kind to its module, `bert_jax.<kind>`, with what can be known of it without
-importing it (which would load TensorFlow): the config.task names it takes, for errors, and the
-formats `bert-jax predict --input_format` reads. Each module's docstring says its data, head,
-loss and outputs; its config in configs/ sets config.task. Modules are imported when a task is
+importing it (which would load TensorFlow): the config.task.name values it takes, for errors,
+and the formats `bert-jax predict --input_format` reads. Each module's docstring says its data,
+head, loss and outputs; its config in configs/ sets config.task.name and adds the task's own keys
+to config.task. Modules are imported when a task is
 built, as big_vision picks its models by name.
 
 `finetune`, `predict`, the command line and tests/imports_test.py reach a task only through
 here. Every task module has the same parts:
 
-  accepts(task)                  whether config.task names one of its tasks
+  accepts(task)                  whether config.task.name is one of its tasks
   make_task(config, tok, bert_config, lower_case) -> tasks.Task
                                  reader, features, model (head) and loss; dev and test sets
                                  with their decoding, scores and output files
@@ -19,7 +20,7 @@ here. Every task module has the same parts:
                                  task.json; run: its config)
 
 Adding a task: a module with these parts, an entry in KINDS, a test, and a config in configs/ that
-starts from `defaults.finetune(task)` and adds the task's own keys inside
+starts from `defaults.finetune(task)` and adds the task's own keys to `config.task` inside
 `with config.unlocked():` (the defaults are locked, so that a misspelt key is an error).
 """
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # Types only: the table loads no JAX (`bert-jax predict` defi
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-  description: str  # The config.task names the module accepts, for errors.
+  description: str  # The config.task.name values the module accepts, for errors.
   predict_formats: tuple[str, ...]  # What `bert-jax predict` reads besides 'auto'.
   # Files `bert-jax predict` may write beside --output, by name (<module>.beside_output).
   beside_output: tuple[str, ...] = ()
@@ -69,22 +70,22 @@ def predict_formats() -> tuple[str, ...]:
 
 
 def kind_of(task: str) -> str:
-  """The kind of config.task: a key of KINDS (an unknown name is an error)."""
+  """The kind of config.task.name: a key of KINDS (an unknown name is an error)."""
   for kind in KINDS:
     if module(kind).accepts(task):
       return kind
   descriptions = [kind.description for kind in KINDS.values()]
-  raise UserError(f'config.task={task!r}: expected {", ".join(descriptions[:-1])} or '
+  raise UserError(f'config.task.name={task!r}: expected {", ".join(descriptions[:-1])} or '
                   f'{descriptions[-1]}')
 
 
 def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.BertConfig,
               lower_case: bool) -> tasks.Task:
   """The task's data (tokenized), model, loss and scoring from a fine-tuning config."""
-  task = module(kind_of(config.task)).make_task(config, tok, bert_config, lower_case)
+  task = module(kind_of(config.task.name)).make_task(config, tok, bert_config, lower_case)
   if config.eval.main_metric:
     if config.eval.main_metric not in task.metric_names:
       raise UserError(f'config.eval.main_metric={config.eval.main_metric!r} is not a metric of '
-                      f'{config.task}: {list(task.metric_names)}')
+                      f'{config.task.name}: {list(task.metric_names)}')
     task.main_metric = config.eval.main_metric
   return task

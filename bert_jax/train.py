@@ -22,6 +22,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from bert_jax import checkpoint as ckpt_lib
+from bert_jax import config_checks
 from bert_jax import fileio
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
@@ -137,10 +138,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   if 'mlm' not in params:
     raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
                     'fine-tuned model has no pre-training metrics')
-  m = config.model
-  bert_config = loaded_config.replace(
-      dtype=model_lib.resolve_dtype(m.dtype), scan_layers=m.scan_layers,
-      remat_policy=m.remat_policy, attention_impl=m.attention_impl,
+  bert_config = model_lib.config_from(
+      config.model, checkpoint=loaded_config,
       max_packed_sequences=pretraining.packed_sequences(config))
   # A checkpoint without the sentence head (BertForMaskedLM) is scored on MLM alone.
   objective = config.data.objective if 'nsp' in params else 'none'
@@ -212,6 +211,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   SIGTERM or Ctrl-C stops the run with `errors.Preempted`: after the first step, once it has
   saved where it is; before it (nothing new to save), at once.
   """
+  # As where it was loaded: a config changed in Python since (a notebook) is refused the same way.
+  config_checks.check_config(config, kind='pretrain')
   workdir = fileio.workdir_path(workdir)
   # From the start, before the lock: SIGTERM during start-up is heard too.
   with monitor.Preemption() as preemption, run_lock.hold(workdir):
@@ -253,10 +254,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   input_pipeline.hide_accelerators_from_tf()
   ckpt_lib.check_workdir_kind(workdir, fine_tuning=False)
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
-  stop_at = int(config.train.stop_at_step) or int(config.train.steps)
-  if not 0 < stop_at <= config.train.steps:
-    raise UserError(f'train.stop_at_step={config.train.stop_at_step} must lie in '
-                    f'[1, train.steps={config.train.steps}] (0 = run to train.steps)')
+  stop_at = int(config.train.stop_at_step) or int(config.train.steps)  # In range (config_checks).
   return _train(_setup(config, workdir, stop_at, preemption), preemption)
 
 
@@ -287,9 +285,6 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
   pretraining.check_batch(config, mesh)
   # Evaluation runs thousands of steps in: its settings are checked now.
   sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
-  if config.eval.steps < 1 or config.eval.every_steps < 1:
-    raise UserError(f'eval.steps={config.eval.steps} and eval.every_steps='
-                    f'{config.eval.every_steps} must be at least 1')
   logging.info('Mesh %s on %d devices, %d processes', dict(mesh.shape), jax.device_count(),
                jax.process_count())
 

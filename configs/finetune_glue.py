@@ -2,8 +2,8 @@
 commented in `bert_jax.defaults.finetune`; the GLUE-only ones here.
 
   bert-jax finetune --config=configs/finetune_glue.py:mrpc \
-      --config.train.init_checkpoint=/ckpt/uncased_L-12_H-768_A-12 --config.data_dir=/data/glue \
-      --workdir=/tmp/mrpc
+      --config.train.init_checkpoint=/ckpt/uncased_L-12_H-768_A-12 \
+      --config.task.data_dir=/data/glue --workdir=/tmp/mrpc
 
   # The paper's learning-rate search (5e-5, 4e-5, 3e-5, 2e-5; --learning_rates=... for
   # others), one workdir per rate; prints the best dev score and its rate (also sweep.json):
@@ -23,9 +23,9 @@ from bert_jax import defaults
 def get_config(task: str = 'mrpc') -> ml_collections.ConfigDict:
   config = defaults.finetune(task)
   with config.unlocked():  # GLUE's own keys.
-    # 'tsv': the files of download_glue_data.py under data_dir (<data_dir>/MRPC/train.tsv, ...);
-    # 'tfds': the prepared TFDS datasets glue/<task> (never downloaded here).
-    config.data_source = 'tsv'
+    # 'tsv': the files of download_glue_data.py under task.data_dir (<data_dir>/MRPC/train.tsv,
+    # ...); 'tfds': the prepared TFDS datasets glue/<task> (never downloaded here).
+    config.task.data_source = 'tsv'
     # TFDS data directory; '' = TFDS's default.
     config.data.tfds_data_dir = ''
   return config

@@ -1,11 +1,11 @@
 """Fine-tuning for named-entity recognition on CoNLL-2003 (token classification).
 
   bert-jax finetune --config=configs/finetune_ner.py \
-      --config.train.init_checkpoint=/ckpt/cased_L-12_H-768_A-12 --config.data_dir=/data/conll2003 \
-      --workdir=/tmp/ner
+      --config.train.init_checkpoint=/ckpt/cased_L-12_H-768_A-12 \
+      --config.task.data_dir=/data/conll2003 --workdir=/tmp/ner
 
-data_dir holds train.txt, valid.txt (or dev.txt) and, for --config.predict_test, test.txt: one
-word per line with its NER tag in the last column, blank lines between sentences. Each word is
+task.data_dir holds train.txt, valid.txt (or dev.txt) and, for --config.predict_test, test.txt:
+one word per line with its NER tag in the last column, blank lines between sentences. Each word is
 labelled on its first WordPiece; the paper uses a cased model for NER. Entity-level precision,
 recall and F1 (seqeval's rules, IOB1 or IOB2) are computed on dev after each epoch, and on
 test.txt with the best epoch's weights.
@@ -26,5 +26,5 @@ def get_config():
   with config.unlocked():  # NER's own key.
     # Tags in id order; () = the CoNLL-2003 tags when the data uses only those, else the tags
     # found in train.txt ('O' first, then by type).
-    config.label_list = ()
+    config.task.label_list = ()
   return config

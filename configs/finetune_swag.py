@@ -1,12 +1,13 @@
 """Fine-tuning on SWAG (multiple choice), the paper's recipe (section 4.4).
 
   bert-jax finetune --config=configs/finetune_swag.py \
-      --config.train.init_checkpoint=/ckpt/uncased_L-24_H-1024_A-16 --config.data_dir=/data/swag \
-      --workdir=/tmp/swag
+      --config.train.init_checkpoint=/ckpt/uncased_L-24_H-1024_A-16 \
+      --config.task.data_dir=/data/swag --workdir=/tmp/swag
 
-data_dir holds SWAG's train.csv, val.csv and, for --config.predict_test, test.csv (columns sent1,
-sent2, ending0..ending3, label), or any n-way choice set as train.jsonl, dev.jsonl, test.jsonl
-({"context", "start", "endings", "label"} per line; --config.task=multiple_choice names it so).
+task.data_dir holds SWAG's train.csv, val.csv and, for --config.predict_test, test.csv (columns
+sent1, sent2, ending0..ending3, label), or any n-way choice set as train.jsonl, dev.jsonl,
+test.jsonl ({"context", "start", "endings", "label"} per line; --config.task.name=multiple_choice
+names it so).
 Each choice is '[CLS] sent1 [SEP] sent2 ending [SEP]', scored from the pooled output; a softmax
 over the choices is trained with cross-entropy. Dev accuracy after each epoch; predictions
 (the chosen ending and every choice's probability) in predictions/dev.jsonl and test.jsonl.

@@ -320,8 +320,10 @@ def test_cudnn_varlen_errors_and_the_capability_jax_sees(monkeypatch):
 
 def test_the_varlen_tables_are_sized_by_the_packing_config():
   from bert_jax import pretraining  # pylint: disable=g-import-not-at-top
+  from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   packed = config_files.load_config('configs/smoke.py', {'data.packing': True,
                                                          'data.packing_max_sequences': 5})
-  assert pretraining.model_config(packed, 512).max_packed_sequences == 5
+  mesh = sharding_lib.make_mesh(packed.mesh)
+  assert pretraining.build_step(packed, mesh, 512).bert_config.max_packed_sequences == 5
   unpacked = config_files.load_config('configs/smoke.py', {'data.packing': False})
-  assert pretraining.model_config(unpacked, 512).max_packed_sequences == 1
+  assert pretraining.build_step(unpacked, mesh, 512).bert_config.max_packed_sequences == 1

@@ -162,6 +162,14 @@ def _assert_user_error(proc, command, *fragments):
      ['no key config.trian', 'did you mean --config.train?']),
     (['finetune', '--config.init_checkpoint=/ckpt'],
      ['--config.init_checkpoint:', 'is now config.train.init_checkpoint']),
+    # Fine-tuning's task keys, now in config.task; the task's name where a group is now.
+    (['finetune', '--config=finetune_squad', '--config.doc_stride=64'],
+     ['--config.doc_stride: config.doc_stride is now config.task.doc_stride',
+      '--config.task.doc_stride=...']),
+    (['finetune', '--config=finetune_glue:mrpc', '--config.task=sst2'],
+     ['--config.task: config.task is now config.task.name', '--config.task.name=...']),
+    (['pretrain', '--config=finetune_ner'],
+     ['--config is a fine-tuning config (run it with `bert-jax finetune`), not a pre-training']),
     (['data', '--config=no_such_config'],
      ['--config=no_such_config: no such file', 'shipped names: bert_base']),
     (['pretrain', '--config.train.steps=ten'], ['--config.train.steps=ten']),
@@ -362,23 +370,23 @@ def _finetune(config, files, *args):
 
 
 def test_malformed_glue_file_is_named_with_its_line(files):
-  proc = _finetune('finetune_glue:sst2', files, f'--config.data_dir={files[0]}')
+  proc = _finetune('finetune_glue:sst2', files, f'--config.task.data_dir={files[0]}')
   _assert_user_error(proc, 'finetune', 'SST-2/train.tsv:3: expected 2 tab-separated columns, '
                      'got 3')
 
 
 def test_malformed_squad_file_is_named_with_its_line(files):
-  proc = _finetune('finetune_squad:v1', files, f'--config.data_dir={files[0]}/squad')
+  proc = _finetune('finetune_squad:v1', files, f'--config.task.data_dir={files[0]}/squad')
   _assert_user_error(proc, 'finetune', 'train-v1.1.json:2:', 'not valid JSON')
 
 
 def test_malformed_conll_file_is_named_with_its_line(files):
-  proc = _finetune('finetune_ner', files, f'--config.data_dir={files[0]}/conll')
+  proc = _finetune('finetune_ner', files, f'--config.task.data_dir={files[0]}/conll')
   _assert_user_error(proc, 'finetune', 'conll/train.txt:2: 3 columns where earlier lines have 4')
 
 
 def test_vocabulary_larger_than_the_checkpoint_is_refused(files):
-  proc = _finetune('finetune_glue:sst2', files, f'--config.data_dir={files[0]}',
+  proc = _finetune('finetune_glue:sst2', files, f'--config.task.data_dir={files[0]}',
                    f'--config.data.vocab_file={files[0]}/big_vocab.txt')
   _assert_user_error(proc, 'finetune', 'big_vocab.txt has 14 tokens but '
                      'config.train.init_checkpoint=',

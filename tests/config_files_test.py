@@ -6,6 +6,7 @@
 import os
 import warnings
 
+import ml_collections
 import pytest
 
 from bert_jax import config_files
@@ -22,7 +23,10 @@ def test_fine_tuning_reads_shared_settings_where_pre_training_does():
                 'train.weight_decay', 'train.max_grad_norm', 'train.seed'):
       section, leaf = key.split('.')
       assert leaf in config[section] and leaf in pretrain[section], (name, key)
-    assert not set(defaults.MOVED_KEYS) & set(config), name
+    # No key at its old place ('task', once the task's name, is now the task's group).
+    assert not set(defaults.MOVED_KEYS) - {'task'} & set(config), name
+    assert isinstance(config.task, ml_collections.ConfigDict), name
+    defaults.check_moved_keys(config)
   assert 'tfds_data_dir' in config_files.load_config('finetune_glue:mrpc').data
 
 
@@ -32,13 +36,72 @@ def test_an_old_fine_tuning_key_names_its_new_place(old):
   with pytest.raises(UserError, match=rf'config\.{old} is now config\.{new}'):
     config_files.load_config('finetune_glue:mrpc', {old: 'x'})
   # A config built in Python (a config file written for an earlier bert_jax) that still sets
-  # the key: the fine-tuning driver refuses it rather than ignore the setting.
+  # the key: loading it (and the fine-tuning driver) refuses it rather than ignore the setting.
+  # (`task` is a group now: ml_collections refuses a name there; a config file's is below.)
   config = defaults.finetune('mrpc')
-  with config.unlocked():
-    config[old] = 'x'
-  with pytest.raises(UserError, match=rf'config\.{old} is now config\.{new}'):
-    defaults.check_moved_keys(config)
+  if old != 'task':
+    with config.unlocked():
+      config[old] = 'x'
+    with pytest.raises(UserError, match=rf'config\.{old} is now config\.{new}'):
+      defaults.check_moved_keys(config)
   defaults.check_moved_keys(defaults.finetune('mrpc'))
+
+
+@pytest.mark.parametrize('line', ["config.task = 'mrpc'", "config.doc_stride = 64",
+                                  "config.data_dir = '/data/glue'"])
+def test_a_config_file_of_an_earlier_bert_jax_names_the_new_place(tmp_path, line):
+  path = tmp_path / 'old.py'
+  path.write_text('from bert_jax import defaults\n\n\ndef get_config():\n'
+                  "  config = defaults.finetune('squad_v1')\n"
+                  f'  with config.unlocked():\n    {line}\n  return config\n')
+  old = line.split('.')[1].split(' ')[0]
+  with pytest.raises(UserError) as e:
+    config_files.load_config(str(path))
+  assert str(e.value).startswith(f'{path}:7: ' if old == 'task' else 'config.'), str(e.value)
+  assert f'config.{old} is now config.task.{"name" if old == "task" else old} ' in str(e.value)
+  assert '\n' not in str(e.value)
+
+
+def test_the_config_kind_is_explicit(tmp_path):
+  assert (defaults.pretrain().kind, defaults.finetune('mrpc').kind) == ('pretrain', 'finetune')
+  assert config_files.load_config('finetune_squad:v1').kind == 'finetune'
+  # A config built by hand, not from the defaults: one line saying what it lacks.
+  path = tmp_path / 'by_hand.py'
+  path.write_text('import ml_collections\n\n\ndef get_config():\n'
+                  "  return ml_collections.ConfigDict({'task': 'mrpc', 'train': {'steps': 3}})\n")
+  with pytest.raises(UserError, match=r"^the config has no key 'kind' \('pretrain' or "
+                     r"'finetune'\): start a config file from defaults\.pretrain\(\)"):
+    config_files.load_config(str(path))
+  with pytest.raises(UserError, match=r"--config.kind='train': expected one of pretrain, "):
+    config_files.load_config('smoke', {'kind': 'train'})
+  # Fine-tuning's checkpoint period may be 0 by its kind, not by the keys it has.
+  assert config_files.load_config('finetune_ner', {'checkpoint.every_steps': 0})
+  with pytest.raises(UserError, match=r'--config.checkpoint.every_steps=0: must be'):
+    config_files.load_config('smoke', {'checkpoint.every_steps': 0})
+
+
+def test_each_job_refuses_the_others_config(tmp_path):
+  from bert_jax import finetune  # pylint: disable=g-import-not-at-top
+  from bert_jax import train  # pylint: disable=g-import-not-at-top
+  with pytest.raises(UserError, match=r'^--config is a fine-tuning config \(run it with '
+                     r'`bert-jax finetune`\), not a pre-training config'):
+    train.train_and_evaluate(config_files.load_config('finetune_ner'), str(tmp_path / 'a'))
+  with pytest.raises(UserError, match=r'^--config is a pre-training config \(run it with '
+                     r'`bert-jax pretrain`\), not a fine-tuning config'):
+    finetune.finetune(config_files.load_config('smoke'), str(tmp_path / 'b'))
+  assert not os.listdir(tmp_path)  # Refused before the workdir was made.
+
+
+def test_a_saved_run_config_of_an_earlier_bert_jax_reads_in_todays_keys():
+  old = {'task': 'squad_v1', 'data_dir': '/d', 'doc_stride': 64, 'n_best_size': 5,
+         'data': {'max_seq_length': 384}, 'train': {'epochs': 2}}
+  assert defaults.saved_config(old) == {
+      'kind': 'finetune', 'task': {'name': 'squad_v1', 'data_dir': '/d', 'doc_stride': 64,
+                                   'n_best_size': 5},
+      'data': {'max_seq_length': 384}, 'train': {'epochs': 2}}
+  assert defaults.saved_config({'model': {'size': 'tiny'}})['kind'] == 'pretrain'
+  today = defaults.finetune('mrpc').to_dict()
+  assert defaults.saved_config(today) == today
 
 
 def test_a_misspelt_override_names_the_closest_key():
@@ -105,8 +168,8 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   assert set(choices['train.rng_impl']) == set(train_state.RNG_IMPLS)
   for dtype in choices['model.dtype']:
     model.BertConfig(dtype=model.resolve_dtype(dtype))  # Each one a dtype the model takes.
-  for key in ('model.size', 'model.dtype', 'train.optimizer', 'data_source'):
-    config = 'finetune_glue:mrpc' if key == 'data_source' else 'smoke'
+  for key in ('model.size', 'model.dtype', 'train.optimizer', 'task.data_source'):
+    config = 'finetune_glue:mrpc' if key == 'task.data_source' else 'smoke'
     with pytest.raises(UserError, match=rf"--config\.{key}='x': expected one of "):
       config_files.load_config(config, {key: 'x'})
 

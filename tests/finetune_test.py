@@ -96,7 +96,7 @@ def glue_dir(tmp_path_factory):
 
 
 def _glue_config(init_checkpoint, data_dir, **overrides):
-  values = {'train.init_checkpoint': init_checkpoint, 'data_dir': data_dir,
+  values = {'train.init_checkpoint': init_checkpoint, 'task.data_dir': data_dir,
             'data.max_seq_length': 32, 'buckets': (16, 32), 'train.batch_size': 16,
             'eval.batch_size': 32, 'log.progress': False}
   values.update(overrides)
@@ -400,7 +400,7 @@ def test_two_processes_match_one_and_resume(checkpoints, tmp_path):
   """
   data_dir = _write_sst2(str(tmp_path / 'glue'), seed=4)
   # 4 steps an epoch, 2 epochs; one length (no buckets): one compiled train step.
-  settings = {'train.init_checkpoint': checkpoints['bert_jax'], 'data_dir': data_dir,
+  settings = {'train.init_checkpoint': checkpoints['bert_jax'], 'task.data_dir': data_dir,
               'data.max_seq_length': 32, 'buckets': '()', 'train.batch_size': 16,
               'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
               'checkpoint.every_steps': 3, 'log.every_steps': 1, 'log.progress': False}
@@ -446,9 +446,9 @@ def test_squad_runs_end_to_end(checkpoints, tmp_path):
     with open(os.path.join(data_dir, name), 'w') as f:
       json.dump({'version': '1.1', 'data': [{'title': 't', 'paragraphs': part}]}, f)
   config = config_files.load_config('finetune_squad.py:v1', {
-      'train.init_checkpoint': checkpoints['bert_jax'], 'data_dir': data_dir,
+      'train.init_checkpoint': checkpoints['bert_jax'], 'task.data_dir': data_dir,
       'data.max_seq_length': 64,
-      'buckets': (), 'doc_stride': 32, 'max_query_length': 16, 'train.epochs': 1,
+      'buckets': (), 'task.doc_stride': 32, 'task.max_query_length': 16, 'train.epochs': 1,
       'train.batch_size': 8, 'eval.batch_size': 8, 'log.progress': False,
       # No dropout: its random bits double the step's compile time, and this run only has to
       # run (the GLUE test trains with dropout).
@@ -490,6 +490,17 @@ def test_squad_runs_end_to_end(checkpoints, tmp_path):
   with pytest.raises(errors.UserError, match='--input_format=conll does not fit a squad model'):
     predict.predict(workdir, new_input, output, input_format='conll')
 
+  # A workdir of an earlier bert_jax (its config.json without config.kind, the task's keys at
+  # the top level): read in today's keys, by predict and by a rerun of the finished run.
+  old = str(tmp_path / 'run_old')
+  shutil.copytree(workdir, old)
+  record = fileio.read_json(os.path.join(old, 'config.json'))
+  task = record.pop('task')
+  assert record.pop('kind') == 'finetune' and task['doc_stride'] == 32
+  fileio.write_json(os.path.join(old, 'config.json'), dict(record, task=task.pop('name'), **task))
+  assert predict.predict(old, dev_file, str(tmp_path / 'old.json'))['metrics'] == result['dev']
+  assert finetune.finetune(config, old)['score'] == result['score']
+
   # The same weights read as a SQuAD 2.0 model: no-answer odds beside the answers, 2.0 metrics.
   v2 = str(tmp_path / 'run_v2')
   shutil.copytree(workdir, v2)
@@ -523,7 +534,7 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
   workdir = str(tmp_path / 'ner')
   cmd = [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=configs/finetune_ner.py',
          f'--config.train.init_checkpoint={checkpoints["bert_jax"]}',
-         f'--config.data_dir={data_dir}', '--config.train.epochs=1',
+         f'--config.task.data_dir={data_dir}', '--config.train.epochs=1',
          '--config.train.batch_size=8', '--config.data.max_seq_length=16',
          '--config.buckets=()', '--config.predict_test=True', '--config.log.progress=False',
          '--config.model.hidden_dropout_prob=0', '--config.model.attention_probs_dropout_prob=0',
@@ -643,7 +654,7 @@ def test_bad_task_files_name_the_file_and_line(checkpoints, tmp_path):
   _write_lines(os.path.join(squad_dir, 'train-v1.1.json'),
                ['{"data": [', '  {"title": "t" "paragraphs": []}', ']}'])
   squad_config = config_files.load_config('finetune_squad.py:v1', {
-      'train.init_checkpoint': checkpoints['bert_jax'], 'data_dir': squad_dir,
+      'train.init_checkpoint': checkpoints['bert_jax'], 'task.data_dir': squad_dir,
       'data.max_seq_length': 64})
   with pytest.raises(ValueError, match=r'train-v1.1.json:2:17: not valid JSON'):
     finetune.finetune(squad_config, str(tmp_path / 'c'))
@@ -656,11 +667,11 @@ def test_bad_task_files_name_the_file_and_line(checkpoints, tmp_path):
   conll_dir = str(tmp_path / 'conll')
   _write_lines(os.path.join(conll_dir, 'train.txt'), ['alice B-PER', 'was O', 'dull'])
   ner_config = config_files.load_config('finetune_ner.py', {
-      'train.init_checkpoint': checkpoints['bert_jax'], 'data_dir': conll_dir,
+      'train.init_checkpoint': checkpoints['bert_jax'], 'task.data_dir': conll_dir,
       'data.max_seq_length': 32})
   with pytest.raises(ValueError, match=r'train.txt:3: 1 columns where earlier lines have 2'):
     finetune.finetune(ner_config, str(tmp_path / 'e'))
-  with pytest.raises(ValueError, match="config.task='squad': expected a GLUE task"):
+  with pytest.raises(ValueError, match="config.task.name='squad': expected a GLUE task"):
     finetune.finetune(config_files.load_config('finetune_glue.py:squad', {
         'train.init_checkpoint': checkpoints['bert_jax'], 'data.max_seq_length': 32}),
         str(tmp_path / 'f'))

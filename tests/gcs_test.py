@@ -511,8 +511,8 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
     fileio.write_text(f'{data_dir}/SST-2/{split}.tsv', 'sentence\tlabel\n' + '\n'.join(rows) +
                       '\n')
   config = config_files.load_config('finetune_glue.py:sst2', {
-      'train.init_checkpoint': reference[0], 'data_dir': data_dir, 'data.max_seq_length': 32,
-      'buckets': (), 'train.batch_size': 8, 'eval.batch_size': 16, 'train.epochs': 1,
+      'train.init_checkpoint': reference[0], 'task.data_dir': data_dir,
+      'data.max_seq_length': 32, 'buckets': (), 'train.batch_size': 8, 'eval.batch_size': 16, 'train.epochs': 1,
       'checkpoint.every_steps': 2, 'log.every_steps': 1, 'log.progress': False})
   full = finetune.finetune(config, gcs.url('sst2_full'))
 
@@ -717,8 +717,8 @@ def test_launch_watch_recovers_a_preempted_finetuning_run_on_gs(gcs, tmp_path):
     launch_test._sst2(local, n, rng)  # pylint: disable=protected-access
     with open(local) as f:
       fileio.write_text(gcs.url(f'watch/glue/SST-2/{split}.tsv'), f.read())
-  overrides = {'train.init_checkpoint': gcs.url('watch/tiny'), 'data_dir': gcs.url('watch/glue'),
-               'data.max_seq_length': 16, 'buckets': '()', 'train.batch_size': 8,
+  overrides = {'train.init_checkpoint': gcs.url('watch/tiny'),
+               'task.data_dir': gcs.url('watch/glue'), 'data.max_seq_length': 16, 'buckets': '()', 'train.batch_size': 8,
                'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
                'log.every_steps': 1, 'log.progress': False}
   reference = str(tmp_path / 'reference')

@@ -402,26 +402,26 @@ _CONLL = (b'-DOCSTART- -X- O O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n'
 
 # surface -> (where its file lies under the test's folder, a valid file's bytes, the read).
 FILE_SURFACES = {
-    'config.data_dir (GLUE MRPC/train.tsv)':
+    'config.task.data_dir (GLUE MRPC/train.tsv)':
         ('glue/MRPC/train.tsv', _GLUE_TSV,
          lambda path: glue.read_task('mrpc', path.rsplit('/MRPC/', 1)[0], 'train')),
     'predict --input (GLUE .tsv)': ('dev.tsv', _GLUE_TSV, lambda p: glue.read_file('mrpc', p)),
     'predict --input (GLUE .jsonl)':
         ('in.jsonl', b'{"text_a": "The cat sat.", "text_b": "A cat sat."}\n{"text_a": "Rain."}\n',
          glue.read_jsonl),
-    'config.train_file / predict_file, predict --input (SQuAD)':
+    'config.task.train_file / predict_file, predict --input (SQuAD)':
         ('train.json', _SQUAD_JSON, lambda p: squad.read_squad(p, is_training=True)),
-    'config.data_dir (CoNLL train.txt)': ('ner/train.txt', _CONLL, ner.read_conll),
+    'config.task.data_dir (CoNLL train.txt)': ('ner/train.txt', _CONLL, ner.read_conll),
     'predict --input (NER text or CoNLL)':
         ('in.txt', b'EU rejects German call.\nPeter Blackburn\n',
          lambda p: ner.read_sentences(p)[0]),
     'features --input': ('in.txt', b'The cat sat. ||| A cat sat.\n\nIt rained.\n',
                          features.read_input),
     'data.vocab_file, --vocab_file': ('vocab.txt', _vocab_bytes(), tokenization.load_vocab),
-    'config.data_dir, predict --input (SWAG .csv)':
+    'config.task.data_dir, predict --input (SWAG .csv)':
         ('swag/train.csv', b'sent1,sent2,ending0,ending1,label\nA man,He,"sits, then",runs,0\n'
          b'A dog,It,barks,naps,1\n', swag.read_csv),
-    'config.data_dir, predict --input (multiple choice .jsonl)':
+    'config.task.data_dir, predict --input (multiple choice .jsonl)':
         ('swag/train.jsonl', b'{"context": "A man", "endings": ["sits", "runs"]}\n'
          b'{"context": "A dog", "endings": ["barks", "naps"], "label": 1}\n', swag.read_jsonl),
 }
@@ -441,14 +441,14 @@ FILE_KINDS = {
     'unreadable': 'cannot be read (Permission denied)',
 }
 FILE_EXCEPTIONS = {
-    ('config.data_dir (GLUE MRPC/train.tsv)', 'missing'): 'no file',
-    ('config.data_dir (GLUE MRPC/train.tsv)', 'dangling_symlink'): 'no file',
-    ('config.data_dir (GLUE MRPC/train.tsv)', 'symlink_loop'): 'no file',
-    ('config.data_dir (GLUE MRPC/train.tsv)', 'empty'): 'empty file (expected a header line)',
+    ('config.task.data_dir (GLUE MRPC/train.tsv)', 'missing'): 'no file',
+    ('config.task.data_dir (GLUE MRPC/train.tsv)', 'dangling_symlink'): 'no file',
+    ('config.task.data_dir (GLUE MRPC/train.tsv)', 'symlink_loop'): 'no file',
+    ('config.task.data_dir (GLUE MRPC/train.tsv)', 'empty'): 'empty file (expected a header line)',
     ('predict --input (GLUE .tsv)', 'empty'): 'empty file (expected a header line)',
     ('predict --input (GLUE .jsonl)', 'empty'): 'no examples',
-    ('config.train_file / predict_file, predict --input (SQuAD)', 'empty'): 'not valid JSON',
-    ('config.data_dir (CoNLL train.txt)', 'empty'): 'no sentences',
+    ('config.task.train_file / predict_file, predict --input (SQuAD)', 'empty'): 'not valid JSON',
+    ('config.task.data_dir (CoNLL train.txt)', 'empty'): 'no sentences',
     ('predict --input (NER text or CoNLL)', 'empty'): 'no sentences',
     ('features --input', 'empty'): '--input: PATH: no text (the file is empty)',
     ('data.vocab_file, --vocab_file', 'missing'): 'Vocabulary file not found',
@@ -457,8 +457,8 @@ FILE_EXCEPTIONS = {
     ('data.vocab_file, --vocab_file', 'symlink_loop'):
         'Vocabulary file not found: PATH (a symbolic link that loops',
     ('data.vocab_file, --vocab_file', 'empty'): 'is empty: a BERT vocab.txt',
-    ('config.data_dir, predict --input (SWAG .csv)', 'empty'): 'empty file (expected a header',
-    ('config.data_dir, predict --input (multiple choice .jsonl)', 'empty'): 'no examples',
+    ('config.task.data_dir, predict --input (SWAG .csv)', 'empty'): 'empty file (expected a header',
+    ('config.task.data_dir, predict --input (multiple choice .jsonl)', 'empty'): 'no examples',
 }
 FILE_ROWS = [(surface, kind, FILE_EXCEPTIONS.get((surface, kind), expected))
              for surface in FILE_SURFACES for kind, expected in FILE_KINDS.items()]
@@ -582,7 +582,7 @@ def test_checkpoint_paths(open_dir, kind):
 
 
 def _data_dir_outcome(root: str, task: str, kind: str) -> tuple[str, str]:
-  """config.data_dir of GLUE, NER and SWAG fine-tuning, as make_task reads it (no weights)."""
+  """config.task.data_dir of GLUE, NER and SWAG fine-tuning, as make_task reads it (no weights)."""
   from bert_jax import task_table  # pylint: disable=g-import-not-at-top
   config = config_files.load_config(task)
   path = os.path.join(root, 'data')
@@ -592,7 +592,7 @@ def _data_dir_outcome(root: str, task: str, kind: str) -> tuple[str, str]:
     os.makedirs(path)
   if kind == 'unreadable':
     os.chmod(path, 0)
-  config.data_dir = path
+  config.task.data_dir = path
   with _as_a_user() if kind == 'unreadable' else contextlib.nullcontext():
     return path, _outcome(lambda: task_table.make_task(config, None, None, True))
 
@@ -925,8 +925,8 @@ KEY_ROWS = [
     (_P, 'data.max_predictions_per_seq', 0), (_P, 'data.vocab_size', 0),
     (_P, 'data.packing_max_sequences', 0), (_P, 'data.packing_window', 0),
     (_P, 'data.shuffle_buffer', 0), (_P, 'data.docs_per_batch', 0), (_P, 'data.seed', -1),
-    (_F, 'data.max_seq_length', 0), (_S, 'doc_stride', 0), (_S, 'max_query_length', 0),
-    (_S, 'max_answer_length', 0), (_S, 'n_best_size', 0),
+    (_F, 'data.max_seq_length', 0), (_S, 'task.doc_stride', 0), (_S, 'task.max_query_length', 0),
+    (_S, 'task.max_answer_length', 0), (_S, 'task.n_best_size', 0),
     (_P, 'mesh.data', 0), (_P, 'mesh.fsdp', -2), (_F, 'mesh.tensor', 0),
     (_P, 'checkpoint.every_steps', 0), (_F, 'checkpoint.every_steps', -1),
     (_P, 'checkpoint.keep', 0),
@@ -967,7 +967,7 @@ def _numeric_keys(node, prefix=''):
 
 def test_every_numeric_key_of_every_shipped_config_has_a_row():
   # A new numeric key needs its range in config_checks.RANGES (and a row in KEY_ROWS).
-  exempt = {'null_score_diff_threshold'}  # Any real number is a threshold.
+  exempt = {'task.null_score_diff_threshold'}  # Any real number is a threshold.
   missing = set()
   for name in _SHIPPED:
     config = config_files.load_config(name)  # And each shipped config passes its own checks.
@@ -1050,7 +1050,8 @@ CHOICE_ROWS = [
     (_F, 'train.decay', 'cosine', "--config.train.decay='cosine': expected one of linear, "
      'constant'),
     (_P, 'train.rng_impl', 'threefry', "(did you mean 'threefry2x32'?)"),
-    (_F, 'data_source', 'csv', "--config.data_source='csv': expected one of tsv, tfds"),
+    (_F, 'task.data_source', 'csv', "--config.task.data_source='csv': expected one of tsv, "
+     'tfds'),
 ]
 
 
@@ -1212,9 +1213,9 @@ def test_end_to_end_mistakes_are_one_line_and_status_2(tmp_path, vocab_file):
 
 def test_a_misspelt_task_is_refused_before_the_checkpoint_loads(tmp_path):
   from bert_jax import finetune  # pylint: disable=g-import-not-at-top
-  config = config_files.load_config(_F, {'task': 'mrcp',
+  config = config_files.load_config(_F, {'task.name': 'mrcp',
                                          'train.init_checkpoint': str(tmp_path / 'nowhere')})
-  with pytest.raises(UserError, match=r"config.task='mrcp': expected a GLUE task"):
+  with pytest.raises(UserError, match=r"config.task.name='mrcp': expected a GLUE task"):
     finetune.finetune(config, str(tmp_path / 'w'))
   assert not os.path.exists(tmp_path / 'w')
 
@@ -1281,10 +1282,10 @@ def test_a_name_with_brackets_is_that_file(open_dir, case):
 def _conll_tag_outcome(root: str, case: str) -> tuple[str, str]:
   from bert_jax import task_table  # pylint: disable=g-import-not-at-top
   config = config_files.load_config('finetune_ner')
-  config.data_dir = root
+  config.task.data_dir = root
   dev = b'-DOCSTART- -X- O O\n\nPeter NNP B-NP B-PER\nsaid VBD B-VP O\n'
-  if case == 'a train.txt tag outside config.label_list':
-    config.label_list = ('O', 'B-PER', 'I-PER', 'B-MISC', 'I-MISC')
+  if case == 'a train.txt tag outside config.task.label_list':
+    config.task.label_list = ('O', 'B-PER', 'I-PER', 'B-MISC', 'I-MISC')
     path = os.path.join(root, 'train.txt')
   else:
     dev += b'\nBerlin NNP B-NP B-CITY\n'
@@ -1297,12 +1298,12 @@ def _conll_tag_outcome(root: str, case: str) -> tuple[str, str]:
 
 
 CONLL_TAG_ROWS = {
-    'a train.txt tag outside config.label_list':
-        "PATH:3: tag 'B-ORG' is not in config.label_list (O, B-PER, I-PER, B-MISC, I-MISC): "
-        'fix the tag, or set --config.label_list to every tag of the data',
+    'a train.txt tag outside config.task.label_list':
+        "PATH:3: tag 'B-ORG' is not in config.task.label_list (O, B-PER, I-PER, B-MISC, I-MISC): "
+        'fix the tag, or set --config.task.label_list to every tag of the data',
     'a valid.txt tag outside the tags of train.txt':
         "PATH:6: tag 'B-CITY' is not in the tags of ROOT/train.txt, the label list while "
-        'config.label_list is empty (O, B-PER, I-PER, B-ORG, I-ORG, B-LOC, I-LOC, B-MISC, '
+        'config.task.label_list is empty (O, B-PER, I-PER, B-ORG, I-ORG, B-LOC, I-LOC, B-MISC, '
         'I-MISC): fix the tag',
 }
 
@@ -1681,7 +1682,7 @@ def table() -> str:
     for surface, kind, _ in FILE_ROWS:
       row(surface, kind, lambda where, s=surface, k=kind: _file_outcome(where, s, k)[1])
     for task, kind, _ in DATA_DIR_ROWS:
-      row(f'config.data_dir ({task})', kind,
+      row(f'config.task.data_dir ({task})', kind,
           lambda where, t=task, k=kind: _data_dir_outcome(where, t, k)[1])
     for kind in CHECKPOINT_KINDS:
       row('train.init_checkpoint, --init_checkpoint, --checkpoint, convert --input', kind,
@@ -1699,7 +1700,8 @@ def table() -> str:
       row('the cache folder (BERT_JAX_CACHE, ~/.cache/bert-jax)', case,
           lambda where, c=case: cache(where, c))
     for case in CONLL_TAG_ROWS:
-      row('config.data_dir (CoNLL)', case, lambda where, c=case: _conll_tag_outcome(where, c)[1])
+      row('config.task.data_dir (CoNLL)', case,
+          lambda where, c=case: _conll_tag_outcome(where, c)[1])
     for case in BRACKET_ROWS:
       row('file names with [ ]', case,
           lambda where, c=case: _outcome(lambda: _bracket_outcome(where, c)))
@@ -1708,7 +1710,7 @@ def table() -> str:
       row('training steps 5, 6, ... (the check before a log or checkpoint)', case,
           lambda where, m=metrics: str(monitor.divergence(m, 5) or 'ok'))
     for case in SKIPPED_ROWS:
-      row('config.data_dir, train_file (rows skipped)', case,
+      row('config.task.data_dir, train_file (rows skipped)', case,
           lambda where, c=case: _skipped_outcome(where, c)[1])
     for layout, vocab, record, lower_case, _ in CASING_CHECK_ROWS:
       row(f'train.init_checkpoint / eval --checkpoint (a {layout}, vocab {vocab})',

