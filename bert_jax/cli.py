@@ -176,9 +176,7 @@ def _data_flags():
   def run(argv):
     del argv
     import json  # pylint: disable=g-import-not-at-top
-    from bert_jax import model  # pylint: disable=g-import-not-at-top
-    config = FLAGS.config
-    model.check_seq_len(config.data.max_seq_length, config.model.max_position_embeddings)
+    config = FLAGS.config  # Checked with the flags (_parse_flags), its lengths included.
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
     workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
     vocab = input_pipeline.resolve_vocab(config.data, workdir)

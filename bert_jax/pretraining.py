@@ -24,7 +24,6 @@ from bert_jax import objectives
 from bert_jax import optim
 from bert_jax import sharding as sharding_lib
 from bert_jax import train_state as state_lib
-from bert_jax.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +51,8 @@ def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
   steps = int(config.train.steps)
   parts = config_checks.phase_specs(config)  # Checked where the config was loaded, too.
   if not parts:
-    # train.phases is empty: the run uses data.max_seq_length.
-    model_lib.check_seq_len(config.data.max_seq_length, config.model.max_position_embeddings)
+    # train.phases is empty: the run uses data.max_seq_length (checked against the model's
+    # positions with the config, config_checks._lengths).
     return [Phase(0, 0, steps, config.data.max_seq_length, config.data.max_predictions_per_seq)]
   phases, start, cumulative = [], 0, 0.0
   for i, (frac, seq_len, preds) in enumerate(parts):
@@ -68,15 +67,10 @@ def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
 def _per_phase(config: ml_collections.ConfigDict, key: str) -> list[str]:
   """data.<key> ('a;b', one entry per train.phases entry; '' entries = the default input)."""
   spec = config.data[key].strip()
-  count = max(1, len([p for p in config.train.phases.split(',') if p.strip()]))
   if not spec:
-    return [''] * count
-  entries = [e.strip() for e in spec.split(';')]
-  if len(entries) != count:
-    raise UserError(f'data.{key} has {len(entries)} entries separated by ";", train.phases has '
-                    f'{count} phases: give one input per phase (an empty entry keeps the '
-                    'default)')
-  return entries
+    return [''] * max(1, len(config_checks.phase_specs(config)))
+  # One entry per phase: checked with the config (config_checks._phases).
+  return [e.strip() for e in spec.split(';')]
 
 
 def phase_data(config: ml_collections.ConfigDict, phase: Phase) -> ml_collections.ConfigDict:
