@@ -49,6 +49,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from bert_jax import fileio
 from bert_jax import gcs
 from bert_jax import model as model_lib
+from bert_jax import train_state
 from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -413,8 +414,11 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> t
         params=_pytree_restore(abstract_state.params),
         opt_state=_pytree_restore(abstract_state.opt_state),
         meta=ocp.args.JsonRestore()))
-  state = abstract_state.replace(params=restored['params'], opt_state=restored['opt_state'],
-                                 step=restored['meta']['step'])
+  # The compute copy of the parameters is not saved: it is derived from them.
+  state = abstract_state.replace(
+      params=restored['params'], opt_state=restored['opt_state'], step=restored['meta']['step'],
+      compute_params=train_state.placed_compute_copy(restored['params'],
+                                                     abstract_state.compute_params))
   return state, restored['meta']
 
 
