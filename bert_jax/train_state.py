@@ -12,6 +12,7 @@
 
 import functools
 import itertools
+import re
 import time
 from typing import Any, Callable, Iterable
 
@@ -311,7 +312,7 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
   # The scope names the optimizer's operations in the compiled program's metadata, where
   # profiles and the kernel budget (hlo_kernels.py) find them.
   with jax.named_scope('optimizer'):
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = global_norm(grads)
     # Computed once: the logged metric is the norm that optim.clip_by_global_norm clips with.
     extra = (dict(global_grad_norm=grad_norm)
              if isinstance(tx, optax.GradientTransformationExtraArgs) else {})
@@ -321,6 +322,20 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             compute_params=compute_params)
   return new_state, dict(metrics, grad_norm=grad_norm)
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """The global L2 norm of `tree`'s leaves (optax.tree.norm's), summed by groups: leaves of one
+  shape and dtype whose paths differ only in their numbers (the same parameter of every encoder
+  layer, so laid out and sharded alike) are stacked into one reduction. On a GPU each reduction
+  is a kernel or two: BERT-base's 206 gradients took 259 of them."""
+  groups = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    key = (re.sub(r'\d+', '#', jax.tree_util.keystr(path)), leaf.shape, leaf.dtype)
+    groups.setdefault(key, []).append(leaf)
+  sums = [jnp.sum(jnp.square(jnp.stack(leaves) if len(leaves) > 1 else leaves[0]))
+          for leaves in groups.values()]
+  return jnp.sqrt(functools.reduce(jnp.add, sums))
 
 
 def jit_step(apply: Apply, loss: Loss, tx: optax.GradientTransformation,

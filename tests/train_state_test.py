@@ -17,11 +17,12 @@ from bert_jax import train_state as state_lib
 VOCAB, SEQ, PREDS, BATCH = 512, 16, 4, 8
 
 
-def _built(dtype='bfloat16'):
-  config = config_files.load_config('configs/bert_base.py', {
+def _built(dtype='bfloat16', **mesh):
+  config = config_files.load_config('configs/bert_base.py', dict({
       'model.size': 'tiny', 'model.vocab_size': VOCAB, 'model.dtype': dtype,
       'train.phases': '', 'train.batch_size': BATCH, 'data.max_seq_length': SEQ,
-      'data.max_predictions_per_seq': PREDS, 'mesh.data': -1, 'train.warmup_steps': 0})
+      'data.max_predictions_per_seq': PREDS, 'mesh.data': -1, 'train.warmup_steps': 0},
+      **{f'mesh.{k}': v for k, v in mesh.items()}))
   mesh = sharding_lib.make_mesh(config.mesh, jax.devices())
   rules = sharding_lib.rules_from_config(config.mesh)
   return config, mesh, rules, pretraining.build_step(config, mesh, VOCAB)
@@ -82,11 +83,12 @@ def test_the_training_forward_reads_every_copied_parameter_by_one_cast():
   assert _paths(built.abstract.compute_params) <= _paths(read_by_one_cast)
 
 
-@pytest.mark.parametrize('accum_steps', [1, 2])
-def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps):
+@pytest.mark.parametrize('accum_steps,mesh', [(1, {}), (2, dict(data=2, fsdp=2, tensor=2))])
+def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps, mesh):
   """Parameters, optimizer state and metrics after two steps are the same bits with the copy
-  as with the float32 parameters cast in the forward; the copy is the parameters cast."""
-  config, mesh, rules, built = _built()
+  as with the float32 parameters cast in the forward; the copy is the parameters cast, sharded
+  as they are (fsdp and tensor axes too)."""
+  config, mesh, rules, built = _built(**mesh)
   with sharding_lib.activate(mesh, rules):
     state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(0))
     step = jax.jit(lambda s, b: state_lib.step(
@@ -110,6 +112,10 @@ def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps):
                   strict=True):
     assert a.dtype == jnp.bfloat16
     np.testing.assert_array_equal(a, b)
+  params = traverse_util.flatten_dict(built.shardings.params)
+  for path, s in traverse_util.flatten_dict(built.shardings.compute_params).items():
+    assert s == params[path]
+  assert any(s.spec != jax.sharding.PartitionSpec() for s in params.values())
 
 
 def test_a_restored_state_derives_its_copy_and_the_checkpoint_has_none(tmp_path):
@@ -135,3 +141,20 @@ def test_a_restored_state_derives_its_copy_and_the_checkpoint_has_none(tmp_path)
     np.testing.assert_array_equal(a, b)
   with pytest.raises(ValueError, match='compute copy'):
     state_lib.state_from_params(state.params, built.tx, built.shardings)
+
+
+def test_the_global_norm_is_optaxs_with_one_reduction_per_group():
+  """Leaves of one shape whose paths differ in their numbers (every layer's same parameter)
+  are summed by one reduction; the norm is optax.tree.norm's but for the order of the sums."""
+  import optax  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  tree = {'layer_0': {'w': rng.normal(size=(8, 4)), 'b': rng.normal(size=(4,))},
+          'layer_1': {'w': rng.normal(size=(8, 4)), 'b': rng.normal(size=(4,))},
+          'layer_10': {'w': rng.normal(size=(8, 4)), 'b': rng.normal(size=(4,))},
+          'head': {'w': rng.normal(size=(8, 4))}, 'other': {'w': rng.normal(size=(4, 8))}}
+  tree = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+  np.testing.assert_allclose(state_lib.global_norm(tree), optax.tree.norm(tree), rtol=1e-6)
+  reductions = [e for e in jax.make_jaxpr(state_lib.global_norm)(tree).jaxpr.eqns
+                if e.primitive.name == 'reduce_sum']
+  # layer_#/w, layer_#/b, head/w, other/w.
+  assert len(reductions) == 4
