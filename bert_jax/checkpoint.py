@@ -49,7 +49,6 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from bert_jax import fileio
 from bert_jax import gcs
 from bert_jax import model as model_lib
-from bert_jax import train_state
 from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -408,17 +407,16 @@ def _reads_end_their_tasks() -> Iterator[None]:
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[Any, dict]:
-  """Restores params and optimizer state into the shardings of `abstract_state`."""
+  """Restores params and optimizer state into the shardings of `abstract_state` (a
+  `train_state.TrainState` of ShapeDtypeStructs, which derives the rest: `restored`)."""
   with _reads_end_their_tasks():
     restored = manager.restore(step, args=ocp.args.Composite(
         params=_pytree_restore(abstract_state.params),
         opt_state=_pytree_restore(abstract_state.opt_state),
         meta=ocp.args.JsonRestore()))
-  # The compute copy of the parameters is not saved: it is derived from them.
-  state = abstract_state.replace(
-      params=restored['params'], opt_state=restored['opt_state'], step=restored['meta']['step'],
-      compute_params=train_state.placed_compute_copy(restored['params'],
-                                                     abstract_state.compute_params))
+  # The state derives what is not saved (train_state.TrainState.restored).
+  state = abstract_state.restored(params=restored['params'], opt_state=restored['opt_state'],
+                                  step=restored['meta']['step'])
   return state, restored['meta']
 
 

@@ -43,6 +43,12 @@ class TrainState:
   # converts nothing. Derived from `params`: never saved, never exported.
   compute_params: Any = flax.struct.field(default_factory=dict)
 
+  def restored(self, step: Any, params: Any, opt_state: Any) -> 'TrainState':
+    """This abstract state (ShapeDtypeStructs with shardings) with the parts a checkpoint
+    holds, restored, and the compute copy derived from them."""
+    return self.replace(step=step, params=params, opt_state=opt_state,
+                        compute_params=placed_compute_copy(params, self.compute_params))
+
 
 # ---------------------------------------------------------------------------------------------
 # Abstract state, shardings, and a state from parameters
