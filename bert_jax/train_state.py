@@ -99,13 +99,15 @@ def abstract_state(init_params: Callable[[jax.Array], Any], tx: optax.GradientTr
 # the backward anyway. The state keeps those copies instead (`TrainState.compute_params`),
 # written by the optimizer's update in the kernels that write the float32 master. Only a
 # parameter whose single use is that one cast qualifies: its forward reads the same values and
-# its gradient is the same bfloat16 cotangent cast to float32, so the step is bit-identical. A
+# its gradient is the same bfloat16 cotangent cast to float32, so the step is bit-identical
+# (with rematerialized layers, up to a bfloat16 rounding of a gradient that XLA's excess
+# precision may skip in one program and keep in the other; tests/train_state_test.py). A
 # parameter read twice (the tied word embeddings: the lookup and the MLM decoder) keeps its
 # float32 read, so that its two cotangents still add up in float32; one read in float32
 # (LayerNorm, the biases the fused LayerNorm adds) or in a loop's carry is left as it is.
 
 # Primitives whose operands map one to one onto the inputs of their `jaxpr` parameter.
-_CALLS = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'checkpoint', 'remat', 'scan'})
+_CALLS = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'checkpoint', 'remat', 'remat2', 'scan'})
 
 
 def _narrowing_casts(jaxpr: Any, var: Any) -> list[Any] | None:
@@ -134,6 +136,25 @@ def _narrowing_casts(jaxpr: Any, var: Any) -> list[Any] | None:
   return casts
 
 
+def _param_casts(jaxpr: Any, var: Any) -> list[Any] | None:
+  """`_narrowing_casts` of `var` in `jaxpr` and, where a call made it (an initializer run
+  inside a rematerialized or scanned layer), of the call's own output inside it."""
+  casts = _narrowing_casts(jaxpr, var)
+  for eqn in jaxpr.eqns:
+    if casts is None:
+      break
+    for j, out in enumerate(eqn.outvars):
+      if out is not var:
+        continue
+      sub = eqn.params.get('jaxpr') if eqn.primitive.name in _CALLS else None
+      sub = getattr(sub, 'jaxpr', sub)
+      if sub is None or len(sub.outvars) != len(eqn.outvars):
+        return casts
+      inner = _param_casts(sub, sub.outvars[j])
+      casts = None if inner is None else casts + inner
+  return casts
+
+
 def cast_only_params(jaxpr: Any, params: Any, variables: list[Any] | None = None) -> Any:
   """The subtree of `params` (ShapeDtypeStructs or arrays) that `jaxpr` reads through exactly
   one cast to a narrower float each, as ShapeDtypeStructs of that dtype: what
@@ -145,7 +166,7 @@ def cast_only_params(jaxpr: Any, params: Any, variables: list[Any] | None = None
                                strict=True):
     if isinstance(var, jax_core.Literal) or not jnp.issubdtype(leaf.dtype, jnp.floating):
       continue
-    casts = _narrowing_casts(jaxpr, var)
+    casts = _param_casts(jaxpr, var)
     if casts is not None and len(casts) == 1:
       picked[tuple(k.key for k in path)] = jax.ShapeDtypeStruct(leaf.shape, casts[0])
   return traverse_util.unflatten_dict(picked)
@@ -341,7 +362,7 @@ def global_norm(tree: Any) -> jax.Array:
     groups.setdefault(key, []).append(leaf)
   sums = [jnp.sum(jnp.square(jnp.stack(leaves) if len(leaves) > 1 else leaves[0]))
           for leaves in groups.values()]
-  return jnp.sqrt(functools.reduce(jnp.add, sums))
+  return jnp.sqrt(functools.reduce(jnp.add, sums)) if sums else jnp.zeros((), jnp.float32)
 
 
 def jit_step(apply: Apply, loss: Loss, tx: optax.GradientTransformation,

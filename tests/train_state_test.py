@@ -17,12 +17,13 @@ from bert_jax import train_state as state_lib
 VOCAB, SEQ, PREDS, BATCH = 512, 16, 4, 8
 
 
-def _built(dtype='bfloat16', **mesh):
+def _built(dtype='bfloat16', model=None, **mesh):
   config = config_files.load_config('configs/bert_base.py', dict({
       'model.size': 'tiny', 'model.vocab_size': VOCAB, 'model.dtype': dtype,
       'train.phases': '', 'train.batch_size': BATCH, 'data.max_seq_length': SEQ,
       'data.max_predictions_per_seq': PREDS, 'mesh.data': -1, 'train.warmup_steps': 0},
-      **{f'mesh.{k}': v for k, v in mesh.items()}))
+      **{f'mesh.{k}': v for k, v in mesh.items()},
+      **{f'model.{k}': v for k, v in (model or {}).items()}))
   mesh = sharding_lib.make_mesh(config.mesh, jax.devices())
   rules = sharding_lib.rules_from_config(config.mesh)
   return config, mesh, rules, pretraining.build_step(config, mesh, VOCAB)
@@ -67,11 +68,19 @@ def test_the_copy_holds_what_the_model_reads_by_one_cast():
   assert _built('float32')[3].abstract.compute_params == {}
 
 
-def test_the_training_forward_reads_every_copied_parameter_by_one_cast():
+REMAT_SCAN = [{}, dict(remat_policy='dots'), dict(scan_layers=True),
+              dict(scan_layers=True, remat_policy='dots')]
+
+
+@pytest.mark.parametrize('model', REMAT_SCAN)
+def test_the_training_forward_reads_every_copied_parameter_by_one_cast(model):
   """The copy is chosen from the forward that init traces (deterministic, a dummy batch); the
   training forward (dropout on, the real batch) must read those parameters the same way, or
-  the copy would change its numerics."""
-  _, mesh, rules, built = _built()
+  the copy would change its numerics. Rematerialized and scanned layers have theirs too."""
+  _, mesh, rules, built = _built(model=model)
+  assert {('bert', 'pooler', 'kernel'), ('mlm', 'transform', 'kernel')} <= _paths(
+      built.abstract.compute_params)
+  assert len(_paths(built.abstract.compute_params)) == (17 if model.get('scan_layers') else 27)
   apply = pretraining.pretraining_apply(built.model)
   batch = _batch(0)
   with sharding_lib.activate(mesh, rules):
@@ -83,12 +92,17 @@ def test_the_training_forward_reads_every_copied_parameter_by_one_cast():
   assert _paths(built.abstract.compute_params) <= _paths(read_by_one_cast)
 
 
-@pytest.mark.parametrize('accum_steps,mesh', [(1, {}), (2, dict(data=2, fsdp=2, tensor=2))])
-def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps, mesh):
+@pytest.mark.parametrize('accum_steps,mesh,model', [
+    (1, {}, {}), (2, dict(data=2, fsdp=2, tensor=2), {}), (1, {}, dict(scan_layers=True)),
+    (1, {}, dict(scan_layers=True, remat_policy='dots'))])
+def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps, mesh, model):
   """Parameters, optimizer state and metrics after two steps are the same bits with the copy
   as with the float32 parameters cast in the forward; the copy is the parameters cast, sharded
-  as they are (fsdp and tensor axes too)."""
-  config, mesh, rules, built = _built(**mesh)
+  as they are (fsdp and tensor axes too). Rematerialized layers recompute the forward in
+  another program, where XLA (allowed excess precision) may skip a bfloat16 rounding that the
+  other keeps: a few elements of two gradients differ in their last bits (measured 1.2e-7 in a
+  parameter after one step, about 0.1% of the step), nothing more."""
+  config, mesh, rules, built = _built(model=model, **mesh)
   with sharding_lib.activate(mesh, rules):
     state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(0))
     step = jax.jit(lambda s, b: state_lib.step(
@@ -106,7 +120,10 @@ def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps, mesh)
                                    metrics['copy'])),
                   jax.tree.leaves((states['none'].params, states['none'].opt_state,
                                    metrics['none'])), strict=True):
-    np.testing.assert_array_equal(a, b)
+    if model.get('remat_policy'):
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    else:
+      np.testing.assert_array_equal(a, b)
   expected = state_lib.compute_copy(states['copy'].params, built.abstract.compute_params)
   for a, b in zip(jax.tree.leaves(states['copy'].compute_params), jax.tree.leaves(expected),
                   strict=True):
