@@ -55,7 +55,7 @@ def sst2_like_features(num_examples: int, max_seq_length: int, vocab_size: int,
 def prepare(features, buckets, args, model, tx, mesh, rules):
   """(one timed epoch -> seconds, compile seconds, the epoch's batches) of a bucket setting;
   the step is compiled for every bucket here, before any timing."""
-  _, shardings, _ = state_lib.abstract_state(tasks.init_fn(model), tx, mesh, rules)
+  abstract, shardings, _ = state_lib.abstract_state(tasks.init_fn(model), tx, mesh, rules)
   batch_sharding = sharding_lib.batch_sharding(mesh)
   step = state_lib.jit_step(tasks.train_apply(model), tasks.classification_loss, tx, mesh,
                             rules, shardings, jax.random.key(1))
@@ -63,7 +63,7 @@ def prepare(features, buckets, args, model, tx, mesh, rules):
                                window_batches=args.length_sort_window))
   params = model_lib.init_params(model.config, jax.random.key(0), type(model), num_labels=2)
   with sharding_lib.activate(mesh, rules):
-    holder = [state_lib.state_from_params(params, tx, shardings)]
+    holder = [state_lib.state_from_params(params, tx, shardings, abstract)]
 
   def run(batches):
     with sharding_lib.activate(mesh, rules):

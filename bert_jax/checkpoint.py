@@ -408,14 +408,16 @@ def _reads_end_their_tasks() -> Iterator[None]:
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[Any, dict]:
-  """Restores params and optimizer state into the shardings of `abstract_state`."""
+  """Restores params and optimizer state into the shardings of `abstract_state` (a
+  `train_state.TrainState` of ShapeDtypeStructs, which derives the rest: `restored`)."""
   with _reads_end_their_tasks():
     restored = manager.restore(step, args=ocp.args.Composite(
         params=_pytree_restore(abstract_state.params),
         opt_state=_pytree_restore(abstract_state.opt_state),
         meta=ocp.args.JsonRestore()))
-  state = abstract_state.replace(params=restored['params'], opt_state=restored['opt_state'],
-                                 step=restored['meta']['step'])
+  # The state derives what is not saved (train_state.TrainState.restored).
+  state = abstract_state.restored(params=restored['params'], opt_state=restored['opt_state'],
+                                  step=restored['meta']['step'])
   return state, restored['meta']
 
 

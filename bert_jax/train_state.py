@@ -12,13 +12,16 @@
 
 import functools
 import itertools
+import re
 import time
 from typing import Any, Callable, Iterable
 
 from absl import logging
 import flax
 import flax.linen as nn
+from flax import traverse_util
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -34,6 +37,17 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+  # The parameters the model reads only cast to its compute dtype (bfloat16 on accelerators),
+  # kept in that dtype: a subset of `params` (`compute_copy`), {} for a float32 model. The
+  # step's update writes it with the float32 master, in the same kernels, so that the forward
+  # converts nothing. Derived from `params`: never saved, never exported.
+  compute_params: Any = flax.struct.field(default_factory=dict)
+
+  def restored(self, step: Any, params: Any, opt_state: Any) -> 'TrainState':
+    """This abstract state (ShapeDtypeStructs with shardings) with the parts a checkpoint
+    holds, restored, and the compute copy derived from them."""
+    return self.replace(step=step, params=params, opt_state=opt_state,
+                        compute_params=placed_compute_copy(params, self.compute_params))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,7 +58,9 @@ class TrainState:
 def abstract_state(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
                    mesh: jax.sharding.Mesh, rules):
   """(abstract TrainState, its NamedShardings, init function) of the model whose (boxed)
-  parameters `init_params(rng)` makes, without allocating anything."""
+  parameters `init_params(rng)` makes, without allocating anything. Its `compute_params` are
+  the parameters that the model's forward (traced by `init_params`) reads only cast to a
+  narrower dtype (`cast_only_params`)."""
 
   def boxed_params(rng):
     # Traced without rules, so without any constraint, whatever the caller's context: the
@@ -52,22 +68,139 @@ def abstract_state(init_params: Callable[[jax.Array], Any], tx: optax.GradientTr
     with nn.logical_axis_rules(()):
       return init_params(rng)
 
-  def init(rng):
-    params = nn.unbox(boxed_params(rng))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
   rng = jax.random.key(0)
-  abstract_boxed = jax.eval_shape(boxed_params, rng)
+  traced, abstract_boxed = jax.make_jaxpr(boxed_params, return_shape=True)(rng)
   # A clear error here instead of XLA's about an output sharding that does not divide.
   sharding_lib.check_divisible(abstract_boxed, mesh, rules)
+  compute_like = cast_only_params(traced.jaxpr, nn.unbox(abstract_boxed))
+
+  def init(rng):
+    params = nn.unbox(boxed_params(rng))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      compute_params=compute_copy(params, compute_like))
+
   param_specs = sharding_lib.logical_specs(abstract_boxed)
   abstract = jax.eval_shape(init, rng)
   opt_specs = sharding_lib.opt_state_specs(tx, abstract.opt_state, param_specs)
-  specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs)
+  specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs,
+                     compute_params=_like(param_specs, compute_like))
   shardings = sharding_lib.to_mesh_shardings(specs, mesh, rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
   return abstract, shardings, init
+
+
+# ---------------------------------------------------------------------------------------------
+# The compute copy of the parameters
+# ---------------------------------------------------------------------------------------------
+# In bfloat16 the model reads most weights as `promote_dtype(x, kernel)`: a float32 -> bfloat16
+# convert of every weight at the start of every step, one small kernel each on a GPU (66 for
+# BERT-base), reading 4 bytes a parameter and writing 2, and the bfloat16 copies live through
+# the backward anyway. The state keeps those copies instead (`TrainState.compute_params`),
+# written by the optimizer's update in the kernels that write the float32 master. Only a
+# parameter whose single use is that one cast qualifies: its forward reads the same values and
+# its gradient is the same bfloat16 cotangent cast to float32, so the step is bit-identical
+# (with rematerialized layers, up to a bfloat16 rounding of a gradient that XLA's excess
+# precision may skip in one program and keep in the other; tests/train_state_test.py). A
+# parameter read twice (the tied word embeddings: the lookup and the MLM decoder) keeps its
+# float32 read, so that its two cotangents still add up in float32; one read in float32
+# (LayerNorm, the biases the fused LayerNorm adds) or in a loop's carry is left as it is.
+
+# Primitives whose operands map one to one onto the inputs of their `jaxpr` parameter.
+_CALLS = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'checkpoint', 'remat', 'remat2', 'scan'})
+
+
+def _narrowing_casts(jaxpr: Any, var: Any) -> list[Any] | None:
+  """The dtypes of the casts to a narrower float that read `var` in `jaxpr` (calls followed),
+  or None if anything else reads it."""
+  casts = []
+  for eqn in jaxpr.eqns:
+    for i, v in enumerate(eqn.invars):
+      if v is not var:
+        continue
+      name = eqn.primitive.name
+      if name == 'convert_element_type':
+        new = jnp.dtype(eqn.params['new_dtype'])
+        if not (jnp.issubdtype(new, jnp.floating) and new.itemsize < var.aval.dtype.itemsize):
+          return None
+        casts.append(new)
+        continue
+      sub = eqn.params.get('jaxpr') if name in _CALLS else None
+      sub = getattr(sub, 'jaxpr', sub)
+      if sub is None or len(sub.invars) != len(eqn.invars):
+        return None
+      inner = _narrowing_casts(sub, sub.invars[i])
+      if inner is None or any(v is sub.invars[i] for v in sub.outvars):
+        return None
+      casts.extend(inner)
+  return casts
+
+
+def _param_casts(jaxpr: Any, var: Any) -> list[Any] | None:
+  """`_narrowing_casts` of `var` in `jaxpr` and, where a call made it (an initializer run
+  inside a rematerialized or scanned layer), of the call's own output inside it."""
+  casts = _narrowing_casts(jaxpr, var)
+  for eqn in jaxpr.eqns:
+    if casts is None:
+      break
+    for j, out in enumerate(eqn.outvars):
+      if out is not var:
+        continue
+      sub = eqn.params.get('jaxpr') if eqn.primitive.name in _CALLS else None
+      sub = getattr(sub, 'jaxpr', sub)
+      if sub is None or len(sub.outvars) != len(eqn.outvars):
+        return casts
+      inner = _param_casts(sub, sub.outvars[j])
+      casts = None if inner is None else casts + inner
+  return casts
+
+
+def cast_only_params(jaxpr: Any, params: Any, variables: list[Any] | None = None) -> Any:
+  """The subtree of `params` (ShapeDtypeStructs or arrays) that `jaxpr` reads through exactly
+  one cast to a narrower float each, as ShapeDtypeStructs of that dtype: what
+  `TrainState.compute_params` holds. `variables`: the jaxpr's variables of params' leaves, in
+  order (by default its outputs: the jaxpr of an init that returns them)."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  picked = {}
+  for (path, leaf), var in zip(leaves, jaxpr.outvars if variables is None else variables,
+                               strict=True):
+    if isinstance(var, jax_core.Literal) or not jnp.issubdtype(leaf.dtype, jnp.floating):
+      continue
+    casts = _param_casts(jaxpr, var)
+    if casts is not None and len(casts) == 1:
+      picked[tuple(k.key for k in path)] = jax.ShapeDtypeStruct(leaf.shape, casts[0])
+  return traverse_util.unflatten_dict(picked)
+
+
+def _like(tree: Any, like: Any) -> Any:
+  """The leaves of `tree` (nested dicts) at the paths of `like`'s."""
+  flat = traverse_util.flatten_dict(tree)
+  return traverse_util.unflatten_dict({k: flat[k] for k in traverse_util.flatten_dict(like)})
+
+
+def compute_copy(params: Any, like: Any) -> Any:
+  """The compute copy of `params`: the leaves at the paths of `like` (a `compute_params` tree
+  of arrays or ShapeDtypeStructs) cast to their dtypes; {} when `like` is empty."""
+  flat_like = traverse_util.flatten_dict(like)
+  flat = traverse_util.flatten_dict(params)
+  return traverse_util.unflatten_dict({k: flat[k].astype(v.dtype) for k, v in flat_like.items()})
+
+
+def placed_compute_copy(params: Any, abstract: Any) -> Any:
+  """`compute_copy` of (sharded) `params`, placed as the abstract `compute_params` say (the
+  copy of a restored or given state)."""
+  if not traverse_util.flatten_dict(abstract):
+    return {}
+  return jax.jit(lambda p: compute_copy(p, abstract),
+                 out_shardings=jax.tree.map(lambda a: a.sharding, abstract))(params)
+
+
+def model_inputs(state: TrainState) -> Any:
+  """The parameters the step applies the model to: `params`, with those of the compute copy
+  replaced by it."""
+  flat = traverse_util.flatten_dict(state.params)
+  flat.update(traverse_util.flatten_dict(state.compute_params))
+  return traverse_util.unflatten_dict(flat)
 
 
 def put_sharded(tree: Any, shardings: Any) -> Any:
@@ -78,10 +211,15 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
       tree, shardings)
 
 
-def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: TrainState
-                      ) -> TrainState:
-  """Step 0 and a fresh optimizer state around (sharded) `params`."""
-  return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
+def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: TrainState,
+                      abstract: TrainState | None = None) -> TrainState:
+  """Step 0 and a fresh optimizer state around (sharded) `params`; with the compute copy that
+  `abstract` (`abstract_state`'s) describes, which a model with one needs."""
+  like = {} if abstract is None else abstract.compute_params
+  if traverse_util.flatten_dict(shardings.compute_params) and abstract is None:
+    raise ValueError('the state has a compute copy of its parameters: pass `abstract`')
+  return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p),
+                                      compute_copy(p, like)),
                  out_shardings=shardings)(params)
 
 
@@ -169,41 +307,62 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
   'grad_norm'.
   """
   rng = jax.random.fold_in(base_rng, state.step)
+  inputs = model_inputs(state)
   # One batch: the counts come with its loss. Micro-batches: each is normalized by the whole
   # batch's counts, so their gradients add up to the batch's.
-  counts = _counts(apply, loss, state.params, batch, rng) if accum_steps > 1 else None
+  counts = _counts(apply, loss, inputs, batch, rng) if accum_steps > 1 else None
 
   def micro_loss(params, micro, micro_rng):
     sums, micro_counts, metrics = loss(apply(params, micro, micro_rng), micro)
     total = normalize(sums, micro_counts if counts is None else counts)
     return total, dict({'loss': total}, **metrics)
 
-  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  def grad_fn(micro, micro_rng):
+    (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(inputs, micro, micro_rng)
+    # The compute copy's gradients (bfloat16) in the master's dtype: what the gradient of the
+    # master's cast is, and what micro-batches add up in.
+    return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+
   if accum_steps == 1:
-    (_, metrics), grads = grad_fn(state.params, batch, rng)
+    metrics, grads = grad_fn(batch, rng)
   else:
     micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
 
     def body(carry, xs):
       i, mb = xs
-      (_, m), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+      m, g = grad_fn(mb, jax.random.fold_in(rng, i))
       return jax.tree.map(jnp.add, carry, (g, m)), None
 
-    (_, m_shape), g_shape = jax.eval_shape(grad_fn, state.params,
-                                           jax.tree.map(lambda x: x[0], micro), rng)
+    m_shape, g_shape = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro), rng)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g_shape, m_shape))
     (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
   # The scope names the optimizer's operations in the compiled program's metadata, where
   # profiles and the kernel budget (hlo_kernels.py) find them.
   with jax.named_scope('optimizer'):
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = global_norm(grads)
     # Computed once: the logged metric is the norm that optim.clip_by_global_norm clips with.
     extra = (dict(global_grad_norm=grad_norm)
              if isinstance(tx, optax.GradientTransformationExtraArgs) else {})
     updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    compute_params = compute_copy(params, state.compute_params)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            compute_params=compute_params)
   return new_state, dict(metrics, grad_norm=grad_norm)
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """The global L2 norm of `tree`'s leaves (optax.tree.norm's), summed by groups: leaves of one
+  shape and dtype whose paths differ only in their numbers (the same parameter of every encoder
+  layer, so laid out and sharded alike) are stacked into one reduction. On a GPU each reduction
+  is a kernel or two: BERT-base's 206 gradients took 259 of them."""
+  groups = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    key = (re.sub(r'\d+', '#', jax.tree_util.keystr(path)), leaf.shape, leaf.dtype)
+    groups.setdefault(key, []).append(leaf)
+  sums = [jnp.sum(jnp.square(jnp.stack(leaves) if len(leaves) > 1 else leaves[0]))
+          for leaves in groups.values()]
+  return jnp.sqrt(functools.reduce(jnp.add, sums)) if sums else jnp.zeros((), jnp.float32)
 
 
 def jit_step(apply: Apply, loss: Loss, tx: optax.GradientTransformation,
