@@ -45,9 +45,9 @@ STEP_BUDGET = {
     '0.10': dict(kernels=1037, non_matmul_gb=59.1, memory_gib=12.25),
     # The current stack: 1,454 kernels, 65.62 GB, 12.57 GiB (jax 0.12.0.1, Python 3.12.1,
     # 2026-11-26); its cuBLAS calls are custom calls where 0.10's GEMMs are Triton fusions.
-    # After items 3, 4 and 5: 1,268 kernels, 58.67 GB, 12.06 GiB. Not measured again after
-    # item 6 (no 0.12 stack on the VM then; on 0.10 it took 225 kernels off and added 0.04 GiB).
-    '0.12': dict(kernels=1290, non_matmul_gb=59.6, memory_gib=12.25),
+    # After items 3, 4 and 5: 1,268 kernels, 58.67 GB, 12.06 GiB; after item 6 (the bf16
+    # compute copy, the norm by groups): 1,043 kernels, 58.50 GB, 12.09 GiB.
+    '0.12': dict(kernels=1060, non_matmul_gb=59.4, memory_gib=12.25),
 }
 # What issue 30's items 3 and 4 change, asserted as the step is today so that the change shows
 # here: flip each when its item lands (3: one fused QKV projection; 4: the MLM loss without
