@@ -91,13 +91,14 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
 # ---- Several processes: one outcome per save ------------------------------------------------
 #
 # Each process writes its own shards of a save (and process 0 the metadata). When one process's
-# writes fail (Cloud Storage past the retries, a full disk), that process alone would leave
-# Orbax's save, while the others wait in Orbax's barrier for it (its timeout: 20 min) and then
-# at the next collective, until the coordination service kills them with another status: a
-# scheduler would not read the job as "rerun to resume". So every process, once its writes of
-# an item are done or failed, publishes the outcome in jax.distributed's key-value store and
-# reads every other process's before going on to Orbax's barriers: all continue, or all fail
-# (the others with `SaveFailedElsewhere`) at the same point and leave the save together.
+# writes fail (Cloud Storage past the retries, a full disk), the processes part ways inside
+# Orbax: that one waits in the barrier of its clean-up, the others in the barrier after the
+# writes, each up to Orbax's timeout (20 min), and they end with statuses that need not agree:
+# a scheduler would not read the job as "rerun to resume" (launch/ reruns it when every process
+# exits 143). So every process, once its writes of an item are done or failed, publishes the
+# outcome in jax.distributed's key-value store and reads every other process's before going on
+# to Orbax's barriers: all continue, or all fail (the others with `SaveFailedElsewhere`) at the
+# same point and leave the save together.
 
 # The key-value store's prefix; each item of each save is one exchange, numbered in the order
 # every process makes them (its saves, and in each its items, in the same order).

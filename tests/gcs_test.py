@@ -254,9 +254,9 @@ def test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143(gcs, c
   """Two processes on a gs:// workdir; process 1's arrays of step 8 (its own OCDBT folder) meet
   503s past tensorstore's retries, process 0's writes succeed. Both stop within a bound, with
   EXIT_PREEMPTED (so a scheduler reruns the job) and one line each: process 1 names the object,
-  process 0 says process 1's part failed and names it too. Alone, process 1 would exit while
-  process 0 waited in Orbax's barrier (20 min) and then at the next collective. Step 4 stays
-  committed, and the rerun of both resumes from it."""
+  process 0 says process 1's part failed and names it too. (Without the processes' exchange of
+  their outcomes, both still ran 7 minutes after the start, waiting in two different barriers
+  of Orbax's.) Step 4 stays committed, and the rerun of both resumes from it."""
   workdir = gcs.url('pair')
   outage = 'pair/checkpoints/8/params/ocdbt.process_1/'
   script = tmp_path / 'short_retries.py'
