@@ -98,7 +98,10 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
 # exits 143). So every process, once its writes of an item are done or failed, publishes the
 # outcome in jax.distributed's key-value store and reads every other process's before going on
 # to Orbax's barriers: all continue, or all fail (the others with `SaveFailedElsewhere`) at the
-# same point and leave the save together.
+# same point and leave the save together. Not covered: what process 0 alone writes after
+# Orbax's barrier that follows the writes (the step's metadata, the merge of the processes'
+# OCDBT files, commit_success.txt); the others wait in Orbax's next barrier meanwhile, and a
+# failure there still parts the processes as above.
 
 # The key-value store's prefix; each item of each save is one exchange, numbered in the order
 # every process makes them (its saves, and in each its items, in the same order).
