@@ -95,16 +95,17 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
 # Orbax: that one waits in the barrier of its clean-up, the others in the barrier after the
 # writes, each up to Orbax's timeout (20 min), and they end with statuses that need not agree:
 # a scheduler would not read the job as "rerun to resume" (launch/ reruns it when every process
-# exits 143). So every process, once its writes of an item are done or failed, publishes the
-# outcome in jax.distributed's key-value store and reads every other process's before going on
-# to Orbax's barriers: all continue, or all fail (the others with `SaveFailedElsewhere`) at the
-# same point and leave the save together. Not covered: what process 0 alone writes after
-# Orbax's barrier that follows the writes (the step's metadata, the merge of the processes'
-# OCDBT files, commit_success.txt); the others wait in Orbax's next barrier meanwhile, and a
-# failure there still parts the processes as above.
+# exits 143). So every process, once its writes (its input position, then its part of each
+# item) are done or failed, publishes the outcome in jax.distributed's key-value store and
+# reads every other process's before going on to Orbax's barriers: all continue, or all fail
+# (the others with `SaveFailedElsewhere`) at the same point and leave the save together. Not
+# covered: what process 0 alone writes after Orbax's barrier that follows the writes (the
+# step's metadata, the merge of the processes' OCDBT files, commit_success.txt); the others
+# wait in Orbax's next barrier meanwhile, and a failure there still parts the processes as
+# above.
 
-# The key-value store's prefix; each item of each save is one exchange, numbered in the order
-# every process makes them (its saves, and in each its items, in the same order).
+# The key-value store's prefix; the input positions and each item of each save are one exchange
+# each, numbered in the order every process makes them (the same in every process).
 _OUTCOME_KEY = 'bert_jax/checkpoint_outcome'
 _exchanges = itertools.count()
 # How long a process waits for another's outcome: Orbax's own bound on a save's background
@@ -210,14 +211,26 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   """Saves the train state (async) and this process's input position (sync, first).
 
   A failure of the previous (asynchronous) save surfaces here, as `wait_for_saves` raises it.
+  With several processes, one whose input position could not be written stops them all here
+  (`_exchange`).
   """
   wait_for_saves(manager, workdir)
   _ORBAX_ERRORS.hold()
   try:
     if data_iterator is not None:
-      path = _data_state_path(workdir, step)
-      fileio.gfile().makedirs(os.path.dirname(path))
-      data_iterator.save(path)
+      error = None
+      try:
+        path = _data_state_path(workdir, step)
+        fileio.gfile().makedirs(os.path.dirname(path))
+        data_iterator.save(path)
+      except Exception as e:  # pylint: disable=broad-except  (raised below, in every process)
+        error = e
+      if jax.process_count() > 1:
+        # Each process writes its own: none goes on into Orbax's save (whose first barrier
+        # waits for all) unless all did.
+        _exchange(next(_exchanges), error, OUTCOME_TIMEOUT_S)
+      elif error is not None:
+        raise error
     manager.save(step, force=True, args=ocp.args.Composite(
         params=ocp.args.PyTreeSave(state.params),
         opt_state=ocp.args.PyTreeSave(state.opt_state),

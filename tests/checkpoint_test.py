@@ -245,3 +245,55 @@ def test_a_part_failed_in_one_process_stops_every_process_with_its_status_and_li
   store.key_value_set(f'{checkpoint._OUTCOME_KEY}/4/1', 'null')
   with pytest.raises(TimeoutError, match='process 2 did not finish its part'):
     checkpoint._Agreed(4, [_Written()]).result()
+
+
+class UnavailableError(Exception):
+  """TensorFlow's error for Cloud Storage failing past its file system's retries (by name)."""
+
+
+class _Manager2(_Committed):
+  """A CheckpointManager with step 4 committed, whose `save` must not be reached."""
+
+  def wait_until_finished(self):
+    pass
+
+  def save(self, *args, **kwargs):
+    raise AssertionError('Orbax\'s save started though a process had failed')
+
+
+class _Position:
+  """A data iterator whose `save` fails with `error` (if any)."""
+
+  def __init__(self, error=None):
+    self.error = error
+
+  def save(self, path):
+    del path
+    if self.error:
+      raise self.error
+
+
+def test_an_input_position_one_process_cannot_write_stops_every_process_before_orbax(
+    monkeypatch, tmp_path):
+  """Each process writes its own input position before Orbax's save, whose first barrier waits
+  for every process: process 1's write fails past the retries, so neither goes on into it, and
+  both stop with 143's one line (process 0 naming process 1)."""
+  from orbax.checkpoint import multihost
+  store = _KeyValueStore()
+  monkeypatch.setattr(multihost, 'get_jax_distributed_client', lambda: store)
+  monkeypatch.setattr(checkpoint.jax, 'process_count', lambda: 2)
+  path = 'gs://b/run/data_state/8/process_1.index'
+  error = UnavailableError(f'Error executing an HTTP request: HTTP response code 503 with body '
+                           f'\'{{"error": {{"message": "Backend Error"}}}}\' when uploading {path}')
+  lines = {}
+  for process, failure in ((1, error), (0, None)):
+    monkeypatch.setattr(checkpoint.jax, 'process_index', lambda p=process: p)
+    monkeypatch.setattr(checkpoint, '_exchanges', iter([5]))  # Each process's count.
+    with pytest.raises(checkpoint.Outage) as stopped:
+      checkpoint.save(_Manager2(), str(tmp_path), 8, None, {}, _Position(failure))
+    lines[process] = str(stopped.value)
+  line = (f'{path}: Cloud Storage kept failing (Backend Error) past the retries (README: Cloud '
+          'Storage); the last complete checkpoint, step 4, is intact: rerun the same command to '
+          'resume once Cloud Storage answers')
+  assert lines == {1: line, 0: f"stopped because process 1's part of the checkpoint save "
+                                f'failed: {line}'}
