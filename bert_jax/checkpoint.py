@@ -23,7 +23,10 @@ warning, moved aside to `<step>.corrupt`, and the one before it is used; one who
 match the config is an error (never a partial load). A save that fails (a full disk) is removed
 and named in the error; the checkpoints before it stay usable. A save that Cloud Storage fails
 past the retries ends the run with one line naming the object (`gcs.outage`): its step folder
-there has no `commit_success.txt` and is never resumed from.
+there has no `commit_success.txt` and is never resumed from. With several processes, a failure
+in one process's part of a save stops them all at the same point with the same status: each
+process publishes the outcome of its writes in jax.distributed's key-value store before Orbax's
+barriers (`_exchange`), and the others stop naming it (`SaveFailedElsewhere`).
 
 Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) works like a
 local one (Orbax handles its own paths).
@@ -32,6 +35,7 @@ local one (Orbax handles its own paths).
 import asyncio
 import contextlib
 import errno
+import itertools
 import json
 import logging as std_logging
 import os
@@ -50,6 +54,7 @@ from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import gcs
 from bert_jax import model as model_lib
+from bert_jax.errors import Outage
 from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -76,11 +81,126 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                          enable_async_checkpointing=async_save)
   registry = _registry(replica_parallel)
-  handlers = {'params': ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
-              'opt_state': ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
-              'meta': ocp.JsonCheckpointHandler()}
+  handlers = {'params': _agreeing(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)),
+              'opt_state': _agreeing(
+                  ocp.PyTreeCheckpointHandler(type_handler_registry=registry)),
+              'meta': _agreeing(ocp.JsonCheckpointHandler())}
   return ocp.CheckpointManager(os.path.join(workdir, CHECKPOINT_DIR), options=options,
                                item_handlers=handlers)
+
+
+# ---- Several processes: one outcome per save ------------------------------------------------
+#
+# Each process writes its own shards of a save (and process 0 the metadata). When one process's
+# writes fail (Cloud Storage past the retries, a full disk), the processes part ways inside
+# Orbax: that one waits in the barrier of its clean-up, the others in the barrier after the
+# writes, each up to Orbax's timeout (20 min), and they end with statuses that need not agree:
+# a scheduler would not read the job as "rerun to resume" (launch/ reruns it when every process
+# exits 143). So every process, once its writes (its input position, then its part of each
+# item) are done or failed, publishes the outcome in jax.distributed's key-value store and
+# reads every other process's before going on to Orbax's barriers: all continue, or all fail
+# (the others with `SaveFailedElsewhere`) at the same point and leave the save together. Not
+# covered: what process 0 alone writes after Orbax's barrier that follows the writes (the
+# step's metadata, the merge of the processes' OCDBT files, commit_success.txt); the others
+# wait in Orbax's next barrier meanwhile, and a failure there still parts the processes as
+# above.
+
+# The key-value store's prefix; the input positions and each item of each save are one exchange
+# each, numbered in the order every process makes them (the same in every process).
+_OUTCOME_KEY = 'bert_jax/checkpoint_outcome'
+_exchanges = itertools.count()
+# How long a process waits for another's outcome: Orbax's own bound on a save's background
+# work (AsyncOptions.timeout_secs), which a slow process's writes (tensorstore retrying a
+# request for up to ~15 min) must fit in anyway.
+OUTCOME_TIMEOUT_S = 1200
+
+
+class SaveFailedElsewhere(Exception):
+  """Another process's part of this save failed (`report`: what `_report` says of its error);
+  this process stops with it (`_save_failed` says which process and why)."""
+
+  def __init__(self, process: int, report: dict[str, Any]):
+    super().__init__(f'process {process}\'s part of the checkpoint save failed: '
+                     f'{report["line"]}')
+    self.process = process
+    self.report = report
+
+
+def _report(error: BaseException) -> dict[str, Any]:
+  """What the other processes need to stop with the same status and line as this one."""
+  if isinstance(error, SaveFailedElsewhere):
+    return error.report
+  return dict(outage=gcs.failing_object(error), disk=_disk_error(error),
+              line=(str(error).strip().splitlines() or [type(error).__name__])[0][:500])
+
+
+def _exchange(number: int, error: BaseException | None, timeout_s: float) -> None:
+  """Publishes this process's outcome of exchange `number` and reads the others'; raises this
+  process's `error`, else a `SaveFailedElsewhere` for the first other process that failed."""
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+  client = multihost.get_jax_distributed_client()
+  me, key = jax.process_index(), f'{_OUTCOME_KEY}/{number}'
+  client.key_value_set(f'{key}/{me}', json.dumps(None if error is None else _report(error)))
+  if error is not None:
+    raise error
+  for other in range(jax.process_count()):
+    if other == me:
+      continue
+    try:
+      value = client.blocking_key_value_get(f'{key}/{other}', max(int(timeout_s * 1000), 1))
+    except Exception as e:  # pylint: disable=broad-except  (jax's DEADLINE_EXCEEDED)
+      raise TimeoutError(f'process {other} did not finish its part of a checkpoint save in '
+                         f'{timeout_s:.0f} s') from e
+    if (report := json.loads(value)) is not None:
+      raise SaveFailedElsewhere(other, report)
+  if number:
+    # Every process has read it: none posts exchange `number` before reading all of the one
+    # before.
+    client.key_value_delete(f'{_OUTCOME_KEY}/{number - 1}/{me}')
+
+
+class _Agreed:
+  """An Orbax commit future for this process's writes of one item, whose result is every
+  process's (`_exchange`). `error`: the item's save failed before it had futures."""
+
+  def __init__(self, number: int, futures: list[Any], error: BaseException | None = None):
+    self._number, self._futures, self._error = number, futures, error
+
+  def result(self, timeout: float | None = None) -> None:
+    start, error = time.time(), self._error
+    if error is None:
+      try:
+        for f in self._futures:
+          f.result(timeout=None if timeout is None else max(timeout - time.time() + start, 0))
+      except Exception as e:  # pylint: disable=broad-except  (given to the other processes)
+        error = e
+    waited = time.time() - start
+    _exchange(self._number, error, max(OUTCOME_TIMEOUT_S - waited, 1) if timeout is None
+              else max(timeout - waited, 1))
+
+  def cancel(self) -> None:
+    for f in self._futures:
+      f.cancel()
+
+
+def _agreeing(handler: Any) -> Any:
+  """Orbax's `handler`, whose saves end with every process's outcome when there are several
+  (`_Agreed`). (Its class stays Orbax's: Orbax finds handlers by class.)"""
+  save = handler.async_save
+
+  async def async_save(*args, **kwargs):
+    if jax.process_count() == 1:
+      return await save(*args, **kwargs)
+    # Numbered before the first await: Orbax saves the items concurrently.
+    number = next(_exchanges)
+    try:
+      futures = await save(*args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except  (raised by its future, everywhere)
+      return [_Agreed(number, [], e)]
+    return [_Agreed(number, list(futures or []))]
+
+  handler.async_save = async_save
+  return handler
 
 
 def _data_state_path(workdir: str, step: int) -> str:
@@ -92,14 +212,26 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   """Saves the train state (async) and this process's input position (sync, first).
 
   A failure of the previous (asynchronous) save surfaces here, as `wait_for_saves` raises it.
+  With several processes, one whose input position could not be written stops them all here
+  (`_exchange`).
   """
   wait_for_saves(manager, workdir)
   _ORBAX_ERRORS.hold()
   try:
     if data_iterator is not None:
-      path = _data_state_path(workdir, step)
-      fileio.gfile().makedirs(os.path.dirname(path))
-      data_iterator.save(path)
+      error = None
+      try:
+        path = _data_state_path(workdir, step)
+        fileio.gfile().makedirs(os.path.dirname(path))
+        data_iterator.save(path)
+      except Exception as e:  # pylint: disable=broad-except  (raised below, in every process)
+        error = e
+      if jax.process_count() > 1:
+        # Each process writes its own: none goes on into Orbax's save (whose first barrier
+        # waits for all) unless all did.
+        _exchange(next(_exchanges), error, OUTCOME_TIMEOUT_S)
+      elif error is not None:
+        raise error
     manager.save(step, force=True, args=ocp.args.Composite(
         params=ocp.args.PyTreeSave(state.params),
         opt_state=ocp.args.PyTreeSave(state.opt_state),
@@ -200,23 +332,42 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
           logging.warning('Could not remove the failed save %s: %s', name, e)
   manager.reload()
   kept = manager.latest_step()
-  cause = _disk_error(error)
-  failing = gcs.outage(error, f'the last complete checkpoint, step {kept},' if kept is not None
-                       else 'every file written before')
-  _ORBAX_ERRORS.release(show=cause is None and failing is None)
+  intact = (f'the last complete checkpoint, step {kept},' if kept is not None
+            else 'every file written before')
+  # Another process's part failed (`_exchange`): this one stops with the same status, saying
+  # which process and why.
+  elsewhere = _in_chain(error, SaveFailedElsewhere)
+  report = elsewhere.report if elsewhere else _report(error)
+  prefix = (f'stopped because process {elsewhere.process}\'s part of the checkpoint save '
+            'failed: ' if elsewhere else '')
+  cause, failing = report['disk'], report['outage']
+  _ORBAX_ERRORS.release(show=cause is None and failing is None and not elsewhere)
   if failing is not None:
     # Cloud Storage past the retries: Orbax's step folder there has no commit_success.txt, so
     # it is never resumed from; the rerun writes it again.
-    raise failing from error
+    raise Outage(prefix + gcs.outage_message(*failing, intact)) from error
   if cause is None:
+    if elsewhere:
+      raise RuntimeError(f'{prefix}{report["line"]} (its log has the traceback)') from error
     raise error
   failed = ', '.join(os.path.join(ckpt_dir, p) for p in partial) or 'the checkpoint being saved'
   raise UserError(
-      f'saving a checkpoint failed: {cause} ({failed}, removed). '
+      f'{prefix}saving a checkpoint failed: {cause} ({failed}, removed). '
       + (f'The last complete checkpoint, step {kept}, is intact. ' if kept is not None else
          'No checkpoint was saved before it. ')
       + f'Free space in {workdir} (or fix its permissions) and rerun the same command to '
       f'resume. [{str(error).splitlines()[0][:300]}]') from error
+
+
+def _in_chain(error: BaseException | None, kind: type) -> Any:
+  """The first exception of type `kind` in `error`'s chain (its causes and contexts), or None."""
+  seen = []
+  while error is not None and error not in seen:
+    if isinstance(error, kind):
+      return error
+    seen.append(error)
+    error = error.__cause__ or error.__context__
+  return None
 
 
 def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: int) -> None:

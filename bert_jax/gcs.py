@@ -246,16 +246,13 @@ def _unavailable(error: BaseException) -> bool:
           (name == 'ValueError' and text.startswith('UNAVAILABLE')))
 
 
-def outage(error: BaseException, intact: str = 'the last committed checkpoint'
-           ) -> Outage | None:
-  """One line for Cloud Storage failing past the retries of the client that met it, naming the
-  object (TensorFlow and tensorstore quote its gs:// path; google-cloud-storage's URL holds it)
-  and saying that `intact` is; None for anything else."""
+def failing_object(error: BaseException) -> tuple[str, str] | None:
+  """(gs:// path, Cloud Storage's reason) of Cloud Storage failing past the retries of the
+  client that met it anywhere in `error`'s chain (TensorFlow and tensorstore quote the path;
+  google-cloud-storage's URL holds it); None for anything else."""
   seen = []
   while error is not None and error not in seen:
     seen.append(error)
-    if isinstance(error, Outage):
-      return error  # Named already (checkpoint._save_failed says which step is intact).
     text = str(error)
     if _unavailable(error):
       path = ''
@@ -264,13 +261,30 @@ def outage(error: BaseException, intact: str = 'the last committed checkpoint'
       elif match := re.search(r'/b/([^/?\s]+)/o/([^/?\s]+)', text):
         path = f'gs://{match.group(1)}/{urllib.parse.unquote(match.group(2))}'
       if path:
-        reason = _reason(error)
-        return Outage(
-            f'{path}: Cloud Storage kept failing ({reason}) past the retries (README: Cloud '
-            f'Storage); {intact} is intact: rerun the same command to resume once Cloud '
-            'Storage answers')
+        return path, _reason(error)
     error = error.__cause__ or error.__context__
   return None
+
+
+def outage_message(path: str, reason: str, intact: str = 'the last committed checkpoint') -> str:
+  """The one line for Cloud Storage failing on `path` past the retries (`failing_object`)."""
+  return (f'{path}: Cloud Storage kept failing ({reason}) past the retries (README: Cloud '
+          f'Storage); {intact} is intact: rerun the same command to resume once Cloud Storage '
+          'answers')
+
+
+def outage(error: BaseException, intact: str = 'the last committed checkpoint'
+           ) -> Outage | None:
+  """One line for Cloud Storage failing past the retries of the client that met it, naming the
+  object (`failing_object`) and saying that `intact` is; None for anything else."""
+  seen = []
+  while error is not None and error not in seen:
+    seen.append(error)
+    if isinstance(error, Outage):
+      return error  # Named already (checkpoint._save_failed says which step is intact).
+    error = error.__cause__ or error.__context__
+  failing = failing_object(seen[0]) if seen else None
+  return Outage(outage_message(*failing, intact)) if failing else None
 
 
 # How long the access check retries a Cloud Storage it cannot reach (the client's own default

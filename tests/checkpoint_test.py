@@ -145,3 +145,155 @@ def test_the_reads_of_a_failed_restore_end_in_their_event_loop():
   with checkpoint._reads_end_their_tasks(), pytest.raises(RuntimeError, match='read failed'):
     asyncio_utils.run_sync(restore())
   assert sorted(ended) == ['CancelledError', 'CancelledError', 'OSError']
+
+
+class _KeyValueStore:
+  """jax.distributed's key-value store (what `checkpoint._exchange` uses of it)."""
+
+  def __init__(self):
+    self.values = {}
+
+  def key_value_set(self, key, value):
+    assert key not in self.values, key  # The client refuses to overwrite.
+    self.values[key] = value
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    if key not in self.values:
+      raise RuntimeError(f'DEADLINE_EXCEEDED: {key} not set in {timeout_ms} ms')
+    return self.values[key]
+
+  def key_value_delete(self, key):
+    del self.values[key]
+
+
+class _Written:
+  """An Orbax commit future of writes that succeeded or failed with `error`."""
+
+  def __init__(self, error=None):
+    self.error = error
+
+  def result(self, timeout=None):
+    del timeout
+    if self.error:
+      raise self.error
+
+
+class _Committed:
+  """The CheckpointManager methods `_save_failed` calls: step 4 is committed."""
+
+  def reload(self):
+    pass
+
+  def latest_step(self):
+    return 4
+
+
+def test_a_part_failed_in_one_process_stops_every_process_with_its_status_and_line(
+    monkeypatch, tmp_path):
+  """Three processes: process 2's writes of an item fail, 1's and 0's succeed. Each publishes
+  its outcome before Orbax's barriers; process 0 reads the others' and stops with the status
+  process 2 has (an outage: Outage, exit 143; a full disk: UserError, exit 2; anything else a
+  bug), in one line naming process 2 and what failed."""
+  from orbax.checkpoint import multihost
+  store = _KeyValueStore()
+  monkeypatch.setattr(multihost, 'get_jax_distributed_client', lambda: store)
+  monkeypatch.setattr(checkpoint.jax, 'process_count', lambda: 3)
+  outage = ValueError('ABORTED: Error writing "gs://b/run/checkpoints/8/params/ocdbt.process_2/'
+                      'd/0a1b": All 4 retry attempts failed: {\\"error\\": {\\"message\\": '
+                      '\\"Backend Error\\"}}')
+  full = OSError(28, 'No space left on device')
+  bug = KeyError('params')
+  for number, failure in enumerate((outage, full, bug)):
+    for process, error in ((2, failure), (1, None), (0, None)):
+      monkeypatch.setattr(checkpoint.jax, 'process_index', lambda p=process: p)
+      agreed = checkpoint._Agreed(number, [_Written(), _Written(error)])
+      if process == 1:  # It would wait for process 0: its outcome is published alone here.
+        store.key_value_set(f'{checkpoint._OUTCOME_KEY}/{number}/1', 'null')
+        continue
+      with pytest.raises(Exception) as raised:
+        agreed.result()
+      if process == 2:
+        assert raised.value is error  # Its own error, published first.
+    assert isinstance(raised.value, checkpoint.SaveFailedElsewhere)
+    assert raised.value.process == 2
+    with pytest.raises(Exception) as stopped:
+      checkpoint._save_failed(_Committed(), str(tmp_path), raised.value)
+    line = str(stopped.value)
+    assert line.startswith("stopped because process 2's part of the checkpoint save failed: ")
+    if failure is outage:
+      assert isinstance(stopped.value, checkpoint.Outage)
+      assert line.endswith(
+          'gs://b/run/checkpoints/8/params/ocdbt.process_2/d/0a1b: Cloud Storage kept failing '
+          '(Backend Error) past the retries (README: Cloud Storage); the last complete '
+          'checkpoint, step 4, is intact: rerun the same command to resume once Cloud Storage '
+          'answers')
+    elif failure is full:
+      assert isinstance(stopped.value, checkpoint.UserError)
+      assert 'No space left on device' in line and 'step 4, is intact' in line
+    else:
+      assert type(stopped.value) is RuntimeError and "'params'" in line
+    assert '\n' not in line
+
+  # Once every process has read an exchange, each deletes its own key of the one before.
+  for process in (2, 1):
+    store.key_value_set(f'{checkpoint._OUTCOME_KEY}/3/{process}', 'null')
+  monkeypatch.setattr(checkpoint.jax, 'process_index', lambda: 0)
+  checkpoint._Agreed(3, [_Written()]).result()
+  assert f'{checkpoint._OUTCOME_KEY}/2/0' not in store.values
+  assert f'{checkpoint._OUTCOME_KEY}/2/1' in store.values
+  # A process that never publishes: a TimeoutError naming it, after OUTCOME_TIMEOUT_S.
+  store.key_value_set(f'{checkpoint._OUTCOME_KEY}/4/1', 'null')
+  with pytest.raises(TimeoutError, match='process 2 did not finish its part'):
+    checkpoint._Agreed(4, [_Written()]).result()
+
+
+class UnavailableError(Exception):
+  """TensorFlow's error for Cloud Storage failing past its file system's retries (by name)."""
+
+
+class _Manager2(_Committed):
+  """A CheckpointManager with step 4 committed, whose `save` must not be reached."""
+
+  def wait_until_finished(self):
+    pass
+
+  def save(self, *args, **kwargs):
+    raise AssertionError('Orbax\'s save started though a process had failed')
+
+
+class _Position:
+  """A data iterator whose `save` fails with `error` (if any)."""
+
+  def __init__(self, error=None):
+    self.error = error
+
+  def save(self, path):
+    del path
+    if self.error:
+      raise self.error
+
+
+def test_an_input_position_one_process_cannot_write_stops_every_process_before_orbax(
+    monkeypatch, tmp_path):
+  """Each process writes its own input position before Orbax's save, whose first barrier waits
+  for every process: process 1's write fails past the retries, so neither goes on into it, and
+  both stop with 143's one line (process 0 naming process 1)."""
+  from orbax.checkpoint import multihost
+  store = _KeyValueStore()
+  monkeypatch.setattr(multihost, 'get_jax_distributed_client', lambda: store)
+  monkeypatch.setattr(checkpoint.jax, 'process_count', lambda: 2)
+  path = 'gs://b/run/data_state/8/process_1.index'
+  error = UnavailableError(f'Error executing an HTTP request: HTTP response code 503 with body '
+                           f'\'{{"error": {{"message": "Backend Error"}}}}\' when uploading {path}')
+  lines = {}
+  for process, failure in ((1, error), (0, None)):
+    monkeypatch.setattr(checkpoint.jax, 'process_index', lambda p=process: p)
+    monkeypatch.setattr(checkpoint, '_exchanges', iter([5]))  # Each process's count.
+    with pytest.raises(checkpoint.Outage) as stopped:
+      checkpoint.save(_Manager2(), str(tmp_path), 8, None, {}, _Position(failure))
+    lines[process] = str(stopped.value)
+  line = (f'{path}: Cloud Storage kept failing (Backend Error) past the retries (README: Cloud '
+          'Storage); the last complete checkpoint, step 4, is intact: rerun the same command to '
+          'resume once Cloud Storage answers')
+  assert lines == {1: line, 0: f"stopped because process 1's part of the checkpoint save "
+                                f'failed: {line}'}

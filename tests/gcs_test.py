@@ -224,6 +224,72 @@ def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losse
   assert _losses(workdir) == _losses(reference[0])
   assert ckpt_lib.checkpoint_steps(workdir) == ckpt_lib.checkpoint_steps(reference[0])
 
+def _pretrain_pair(gcs, cache, workdir, overrides, script=None):
+  """`bert-jax pretrain` (or `script` with the same flags) as processes 0 and 1 of two (2 CPU
+  devices each, jax.distributed on loopback), in the server's namespace. gRPC (jax.distributed)
+  would send its requests to the coordinator through https_proxy, the proxy of the server."""
+  port = processes.free_port()
+  argv = [sys.executable, script] if script else [sys.executable, '-m', 'bert_jax.cli',
+                                                  'pretrain']
+  return [subprocess.Popen(
+      gcs.command(argv + [f'--workdir={workdir}', f'--coordinator_address=127.0.0.1:{port}',
+                          '--num_processes=2', f'--process_id={i}'] + _flags(overrides)),
+      cwd=processes.ROOT, env=dict(processes.env(cache, devices=2), no_grpc_proxy='127.0.0.1'),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def _ends(procs, timeout):
+  """(stdout, stderr) of each process, and when each ended (time.time())."""
+  ended, deadline = [None] * len(procs), time.time() + timeout
+  while None in ended and time.time() < deadline:
+    for i, p in enumerate(procs):
+      if ended[i] is None and p.poll() is not None:
+        ended[i] = time.time()
+    time.sleep(0.2)
+  return [_communicate(p, 1) for p in procs], ended
+
+
+def test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143(gcs, cache, data,
+                                                                       tmp_path):
+  """Two processes on a gs:// workdir; process 1's arrays of step 8 (its own OCDBT folder) meet
+  503s past tensorstore's retries, process 0's writes succeed. Both stop within a bound, with
+  EXIT_PREEMPTED (so a scheduler reruns the job) and one line each: process 1 names the object,
+  process 0 says process 1's part failed and names it too. (Without the processes' exchange of
+  their outcomes, both still ran 7 minutes after the start, waiting in two different barriers
+  of Orbax's.) Step 4 stays committed, and the rerun of both resumes from it."""
+  workdir = gcs.url('pair')
+  outage = 'pair/checkpoints/8/params/ocdbt.process_1/'
+  script = tmp_path / 'short_retries.py'
+  script.write_text(_SHORT_TENSORSTORE_RETRIES)
+  overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
+  gcs.inject([dict(object=outage, status=503)])
+  try:
+    pair = _pretrain_pair(gcs, cache, workdir, overrides, script=str(script))
+    results, ended = _ends(pair, 500)
+  finally:
+    gcs.inject([])
+  for i, (p, (_, err)) in enumerate(zip(pair, results)):
+    assert p.returncode == errors.EXIT_PREEMPTED, f'process {i}:\n{err[-5000:]}'
+    assert 'Traceback' not in err, f'process {i}:\n{err[-5000:]}'
+  assert abs(ended[0] - ended[1]) < 60, ended
+  line = (f'gs://{gcs_server.BUCKET}/{outage}: Cloud Storage kept failing (Backend Error) past '
+          'the retries (README: Cloud Storage); the last complete checkpoint, step 4, is intact: '
+          'rerun the same command to resume once Cloud Storage answers')
+  assert results[1][1].strip().splitlines()[-1] == f'bert-jax pretrain: error: {line}'
+  assert results[0][1].strip().splitlines()[-1] == (
+      'bert-jax pretrain: error: stopped because process 1\'s part of the checkpoint save '
+      f'failed: {line}')
+  assert ckpt_lib.checkpoint_steps(workdir) == [4]
+
+  pair = _pretrain_pair(gcs, cache, workdir, overrides)
+  results, _ = _ends(pair, 400)
+  for i, (p, (_, err)) in enumerate(zip(pair, results)):
+    assert p.returncode == 0, f'process {i}:\n{err[-5000:]}'
+    assert 'Resumed from step 4' in err, f'process {i}:\n{err[-5000:]}'
+  assert sorted(_losses(workdir)) == list(range(1, REFERENCE_STEPS + 1))
+  assert ckpt_lib.checkpoint_steps(workdir) == [4, REFERENCE_STEPS]
+
+
 # Runs `bert-jax pretrain`, SIGKILLed as Orbax is about to commit step BERT_JAX_TEST_KILL_AT. On
 # Cloud Storage Orbax writes a step in place and commits it by writing commit_success.txt last.
 _KILLED_AT_COMMIT = '''

@@ -691,11 +691,18 @@ def test_slurm_srun_gives_each_task_its_process_id(slurm_env, tmp_path):
     (0, 0, False, 0),  # Finished.
     (2, 0, False, 2),  # A mistake: rerunning would fail again.
     (1, 0, False, 1),  # A bug.
+    # Task 1 stopped with 143 and task 0 otherwise (as when only one process met a Cloud
+    # Storage outage at a save, before the processes agreed on it: the other one failed in
+    # Orbax's barrier): the job ends, not requeued. Hence every process must exit 143
+    # (gcs_test::test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143).
+    ((1, 143), 0, False, 1),
+    ((134, 143), 0, False, 134),
 ])
 def test_slurm_requeues_on_the_preemption_status_only(slurm_env, tmp_path, status, restarts,
                                                       requeued, exit_status):
   """The job requeues itself when bert-jax exits with errors.EXIT_PREEMPTED in every task, and
-  ends with the trainer's status otherwise; srun is a fake that runs both tasks here."""
+  ends with the trainer's status otherwise; srun is a fake that runs both tasks here. `status`:
+  every task's, or (task 0's, task 1's)."""
   from bert_jax import errors  # pylint: disable=g-import-not-at-top
   env, bin_dir = slurm_env
   calls = tmp_path / 'scontrol_calls'
@@ -712,15 +719,18 @@ def test_slurm_requeues_on_the_preemption_status_only(slurm_env, tmp_path, statu
       for i in 0 1; do SLURM_PROCID=$i "$@" || rc=$?; done
       exit $rc
       """)
+  statuses = status if isinstance(status, tuple) else (status, status)
   trainer = _write_exe(tmp_path / 'trainer', f"""
       #!/bin/bash
-      exit {status}
+      statuses=({statuses[0]} {statuses[1]})
+      last="${{@: -1}}"  # --process_id=N
+      exit "${{statuses[${{last##*=}}]}}"
       """)
   result = _sbatch(dict(env, BERT_JAX=trainer, TMPDIR=str(tmp_path),
                         SLURM_RESTART_COUNT=str(restarts)))
   assert result.returncode == exit_status, result.stderr
   assert ('requeue 4242' in calls.read_text().splitlines()) == requeued, result.stderr
-  if status == errors.EXIT_PREEMPTED and not requeued:
+  if statuses == (errors.EXIT_PREEMPTED,) * 2 and not requeued:
     assert 'MAX_REQUEUES=20 requeues are used up' in result.stderr
   assert not list(tmp_path.glob('bert_jax_*.stopped'))
 
@@ -862,6 +872,11 @@ def test_kubernetes_job_retries_on_the_preemption_status_only():
   assert _pod_failure_action(policy, name, errors.EXIT_USER_ERROR) == 'FailJob'
   assert _pod_failure_action(policy, name, errors.EXIT_BUG) == 'FailJob'
   assert _pod_failure_action(policy, name, 137) == 'Count'  # SIGKILL: a crash, counted.
+  # Only when every pod stops with 143 are they all run again: one pod's 143 and another's 1
+  # (the status a process had when it alone met a Cloud Storage outage at a save and the
+  # others failed in Orbax's barrier) fails the Job. Every process exits 143 now
+  # (gcs_test::test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143).
+  assert [_pod_failure_action(policy, name, c) for c in (1, 143)] == ['FailJob', 'Ignore']
   # The API refuses 0 in an `In` rule (a finished container is not a failure).
   assert all(0 not in r['onExitCodes']['values'] for r in policy['rules'] if 'onExitCodes' in r)
   assert {'type': 'DisruptionTarget'} in sum(
