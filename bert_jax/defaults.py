@@ -65,6 +65,12 @@ def pretrain() -> ml_collections.ConfigDict:
   # fused Pallas kernel each way, NVIDIA GPUs), 'xla' (plain jnp, any backend) or 'auto'
   # (pallas on GPUs, xla elsewhere). Same float32 numerics (README, "LayerNorm").
   config.model.layer_norm_impl = 'xla'
+  # The encoder's dense matmuls (QKV, attention output, the two MLP projections) in training
+  # steps: 'default' (in model.dtype) or 'fp8' (FP8 with delayed scaling, for Hopper GPUs and
+  # later; elsewhere emulated, slowly). The embeddings, heads, evaluation and prediction stay in
+  # model.dtype. FP8's scales and amax histories are checkpointed, never exported (README,
+  # "FP8").
+  config.model.matmul_precision = 'default'
 
   # ---- Input -----------------------------------------------------------------------------
   config.data = ml_collections.ConfigDict()
@@ -234,6 +240,9 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.model.attention_impl = 'xla'
   # 'auto' (fused Pallas kernel on GPUs, xla elsewhere), 'pallas' or 'xla'.
   config.model.layer_norm_impl = 'xla'
+  # The encoder's matmuls in training steps: 'default' (model.dtype) or 'fp8' (Hopper GPUs and
+  # later; README, "FP8").
+  config.model.matmul_precision = 'default'
 
   config.train = ml_collections.ConfigDict()
   # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a

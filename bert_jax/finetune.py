@@ -271,7 +271,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
                  sorted(set(params) - {'bert'}),
                  f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')
     with sharding_lib.activate(mesh, rules):
-      return state_lib.state_from_params(params, tx, shardings)
+      return state_lib.state_from_params(params, tx, shardings,
+                                         model_lib.initial_fp8_meta(abstract.fp8_meta))
 
   # A fresh head compiles its initializers: SIGTERM does not wait for them.
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
@@ -529,7 +530,8 @@ def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertC
       attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
       scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy,
       attention_impl=config.model.attention_impl,
-      layer_norm_impl=config.model.layer_norm_impl)
+      layer_norm_impl=config.model.layer_norm_impl,
+      matmul_precision=config.model.matmul_precision)
 
 
 def _batch_settings(config: ml_collections.ConfigDict, train_features: dict[str, np.ndarray],

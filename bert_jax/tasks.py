@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bert_jax import model as model_lib
 from bert_jax import objectives
 
 # Model inputs of every task, in the order the models take them.
@@ -64,21 +65,25 @@ class Task:
 
 
 def apply(model: nn.Module, params: Any, batch: dict[str, jax.Array], deterministic: bool,
-          rngs: dict[str, jax.Array] | None = None):
-  """A task model on a batch's `INPUTS`."""
-  return model.apply({'params': params}, *(batch[k] for k in INPUTS),
+          rngs: dict[str, jax.Array] | None = None, fp8_meta: Any = None):
+  """A task model on a batch's `INPUTS` (with FP8 scales and histories, `fp8_meta`, when
+  model.matmul_precision='fp8' trains)."""
+  return model.apply(model_lib.variables(params, fp8_meta), *(batch[k] for k in INPUTS),
                      deterministic=deterministic, rngs=rngs)
 
 
 def init_fn(model: nn.Module) -> Callable[[jax.Array], Any]:
-  """rng -> the (boxed) parameters of a task model, for `train_state.abstract_state`."""
+  """rng -> the (boxed) parameters of a task model (and its FP8 scales, if any: see
+  `model.split_variables`), for `train_state.abstract_state`."""
   ids = jnp.zeros((1, 8), jnp.int32)
-  return lambda rng: model.init({'params': rng}, ids, ids, ids, deterministic=True)['params']
+  return lambda rng: model_lib.split_variables(
+      model.init({'params': rng}, ids, ids, ids, deterministic=True))
 
 
 def train_apply(model: nn.Module):
   """A task model in training mode (dropout on), as `train_state.step` applies it."""
-  return lambda params, batch, rng: apply(model, params, batch, False, {'dropout': rng})
+  return lambda params, batch, rng, fp8_meta=None: apply(model, params, batch, False,
+                                                         {'dropout': rng}, fp8_meta)
 
 
 def predict_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,

@@ -34,6 +34,10 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+  # model.matmul_precision='fp8': the FP8 scales and amax histories (the model's
+  # `model.FP8_COLLECTION` variables), which each step replaces with the values its backward
+  # pass returns for them, outside the optimizer; None otherwise.
+  fp8_meta: Any = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,26 +48,33 @@ class TrainState:
 def abstract_state(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
                    mesh: jax.sharding.Mesh, rules):
   """(abstract TrainState, its NamedShardings, init function) of the model whose (boxed)
-  parameters `init_params(rng)` makes, without allocating anything."""
+  parameters `init_params(rng)` makes, without allocating anything. `init_params` may instead
+  return (params, fp8_meta), the model's FP8 scales and histories (`TrainState.fp8_meta`)."""
 
-  def boxed_params(rng):
+  def boxed_variables(rng):
     # Traced without rules, so without any constraint, whatever the caller's context: the
     # `out_shardings` of the jitted init place the parameters.
     with nn.logical_axis_rules(()):
-      return init_params(rng)
+      out = init_params(rng)
+    return out if isinstance(out, tuple) else (out, None)
 
   def init(rng):
-    params = nn.unbox(boxed_params(rng))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    boxed, fp8_meta = boxed_variables(rng)
+    params = nn.unbox(boxed)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      fp8_meta=fp8_meta)
 
   rng = jax.random.key(0)
-  abstract_boxed = jax.eval_shape(boxed_params, rng)
+  abstract_boxed, _ = jax.eval_shape(boxed_variables, rng)
   # A clear error here instead of XLA's about an output sharding that does not divide.
   sharding_lib.check_divisible(abstract_boxed, mesh, rules)
   param_specs = sharding_lib.logical_specs(abstract_boxed)
   abstract = jax.eval_shape(init, rng)
   opt_specs = sharding_lib.opt_state_specs(tx, abstract.opt_state, param_specs)
-  specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs)
+  # Scalars and short histories: replicated, and every device updates them alike (the amax of
+  # a sharded tensor is a global max).
+  specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs,
+                     fp8_meta=jax.tree.map(lambda _: P(), abstract.fp8_meta))
   shardings = sharding_lib.to_mesh_shardings(specs, mesh, rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
@@ -78,11 +89,13 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
       tree, shardings)
 
 
-def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: TrainState
-                      ) -> TrainState:
-  """Step 0 and a fresh optimizer state around (sharded) `params`."""
-  return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
-                 out_shardings=shardings)(params)
+def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: TrainState,
+                      fp8_meta: Any = None) -> TrainState:
+  """Step 0 and a fresh optimizer state around (sharded) `params` (and `fp8_meta`, FP8 scales
+  and histories, e.g. `model.initial_fp8_meta`'s, when the model has them)."""
+  return jax.jit(lambda p, m: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), m),
+                 out_shardings=shardings)(params, fp8_meta)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,8 +134,9 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 # batch: k accumulated micro-batches give exactly the gradient of one big batch, and padded
 # rows (weight 0) count for nothing.
 Loss = Callable[[Any, dict], tuple[dict, dict, dict]]
-# apply(params, batch, rng) -> the outputs a Loss takes (the model in training mode: dropout).
-Apply = Callable[[Any, dict, jax.Array], Any]
+# apply(params, batch, rng) -> the outputs a Loss takes (the model in training mode: dropout);
+# a state with FP8 scales calls apply(params, batch, rng, fp8_meta).
+Apply = Callable[..., Any]
 
 
 def normalize(sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> jax.Array:
@@ -166,33 +180,44 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
   """One optimizer step over the global batch (optionally as `accum_steps` micro-batches).
 
   Metrics: the loss's, 'loss' (the normalized training loss, what the gradient is of) and
-  'grad_norm'.
+  'grad_norm'. A state with `fp8_meta` gets the values its backward pass returns for them
+  (micro-batches: in turn, each one's feeding the next), not an optimizer update.
   """
   rng = jax.random.fold_in(base_rng, state.step)
+
+  def apply_with(params, micro, micro_rng, fp8_meta):
+    # Without FP8 scales (None), the model's apply takes three arguments, as ever.
+    return (apply(params, micro, micro_rng) if fp8_meta is None
+            else apply(params, micro, micro_rng, fp8_meta))
+
   # One batch: the counts come with its loss. Micro-batches: each is normalized by the whole
   # batch's counts, so their gradients add up to the batch's.
-  counts = _counts(apply, loss, state.params, batch, rng) if accum_steps > 1 else None
+  counts = (_counts(functools.partial(apply_with, fp8_meta=state.fp8_meta), loss, state.params,
+                    batch, rng) if accum_steps > 1 else None)
 
-  def micro_loss(params, micro, micro_rng):
-    sums, micro_counts, metrics = loss(apply(params, micro, micro_rng), micro)
+  def micro_loss(params, fp8_meta, micro, micro_rng):
+    sums, micro_counts, metrics = loss(apply_with(params, micro, micro_rng, fp8_meta), micro)
     total = normalize(sums, micro_counts if counts is None else counts)
     return total, dict({'loss': total}, **metrics)
 
-  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  # The "gradient" of the FP8 scales and histories is their new value (flax's fp8_ops).
+  grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
   if accum_steps == 1:
-    (_, metrics), grads = grad_fn(state.params, batch, rng)
+    (_, metrics), (grads, fp8_meta) = grad_fn(state.params, state.fp8_meta, batch, rng)
   else:
     micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
 
     def body(carry, xs):
       i, mb = xs
-      (_, m), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
-      return jax.tree.map(jnp.add, carry, (g, m)), None
+      summed, meta = carry
+      (_, m), (g, new_meta) = grad_fn(state.params, meta, mb, jax.random.fold_in(rng, i))
+      return (jax.tree.map(jnp.add, summed, (g, m)), new_meta), None
 
-    (_, m_shape), g_shape = jax.eval_shape(grad_fn, state.params,
-                                           jax.tree.map(lambda x: x[0], micro), rng)
+    (_, m_shape), (g_shape, _) = jax.eval_shape(grad_fn, state.params, state.fp8_meta,
+                                                jax.tree.map(lambda x: x[0], micro), rng)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g_shape, m_shape))
-    (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
+    ((grads, metrics), fp8_meta), _ = jax.lax.scan(body, (zeros, state.fp8_meta),
+                                                   (jnp.arange(accum_steps), micro))
   # The scope names the optimizer's operations in the compiled program's metadata, where
   # profiles and the kernel budget (hlo_kernels.py) find them.
   with jax.named_scope('optimizer'):
@@ -202,7 +227,8 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
              if isinstance(tx, optax.GradientTransformationExtraArgs) else {})
     updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            fp8_meta=fp8_meta)
   return new_state, dict(metrics, grad_norm=grad_norm)
 
 
