@@ -19,6 +19,10 @@ Parameter layout (unscanned; with `scan_layers` the per-layer trees are stacked 
   mlm/transform/{kernel,bias}, mlm/layer_norm/{scale,bias}, mlm/output_bias   (tied decoder)
   nsp/{kernel,bias}
   classifier/{kernel,bias}  (sequence / token classification), qa_outputs/{kernel,bias}
+
+With matmul_precision='fp8' the encoder's matmuls also keep FP8 scales and amax histories, in
+the FP8_COLLECTION variable collection (not parameters): .../attention/qkv_fp8/*,
+.../attention/output/fp8/*, .../mlp/{intermediate,output}/fp8/*.
 """
 
 import dataclasses

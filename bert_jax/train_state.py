@@ -4,7 +4,8 @@
   so nothing is ever allocated whole on one device.
 - `put_sharded` / `state_from_params`: a state from host parameters (pre-trained weights).
 - `step` / `jit_step`: one optimizer step over the global batch, optionally as micro-batches
-  whose gradients are accumulated, jitted with explicit shardings and the state donated. The
+  whose gradients are accumulated, jitted with explicit shardings and the state donated (FP8
+  scales, `TrainState.fp8_meta`, replaced by the values the backward pass returns). The
   model and the loss come from the caller (a pre-training objective's, a fine-tuning task's),
   and every loss is normalized the same way (`Loss`, `normalize`).
 - `compile_ahead`: every shape a run will use, compiled before its first step.
