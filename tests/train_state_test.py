@@ -88,9 +88,10 @@ def test_fp8_scales_are_replaced_by_the_step_not_optimized():
 def test_fp8_micro_batches_update_the_scales_in_turn():
   """train.grad_accum_steps=2: the second micro-batch runs with the scales the first one left
   (two amaxes in each history after one step, and scales already off 1), never their sum;
-  here with model.scan_layers (the scales stacked per layer, like the parameters)."""
+  here with model.scan_layers (the scales stacked per layer, like the parameters) and
+  rematerialized layers (the backward pass recomputes the forward's FP8 casts)."""
   _, (_, state) = _run(1, **{'model.matmul_precision': 'fp8', 'train.grad_accum_steps': 2,
-                             'model.scan_layers': True})
+                             'model.scan_layers': True, 'model.remat_policy': 'full'})
   ops = _ops(state.fp8_meta)
   assert len(ops) == 4
   for name, op in ops.items():
