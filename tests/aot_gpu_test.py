@@ -123,6 +123,7 @@ def test_fp8_encoder_matmuls_compile_to_fp8_gemms_for_an_h100():
       _config(**{'model.matmul_precision': 'fp8', 'model.attention_impl': 'cudnn'}), 'h100')
   layers = 2  # BERT-tiny
   assert r['kernels']['fp8_matmuls'] == 3 * 4 * layers, r['kernels']
+  assert f'; {3 * 4 * layers} FP8 GEMMs' in aot.format_report(r)
   assert r['kernels']['attention_projections'] == 1  # Still one QKV GEMM per layer.
   assert r['memory']['fits'] and r['flops']['cudnn_attention_calls']['forward'] == layers
 
