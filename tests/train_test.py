@@ -1057,8 +1057,9 @@ def _fp8_meta(workdir, step):
 def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_file, caplog):
   """model.matmul_precision='fp8': checkpoints hold the FP8 scales and histories beside the
   optimizer state, a run resumed from step 4 reproduces steps 5-8 bit for bit (losses,
-  parameters, scales), and an export holds the weights alone. A checkpoint without scales
-  (saved with FP8 off) resumes with fresh ones; one with them resumes with FP8 off."""
+  parameters, scales), and an export holds the weights alone (and starts another FP8 run as its
+  train.init_checkpoint). A checkpoint without scales (saved with FP8 off) resumes with fresh
+  ones; one with them resumes with FP8 off."""
   fp8 = dict(model__matmul_precision='fp8', train__stop_at_step=8)
   full = str(tmp_path / 'full')
   train.train_and_evaluate(_config(vocab_file, **fp8), full)
@@ -1086,6 +1087,13 @@ def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_fi
   _assert_same_params(exported, _params(full))
   names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(exported)]
   assert not [n for n in names if 'fp8' in n or 'amax' in n or '_scale' in n]
+  # The export starts an FP8 run (train.init_checkpoint): its weights, fresh scales.
+  started = str(tmp_path / 'started')
+  train.train_and_evaluate(_config(vocab_file, model__matmul_precision='fp8',
+                                   train__init_checkpoint=str(tmp_path / 'bert_jax'),
+                                   train__stop_at_step=2), started)
+  assert all(np.count_nonzero(h) == 2 for p, h in jax.tree_util.tree_leaves_with_path(
+      _fp8_meta(started, 2)) if jax.tree_util.keystr(p).endswith("_amax_history']"))
 
   # A checkpoint saved without FP8 (here: its scales removed) resumes with fresh scales.
   fresh = str(tmp_path / 'fresh')
