@@ -98,7 +98,6 @@ def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: 
                  out_shardings=shardings)(params, fp8_meta)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The step
 # ---------------------------------------------------------------------------------------------
