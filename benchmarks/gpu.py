@@ -39,6 +39,12 @@ How the numbers are made:
   real tokens/s and MFU over the rows before that adjustment.
 - LayerNorm: --layernorm=xla,pallas runs every bert_jax case with each `model.layer_norm_impl`
   (README "LayerNorm and dropout"), before and after the fused kernel in one run.
+- FP8: --matmul_precision=default,fp8 runs every bert_jax case with each
+  `model.matmul_precision` (README "FP8"): the encoder's matmuls in bf16, then in FP8 with
+  delayed scaling (Hopper and later). `program.fp8_matmuls` counts the FP8 GEMMs compiled.
+  --loss_steps=N then also trains each case N steps from the same initial state on the same
+  cycle of --loss_batches synthetic batches and records every step's loss (`losses`), so that
+  bf16's and FP8's curves compare in one file.
 - Dropout: hidden 0.1 (the paper's); attention dropout 0 for every case, since the fused
   kernels have none (README "Attention"); --attention_dropout_case adds the paper's exact
   recipe (xla, attention dropout 0.1) at base/128 to show what it costs.
@@ -369,7 +375,7 @@ def summarize_trace(trace_dir: str, top: int = 12,
 
 def _bert_jax_config(args, size: str, seq_len: int, rows: int, preds: int, packing: bool,
                      impl: str, attention_dropout: float, scan_layers: bool,
-                     layer_norm_impl: str = 'auto'):
+                     layer_norm_impl: str = 'auto', matmul_precision: str = 'default'):
   from bert_jax import defaults  # pylint: disable=g-import-not-at-top
   config = defaults.pretrain()
   config.model.size = size
@@ -380,6 +386,7 @@ def _bert_jax_config(args, size: str, seq_len: int, rows: int, preds: int, packi
   config.model.attention_impl = impl
   config.model.attention_probs_dropout_prob = attention_dropout
   config.model.layer_norm_impl = layer_norm_impl
+  config.model.matmul_precision = matmul_precision
   config.data.max_seq_length = seq_len
   config.data.max_predictions_per_seq = preds
   config.data.packing = packing
@@ -406,7 +413,8 @@ class JaxCase:
     self.rows = rows
     self.config = _bert_jax_config(a, s['size'], s['seq_len'], rows, s['max_predictions'],
                                    s['packing'], s['attention_impl'], s['attention_dropout'],
-                                   s['scan_layers'], s.get('layer_norm_impl', 'auto'))
+                                   s['scan_layers'], s.get('layer_norm_impl', 'auto'),
+                                   s.get('matmul_precision', 'default'))
     pretraining.check_attention(self.config, jax.default_backend())
     self.mesh = sharding_lib.make_mesh(self.config.mesh)
     self.rules = sharding_lib.rules_from_config(self.config.mesh)
@@ -423,6 +431,7 @@ class JaxCase:
       make = lambda seed: padded_batch(rows, s['seq_len'], s['max_predictions'], a.vocab_size,
                                        s['fill'], seed)
       self.first_fit_batches = None
+    self.make_batch = make
     self.host_batches = [make(i) for i in range(2)]
     bsh = sharding_lib.batch_sharding(self.mesh)
     spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh)
@@ -448,7 +457,7 @@ class JaxCase:
       self.program = hlo_kernels.kernel_info(text)
       budget = hlo_kernels.step_budget(text)
       self.result['program'] = {k: budget[k] for k in ('kernels', 'kernels_by_group',
-                                                      'non_matmul_bytes')}
+                                                      'non_matmul_bytes', 'fp8_matmuls')}
     except Exception as e:  # pylint: disable=broad-except
       # HLO text another XLA prints differently: the kernels go by their names, the case runs.
       self.program, self.result['program'] = {}, dict(error=_error(e))
@@ -498,12 +507,32 @@ class JaxCase:
                        device=jax.devices()[0].device_kind)
     return state
 
+  def losses(self):
+    """Every step's loss over --loss_steps steps from a fresh state (key 0: the same initial
+    parameters for every case of a model size), cycling through --loss_batches batches."""
+    import jax  # pylint: disable=g-import-not-at-top
+    from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+    a = self.args
+    bsh = sharding_lib.batch_sharding(self.mesh)
+    batches = [sharding_lib.make_global_batch(self.make_batch(100 + i), bsh)
+               for i in range(a.loss_batches)]
+    with sharding_lib.activate(self.mesh, self.rules):
+      state = jax.jit(self.init, out_shardings=self.shardings)(jax.random.key(0))
+    losses = []
+    for i in range(a.loss_steps):
+      state, metrics = self.compiled(state, batches[i % len(batches)])
+      losses.append(metrics['loss'])  # Read at the end: the host does not wait each step.
+    self.result['losses'] = [float(x) for x in jax.device_get(losses)]
+    self.result['loss_batches'] = a.loss_batches
+
   def name(self) -> str:
     s = self.spec
     return (f"{s['size']}_{s['seq_len']}_{'packed' if s['packing'] else 'padded'}_"
             f"{s['attention_impl']}" + ('_attndrop' if s['attention_dropout'] else '') +
             ('' if s['scan_layers'] else '_unscanned') +
-            (f"_ln{s['layer_norm_impl']}" if s.get('layer_norm_impl', 'auto') != 'auto' else ''))
+            (f"_ln{s['layer_norm_impl']}" if s.get('layer_norm_impl', 'auto') != 'auto' else '') +
+            (f"_{s['matmul_precision']}" if s.get('matmul_precision', 'default') != 'default'
+             else ''))
 
 
 def _rates(bert_config, host_batches, rows, step, round_times, peak) -> dict:
@@ -565,12 +594,16 @@ def run_bert_jax(args, specs: list[dict], deadline: float, log, save) -> list[di
         c.result.setdefault('halved_from_rows', c.rows)
         c.build(c.rows // 2)
         c.compile()
-      if state_size != (c.spec['size'], c.spec['scan_layers']):
+      # FP8 cases' states also hold the scales: another layout.
+      layout = (c.spec['size'], c.spec['scan_layers'], c.spec.get('matmul_precision'))
+      if state_size != layout:
         state = None
         with sharding_lib.activate(c.mesh, c.rules):
           state = jax.jit(c.init, out_shardings=c.shardings)(jax.random.key(0))
-        state_size = (c.spec['size'], c.spec['scan_layers'])
+        state_size = layout
       state = c.run(state)
+      if args.loss_steps:
+        c.losses()
     except Exception as e:  # pylint: disable=broad-except
       c.result['error'] = _error(e)
       state, state_size = None, None
@@ -797,6 +830,8 @@ def _case(r: dict) -> str:
           + (' attn-dropout' if r.get('attention_dropout') else '')
           + (' unscanned' if r.get('scan_layers') is False else '')
           + (f" ln-{r['layer_norm_impl']}" if r.get('layer_norm_impl', 'auto') != 'auto'
+             else '')
+          + (f" {r['matmul_precision']}" if r.get('matmul_precision', 'default') != 'default'
              else ''))
 
 
@@ -820,6 +855,14 @@ def parse_args(argv=None):
   p.add_argument('--layernorm', default='auto',
                  help="model.layer_norm_impl values, each its own bert_jax case: 'auto', "
                       "'pallas', 'xla' (e.g. xla,pallas: before/after the fused kernel)")
+  p.add_argument('--matmul_precision', default='default',
+                 help="model.matmul_precision values, each its own bert_jax case: 'default' "
+                      "(bf16 here) and 'fp8' (Hopper+), e.g. default,fp8")
+  p.add_argument('--loss_steps', type=int, default=0,
+                 help='also train each bert_jax case this many steps from the same initial '
+                      'state and record every loss (0: none)')
+  p.add_argument('--loss_batches', type=int, default=8,
+                 help='synthetic batches that --loss_steps cycles through')
   p.add_argument('--frameworks', default='bert_jax,transformers')
   p.add_argument('--attention_dropout_case', action=argparse.BooleanOptionalAction,
                  default=True)
@@ -855,6 +898,10 @@ def parse_args(argv=None):
   bad = [x for x in args.layernorm if x not in ('auto', 'pallas', 'xla')]
   if bad:
     p.error(f'--layernorm: {bad} not among auto, pallas, xla')
+  args.matmul_precision = args.matmul_precision.split(',')
+  bad = [x for x in args.matmul_precision if x not in ('default', 'fp8')]
+  if bad:
+    p.error(f'--matmul_precision: {bad} not among default, fp8')
   args.scan_layers = [x.lower() == 'true' for x in args.scan_layers.split(',')]
   args.dump_hlo = [x for x in args.dump_hlo.split(',') if x]
   args.frameworks = args.frameworks.split(',')
@@ -873,8 +920,10 @@ def case_specs(args) -> tuple[list[dict], list[dict]]:
           for impl in args.attention:
             fill = dict(row_fill=args.packed_fill.get(seq_len)) if packing else {}
             for ln in args.layernorm:
-              jax_specs.append(dict(base, packing=packing, attention_impl=impl,
-                                    scan_layers=scan, layer_norm_impl=ln, **fill))
+              for precision in args.matmul_precision:
+                jax_specs.append(dict(base, packing=packing, attention_impl=impl,
+                                      scan_layers=scan, layer_norm_impl=ln,
+                                      matmul_precision=precision, **fill))
       if args.attention_dropout_case and size == args.sizes[0] and seq_len == args.seq_lens[0]:
         jax_specs.append(dict(base, packing=False, attention_impl='xla', attention_dropout=0.1,
                               scan_layers=args.scan_layers[0]))

@@ -418,7 +418,9 @@ def format_report(report: dict[str, Any]) -> str:
           f"  kernels per step: {report['kernels']['kernels']} ("
           + ', '.join(f'{g} {n}' for g, n in report['kernels']['kernels_by_group'].items())
           + f"); non-matmul kernels move {report['kernels']['non_matmul_bytes'] / 1e9:.2f} GB "
-          '(operands + results, hlo_kernels.step_budget)']),
+          '(operands + results, hlo_kernels.step_budget)'
+          + (f"; {report['kernels']['fp8_matmuls']} FP8 GEMMs"
+             if report['kernels'].get('fp8_matmuls') else '')]),
       f"  roofline bound (not a measurement): step >= {r['step_seconds'] * 1e3:.1f} ms "
       f"(compute {r['compute_seconds'] * 1e3:.1f} ms, memory {r['memory_seconds'] * 1e3:.1f} "
       f"ms), <= {r['sequences_per_second']:.0f} {rows}, "

@@ -3,7 +3,9 @@
 Layout of a workdir:
   config.json                  the run's full ConfigDict
   bert_config.json, vocab.txt  the model (so the workdir loads like a converted checkpoint)
-  checkpoints/<step>/          Orbax items: params, opt_state, meta (step, phase, seed)
+  checkpoints/<step>/          Orbax items: params, opt_state, meta (step, phase, seed), and
+                               fp8_meta (FP8 scales and amax histories) when
+                               model.matmul_precision='fp8'
   data_state/<step>/process_<i>.*   each process's tf.data iterator position at that step
   compilation_cache/           JAX's compiled programs, so a rerun does not compile again
                                (`checkpoint.compilation_cache_dir`, `use_compilation_cache`)
@@ -59,6 +61,9 @@ from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
 DATA_STATE_DIR = 'data_state'
+# The item of `TrainState.fp8_meta` (model.matmul_precision='fp8'): run state, like opt_state,
+# that resumes exactly and is never exported as weights.
+FP8_META = 'fp8_meta'
 # orbax.checkpoint's COMMIT_SUCCESS_FILE (in a private module).
 _GCS_COMMIT_FILE = 'commit_success.txt'
 
@@ -76,14 +81,16 @@ def _registry(replica_parallel: bool):
 
 def make_manager(workdir: str, keep: int | None, async_save: bool = True,
                  replica_parallel: bool = True) -> ocp.CheckpointManager:
-  """The manager of `<workdir>/checkpoints`: items params, opt_state (Orbax PyTrees), meta
-  (JSON). `keep`: how many recent steps are kept (None: all; the caller deletes)."""
+  """The manager of `<workdir>/checkpoints`: items params, opt_state, fp8_meta (Orbax
+  PyTrees; fp8_meta only in the checkpoints of FP8 runs), meta (JSON). `keep`: how many recent
+  steps are kept (None: all; the caller deletes)."""
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                          enable_async_checkpointing=async_save)
   registry = _registry(replica_parallel)
   handlers = {'params': _agreeing(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)),
               'opt_state': _agreeing(
                   ocp.PyTreeCheckpointHandler(type_handler_registry=registry)),
+              FP8_META: _agreeing(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)),
               'meta': _agreeing(ocp.JsonCheckpointHandler())}
   return ocp.CheckpointManager(os.path.join(workdir, CHECKPOINT_DIR), options=options,
                                item_handlers=handlers)
@@ -232,10 +239,12 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
         _exchange(next(_exchanges), error, OUTCOME_TIMEOUT_S)
       elif error is not None:
         raise error
-    manager.save(step, force=True, args=ocp.args.Composite(
-        params=ocp.args.PyTreeSave(state.params),
-        opt_state=ocp.args.PyTreeSave(state.opt_state),
-        meta=ocp.args.JsonSave(dict(meta, step=int(step)))))
+    items = dict(params=ocp.args.PyTreeSave(state.params),
+                 opt_state=ocp.args.PyTreeSave(state.opt_state),
+                 meta=ocp.args.JsonSave(dict(meta, step=int(step))))
+    if getattr(state, 'fp8_meta', None) is not None:
+      items[FP8_META] = ocp.args.PyTreeSave(state.fp8_meta)
+    manager.save(step, force=True, args=ocp.args.Composite(**items))
   except Exception as e:  # pylint: disable=broad-except
     _save_failed(manager, workdir, e)
   _clean_data_states(manager, workdir, keep_step=step)
@@ -559,17 +568,40 @@ def _reads_end_their_tasks() -> Iterator[None]:
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[Any, dict]:
-  """Restores params and optimizer state into the shardings of `abstract_state` (a
-  `train_state.TrainState` of ShapeDtypeStructs, which derives the rest: `restored`)."""
+  """Restores params and optimizer state (and FP8 scales, `abstract_state.fp8_meta`) into the
+  shardings of `abstract_state` (a `train_state.TrainState` of ShapeDtypeStructs, which derives
+  the rest: `restored`).
+
+  FP8 scales and histories are not weights: a run that turns model.matmul_precision='fp8' on
+  resumes a checkpoint without them from the initial ones, and one that turns it off leaves
+  them unread."""
+  items = dict(params=_pytree_restore(abstract_state.params),
+               opt_state=_pytree_restore(abstract_state.opt_state),
+               meta=ocp.args.JsonRestore())
+  abstract_fp8 = getattr(abstract_state, 'fp8_meta', None)
+  saved_fp8 = abstract_fp8 is not None and _has_item(manager, step, FP8_META)
+  if saved_fp8:
+    items[FP8_META] = _pytree_restore(abstract_fp8)
   with _reads_end_their_tasks():
-    restored = manager.restore(step, args=ocp.args.Composite(
-        params=_pytree_restore(abstract_state.params),
-        opt_state=_pytree_restore(abstract_state.opt_state),
-        meta=ocp.args.JsonRestore()))
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
   # The state derives what is not saved (train_state.TrainState.restored).
   state = abstract_state.restored(params=restored['params'], opt_state=restored['opt_state'],
                                   step=restored['meta']['step'])
+  if abstract_fp8 is not None:
+    if saved_fp8:
+      fp8_meta = restored[FP8_META]
+    else:
+      logging.warning('Checkpoint %d has no FP8 scales (saved without '
+                      "model.matmul_precision='fp8'): they start afresh", step)
+      fp8_meta = jax.jit(lambda: model_lib.initial_fp8_meta(abstract_fp8),
+                         out_shardings=jax.tree.map(lambda a: a.sharding, abstract_fp8))()
+    state = state.replace(fp8_meta=fp8_meta)
   return state, restored['meta']
+
+
+def _has_item(manager: ocp.CheckpointManager, step: int, item: str) -> bool:
+  """Whether checkpoint `step` holds `item`."""
+  return fileio.gfile().isdir(os.path.join(str(manager.directory), str(step), item))
 
 
 def restore_params(manager: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:

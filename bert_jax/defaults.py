@@ -67,6 +67,12 @@ def _model(from_scratch: bool) -> ml_collections.ConfigDict:
   # fused Pallas kernel each way, NVIDIA GPUs), 'xla' (plain jnp, any backend) or 'auto'
   # (pallas on GPUs, xla elsewhere). Same float32 numerics (README, "LayerNorm").
   model.layer_norm_impl = 'xla'
+  # The encoder's dense matmuls (QKV, attention output, the two MLP projections) in training
+  # steps: 'default' (in model.dtype) or 'fp8' (FP8 with delayed scaling, for Hopper GPUs and
+  # later; elsewhere emulated, slowly). The embeddings, heads, evaluation and prediction stay in
+  # model.dtype. FP8's scales and amax histories are checkpointed, never exported (README,
+  # "FP8").
+  model.matmul_precision = 'default'
   return model
 
 

@@ -270,7 +270,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
                  sorted(set(params) - {'bert'}),
                  f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')
     with sharding_lib.activate(mesh, rules):
-      return state_lib.state_from_params(params, tx, shardings, abstract)
+      return state_lib.state_from_params(params, tx, shardings, abstract,
+                                         model_lib.initial_fp8_meta(abstract.fp8_meta))
 
   # A fresh head compiles its initializers: SIGTERM does not wait for them.
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,

@@ -209,6 +209,9 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
     or more (a gradient scattered into a zeros tensor).
   attention_projections: per encoder layer, the forward projections (query, key, value or one
     fused qkv) that have a dot of their own; its most over the layers.
+  fp8_matmuls: matmuls (dots in GEMM fusions, cuBLAS calls) whose two inputs are FP8
+    (f8e4m3fn, f8e5m2): model.matmul_precision='fp8' makes three per encoder matmul (forward,
+    input gradient, kernel gradient).
   """
   computations, entry = parse(text)
   shapes = {i.name: i.shape for insts in computations.values() for i in insts}
@@ -226,10 +229,10 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
   projections = {}
   for i in everything:
     m = re.search(r'jvp\(\w+\)/.*?(layer_\d+)/attention/(query|key|value|qkv\w*)/', i.op_name)
-    # A Triton GEMM fusion holds a `dot`; a cuBLAS call (jax 0.11+ on a GPU) is a custom call.
-    matmul = i.opcode == 'dot' or (i.opcode == 'custom-call' and 'gemm' in i.attributes)
-    if matmul and m and 'transpose(' not in i.op_name:
+    if _is_matmul(i) and m and 'transpose(' not in i.op_name:
       projections.setdefault(m.group(1), set()).add(m.group(2))
+  fp8 = [i for i in everything if _is_matmul(i) and len(i.operands) >= 2 and
+         all(shapes.get(o, '').startswith('f8') for o in i.operands[:2])]
   return dict(
       kernels=sum(counts.values()), kernels_by_group=counts,
       non_matmul_bytes=non_matmul,
@@ -237,4 +240,10 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
       erfc_ops=sum(1 for i in everything if re.search(r'(^|/)erfc(/|$)', i.op_name)),
       large_scatters=[f'{i.shape.split("{")[0]} ({i.op_name})' for i in everything
                       if i.opcode == 'scatter' and _bytes(i.shape) >= scatter_min_bytes],
-      attention_projections=max((len(v) for v in projections.values()), default=0))
+      attention_projections=max((len(v) for v in projections.values()), default=0),
+      fp8_matmuls=len(fp8))
+
+
+def _is_matmul(i: Instruction) -> bool:
+  # A Triton GEMM fusion holds a `dot`; a cuBLAS call (jax 0.11+ on a GPU) is a custom call.
+  return i.opcode == 'dot' or (i.opcode == 'custom-call' and 'gemm' in i.attributes)

@@ -19,6 +19,10 @@ Parameter layout (unscanned; with `scan_layers` the per-layer trees are stacked 
   mlm/transform/{kernel,bias}, mlm/layer_norm/{scale,bias}, mlm/output_bias   (tied decoder)
   nsp/{kernel,bias}
   classifier/{kernel,bias}  (sequence / token classification), qa_outputs/{kernel,bias}
+
+With matmul_precision='fp8' the encoder's matmuls also keep FP8 scales and amax histories, in
+the FP8_COLLECTION variable collection (not parameters): .../attention/qkv_fp8/*,
+.../attention/output/fp8/*, .../mlp/{intermediate,output}/fp8/*.
 """
 
 import dataclasses
@@ -27,6 +31,7 @@ import re
 from typing import Any, Callable
 
 import flax.linen as nn
+from flax.linen import fp8_ops
 from flax.linen.dtypes import promote_dtype
 import jax
 import jax.numpy as jnp
@@ -73,6 +78,8 @@ class BertConfig:
   # The most sequences in one row (data.packing_max_sequences): cudnn_varlen's segment tables.
   max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
   layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto': see layer_norm.py.
+  # 'default' (matmuls in `dtype`) or 'fp8': see MATMUL_PRECISIONS.
+  matmul_precision: str = 'default'
 
   def __post_init__(self):
     if self.hidden_size % self.num_attention_heads:
@@ -92,6 +99,9 @@ class BertConfig:
     if self.layer_norm_impl not in layer_norm.IMPLEMENTATIONS:
       raise UserError(f'layer_norm_impl {self.layer_norm_impl!r} is not one of '
                       f'{layer_norm.IMPLEMENTATIONS}')
+    if self.matmul_precision not in MATMUL_PRECISIONS:
+      raise UserError(f'matmul_precision {self.matmul_precision!r} is not one of '
+                      f'{MATMUL_PRECISIONS}')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
 
   @property
@@ -157,6 +167,25 @@ class BertConfig:
       f.write(self.to_json_string(hf))
 
 
+# How the encoder's dense matmuls (the one QKV projection, the attention output and the two MLP
+# projections) run in training steps (`deterministic=False`):
+# - 'default': in the compute dtype (`BertConfig.dtype`).
+# - 'fp8': FP8 with delayed scaling (flax's `Fp8DirectDotGeneralOp`, Transformer Engine's
+#   recipe): inputs and kernels in float8_e4m3fn, output gradients in float8_e5m2, each scaled
+#   by the largest magnitude of the last FP8_AMAX_HISTORY steps. The scales and amax histories
+#   live in the FP8_COLLECTION variable collection: the "gradient" a step computes for them is
+#   their new value, which replaces them (`train_state.TrainState.fp8_meta`), never an
+#   optimizer update. Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them
+#   (correct, slower).
+# The embeddings (exact one-hot lookups), the pooler, the MLM transform and the tied decoder,
+# and the task heads stay in the compute dtype: a few percent of the FLOPs, and the decoder's
+# logits feed the loss directly, where FP8's 3-bit mantissa would cost the most accuracy.
+# Evaluation and prediction (`deterministic=True`) run every matmul in the compute dtype,
+# with the parameters alone: the numbers a user of the exported weights gets.
+MATMUL_PRECISIONS = ('default', 'fp8')
+FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
+FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
+
 # Named sizes: (layers, hidden, heads). Intermediate size is always 4 x hidden.
 _COMPACT_LAYERS = (2, 4, 6, 8, 10, 12)
 _COMPACT_HIDDEN = (128, 256, 512, 768)
@@ -190,13 +219,15 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
   shape wins), else model.size's with model.vocab_size (0 = `vocab_size`, the tokenizer's),
   model.max_position_embeddings and model.type_vocab_size (pre-training from scratch). Either
   way the block says how to run it: dtype ('auto' resolved for this backend), dropout, layer
-  stacking, rematerialization, the attention and LayerNorm kernels. `max_packed_sequences` is
+  stacking, rematerialization, the attention and LayerNorm kernels, the encoder matmuls'
+  precision. `max_packed_sequences` is
   the most sequences one row holds (data.packing_max_sequences); None keeps BertConfig's.
   """
   run = dict(dtype=resolve_dtype(model.dtype), hidden_dropout_prob=model.hidden_dropout_prob,
              attention_probs_dropout_prob=model.attention_probs_dropout_prob,
              scan_layers=model.scan_layers, remat_policy=model.remat_policy,
-             attention_impl=model.attention_impl, layer_norm_impl=model.layer_norm_impl)
+             attention_impl=model.attention_impl, layer_norm_impl=model.layer_norm_impl,
+             matmul_precision=model.matmul_precision)
   if max_packed_sequences is not None:
     run['max_packed_sequences'] = max_packed_sequences
   if checkpoint is not None:
@@ -330,6 +361,7 @@ class DenseGeneral(nn.Module):
   activation: str | None = None  # A key of _ACTIVATIONS applied to the output, or none.
   # False: return (x @ kernel, bias) for a consumer that adds the float32 bias itself.
   add_bias: bool = True
+  fp8: bool = False  # The matmul through `fp8_dot_general` (matmul_precision='fp8').
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -340,7 +372,8 @@ class DenseGeneral(nn.Module):
     f32_bias = bias
     x, kernel, bias = promote_dtype(x, kernel, bias, dtype=c.compute_dtype)
     dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
-    y = jax.lax.dot_general(x, kernel, dims)
+    y = (fp8_dot_general(x, kernel, dims) if self.fp8
+         else jax.lax.dot_general(x, kernel, dims))
     if not self.add_bias:
       return y, f32_bias
     if self.activation == 'gelu':
@@ -350,14 +383,29 @@ class DenseGeneral(nn.Module):
     return _ACTIVATIONS[self.activation](y) if self.activation else y
 
 
+def fp8_dot_general(x: Array, kernel: Array, dims, name: str = 'fp8') -> Array:
+  """`lax.dot_general(x, kernel, dims)` in FP8 with delayed scaling, its scales and amax
+  histories in the calling module's FP8_COLLECTION (see MATMUL_PRECISIONS). Call it inside
+  a compact module."""
+  return fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=FP8_AMAX_HISTORY, name=name)(
+      x, kernel, dims)
+
+
+def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
+  """Whether `module`'s encoder matmuls run in FP8: with matmul_precision='fp8', in training
+  (and at init, which creates their scales), never in evaluation or prediction."""
+  return config.matmul_precision == 'fp8' and (not deterministic or module.is_initializing())
+
+
 def _dense(config: BertConfig, features, axes, name: str, in_axes=-1,
-           activation: str | None = None, add_bias: bool = True) -> nn.Module:
+           activation: str | None = None, add_bias: bool = True,
+           fp8: bool = False) -> nn.Module:
   features = features if isinstance(features, tuple) else (features,)
   in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
   if in_axes != tuple(range(-len(in_axes), 0)):
     raise ValueError(f'in_axes {in_axes} are not the trailing axes')
   return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
-                      activation=activation, add_bias=add_bias, name=name)
+                      activation=activation, add_bias=add_bias, fp8=fp8, name=name)
 
 
 def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
@@ -467,8 +515,11 @@ class SelfAttention(nn.Module):
     kernel = jnp.stack([k.astype(c.compute_dtype) for k, _ in params], axis=1)
     bias = jnp.stack([b.astype(c.compute_dtype) for _, b in params], axis=0)
     x = x.astype(c.compute_dtype)
+    fp8 = use_fp8(self, c, self.deterministic)
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
     with jax.named_scope('qkv'):  # Named so that the GPU step budget test finds it as one.
-      qkv = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))) + bias
+      qkv = (fp8_dot_general(x, kernel, dims, name='qkv_fp8') if fp8
+             else jax.lax.dot_general(x, kernel, dims)) + bias
     qkv = _constrain(qkv, ('batch', 'length', None, 'act_heads', 'kv'))
     q, k, v = (_constrain(qkv[:, :, i], ('batch', 'length', 'act_heads', 'kv'))
                for i in range(3))
@@ -483,20 +534,22 @@ class SelfAttention(nn.Module):
     out = _constrain(out, ('batch', 'length', 'act_heads', 'kv'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
     return _dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1),
-                  add_bias=False)(out)
+                  add_bias=False, fp8=fp8)(out)
 
 
 class Mlp(nn.Module):
   config: BertConfig
+  deterministic: bool = True
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     c = self.config
+    fp8 = use_fp8(self, c, self.deterministic)
     h = _dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
-               activation=c.hidden_act)(x)
+               activation=c.hidden_act, fp8=fp8)(x)
     h = _constrain(h, ('batch', 'length', 'act_mlp'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
-    return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False)(h)
+    return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False, fp8=fp8)(h)
 
 
 class EncoderLayer(nn.Module):
@@ -515,7 +568,7 @@ class EncoderLayer(nn.Module):
     attn, attn_bias = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
     x = ResidualLayerNorm(c, name='attention_layer_norm')(attn, x, attn_bias, drop())
     x = _constrain(x, ('batch', 'length', 'act_embed'))
-    y, y_bias = Mlp(c, name='mlp')(x)
+    y, y_bias = Mlp(c, self.deterministic, name='mlp')(x)
     x = ResidualLayerNorm(c, name='output_layer_norm')(y, x, y_bias, drop())
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     # Returned twice: as the scan carry and as the per-layer output (hidden states).
@@ -535,7 +588,9 @@ class Encoder(nn.Module):
     if c.remat_policy != 'none':
       layer_cls = nn.remat(layer_cls, policy=policy, prevent_cse=not c.scan_layers)
     if c.scan_layers:
-      scanned = nn.scan(layer_cls, variable_axes={'params': 0},
+      # FP8 scales and histories are per layer, stacked like the parameters.
+      axes = {'params': 0, **({FP8_COLLECTION: 0} if c.matmul_precision == 'fp8' else {})}
+      scanned = nn.scan(layer_cls, variable_axes=axes,
                         split_rngs={'params': True, 'dropout': True},
                         in_axes=(nn.broadcast,), length=c.num_hidden_layers,
                         metadata_params={nn.PARTITION_NAME: 'layers'})
@@ -749,6 +804,34 @@ def with_nsp_head(params: dict, hidden_size: int) -> dict:
     return params
   return dict(params, nsp={'kernel': np.zeros((hidden_size, 2), np.float32),
                            'bias': np.zeros(2, np.float32)})
+
+
+def split_variables(variables: dict) -> Any:
+  """A model's initial variables as `train_state.abstract_state` takes them: the parameters,
+  or (parameters, FP8 scales and histories) when it has those (matmul_precision='fp8')."""
+  if FP8_COLLECTION in variables:
+    return variables['params'], variables[FP8_COLLECTION]
+  return variables['params']
+
+
+def initial_fp8_meta(abstract: Any) -> Any:
+  """The FP8 scales and amax histories a model starts with (flax's: scales 1, histories 0),
+  shaped as the abstract tree `abstract` (ShapeDtypeStructs or arrays); None for None."""
+  def initial(path, leaf):
+    name = str(getattr(path[-1], 'key', path[-1]))
+    if name.endswith('_scale'):
+      return jnp.ones(leaf.shape, leaf.dtype)
+    if name.endswith('_amax_history'):
+      return jnp.zeros(leaf.shape, leaf.dtype)
+    raise ValueError(f'unknown FP8 variable {jax.tree_util.keystr(path)}')
+  return None if abstract is None else jax.tree_util.tree_map_with_path(initial, abstract)
+
+
+def variables(params: Any, fp8_meta: Any = None) -> dict:
+  """The variables `Module.apply` takes: `params`, plus the FP8 scales and histories."""
+  if fp8_meta is None:
+    return {'params': params}
+  return {'params': params, FP8_COLLECTION: fp8_meta}
 
 
 def count_params(params) -> int:

@@ -102,17 +102,20 @@ def phase_at(phases: list[Phase], step: int) -> Phase:
 PACKED_INPUTS = ('position_ids', 'sequence_ids', 'next_sentence_positions')
 
 
-def apply_model(model: nn.Module, params: Any, batch: dict[str, jax.Array], **kwargs):
-  """BertForPreTraining on a batch of rows, packed or not."""
+def apply_model(model: nn.Module, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None,
+                **kwargs):
+  """BertForPreTraining on a batch of rows, packed or not (with FP8 scales and histories,
+  `fp8_meta`, when model.matmul_precision='fp8' trains)."""
   packed = {k: batch[k] for k in PACKED_INPUTS if k in batch}
-  return model.apply({'params': params}, batch['input_ids'], batch['input_mask'],
-                     batch['segment_ids'], batch['masked_lm_positions'], **packed, **kwargs)
+  return model.apply(model_lib.variables(params, fp8_meta), batch['input_ids'],
+                     batch['input_mask'], batch['segment_ids'], batch['masked_lm_positions'],
+                     **packed, **kwargs)
 
 
 def pretraining_apply(model: nn.Module) -> state_lib.Apply:
   """BertForPreTraining in training mode (dropout on): (MLM logits, sentence logits)."""
-  return lambda params, batch, rng: apply_model(model, params, batch, deterministic=False,
-                                                rngs={'dropout': rng})
+  return lambda params, batch, rng, fp8_meta=None: apply_model(
+      model, params, batch, fp8_meta, deterministic=False, rngs={'dropout': rng})
 
 
 def pretraining_loss(objective: objectives.Objective) -> state_lib.Loss:
@@ -167,8 +170,9 @@ def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformat
   """(abstract TrainState, its NamedShardings, init function) without allocating anything."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
   return state_lib.abstract_state(
-      lambda rng: model.init({'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32),
-                             deterministic=True)['params'], tx, mesh, rules)
+      lambda rng: model_lib.split_variables(model.init(
+          {'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32), deterministic=True)),
+      tx, mesh, rules)
 
 
 def check_attention(config: ml_collections.ConfigDict, platform: str) -> None:

@@ -373,7 +373,8 @@ def _init(config: ml_collections.ConfigDict, built: pretraining.Step) -> state_l
   params = _init_from_checkpoint(config.train.init_checkpoint, built.bert_config, fresh)
   logging.info('Initialized from %s', config.train.init_checkpoint)
   return state_lib.state_from_params(state_lib.put_sharded(params, built.shardings.params),
-                                     built.tx, built.shardings, built.abstract)
+                                     built.tx, built.shardings, built.abstract,
+                                     state.fp8_meta)
 
 
 # ---------------------------------------------------------------------------------------------

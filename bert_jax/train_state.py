@@ -4,7 +4,8 @@
   so nothing is ever allocated whole on one device.
 - `put_sharded` / `state_from_params`: a state from host parameters (pre-trained weights).
 - `step` / `jit_step`: one optimizer step over the global batch, optionally as micro-batches
-  whose gradients are accumulated, jitted with explicit shardings and the state donated. The
+  whose gradients are accumulated, jitted with explicit shardings and the state donated (FP8
+  scales, `TrainState.fp8_meta`, replaced by the values the backward pass returns). The
   model and the loss come from the caller (a pre-training objective's, a fine-tuning task's),
   and every loss is normalized the same way (`Loss`, `normalize`).
 - `compile_ahead`: every shape a run will use, compiled before its first step.
@@ -42,6 +43,10 @@ class TrainState:
   # step's update writes it with the float32 master, in the same kernels, so that the forward
   # converts nothing. Derived from `params`: never saved, never exported.
   compute_params: Any = flax.struct.field(default_factory=dict)
+  # model.matmul_precision='fp8': the FP8 scales and amax histories (the model's
+  # `model.FP8_COLLECTION` variables), which each step replaces with the values its backward
+  # pass returns for them, outside the optimizer; None otherwise.
+  fp8_meta: Any = None
 
   def restored(self, step: Any, params: Any, opt_state: Any) -> 'TrainState':
     """This abstract state (ShapeDtypeStructs with shardings) with the parts a checkpoint
@@ -60,30 +65,39 @@ def abstract_state(init_params: Callable[[jax.Array], Any], tx: optax.GradientTr
   """(abstract TrainState, its NamedShardings, init function) of the model whose (boxed)
   parameters `init_params(rng)` makes, without allocating anything. Its `compute_params` are
   the parameters that the model's forward (traced by `init_params`) reads only cast to a
-  narrower dtype (`cast_only_params`)."""
+  narrower dtype (`cast_only_params`). `init_params` may instead return (params, fp8_meta),
+  the model's FP8 scales and histories (`TrainState.fp8_meta`)."""
 
-  def boxed_params(rng):
+  def boxed_variables(rng):
     # Traced without rules, so without any constraint, whatever the caller's context: the
     # `out_shardings` of the jitted init place the parameters.
     with nn.logical_axis_rules(()):
-      return init_params(rng)
+      out = init_params(rng)
+    return out if isinstance(out, tuple) else (out, None)
 
   rng = jax.random.key(0)
-  traced, abstract_boxed = jax.make_jaxpr(boxed_params, return_shape=True)(rng)
+  traced, (abstract_boxed, _) = jax.make_jaxpr(boxed_variables, return_shape=True)(rng)
   # A clear error here instead of XLA's about an output sharding that does not divide.
   sharding_lib.check_divisible(abstract_boxed, mesh, rules)
-  compute_like = cast_only_params(traced.jaxpr, nn.unbox(abstract_boxed))
+  # The jaxpr's outputs: the parameters' leaves first, then the FP8 variables'.
+  param_leaves = len(jax.tree.leaves(nn.unbox(abstract_boxed)))
+  compute_like = cast_only_params(traced.jaxpr, nn.unbox(abstract_boxed),
+                                  traced.jaxpr.outvars[:param_leaves])
 
   def init(rng):
-    params = nn.unbox(boxed_params(rng))
+    boxed, fp8_meta = boxed_variables(rng)
+    params = nn.unbox(boxed)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      compute_params=compute_copy(params, compute_like))
+                      compute_params=compute_copy(params, compute_like), fp8_meta=fp8_meta)
 
   param_specs = sharding_lib.logical_specs(abstract_boxed)
   abstract = jax.eval_shape(init, rng)
   opt_specs = sharding_lib.opt_state_specs(tx, abstract.opt_state, param_specs)
+  # FP8 scalars and short histories: replicated, and every device updates them alike (the amax
+  # of a sharded tensor is a global max).
   specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs,
-                     compute_params=_like(param_specs, compute_like))
+                     compute_params=_like(param_specs, compute_like),
+                     fp8_meta=jax.tree.map(lambda _: P(), abstract.fp8_meta))
   shardings = sharding_lib.to_mesh_shardings(specs, mesh, rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
@@ -212,15 +226,16 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
 
 
 def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: TrainState,
-                      abstract: TrainState | None = None) -> TrainState:
+                      abstract: TrainState | None = None, fp8_meta: Any = None) -> TrainState:
   """Step 0 and a fresh optimizer state around (sharded) `params`; with the compute copy that
-  `abstract` (`abstract_state`'s) describes, which a model with one needs."""
+  `abstract` (`abstract_state`'s) describes, which a model with one needs, and `fp8_meta` (FP8
+  scales and histories, e.g. `model.initial_fp8_meta`'s) when the model has them."""
   like = {} if abstract is None else abstract.compute_params
   if traverse_util.flatten_dict(shardings.compute_params) and abstract is None:
     raise ValueError('the state has a compute copy of its parameters: pass `abstract`')
-  return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p),
-                                      compute_copy(p, like)),
-                 out_shardings=shardings)(params)
+  return jax.jit(lambda p, m: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p),
+                                         compute_copy(p, like), m),
+                 out_shardings=shardings)(params, fp8_meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,8 +274,9 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 # batch: k accumulated micro-batches give exactly the gradient of one big batch, and padded
 # rows (weight 0) count for nothing.
 Loss = Callable[[Any, dict], tuple[dict, dict, dict]]
-# apply(params, batch, rng) -> the outputs a Loss takes (the model in training mode: dropout).
-Apply = Callable[[Any, dict, jax.Array], Any]
+# apply(params, batch, rng) -> the outputs a Loss takes (the model in training mode: dropout);
+# a state with FP8 scales calls apply(params, batch, rng, fp8_meta).
+Apply = Callable[..., Any]
 
 
 def normalize(sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> jax.Array:
@@ -304,38 +320,52 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
   """One optimizer step over the global batch (optionally as `accum_steps` micro-batches).
 
   Metrics: the loss's, 'loss' (the normalized training loss, what the gradient is of) and
-  'grad_norm'.
+  'grad_norm'. A state with `fp8_meta` gets the values its backward pass returns for them
+  (micro-batches: in turn, each one's feeding the next), not an optimizer update.
   """
   rng = jax.random.fold_in(base_rng, state.step)
   inputs = model_inputs(state)
+
+  def apply_with(params, micro, micro_rng, fp8_meta):
+    # Without FP8 scales (None), the model's apply takes three arguments, as ever.
+    return (apply(params, micro, micro_rng) if fp8_meta is None
+            else apply(params, micro, micro_rng, fp8_meta))
+
   # One batch: the counts come with its loss. Micro-batches: each is normalized by the whole
   # batch's counts, so their gradients add up to the batch's.
-  counts = _counts(apply, loss, inputs, batch, rng) if accum_steps > 1 else None
+  counts = (_counts(functools.partial(apply_with, fp8_meta=state.fp8_meta), loss, inputs,
+                    batch, rng) if accum_steps > 1 else None)
 
-  def micro_loss(params, micro, micro_rng):
-    sums, micro_counts, metrics = loss(apply(params, micro, micro_rng), micro)
+  def micro_loss(params, fp8_meta, micro, micro_rng):
+    sums, micro_counts, metrics = loss(apply_with(params, micro, micro_rng, fp8_meta), micro)
     total = normalize(sums, micro_counts if counts is None else counts)
     return total, dict({'loss': total}, **metrics)
 
-  def grad_fn(micro, micro_rng):
-    (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(inputs, micro, micro_rng)
+  def grad_fn(fp8_meta, micro, micro_rng):
+    # The "gradient" of the FP8 scales and histories is their new value (flax's fp8_ops).
+    (_, metrics), (grads, new_meta) = jax.value_and_grad(
+        micro_loss, argnums=(0, 1), has_aux=True)(inputs, fp8_meta, micro, micro_rng)
     # The compute copy's gradients (bfloat16) in the master's dtype: what the gradient of the
     # master's cast is, and what micro-batches add up in.
-    return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    return metrics, grads, new_meta
 
   if accum_steps == 1:
-    metrics, grads = grad_fn(batch, rng)
+    metrics, grads, fp8_meta = grad_fn(state.fp8_meta, batch, rng)
   else:
     micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
 
     def body(carry, xs):
       i, mb = xs
-      m, g = grad_fn(mb, jax.random.fold_in(rng, i))
-      return jax.tree.map(jnp.add, carry, (g, m)), None
+      summed, meta = carry
+      m, g, new_meta = grad_fn(meta, mb, jax.random.fold_in(rng, i))
+      return (jax.tree.map(jnp.add, summed, (g, m)), new_meta), None
 
-    m_shape, g_shape = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro), rng)
+    m_shape, g_shape, _ = jax.eval_shape(grad_fn, state.fp8_meta,
+                                         jax.tree.map(lambda x: x[0], micro), rng)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g_shape, m_shape))
-    (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
+    ((grads, metrics), fp8_meta), _ = jax.lax.scan(body, (zeros, state.fp8_meta),
+                                                   (jnp.arange(accum_steps), micro))
   # The scope names the optimizer's operations in the compiled program's metadata, where
   # profiles and the kernel budget (hlo_kernels.py) find them.
   with jax.named_scope('optimizer'):
@@ -347,7 +377,7 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
     params = optax.apply_updates(state.params, updates)
     compute_params = compute_copy(params, state.compute_params)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                            compute_params=compute_params)
+                            compute_params=compute_params, fp8_meta=fp8_meta)
   return new_state, dict(metrics, grad_norm=grad_norm)
 
 

@@ -117,6 +117,21 @@ def _config(**overrides):
   return config_files.load_config('configs/bert_base.py', base)
 
 
+
+def test_fp8_encoder_matmuls_compile_to_fp8_gemms_for_an_h100():
+  """model.matmul_precision='fp8' compiled for an H100: every encoder matmul (QKV, attention
+  output, the two MLP projections) runs forward, input gradient and kernel gradient as a GEMM
+  on FP8 operands (e4m3 inputs and kernels, e5m2 output gradients), 3 x 4 per layer, and no
+  other matmul does (hlo_kernels.step_budget's fp8_matmuls). The BERT-base/128 figures against
+  bf16 are in the README ("FP8")."""
+  (r,) = aot.compile_for_topology(
+      _config(**{'model.matmul_precision': 'fp8', 'model.attention_impl': 'cudnn'}), 'h100')
+  layers = 2  # BERT-tiny
+  assert r['kernels']['fp8_matmuls'] == 3 * 4 * layers, r['kernels']
+  assert f'; {3 * 4 * layers} FP8 GEMMs' in aot.format_report(r)
+  assert r['kernels']['attention_projections'] == 1  # Still one QKV GEMM per layer.
+  assert r['memory']['fits'] and r['flops']['cudnn_attention_calls']['forward'] == layers
+
 def test_gpu_topologies():
   assert aot.parse_topology('h100') == aot.Target('gpu', 'h100', '1x1x1')
   assert aot.parse_topology('a100:8') == aot.Target('gpu', 'a100', '1x1x8')

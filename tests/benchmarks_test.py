@@ -271,3 +271,35 @@ def test_gpu_benchmark_runs_each_layer_norm_impl_as_its_own_case():
                    'base_128_packed_cudnn_unscanned_lnpallas'], names
   with pytest.raises(SystemExit):
     gpu.parse_args(['--output=/tmp/x', '--layernorm=triton'])
+
+
+def test_gpu_benchmark_runs_each_matmul_precision_as_its_own_case():
+  gpu = _gpu_module()
+  args = gpu.parse_args(['--output=/tmp/x', '--sizes=base', '--seq_lens=128', '--attention=cudnn',
+                         '--packing=true', '--matmul_precision=default,fp8',
+                         '--no-attention_dropout_case'])
+  jax_specs, _ = gpu.case_specs(args)
+  assert [s['matmul_precision'] for s in jax_specs] == ['default', 'fp8']
+  names = [gpu.JaxCase(args, s).name() for s in jax_specs]
+  assert names == ['base_128_packed_cudnn_unscanned', 'base_128_packed_cudnn_unscanned_fp8']
+  with pytest.raises(SystemExit):
+    gpu.parse_args(['--output=/tmp/x', '--matmul_precision=bf16'])
+
+
+def test_gpu_benchmark_records_the_loss_of_every_step(tmp_path):
+  """--loss_steps: an FP8 case (here on the CPU, where XLA emulates FP8) trains from a fresh
+  state through a cycle of batches and records each step's loss, beside its FP8 GEMM count."""
+  gpu = _gpu_module()
+  args = gpu.parse_args([f'--output={tmp_path}', '--sizes=tiny', '--seq_lens=128',
+                         '--rows=128:8', '--attention=xla', '--packing=true',
+                         '--matmul_precision=fp8', '--vocab_size=512', '--dtype=float32',
+                         '--loss_steps=4', '--loss_batches=2', '--no-attention_dropout_case'])
+  (spec,), _ = gpu.case_specs(args)
+  case = gpu.JaxCase(args, spec)
+  case.build(spec['rows'])
+  case.compile()
+  case.losses()
+  losses = case.result['losses']
+  assert len(losses) == 4 and all(np.isfinite(losses)), losses
+  # Counted from the compiled program: XLA:CPU runs FP8 dots as float32 ones (none here).
+  assert case.result['program']['fp8_matmuls'] == 0

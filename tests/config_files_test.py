@@ -162,13 +162,15 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   assert set(choices['model.size']) == set(model.SIZES)
   assert set(choices['model.attention_impl']) == set(attention.IMPLEMENTATIONS)
   assert set(choices['model.layer_norm_impl']) == set(layer_norm.IMPLEMENTATIONS)
+  assert set(choices['model.matmul_precision']) == set(model.MATMUL_PRECISIONS)
   remat_policies = model._REMAT_POLICIES  # pylint: disable=protected-access
   assert set(choices['model.remat_policy']) == set(remat_policies)
   assert set(choices['data.objective']) == set(objectives.OBJECTIVES)
   assert set(choices['train.rng_impl']) == set(train_state.RNG_IMPLS)
   for dtype in choices['model.dtype']:
     model.BertConfig(dtype=model.resolve_dtype(dtype))  # Each one a dtype the model takes.
-  for key in ('model.size', 'model.dtype', 'train.optimizer', 'task.data_source'):
+  for key in ('model.size', 'model.dtype', 'model.matmul_precision', 'train.optimizer',
+              'task.data_source'):
     config = 'finetune_glue:mrpc' if key == 'task.data_source' else 'smoke'
     with pytest.raises(UserError, match=rf"--config\.{key}='x': expected one of "):
       config_files.load_config(config, {key: 'x'})

@@ -283,6 +283,38 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   assert _dev_rows(in_eval) == (full_dev, full_steps)
 
 
+
+def test_fp8_finetuning_resumes_exactly_and_keeps_scales_out_of_the_weights(checkpoints,
+                                                                             tmp_path):
+  """model.matmul_precision='fp8' in fine-tuning: the pre-trained encoder gets fresh FP8
+  scales, a run stopped at step 3 resumes to the uninterrupted run's metrics, losses and
+  weights exactly, its checkpoints hold the scales beside the optimizer state, and what is
+  kept as weights (the best epoch's params) holds none."""
+  data_dir = str(tmp_path / 'glue')
+  rng = random.Random(5)
+  for split, n in (('train', 64), ('dev', 32)):
+    _write_lines(os.path.join(data_dir, 'SST-2', f'{split}.tsv'), ['sentence\tlabel'] + [
+        f'{_sentence(rng, l)}\t{l}' for l in (rng.randint(0, 1) for _ in range(n))])
+  settings = {'train.learning_rate': 3e-3, 'train.epochs': 1, 'checkpoint.every_steps': 3,
+              'log.every_steps': 1, 'buckets': (), 'model.matmul_precision': 'fp8'}
+  full = finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
+                           str(tmp_path / 'full'))
+  stopped = str(tmp_path / 'stopped')
+  finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir,
+                                 **settings, **{'train.stop_at_step': 3}), stopped)
+  step_dir = os.path.join(stopped, ckpt_lib.CHECKPOINT_DIR, '3')
+  assert {ckpt_lib.FP8_META, 'meta', 'opt_state', 'params'} <= set(os.listdir(step_dir))
+  assert finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
+                           stopped) == full
+  assert _losses(stopped) == _losses(str(tmp_path / 'full'))
+  _, ours = convert.load_pretrained(str(tmp_path / 'full'))
+  _, resumed = convert.load_pretrained(stopped)
+  for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(ours),
+                               jax.tree_util.tree_leaves_with_path(resumed)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+  assert not [p for p, _ in jax.tree_util.tree_leaves_with_path(ours)
+              if 'fp8' in jax.tree_util.keystr(p) or 'amax' in jax.tree_util.keystr(p)]
+
 def test_sigterm_before_the_first_step_stops_at_once(checkpoints, tmp_path, monkeypatch):
   """SIGTERM while the task data is read, or while a step compiles (one that would take 10
   minutes), stops the run at once: nothing new to save, no checkpoint, the lock released."""

@@ -354,7 +354,7 @@ def test_one_mapping_from_the_model_block_for_both_drivers():
     config.model.update(dict(dtype='bfloat16', hidden_dropout_prob=0.2,
                              attention_probs_dropout_prob=0.0, scan_layers=True,
                              remat_policy='dots', attention_impl='cudnn',
-                             layer_norm_impl='auto'))
+                             layer_norm_impl='auto', matmul_precision='fp8'))
   scratch = model_lib.config_from(pretrain.model, vocab_size=99, max_packed_sequences=3)
   checkpoint = model_lib.config_for_size('tiny', vocab_size=99)  # As a checkpoint records it.
   assert model_lib.config_from(finetune.model, checkpoint=checkpoint,
@@ -364,3 +364,96 @@ def test_one_mapping_from_the_model_block_for_both_drivers():
   with pytest.raises(model_lib.UserError, match=r'model\.vocab_size=50 is smaller'):
     pretrain.model.vocab_size = 50
     model_lib.config_from(pretrain.model, vocab_size=99)
+def test_bad_matmul_precision_is_one_line():
+  with pytest.raises(model_lib.UserError, match="matmul_precision 'fp4' is not one of"):
+    TINY.replace(matmul_precision='fp4')
+
+
+def _fp8_variables(config, seed=4, abstract=False):
+  """(parameters, FP8 scales and histories) of BertForPreTraining under `config` (shapes only
+  with `abstract`)."""
+  ids, mask, seg, pos = _batch()
+  init = lambda: model_lib.split_variables(nn.unbox(model_lib.BertForPreTraining(config).init(
+      jax.random.key(seed), ids, mask, seg, pos)))
+  shapes = jax.eval_shape(init)
+  if abstract:
+    return shapes
+  # The parameters do not depend on matmul_precision; the scales start at flax's values.
+  params = model_lib.init_params(config.replace(matmul_precision='default'),
+                                 jax.random.key(seed))
+  return params, model_lib.initial_fp8_meta(shapes[1])
+
+
+def test_fp8_keeps_the_parameters_and_adds_scales_only_to_encoder_matmuls():
+  """matmul_precision='fp8': the same parameter tree; scales and amax histories for the four
+  encoder matmuls of each layer (QKV, attention output, the two MLP projections), none for the
+  embeddings, pooler or heads; and no FP8 collection at all by default."""
+  fp8 = TINY.replace(matmul_precision='fp8')
+  params, meta = _fp8_variables(fp8, abstract=True)
+  assert jax.tree.structure(params) == jax.tree.structure(_fp8_variables(TINY, abstract=True))
+  assert set(meta) == {'bert'} and set(meta['bert']) == {'encoder'}
+  for i in range(TINY.num_hidden_layers):
+    layer = meta['bert']['encoder'][f'layer_{i}']
+    ops = {'attention/qkv_fp8': layer['attention']['qkv_fp8'],
+           'attention/output': layer['attention']['output']['fp8'],
+           'mlp/intermediate': layer['mlp']['intermediate']['fp8'],
+           'mlp/output': layer['mlp']['output']['fp8']}
+    assert len(jax.tree.leaves(layer)) == 4 * 6
+    for name, op in ops.items():
+      assert {k: v.shape for k, v in op.items()} == {
+          f'{t}_{kind}': (model_lib.FP8_AMAX_HISTORY,) if kind == 'amax_history' else (1,)
+          for t in ('input', 'kernel', 'output_grad') for kind in ('scale', 'amax_history')}, name
+  # The scanned layout stacks them per layer, like the parameters.
+  _, scanned = _fp8_variables(fp8.replace(scan_layers=True), abstract=True)
+  assert scanned['bert']['encoder']['layers']['attention']['qkv_fp8']['input_scale'].shape == (
+      TINY.num_hidden_layers, 1)
+
+
+def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dtype():
+  """The FP8 training forward (bf16 compute, scales calibrated by one backward pass) stays
+  within the same 5% of the float32 logits as the bf16 one; evaluation (deterministic) of an
+  FP8 model is the bf16 model's, bit for bit; and an FP8 matmul alone errs by FP8's rounding,
+  more than bf16's."""
+  config = TINY.replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+  fp8 = config.replace(matmul_precision='fp8', dtype='bfloat16')
+  params, meta = _fp8_variables(fp8)
+  ids, mask, seg, pos = _batch()
+  evaluate = lambda c: jax.jit(lambda p: model_lib.BertForPreTraining(c).apply(
+      {'params': p}, ids, mask, seg, pos)[0])(params)
+  ref, bf16 = evaluate(config), evaluate(config.replace(dtype='bfloat16'))
+
+  @jax.jit
+  def train_forward(p, m):
+    return model_lib.BertForPreTraining(fp8).apply(
+        model_lib.variables(p, m), ids, mask, seg, pos, deterministic=False,
+        rngs={'dropout': jax.random.key(0)})[0]
+
+  # The "gradient" of the scales and histories is their value after this step (delayed
+  # scaling: this step's amax enters the history; the scales follow the history).
+  _, calibrated = jax.jit(jax.grad(lambda p, m: jnp.sum(train_forward(p, m)), argnums=(0, 1)))(
+      params, meta)
+  assert all(float(np.max(h)) > 0 for h in jax.tree.leaves(calibrated) if h.shape[-1] > 1)
+  out = train_forward(params, calibrated)
+  assert_close(out, ref, 0.05, what='FP8 logits vs float32')
+  assert_close(bf16, ref, 0.05, what='bf16 logits vs float32')
+  assert not np.array_equal(np.asarray(out), np.asarray(bf16))  # FP8 did run.
+  np.testing.assert_array_equal(np.asarray(evaluate(fp8)), np.asarray(bf16))
+
+  # One matmul: FP8 (e4m3 has 3 mantissa bits) errs by a few percent, more than bf16.
+  x = jax.random.normal(jax.random.key(1), (64, 256), jnp.bfloat16)
+  k = jax.random.normal(jax.random.key(2), (256, 128), jnp.bfloat16) * 0.02
+  dims = (((1,), (0,)), ((), ()))
+
+  class Dot(nn.Module):
+    @nn.compact
+    def __call__(self, x, k):
+      return model_lib.fp8_dot_general(x, k, dims)
+
+  variables = Dot().init(jax.random.key(0), x, k)
+  exact = np.asarray(x, np.float64) @ np.asarray(k, np.float64)
+  grads = jax.jit(jax.grad(lambda m: jnp.sum(Dot().apply({model_lib.FP8_COLLECTION: m}, x, k))))(
+      variables[model_lib.FP8_COLLECTION])
+  y = jax.jit(Dot().apply)({model_lib.FP8_COLLECTION: grads}, x, k)
+  fp8_err = assert_close(y, exact, 0.1, what='FP8 matmul')
+  bf16_err = assert_close(jnp.dot(x, k), exact, 0.02, what='bf16 matmul')
+  assert fp8_err > 2 * bf16_err, (fp8_err, bf16_err)

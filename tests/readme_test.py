@@ -182,6 +182,14 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax compile --config=configs/bert_base.py --topology=h100 --config.data.packing=true '
     '--config.model.attention_impl=cudnn --config.model.attention_probs_dropout_prob=0 '
     '--config.model.remat_policy=none': NotHere(_COMPILE + ' (with the gpu_aot packages)'),
+    'bert-jax compile --config=configs/bert_base.py --topology=h100 --config.data.packing=true '
+    '--config.model.attention_impl=cudnn --config.model.attention_probs_dropout_prob=0 '
+    '--config.train.phases= --config.model.matmul_precision=fp8': NotHere(
+        _COMPILE + ' (with the gpu_aot packages); tests/aot_gpu_test.py compiles the same FP8 '
+        'step at BERT-tiny'),
+    'python3 benchmarks/gpu.py --output=/tmp/gpu_fp8 --sizes=base,large --seq_lens=128 '
+    '--attention=cudnn --packing=true --matmul_precision=default,fp8 --loss_steps=300 '
+    '--frameworks=bert_jax --no-attention_dropout_case': NotHere(_GPU),
     # ---- README.md: troubleshooting ----------------------------------------------------------
     'bert-jax pretrain --config=configs/smoke.py': Run(
         'pretrain', f'--workdir={{tmp}}/smoke {_TINY_PRETRAIN} --config.train.steps=3'),

@@ -27,6 +27,7 @@ import pytest
 
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_files
+from bert_jax import convert
 from bert_jax import input_pipeline
 from bert_jax import monitor
 from bert_jax import pretraining
@@ -1044,3 +1045,71 @@ def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, v
   for name in ('jit_step', 'jit_eval_step'):
     assert f"Persistent compilation cache hit for '{name}'" not in logs[0]
     assert f"Persistent compilation cache hit for '{name}'" in logs[1], logs[1][-5000:]
+
+
+def _fp8_meta(workdir, step):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with ocp.StandardCheckpointer() as checkpointer:
+    return checkpointer.restore(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, str(step),
+                                             ckpt_lib.FP8_META))
+
+
+def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_file, caplog):
+  """model.matmul_precision='fp8': checkpoints hold the FP8 scales and histories beside the
+  optimizer state, a run resumed from step 4 reproduces steps 5-8 bit for bit (losses,
+  parameters, scales), and an export holds the weights alone (and starts another FP8 run as its
+  train.init_checkpoint). A checkpoint without scales (saved with FP8 off) resumes with fresh
+  ones; one with them resumes with FP8 off."""
+  fp8 = dict(model__matmul_precision='fp8', train__stop_at_step=8)
+  full = str(tmp_path / 'full')
+  train.train_and_evaluate(_config(vocab_file, **fp8), full)
+  assert ckpt_lib.checkpoint_steps(full) == [4, 8]
+  meta = _fp8_meta(full, 8)
+  histories = [h for p, h in jax.tree_util.tree_leaves_with_path(meta)
+               if jax.tree_util.keystr(p).endswith("_amax_history']")]
+  assert len(histories) == 2 * 4 * 3 and all(np.count_nonzero(h) == 8 for h in histories)
+
+  resumed = str(tmp_path / 'resumed')
+  shutil.copytree(full, resumed)
+  shutil.rmtree(os.path.join(resumed, ckpt_lib.CHECKPOINT_DIR, '8'))
+  train.train_and_evaluate(_config(vocab_file, **fp8), resumed)
+  assert _losses(resumed) == _losses(full)
+  _assert_same_params(_params(resumed), _params(full))
+  _assert_same_params(_fp8_meta(resumed, 8), meta)
+
+  # Exports (and what loads a workdir's weights) hold the parameters only.
+  for fmt in ('bert_jax', 'hf'):
+    out = str(tmp_path / fmt)
+    convert.convert(full, out, fmt)
+    files = [os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs]
+    assert not [f for f in files if 'fp8' in f or 'amax' in f], files
+  _, exported = convert.load_pretrained(str(tmp_path / 'bert_jax'))
+  _assert_same_params(exported, _params(full))
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(exported)]
+  assert not [n for n in names if 'fp8' in n or 'amax' in n or '_scale' in n]
+  # The export starts an FP8 run (train.init_checkpoint): its weights, fresh scales.
+  started = str(tmp_path / 'started')
+  train.train_and_evaluate(_config(vocab_file, model__matmul_precision='fp8',
+                                   train__init_checkpoint=str(tmp_path / 'bert_jax'),
+                                   train__stop_at_step=2), started)
+  assert all(np.count_nonzero(h) == 2 for p, h in jax.tree_util.tree_leaves_with_path(
+      _fp8_meta(started, 2)) if jax.tree_util.keystr(p).endswith("_amax_history']"))
+
+  # A checkpoint saved without FP8 (here: its scales removed) resumes with fresh scales.
+  fresh = str(tmp_path / 'fresh')
+  shutil.copytree(full, fresh)
+  shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '8'))
+  shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '4', ckpt_lib.FP8_META))
+  with caplog.at_level('WARNING'):
+    train.train_and_evaluate(_config(vocab_file, **fp8), fresh)
+  assert 'Checkpoint 4 has no FP8 scales' in caplog.text
+  assert sorted(_losses(fresh)) == list(range(1, 9))
+  assert all(np.count_nonzero(h) == 4 for p, h in jax.tree_util.tree_leaves_with_path(
+      _fp8_meta(fresh, 8)) if jax.tree_util.keystr(p).endswith("_amax_history']"))
+  # And one with scales resumes with FP8 off: they are left unread, not an error.
+  off = str(tmp_path / 'off')
+  shutil.copytree(full, off)
+  shutil.rmtree(os.path.join(off, ckpt_lib.CHECKPOINT_DIR, '8'))
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=8), off)
+  assert sorted(_losses(off)) == list(range(1, 9))
+  assert not os.path.exists(os.path.join(off, ckpt_lib.CHECKPOINT_DIR, '8', ckpt_lib.FP8_META))
