@@ -461,6 +461,11 @@ def user_error_message(error: BaseException) -> str | None:
   return None
 
 
+# The kind of config (config.kind) each command with a --config runs.
+_CONFIG_KIND = {'pretrain': 'pretrain', 'data': 'pretrain', 'eval': 'pretrain',
+                'compile': 'pretrain', 'finetune': 'finetune'}
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """FLAGS(argv), with a flag mistake raised as a UserError (absl would exit with status 1)."""
   try:
@@ -492,7 +497,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _explain_config_overrides(argv[1:])
     raise
   if 'config' in FLAGS and FLAGS['config'].value is not None:
-    config_checks.check_config(FLAGS.config)  # Every numeric key's range, before any work.
+    # Every numeric key's range and the config's kind (the other job's config is refused
+    # here, before TensorFlow or JAX load), before any work.
+    config_checks.check_config(FLAGS.config, kind=_CONFIG_KIND[argv[0].split()[-1]])
   return remaining
 
 

@@ -206,7 +206,11 @@ cli.main(['bert-jax'] + sys.argv[2:])
     ('tensorflow,jax', ['predict', '--workdir=w', '--input=a', '--output=b',
                         '--input_format=xml'], '--input_format=xml'),
     ('tensorflow', ['compile', '--topology=v5e'], "--topology='v5e': expected"),  # After JAX.
-], ids=['pretrain', 'finetune', 'data', 'predict', 'compile'])
+    ('tensorflow,jax', ['eval', '--config=finetune_glue', '--checkpoint=FILE'],
+     "--config is a fine-tuning config (run it with `bert-jax finetune`), not a pre-training"),
+    ('tensorflow,jax', ['finetune', '--config=smoke'],
+     "--config is a pre-training config (run it with `bert-jax pretrain`), not a fine-tuning"),
+], ids=['pretrain', 'finetune', 'data', 'predict', 'compile', 'eval_kind', 'finetune_kind'])
 def test_mistakes_found_before_tensorflow_and_jax_load(tmp_path, blocked, args, fragment):
   # Each mistake is found without the packages it does not need (about 5 s of CPU to load):
   # an import of one would end in a traceback here.
