@@ -602,11 +602,17 @@ def run_bert_jax(args, specs: list[dict], deadline: float, log, save) -> list[di
           state = jax.jit(c.init, out_shardings=c.shardings)(jax.random.key(0))
         state_size = layout
       state = c.run(state)
-      if args.loss_steps:
-        c.losses()
     except Exception as e:  # pylint: disable=broad-except
       c.result['error'] = _error(e)
       state, state_size = None, None
+    if args.loss_steps and 'error' not in c.result:
+      # A fresh state of its own: the timed one is let go first (the cases are sized to fill
+      # the GPU with one), and a failure here leaves the case's timings as they are.
+      state, state_size = None, None
+      try:
+        c.losses()
+      except Exception as e:  # pylint: disable=broad-except
+        c.result['losses_error'] = _error(e)
     results.append(c.result)
     log(_line(c.result))
     save(results)

@@ -427,7 +427,7 @@ def restore_latest(manager: ocp.CheckpointManager, workdir: str, abstract_state:
       with _reads_end_their_tasks():  # Its metadata reads, too.
         metadata = manager.item_metadata(step)['params']
       _check_shapes(metadata, abstract_state.params, os.path.join(ckpt_dir, str(step)))
-      state, meta = restore(manager, step, abstract_state)
+      restored = _read(manager, step, abstract_state)
     except UserError:
       raise
     except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
@@ -441,6 +441,9 @@ def restore_latest(manager: ocp.CheckpointManager, workdir: str, abstract_state:
     if skipped:
       manager.reload()
       logging.warning('Resuming from step %d: checkpoints %s were unreadable', step, skipped)
+    # Outside the files' catch-all: a device error here (out of memory, say) is not a
+    # corrupt checkpoint, and must not move good ones aside.
+    state, meta = _derived(restored, step, abstract_state)
     return step, state, meta
   if skipped:
     manager.reload()
@@ -575,20 +578,29 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> t
   FP8 scales and histories are not weights: a run that turns model.matmul_precision='fp8' on
   resumes a checkpoint without them from the initial ones, and one that turns it off leaves
   them unread."""
+  return _derived(_read(manager, step, abstract_state), step, abstract_state)
+
+
+def _read(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> dict:
+  """What checkpoint `step` holds of `abstract_state`, read (Orbax's Composite of items)."""
   items = dict(params=_pytree_restore(abstract_state.params),
                opt_state=_pytree_restore(abstract_state.opt_state),
                meta=ocp.args.JsonRestore())
-  abstract_fp8 = getattr(abstract_state, 'fp8_meta', None)
-  saved_fp8 = abstract_fp8 is not None and _has_item(manager, step, FP8_META)
-  if saved_fp8:
-    items[FP8_META] = _pytree_restore(abstract_fp8)
+  if (getattr(abstract_state, 'fp8_meta', None) is not None
+      and _has_item(manager, step, FP8_META)):
+    items[FP8_META] = _pytree_restore(abstract_state.fp8_meta)
   with _reads_end_their_tasks():
-    restored = manager.restore(step, args=ocp.args.Composite(**items))
-  # The state derives what is not saved (train_state.TrainState.restored).
+    return dict(manager.restore(step, args=ocp.args.Composite(**items)))
+
+
+def _derived(restored: dict, step: int, abstract_state: Any) -> tuple[Any, dict]:
+  """(state, meta) of a read checkpoint, with what a checkpoint does not hold computed on the
+  devices: the compute copy (train_state.TrainState.restored) and fresh FP8 scales."""
   state = abstract_state.restored(params=restored['params'], opt_state=restored['opt_state'],
                                   step=restored['meta']['step'])
+  abstract_fp8 = getattr(abstract_state, 'fp8_meta', None)
   if abstract_fp8 is not None:
-    if saved_fp8:
+    if FP8_META in restored:
       fp8_meta = restored[FP8_META]
     else:
       logging.warning('Checkpoint %d has no FP8 scales (saved without '

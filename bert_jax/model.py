@@ -220,8 +220,8 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
   model.max_position_embeddings and model.type_vocab_size (pre-training from scratch). Either
   way the block says how to run it: dtype ('auto' resolved for this backend), dropout, layer
   stacking, rematerialization, the attention and LayerNorm kernels, the encoder matmuls'
-  precision. `max_packed_sequences` is
-  the most sequences one row holds (data.packing_max_sequences); None keeps BertConfig's.
+  precision. `max_packed_sequences` is the most sequences one row holds
+  (data.packing_max_sequences); None keeps BertConfig's.
   """
   run = dict(dtype=resolve_dtype(model.dtype), hidden_dropout_prob=model.hidden_dropout_prob,
              attention_probs_dropout_prob=model.attention_probs_dropout_prob,
@@ -245,16 +245,6 @@ def resolve_dtype(name: str) -> str:
   if name == 'auto':
     return 'bfloat16' if jax.default_backend() in ('gpu', 'tpu') else 'float32'
   return name
-
-
-def check_seq_len(seq_len: int, max_position_embeddings: int,
-                  key: str = 'data.max_seq_length') -> None:
-  """Refuses sequences longer than the model has position embeddings, before any work."""
-  if seq_len > max_position_embeddings:
-    raise UserError(f'{key}={seq_len} exceeds model.max_position_embeddings='
-                    f'{max_position_embeddings}: the model has no position embedding past '
-                    f'{max_position_embeddings}; lower {key} (or, pre-training from scratch, raise '
-                    'model.max_position_embeddings)')
 
 
 # ---------------------------------------------------------------------------------------------

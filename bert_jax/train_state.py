@@ -121,7 +121,8 @@ def abstract_state(init_params: Callable[[jax.Array], Any], tx: optax.GradientTr
 # (LayerNorm, the biases the fused LayerNorm adds) or in a loop's carry is left as it is.
 
 # Primitives whose operands map one to one onto the inputs of their `jaxpr` parameter.
-_CALLS = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'checkpoint', 'remat', 'remat2', 'scan'})
+_CALLS = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'checkpoint', 'remat', 'remat2',
+                    'scan'})
 
 
 def _narrowing_casts(jaxpr: Any, var: Any) -> list[Any] | None:
