@@ -26,7 +26,8 @@ past the retries ends the run with one line naming the object (`gcs.outage`): it
 there has no `commit_success.txt` and is never resumed from. With several processes, a failure
 in one process's part of a save stops them all at the same point with the same status: each
 process publishes the outcome of its writes in jax.distributed's key-value store before Orbax's
-barriers (`_exchange`), and the others stop naming it (`SaveFailedElsewhere`).
+barriers (`_exchange`), process 0 that of its commit (`_CommitOutcome`), and the others stop
+naming it (`SaveFailedElsewhere`).
 
 Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) works like a
 local one (Orbax handles its own paths).
