@@ -190,8 +190,10 @@ def _read_outcome(client: Any, key: str, process: int, part: str, timeout_s: flo
     raise SaveFailedElsewhere(process, report, part)
 
 
-# The key-value store's prefix of process 0's commits, numbered like the saves.
+# The key-value store's prefix of process 0's commits, numbered like the saves (of every
+# manager, in the order every process makes them).
 _COMMIT_KEY = 'bert_jax/checkpoint_commit'
+_commits = itertools.count()
 _COMMIT_PART = 'commit of the checkpoint save'
 # What Orbax's asynchronous checkpointer calls the barrier after process 0's commit.
 _AFTER_COMMIT_BARRIER = 'async_commit_complete'
@@ -209,7 +211,6 @@ class _CommitOutcome:
   """
 
   def __init__(self):
-    self._numbers = itertools.count()
     self._pending: int | None = None  # The save whose commit is under way (one at a time).
     self._barrier: Callable[..., None] | None = None
 
@@ -221,7 +222,7 @@ class _CommitOutcome:
 
     def make_agreed(*args, **kwargs) -> Callable[[], None]:
       callback = make(*args, **kwargs)
-      number = self._pending = next(self._numbers)
+      number = self._pending = next(_commits)
 
       def agreed() -> None:
         error = None

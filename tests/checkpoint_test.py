@@ -348,6 +348,7 @@ def test_a_commit_process_0_cannot_write_stops_every_process_before_orbaxs_last_
     # it, and the other goes through Orbax's background thread after its writes.
     callbacks = {}
     for process, manager in ((0, _Manager3(failure)), (1, _Manager3())):
+      monkeypatch.setattr(checkpoint, '_commits', iter([save]))  # Each process's count.
       outcomes[process].hook(manager)
       callbacks[process] = manager._checkpointer._make_on_commit_callback('tmpdir', None, 0.0)
     monkeypatch.setattr(checkpoint.jax, 'process_index', lambda: 0)
@@ -378,6 +379,7 @@ def test_a_commit_process_0_cannot_write_stops_every_process_before_orbaxs_last_
       assert len(barriers) == 2 and 'async_commit_complete' in barriers[1]
   # Process 0 never answering: a TimeoutError naming it, within the barrier's time.
   manager = _Manager3()
+  monkeypatch.setattr(checkpoint, '_commits', iter([2]))
   outcomes[1].hook(manager)
   manager._checkpointer._make_on_commit_callback('tmpdir', None, 0.0)
   with pytest.raises(TimeoutError, match='process 0 did not finish its commit'):
