@@ -28,7 +28,8 @@ past the retries ends the run with one line naming the object (`gcs.outage`): it
 there has no `commit_success.txt` and is never resumed from. With several processes, a failure
 in one process's part of a save stops them all at the same point with the same status: each
 process publishes the outcome of its writes in jax.distributed's key-value store before Orbax's
-barriers (`_exchange`), and the others stop naming it (`SaveFailedElsewhere`).
+barriers (`_exchange`), process 0 that of its commit (`_CommitOutcome`), and the others stop
+naming it (`SaveFailedElsewhere`).
 
 Every path goes through `tf.io.gfile`, so a workdir on Cloud Storage (gs://...) works like a
 local one (Orbax handles its own paths).
@@ -83,17 +84,37 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
                  replica_parallel: bool = True) -> ocp.CheckpointManager:
   """The manager of `<workdir>/checkpoints`: items params, opt_state, fp8_meta (Orbax
   PyTrees; fp8_meta only in the checkpoints of FP8 runs), meta (JSON). `keep`: how many recent
-  steps are kept (None: all; the caller deletes)."""
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                         enable_async_checkpointing=async_save)
+  steps are kept (None: all; the caller deletes). `async_save=False`: its `save` returns once
+  the save is committed (Orbax's asynchronous checkpointer either way: with several processes,
+  only its commit can be agreed on, `_CommitOutcome`)."""
+  commit = _CommitOutcome() if jax.process_count() > 1 else None
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=True, enable_async_checkpointing=True,
+      async_options=ocp.AsyncOptions(barrier_sync_fn=commit.barrier) if commit else None)
   registry = _registry(replica_parallel)
   handlers = {'params': _agreeing(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)),
               'opt_state': _agreeing(
                   ocp.PyTreeCheckpointHandler(type_handler_registry=registry)),
               FP8_META: _agreeing(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)),
               'meta': _agreeing(ocp.JsonCheckpointHandler())}
-  return ocp.CheckpointManager(os.path.join(workdir, CHECKPOINT_DIR), options=options,
-                               item_handlers=handlers)
+  manager = _Manager(os.path.join(workdir, CHECKPOINT_DIR), options=options,
+                     item_handlers=handlers)
+  manager.waits = not async_save
+  if commit:
+    commit.hook(manager)
+  return manager
+
+
+class _Manager(ocp.CheckpointManager):
+  """Orbax's CheckpointManager, whose `save` waits for the commit when `waits`."""
+
+  waits = False
+
+  def save(self, *args, **kwargs) -> bool:
+    saved = super().save(*args, **kwargs)
+    if self.waits:
+      self.wait_until_finished()
+    return saved
 
 
 # ---- Several processes: one outcome per save ------------------------------------------------
@@ -106,11 +127,14 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
 # exits 143). So every process, once its writes (its input position, then its part of each
 # item) are done or failed, publishes the outcome in jax.distributed's key-value store and
 # reads every other process's before going on to Orbax's barriers: all continue, or all fail
-# (the others with `SaveFailedElsewhere`) at the same point and leave the save together. Not
-# covered: what process 0 alone writes after Orbax's barrier that follows the writes (the
-# step's metadata, the merge of the processes' OCDBT files, commit_success.txt); the others
-# wait in Orbax's next barrier meanwhile, and a failure there still parts the processes as
-# above.
+# (the others with `SaveFailedElsewhere`) at the same point and leave the save together.
+# After the barrier that follows the writes, process 0 alone commits the save (the step's
+# metadata, the merge of the processes' OCDBT files, commit_success.txt) while the others go
+# to Orbax's last barrier, which process 0 never reaches if its commit fails: it publishes the
+# commit's outcome, and the others read it before that barrier (`_CommitOutcome`). Not
+# covered: the step folders, which process 0 creates at the start of a save (with Orbax's
+# default, in the background) while the others' writes wait for them; a failure there still
+# stops process 0 alone.
 
 # The key-value store's prefix; the input positions and each item of each save are one exchange
 # each, numbered in the order every process makes them (the same in every process).
@@ -123,14 +147,15 @@ OUTCOME_TIMEOUT_S = 1200
 
 
 class SaveFailedElsewhere(Exception):
-  """Another process's part of this save failed (`report`: what `_report` says of its error);
-  this process stops with it (`_save_failed` says which process and why)."""
+  """Another process's `part` of this save failed (`report`: what `_report` says of its
+  error); this process stops with it (`_save_failed` says which process and why)."""
 
-  def __init__(self, process: int, report: dict[str, Any]):
-    super().__init__(f'process {process}\'s part of the checkpoint save failed: '
-                     f'{report["line"]}')
+  def __init__(self, process: int, report: dict[str, Any],
+               part: str = 'part of the checkpoint save'):
+    super().__init__(f'process {process}\'s {part} failed: {report["line"]}')
     self.process = process
     self.report = report
+    self.part = part
 
 
 def _report(error: BaseException) -> dict[str, Any]:
@@ -151,19 +176,96 @@ def _exchange(number: int, error: BaseException | None, timeout_s: float) -> Non
   if error is not None:
     raise error
   for other in range(jax.process_count()):
-    if other == me:
-      continue
-    try:
-      value = client.blocking_key_value_get(f'{key}/{other}', max(int(timeout_s * 1000), 1))
-    except Exception as e:  # pylint: disable=broad-except  (jax's DEADLINE_EXCEEDED)
-      raise TimeoutError(f'process {other} did not finish its part of a checkpoint save in '
-                         f'{timeout_s:.0f} s') from e
-    if (report := json.loads(value)) is not None:
-      raise SaveFailedElsewhere(other, report)
+    if other != me:
+      _read_outcome(client, f'{key}/{other}', other, 'part of the checkpoint save', timeout_s)
   if number:
     # Every process has read it: none posts exchange `number` before reading all of the one
     # before.
     client.key_value_delete(f'{_OUTCOME_KEY}/{number - 1}/{me}')
+
+
+def _read_outcome(client: Any, key: str, process: int, part: str, timeout_s: float) -> None:
+  """Waits for `process`'s outcome of its `part` of a save under `key`; raises a
+  `SaveFailedElsewhere` if it failed."""
+  try:
+    value = client.blocking_key_value_get(key, max(int(timeout_s * 1000), 1))
+  except Exception as e:  # pylint: disable=broad-except  (jax's DEADLINE_EXCEEDED)
+    raise TimeoutError(f'process {process} did not finish its {part} in {timeout_s:.0f} '
+                       's') from e
+  if (report := json.loads(value)) is not None:
+    raise SaveFailedElsewhere(process, report, part)
+
+
+# The key-value store's prefix of process 0's commits, numbered like the saves (of every
+# manager, in the order every process makes them).
+_COMMIT_KEY = 'bert_jax/checkpoint_commit'
+_commits = itertools.count()
+_COMMIT_PART = 'commit of the checkpoint save'
+# What Orbax's asynchronous checkpointer calls the barrier after process 0's commit.
+_AFTER_COMMIT_BARRIER = 'async_commit_complete'
+
+
+class _CommitOutcome:
+  """Process 0's commit of a save, agreed on by every process.
+
+  Orbax's background thread of a save, in every process: its writes (`_Agreed`), a barrier,
+  then (process 0 alone) the commit callback, then a barrier (`_AFTER_COMMIT_BARRIER`). Process
+  0's callback publishes its outcome (`hook`) and the others read it before that last barrier
+  (`barrier`, Orbax's `barrier_sync_fn`), so that a commit that fails stops them all with
+  `SaveFailedElsewhere` where their save's failures surface, instead of leaving them in a
+  barrier that process 0 never reaches.
+  """
+
+  def __init__(self):
+    self._pending: int | None = None  # The save whose commit is under way (one at a time).
+    self._barrier: Callable[..., None] | None = None
+
+  def hook(self, manager: ocp.CheckpointManager) -> None:
+    """Wraps the commit callbacks of `manager`'s checkpointer (made once per save, in every
+    process, on the main thread before the save's writes; run by process 0 alone)."""
+    checkpointer = manager._checkpointer  # pylint: disable=protected-access
+    make = checkpointer._make_on_commit_callback  # pylint: disable=protected-access
+
+    def make_agreed(*args, **kwargs) -> Callable[[], None]:
+      callback = make(*args, **kwargs)
+      number = self._pending = next(_commits)
+
+      def agreed() -> None:
+        error = None
+        try:
+          callback()
+        except Exception as e:  # pylint: disable=broad-except  (raised below, after publishing)
+          error = e
+        self.publish(number, error)
+        if error is not None:
+          raise error
+
+      return agreed
+
+    checkpointer._make_on_commit_callback = make_agreed  # pylint: disable=protected-access
+
+  def publish(self, number: int, error: BaseException | None) -> None:
+    """Process 0: publishes the outcome of commit `number` (and drops the one before, which
+    every process read before the barrier that ended it)."""
+    from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+    client = multihost.get_jax_distributed_client()
+    client.key_value_set(f'{_COMMIT_KEY}/{number}',
+                         json.dumps(None if error is None else _report(error)))
+    if number:
+      client.key_value_delete(f'{_COMMIT_KEY}/{number - 1}')
+
+  def barrier(self, *, key: str, timeout_ms: int) -> None:
+    """Orbax's barrier `key`; before the one after the commit, the others than process 0 read
+    the commit's outcome (within the barrier's own time)."""
+    if (_AFTER_COMMIT_BARRIER in key and jax.process_index() != 0
+        and self._pending is not None):
+      from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+      _read_outcome(multihost.get_jax_distributed_client(), f'{_COMMIT_KEY}/{self._pending}',
+                    0, _COMMIT_PART, timeout_ms / 1000)
+    if self._barrier is None:
+      from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+      self._barrier = multihost.get_barrier_sync_fn()
+    self._barrier(key=key, timeout_ms=timeout_ms)
 
 
 class _Agreed:
@@ -347,8 +449,8 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
   # which process and why.
   elsewhere = _in_chain(error, SaveFailedElsewhere)
   report = elsewhere.report if elsewhere else _report(error)
-  prefix = (f'stopped because process {elsewhere.process}\'s part of the checkpoint save '
-            'failed: ' if elsewhere else '')
+  prefix = (f'stopped because process {elsewhere.process}\'s {elsewhere.part} failed: '
+            if elsewhere else '')
   cause, failing = report['disk'], report['outage']
   _ORBAX_ERRORS.release(show=cause is None and failing is None and not elsewhere)
   if failing is not None:

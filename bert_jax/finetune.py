@@ -432,9 +432,9 @@ def _end_epoch(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption, 
 
 def _save(run: _Run, steps: monitor.Steps) -> None:
   """Saves the state at `run.step`, with the best epoch so far. Kept: this step (to resume
-  from), the best epoch's (its weights are the result) and, until this step's asynchronous save
-  is committed (the next save waits for it), the latest committed one: a save that fails
-  (Cloud Storage down, a full disk) leaves a step to resume from."""
+  from), the best epoch's (its weights are the result) and, until this step's save is
+  committed (`save` waits for it), the latest committed one: a save that fails (Cloud Storage
+  down, a full disk) leaves a step to resume from."""
   # The steps since the last log row were not checked yet (the log checks its own): a
   # diverged step's weights are never kept.
   steps.check(run.step, 'lower config.train.learning_rate', saving=True)

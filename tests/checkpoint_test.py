@@ -297,3 +297,90 @@ def test_an_input_position_one_process_cannot_write_stops_every_process_before_o
           'resume once Cloud Storage answers')
   assert lines == {1: line, 0: f"stopped because process 1's part of the checkpoint save "
                                 f'failed: {line}'}
+
+
+class _Checkpointer:
+  """Orbax's AsyncCheckpointer as `_CommitOutcome.hook` uses it: its commit callbacks fail with
+  `error` (if any), as process 0's commit would."""
+
+  def __init__(self, error=None):
+    self.error = error
+
+  def _make_on_commit_callback(self, *args):
+    del args
+
+    def callback():
+      if self.error:
+        raise self.error
+
+    return callback
+
+
+class _Manager3:
+  def __init__(self, error=None):
+    self._checkpointer = _Checkpointer(error)
+
+
+def test_a_commit_process_0_cannot_write_stops_every_process_before_orbaxs_last_barrier(
+    monkeypatch, tmp_path):
+  """Process 0 alone commits a save (the step's metadata, the merge of the processes' files,
+  commit_success.txt) between Orbax's last two barriers. Its commit fails past the retries: the
+  other process, in Orbax's own background save thread, stops before the barrier process 0
+  never reaches, with 143's one line naming process 0 and the object; the next save's commit
+  goes through and its barrier is reached."""
+  from orbax.checkpoint import multihost
+  from etils import epath
+  from orbax.checkpoint._src.checkpointers import async_checkpointer
+  store = _KeyValueStore()
+  monkeypatch.setattr(multihost, 'get_jax_distributed_client', lambda: store)
+  monkeypatch.setattr(checkpoint.jax, 'process_count', lambda: 2)
+  path = 'gs://b/run/checkpoints/8/commit_success.txt'
+  error = UnavailableError(f'Error executing an HTTP request: HTTP response code 503 with body '
+                           f'\'{{"error": {{"message": "Backend Error"}}}}\' when uploading {path}')
+  outcomes = {p: checkpoint._CommitOutcome() for p in (0, 1)}
+  barriers = []
+  outcomes[1]._barrier = lambda key, timeout_ms: barriers.append(key)
+  line = (f'{path}: Cloud Storage kept failing (Backend Error) past the retries (README: Cloud '
+          'Storage); the last complete checkpoint, step 4, is intact: rerun the same command to '
+          'resume once Cloud Storage answers')
+  for save, failure in enumerate((error, None)):
+    # Each process makes the save's commit callback (Orbax, on the main thread); process 0 runs
+    # it, and the other goes through Orbax's background thread after its writes.
+    callbacks = {}
+    for process, manager in ((0, _Manager3(failure)), (1, _Manager3())):
+      monkeypatch.setattr(checkpoint, '_commits', iter([save]))  # Each process's count.
+      outcomes[process].hook(manager)
+      callbacks[process] = manager._checkpointer._make_on_commit_callback('tmpdir', None, 0.0)
+    monkeypatch.setattr(checkpoint.jax, 'process_index', lambda: 0)
+    if failure:
+      with pytest.raises(UnavailableError):
+        callbacks[0]()
+    else:
+      callbacks[0]()
+      assert f'{checkpoint._COMMIT_KEY}/0' not in store.values  # Read by all: dropped.
+    monkeypatch.setattr(checkpoint.jax, 'process_index', lambda: 1)
+    monkeypatch.setattr(multihost, 'process_index', lambda: 1)
+    barriers.clear()
+    background = lambda: async_checkpointer._background_wait_for_commit_futures(  # pylint: disable=protected-access
+        epath.Path(os.path.dirname(path)), [], callbacks[1],
+        barrier_sync_key_prefix='', timeout_secs=1200,
+        sync_fn=lambda key, timeout_ms: outcomes[1].barrier(key=key, timeout_ms=timeout_ms),
+        primary_host=0)
+    if failure:
+      with pytest.raises(checkpoint.SaveFailedElsewhere) as raised:
+        background()
+      assert len(barriers) == 1 and 'async_write_complete' in barriers[0]
+      with pytest.raises(checkpoint.Outage) as stopped:
+        checkpoint._save_failed(_Committed(), str(tmp_path), raised.value)
+      assert str(stopped.value) == (
+          f"stopped because process 0's commit of the checkpoint save failed: {line}")
+    else:
+      background()
+      assert len(barriers) == 2 and 'async_commit_complete' in barriers[1]
+  # Process 0 never answering: a TimeoutError naming it, within the barrier's time.
+  manager = _Manager3()
+  monkeypatch.setattr(checkpoint, '_commits', iter([2]))
+  outcomes[1].hook(manager)
+  manager._checkpointer._make_on_commit_callback('tmpdir', None, 0.0)
+  with pytest.raises(TimeoutError, match='process 0 did not finish its commit'):
+    outcomes[1].barrier(key='async_commit_complete', timeout_ms=1000)
