@@ -251,6 +251,15 @@ class UnavailableError(Exception):
   """TensorFlow's error for Cloud Storage failing past its file system's retries (by name)."""
 
 
+def _outage_at(path):
+  """(the error of an upload of `path` failing past the retries, the one line it stops with)."""
+  error = UnavailableError(f'Error executing an HTTP request: HTTP response code 503 with body '
+                           f'\'{{"error": {{"message": "Backend Error"}}}}\' when uploading {path}')
+  return error, (f'{path}: Cloud Storage kept failing (Backend Error) past the retries (README: '
+                 'Cloud Storage); the last complete checkpoint, step 4, is intact: rerun the same '
+                 'command to resume once Cloud Storage answers')
+
+
 class _Manager2(_Committed):
   """A CheckpointManager with step 4 committed, whose `save` must not be reached."""
 
@@ -283,8 +292,7 @@ def test_an_input_position_one_process_cannot_write_stops_every_process_before_o
   monkeypatch.setattr(multihost, 'get_jax_distributed_client', lambda: store)
   monkeypatch.setattr(checkpoint.jax, 'process_count', lambda: 2)
   path = 'gs://b/run/data_state/8/process_1.index'
-  error = UnavailableError(f'Error executing an HTTP request: HTTP response code 503 with body '
-                           f'\'{{"error": {{"message": "Backend Error"}}}}\' when uploading {path}')
+  error, line = _outage_at(path)
   lines = {}
   for process, failure in ((1, error), (0, None)):
     monkeypatch.setattr(checkpoint.jax, 'process_index', lambda p=process: p)
@@ -292,9 +300,6 @@ def test_an_input_position_one_process_cannot_write_stops_every_process_before_o
     with pytest.raises(checkpoint.Outage) as stopped:
       checkpoint.save(_Manager2(), str(tmp_path), 8, None, {}, _Position(failure))
     lines[process] = str(stopped.value)
-  line = (f'{path}: Cloud Storage kept failing (Backend Error) past the retries (README: Cloud '
-          'Storage); the last complete checkpoint, step 4, is intact: rerun the same command to '
-          'resume once Cloud Storage answers')
   assert lines == {1: line, 0: f"stopped because process 1's part of the checkpoint save "
                                 f'failed: {line}'}
 
@@ -335,14 +340,10 @@ def test_a_commit_process_0_cannot_write_stops_every_process_before_orbaxs_last_
   monkeypatch.setattr(multihost, 'get_jax_distributed_client', lambda: store)
   monkeypatch.setattr(checkpoint.jax, 'process_count', lambda: 2)
   path = 'gs://b/run/checkpoints/8/commit_success.txt'
-  error = UnavailableError(f'Error executing an HTTP request: HTTP response code 503 with body '
-                           f'\'{{"error": {{"message": "Backend Error"}}}}\' when uploading {path}')
+  error, line = _outage_at(path)
   outcomes = {p: checkpoint._CommitOutcome() for p in (0, 1)}
   barriers = []
   outcomes[1]._barrier = lambda key, timeout_ms: barriers.append(key)
-  line = (f'{path}: Cloud Storage kept failing (Backend Error) past the retries (README: Cloud '
-          'Storage); the last complete checkpoint, step 4, is intact: rerun the same command to '
-          'resume once Cloud Storage answers')
   for save, failure in enumerate((error, None)):
     # Each process makes the save's commit callback (Orbax, on the main thread); process 0 runs
     # it, and the other goes through Orbax's background thread after its writes.
