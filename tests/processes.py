@@ -41,13 +41,16 @@ _HELD_BACK = ('oneDNN custom operations', 'cuInit', 'TPU_ACCELERATOR_TYPE',
               'Jax plugin configuration error', 'INVALID_ARGUMENT')
 
 
-def check_console(where: str, proc: subprocess.CompletedProcess, says: tuple[str, ...] = ()
-                  ) -> None:
-  """Asserts that a command succeeded as a user wants to see it: exit 0, nothing at error level,
-  none of the held-back start-up lines, and each of `says` printed."""
+def check_console(where: str, proc: subprocess.CompletedProcess, says: tuple[str, ...] = (),
+                  ours: bool = True) -> None:
+  """Asserts that a command succeeded as a user wants to see it: exit 0, no traceback, each of
+  `says` printed, and for `ours` (bert-jax, this checkout's scripts) nothing at error level and
+  none of the held-back start-up lines. Another program (TensorFlow's saved_model_cli, a
+  `python3 -c` that imports TensorFlow) prints its libraries' start-up lines itself."""
   output = proc.stdout + proc.stderr
   bad = [line for line in output.splitlines()
-         if _ERROR_LINE.match(line) or any(noise in line for noise in _HELD_BACK)]
+         if line.startswith('Traceback (most recent call last)') or ours and (
+             _ERROR_LINE.match(line) or any(noise in line for noise in _HELD_BACK))]
   missing = [s for s in says if s not in output]
   assert proc.returncode == 0 and not bad and not missing, (
       f'{where}: exit {proc.returncode}; lines a successful run does not print: {bad}; '
