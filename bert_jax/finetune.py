@@ -60,6 +60,7 @@ from bert_jax import monitor
 from bert_jax import optim
 from bert_jax import run_lock
 from bert_jax import sharding as sharding_lib
+from bert_jax import state_extras
 from bert_jax import task_table
 from bert_jax import tasks
 from bert_jax import train_state as state_lib
@@ -259,7 +260,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   # ---- Restore, or init: pre-trained encoder, fresh head --------------------------------------
   # Every save keeps the train state (for resume) and, in `meta`, the best epoch so far, whose
   # step is kept too; once the run ends only the best epoch's checkpoint stays.
-  manager = ckpt_lib.make_manager(workdir, keep=None, async_save=False, replica_parallel=False)
+  manager = ckpt_lib.make_manager(workdir, keep=None, async_save=False, replica_parallel=False,
+                                  extras=state_extras.saved_names())
 
   def init() -> state_lib.TrainState:
     params = init_head(abstract.params, shardings.params, bert_config.initializer_range,
@@ -270,8 +272,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
                  sorted(set(params) - {'bert'}),
                  f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')
     with sharding_lib.activate(mesh, rules):
-      return state_lib.state_from_params(params, tx, shardings, abstract,
-                                         model_lib.initial_fp8_meta(abstract.fp8_meta))
+      return state_lib.state_from_params(params, tx, abstract)
 
   # A fresh head compiles its initializers: SIGTERM does not wait for them.
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,

@@ -174,7 +174,7 @@ class BertConfig:
 #   recipe): inputs and kernels in float8_e4m3fn, output gradients in float8_e5m2, each scaled
 #   by the largest magnitude of the last FP8_AMAX_HISTORY steps. The scales and amax histories
 #   live in the FP8_COLLECTION variable collection: the "gradient" a step computes for them is
-#   their new value, which replaces them (`train_state.TrainState.fp8_meta`), never an
+#   their new value, which replaces them (`state_extras.FP8_SCALES`), never an
 #   optimizer update. Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them
 #   (correct, slower).
 # The embeddings (exact one-hot lookups), the pooler, the MLM transform and the tied decoder,
@@ -796,14 +796,6 @@ def with_nsp_head(params: dict, hidden_size: int) -> dict:
                            'bias': np.zeros(2, np.float32)})
 
 
-def split_variables(variables: dict) -> Any:
-  """A model's initial variables as `train_state.abstract_state` takes them: the parameters,
-  or (parameters, FP8 scales and histories) when it has those (matmul_precision='fp8')."""
-  if FP8_COLLECTION in variables:
-    return variables['params'], variables[FP8_COLLECTION]
-  return variables['params']
-
-
 def initial_fp8_meta(abstract: Any) -> Any:
   """The FP8 scales and amax histories a model starts with (flax's: scales 1, histories 0),
   shaped as the abstract tree `abstract` (ShapeDtypeStructs or arrays); None for None."""
@@ -815,13 +807,6 @@ def initial_fp8_meta(abstract: Any) -> Any:
       return jnp.zeros(leaf.shape, leaf.dtype)
     raise ValueError(f'unknown FP8 variable {jax.tree_util.keystr(path)}')
   return None if abstract is None else jax.tree_util.tree_map_with_path(initial, abstract)
-
-
-def variables(params: Any, fp8_meta: Any = None) -> dict:
-  """The variables `Module.apply` takes: `params`, plus the FP8 scales and histories."""
-  if fp8_meta is None:
-    return {'params': params}
-  return {'params': params, FP8_COLLECTION: fp8_meta}
 
 
 def count_params(params) -> int:

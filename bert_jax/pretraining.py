@@ -102,20 +102,19 @@ def phase_at(phases: list[Phase], step: int) -> Phase:
 PACKED_INPUTS = ('position_ids', 'sequence_ids', 'next_sentence_positions')
 
 
-def apply_model(model: nn.Module, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None,
+def apply_model(model: nn.Module, variables: dict[str, Any], batch: dict[str, jax.Array],
                 **kwargs):
-  """BertForPreTraining on a batch of rows, packed or not (with FP8 scales and histories,
-  `fp8_meta`, when model.matmul_precision='fp8' trains)."""
+  """BertForPreTraining on a batch of rows, packed or not: applied to `variables` (a training
+  step's `train_state.model_variables`, or {'params': params})."""
   packed = {k: batch[k] for k in PACKED_INPUTS if k in batch}
-  return model.apply(model_lib.variables(params, fp8_meta), batch['input_ids'],
-                     batch['input_mask'], batch['segment_ids'], batch['masked_lm_positions'],
-                     **packed, **kwargs)
+  return model.apply(variables, batch['input_ids'], batch['input_mask'], batch['segment_ids'],
+                     batch['masked_lm_positions'], **packed, **kwargs)
 
 
 def pretraining_apply(model: nn.Module) -> state_lib.Apply:
   """BertForPreTraining in training mode (dropout on): (MLM logits, sentence logits)."""
-  return lambda params, batch, rng, fp8_meta=None: apply_model(
-      model, params, batch, fp8_meta, deterministic=False, rngs={'dropout': rng})
+  return lambda variables, batch, rng: apply_model(model, variables, batch,
+                                                   deterministic=False, rngs={'dropout': rng})
 
 
 def pretraining_loss(objective: objectives.Objective) -> state_lib.Loss:
@@ -155,7 +154,7 @@ def build_train_step(model, tx, mesh, rules, state_shardings, base_rng, accum_st
 def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
               objective: str) -> dict[str, Any]:
   """The objective's metrics ((sum, count) pairs) of a held-out batch, dropout off."""
-  outputs = apply_model(model, params, batch, deterministic=True)
+  outputs = apply_model(model, {'params': params}, batch, deterministic=True)
   _, _, metrics = objectives.loss(objectives.get(objective), outputs, batch)
   return metrics
 
@@ -170,9 +169,8 @@ def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformat
   """(abstract TrainState, its NamedShardings, init function) without allocating anything."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
   return state_lib.abstract_state(
-      lambda rng: model_lib.split_variables(model.init(
-          {'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32), deterministic=True)),
-      tx, mesh, rules)
+      lambda rng: model.init({'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32),
+                             deterministic=True), tx, mesh, rules)
 
 
 def check_attention(config: ml_collections.ConfigDict, platform: str) -> None:

@@ -31,6 +31,7 @@ from bert_jax import objectives
 from bert_jax import pretraining
 from bert_jax import run_lock
 from bert_jax import sharding as sharding_lib
+from bert_jax import state_extras
 from bert_jax import train_state as state_lib
 from bert_jax.errors import UserError
 
@@ -324,7 +325,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
                built.bert_config.dtype)
 
   # ---- Init or restore -----------------------------------------------------------------------
-  manager = ckpt_lib.make_manager(workdir, config.checkpoint.keep)
+  manager = ckpt_lib.make_manager(workdir, config.checkpoint.keep,
+                                  extras=state_extras.saved_names())
   # A fresh init compiles (minutes for a large model on a pod): SIGTERM does not wait for it.
   start, state, meta = ckpt_lib.restore_or_init(
       manager, workdir, built.abstract, lambda: preemption.wait(lambda: _init(config, built)))
@@ -373,8 +375,7 @@ def _init(config: ml_collections.ConfigDict, built: pretraining.Step) -> state_l
   params = _init_from_checkpoint(config.train.init_checkpoint, built.bert_config, fresh)
   logging.info('Initialized from %s', config.train.init_checkpoint)
   return state_lib.state_from_params(state_lib.put_sharded(params, built.shardings.params),
-                                     built.tx, built.shardings, built.abstract,
-                                     state.fp8_meta)
+                                     built.tx, built.abstract)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -373,8 +373,10 @@ def _fp8_variables(config, seed=4, abstract=False):
   """(parameters, FP8 scales and histories) of BertForPreTraining under `config` (shapes only
   with `abstract`)."""
   ids, mask, seg, pos = _batch()
-  init = lambda: model_lib.split_variables(nn.unbox(model_lib.BertForPreTraining(config).init(
-      jax.random.key(seed), ids, mask, seg, pos)))
+  def init():
+    variables = nn.unbox(model_lib.BertForPreTraining(config).init(jax.random.key(seed), ids,
+                                                                  mask, seg, pos))
+    return variables['params'], variables.get(model_lib.FP8_COLLECTION)
   shapes = jax.eval_shape(init)
   if abstract:
     return shapes
@@ -390,7 +392,9 @@ def test_fp8_keeps_the_parameters_and_adds_scales_only_to_encoder_matmuls():
   embeddings, pooler or heads; and no FP8 collection at all by default."""
   fp8 = TINY.replace(matmul_precision='fp8')
   params, meta = _fp8_variables(fp8, abstract=True)
-  assert jax.tree.structure(params) == jax.tree.structure(_fp8_variables(TINY, abstract=True))
+  default_params, default_meta = _fp8_variables(TINY, abstract=True)
+  assert jax.tree.structure(params) == jax.tree.structure(default_params)
+  assert default_meta is None
   assert set(meta) == {'bert'} and set(meta['bert']) == {'encoder'}
   for i in range(TINY.num_hidden_layers):
     layer = meta['bert']['encoder'][f'layer_{i}']
@@ -425,7 +429,7 @@ def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dty
   @jax.jit
   def train_forward(p, m):
     return model_lib.BertForPreTraining(fp8).apply(
-        model_lib.variables(p, m), ids, mask, seg, pos, deterministic=False,
+        {'params': p, model_lib.FP8_COLLECTION: m}, ids, mask, seg, pos, deterministic=False,
         rngs={'dropout': jax.random.key(0)})[0]
 
   # The "gradient" of the scales and histories is their value after this step (delayed
