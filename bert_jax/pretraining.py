@@ -28,12 +28,16 @@ from bert_jax import train_state as state_lib
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-  """Steps [start, end) run at one sequence length and number of predictions."""
+  """Steps [start, end) run at one sequence length and number of predictions, on `data`."""
   index: int
   start: int
   end: int
   seq_len: int
   max_predictions: int
+  # config.data with the phase's own inputs, where data.phase_inputs / phase_eval_inputs name
+  # them (TFRecords of create_pretraining_data.py hold one sequence length each).
+  data: ml_collections.ConfigDict = dataclasses.field(compare=False, hash=False, repr=False,
+                                                      default=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,43 +51,39 @@ def packed_sequences(config: ml_collections.ConfigDict) -> int:
 
 
 def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
-  """`train.phases` ('0.9:128:20,0.1:512:80') -> Phases covering [0, train.steps)."""
+  """`train.phases` ('0.9:128:20,0.1:512:80') -> Phases covering [0, train.steps), each with
+  its data block."""
   steps = int(config.train.steps)
   parts = config_checks.phase_specs(config)  # Checked where the config was loaded, too.
   if not parts:
     # train.phases is empty: the run uses data.max_seq_length (checked against the model's
     # positions with the config, config_checks._lengths).
-    return [Phase(0, 0, steps, config.data.max_seq_length, config.data.max_predictions_per_seq)]
+    parts = [(1.0, config.data.max_seq_length, config.data.max_predictions_per_seq)]
+  inputs = _per_phase(config.data.phase_inputs, len(parts))
+  eval_inputs = _per_phase(config.data.phase_eval_inputs, len(parts))
   phases, start, cumulative = [], 0, 0.0
   for i, (frac, seq_len, preds) in enumerate(parts):
     cumulative += frac
     # Rounded where each phase ends, not by length, so that no phase overshoots the schedule.
     end = steps if i == len(parts) - 1 else max(start, int(round(cumulative * steps)))
-    phases.append(Phase(i, start, end, seq_len, preds))
+    data = config.data.copy_and_resolve_references()
+    if inputs[i]:
+      data.input = inputs[i]
+    if eval_inputs[i]:
+      data.eval_input = eval_inputs[i]
+    phases.append(Phase(i, start, end, seq_len, preds, data))
     start = end
   return [p for p in phases if p.end > p.start]
 
 
-def _per_phase(config: ml_collections.ConfigDict, key: str) -> list[str]:
-  """data.<key> ('a;b', one entry per train.phases entry; '' entries = the default input)."""
-  spec = config.data[key].strip()
+def _per_phase(spec: str, phases: int) -> list[str]:
+  """data.phase_inputs or phase_eval_inputs ('a;b', one entry per train.phases entry; ''
+  entries = the default input) as one entry per phase."""
+  spec = spec.strip()
   if not spec:
-    return [''] * max(1, len(config_checks.phase_specs(config)))
+    return [''] * phases
   # One entry per phase: checked with the config (config_checks._phases).
   return [e.strip() for e in spec.split(';')]
-
-
-def phase_data(config: ml_collections.ConfigDict, phase: Phase) -> ml_collections.ConfigDict:
-  """config.data with the phase's own inputs, when data.phase_inputs / phase_eval_inputs name
-  them (TFRecords of create_pretraining_data.py hold one sequence length each)."""
-  train_input = _per_phase(config, 'phase_inputs')[phase.index]
-  eval_input = _per_phase(config, 'phase_eval_inputs')[phase.index]
-  data = config.data.copy_and_resolve_references()
-  if train_input:
-    data.input = train_input
-  if eval_input:
-    data.eval_input = eval_input
-  return data
 
 
 def phase_at(phases: list[Phase], step: int) -> Phase:
