@@ -12,8 +12,9 @@ declaration to `EXTRAS`.
 
 - `COMPUTE_COPY` ('compute_params', derived): the parameters the model reads only cast to its
   compute dtype (bfloat16), kept in that dtype and written by the optimizer's update.
-- `FP8_SCALES` ('fp8_meta', saved): model.matmul_precision='fp8''s scales and amax histories
-  (the model's `FP8_COLLECTION`), replaced by what each backward pass returns for them.
+- `FP8_SCALES` ('fp8_meta', saved): the scales and amax histories of
+  model.matmul_precision='fp8' (the model's `FP8_COLLECTION`), replaced by what each backward
+  pass returns for them.
 """
 
 import dataclasses

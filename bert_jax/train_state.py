@@ -56,19 +56,18 @@ class TrainState:
     holds: parameters, optimizer state and `saved` (the saved extras it has); the other extras
     computed on the devices by their `init`: the derived ones from the parameters, a saved one
     that the checkpoint lacks afresh (with a warning)."""
-    computed = {}
+    to_compute = {}
     for name in self.extras:
       extra = state_extras.get(name)
       if extra.saved and name in saved:
         continue
       if extra.saved:
         logging.warning('Checkpoint %d %s', step, extra.absent())
-      computed[name] = extra
-    if computed:
-      computed = jax.jit(
-          lambda p: {name: e.init(p, self.extras[name]) for name, e in computed.items()},
-          out_shardings={name: jax.tree.map(lambda a: a.sharding, self.extras[name])
-                         for name in computed})(params)
+      to_compute[name] = extra
+    computed = jax.jit(
+        lambda p: {name: e.init(p, self.extras[name]) for name, e in to_compute.items()},
+        out_shardings={name: jax.tree.map(lambda a: a.sharding, self.extras[name])
+                       for name in to_compute})(params) if to_compute else {}
     return self.replace(step=step, params=params, opt_state=opt_state,
                         extras={name: saved[name] if name in saved else computed[name]
                                 for name in self.extras})
@@ -132,7 +131,7 @@ def _fresh_extras(params: Any, shapes: dict[str, Any]) -> dict[str, Any]:
 def model_variables(state: TrainState) -> dict[str, Any]:
   """The variables the step applies the model to, built here alone: 'params', with the leaves
   of the extras applied as 'params' (the compute copy) instead of theirs, and each extra applied
-  as a collection of its own (the FP8 scales) under its name."""
+  as a collection of its own (the FP8 scales) under that collection's name."""
   flat = traverse_util.flatten_dict(state.params)
   collections = {}
   for name, value in state.extras.items():

@@ -32,7 +32,7 @@ if importlib.util.find_spec('jax_plugins.xla_cuda12') is None and not os.environ
 # bias + GELU became one custom_vjp: 1,479 kernels, 64.45 GB, 12.54 GiB; after issue 30's items
 # 3, 4 and 5 (one QKV matmul, no MLM zeros scatter, 8-bit dropout masks multiplied; LayerNorm
 # `xla`, the default): 1,247 kernels, 58.38 GB, 12.03 GiB; after item 6's bf16 compute copy of
-# the parameters (train_state.TrainState.compute_params): 1,195 kernels, 58.10 GB, 12.07 GiB;
+# the parameters (state_extras.COMPUTE_COPY): 1,195 kernels, 58.10 GB, 12.07 GiB;
 # and the gradients' global norm summed by groups of like leaves (train_state.global_norm):
 # 1,022 kernels, 58.20 GB, 12.07 GiB.
 # Regenerate (then set the budget to
