@@ -469,6 +469,19 @@ def test_appends_survive_429_503_a_reset_and_a_lost_answer(gcs):
   assert [os.path.basename(p) for p in fileio.glob(gcs.url('faulty/*'))] == ['metrics.jsonl']
 
 
+def test_an_append_after_the_object_was_cut_back_goes_onto_what_is_there(gcs):
+  """A resumed run cuts metrics.jsonl back through TensorFlow between two appends of this
+  process: the next rows go onto the cut-back file, once each."""
+  path = gcs.url('cut/metrics.jsonl')
+  for row in range(3):
+    gcs_lib.append(path, f'row {row}\n'.encode())
+  with fileio.gfile().GFile(path, 'w') as f:
+    f.write('row 0\n')
+  gcs_lib.append(path, b'row 1 again\n')
+  gcs_lib.append(path, b'row 2 again\n')
+  assert fileio.read_text(path) == 'row 0\nrow 1 again\nrow 2 again\n'
+
+
 def test_an_outage_past_the_retries_is_one_line_naming_the_object(gcs, monkeypatch):
   """Every compose onto one object answers 503: the append gives up at its deadline (shortened
   here from 120 s), and the `bert-jax` command's line names the object; the rows before the
