@@ -22,8 +22,9 @@ Workdir:
                        finished
   predictions/         the best epoch's dev predictions: SQuAD predictions.json (+ null_odds.json),
                        NER CoNLL files, SWAG dev.jsonl, GLUE dev.tsv (MNLI: dev_matched.tsv,
-                       dev_mismatched.tsv) in the leaderboard's layout; with config.predict_test,
-                       the test sets' (GLUE: the leaderboard's CoLA.tsv, ...)
+                       dev_mismatched.tsv) in the leaderboard's layout; with
+                       config.eval.predict_test, the test sets' (GLUE: the leaderboard's
+                       CoLA.tsv, ...)
 Resume: rerunning the same call continues from the latest checkpoint that reads back whole
 (saved every checkpoint.every_steps, after each epoch's evaluation and on SIGTERM;
 `checkpoint.restore_or_init`, pre-training's resume order) at its step inside its epoch, and
@@ -54,7 +55,6 @@ from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_checks
 from bert_jax import convert
 from bert_jax import fileio
-from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import optim
@@ -127,7 +127,9 @@ def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> No
       workdir, config.to_json_best_effort(indent=2), bert_config, vocab_file, extra={
           'tokenizer_config.json': {'do_lower_case': lower_case,
                                     'tokenizer_class': 'BertTokenizer'},
+          # The head's module is named after the transformers class it exports as.
           'task.json': dict(task.info, kind=task.kind, main_metric=task.main_metric,
+                            hf_architecture=type(task.model).__name__,
                             max_seq_length=config.data.max_seq_length,
                             init_checkpoint=config.train.init_checkpoint,
                             # What dev was evaluated in: `predict` reproduces it.
@@ -203,7 +205,7 @@ class _Run:
 
 def _finetune(config: ml_collections.ConfigDict, workdir: str,
               preemption: monitor.Preemption) -> dict[str, Any] | None:
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   run_files.check_workdir_kind(workdir, fine_tuning=True)
   run_files.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   metrics_path = os.path.join(workdir, 'metrics.json')
@@ -369,7 +371,7 @@ def _train_epoch(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption
   every = int(config.checkpoint.every_steps)
   # The epoch's batches are planned from its seed alone, so a resumed run skips exactly the
   # ones it had trained on.
-  plan = batching.batches(run.task.train, int(config.train.batch_size), run.buckets,
+  plan = batching.batches(run.task.train, int(config.train.batch_size), run.data.buckets,
                           shuffle=True, seed=_epoch_seed(config, epoch),
                           window_batches=run.sort_window)
   for batch in itertools.islice(plan, run.step - (epoch - 1) * run.steps_per_epoch, None):
@@ -469,7 +471,7 @@ def _predict(run: _Run, preemption: monitor.Preemption, params: Any,
   try:
     with sharding_lib.activate(run.mesh, run.rules):
       return batching.predict_rows(predict_batch, eval_set.features,
-                                   int(run.config.eval.batch_size), run.buckets)
+                                   int(run.config.eval.batch_size), run.data.buckets)
   except CutShort:
     return None
 
@@ -530,7 +532,7 @@ def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertC
 def _batch_settings(config: ml_collections.ConfigDict, train_features: dict[str, np.ndarray],
                     batch_size: int) -> tuple[tuple[int, ...], int]:
   """(length buckets, length_sort_window), checked, with what the buckets save logged."""
-  buckets = batching.parse_buckets(config.buckets)
+  buckets = batching.parse_buckets(config.data.buckets)
   sort_window = int(config.train.length_sort_window)  # >= 1 (config_checks).
   attention.check_config(config.model.attention_impl,
                          config.model.attention_probs_dropout_prob, jax.default_backend(),

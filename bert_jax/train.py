@@ -126,7 +126,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   """
   from bert_jax import convert  # pylint: disable=g-import-not-at-top
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   convert.check_casing(checkpoint, config.data.lower_case, '--checkpoint')
@@ -252,7 +252,7 @@ class _Run:
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         preemption: monitor.Preemption) -> dict[str, float]:
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   run_files.check_workdir_kind(workdir, fine_tuning=False)
   run_files.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)  # In range (config_checks).
