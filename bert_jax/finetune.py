@@ -24,8 +24,9 @@ Workdir:
                        finished
   predictions/         the best epoch's dev predictions: SQuAD predictions.json (+ null_odds.json),
                        NER CoNLL files, SWAG dev.jsonl, GLUE dev.tsv (MNLI: dev_matched.tsv,
-                       dev_mismatched.tsv) in the leaderboard's layout; with config.predict_test,
-                       the test sets' (GLUE: the leaderboard's CoLA.tsv, ...)
+                       dev_mismatched.tsv) in the leaderboard's layout; with
+                       config.eval.predict_test, the test sets' (GLUE: the leaderboard's
+                       CoLA.tsv, ...)
 Resume: rerunning the same call continues from the latest checkpoint that reads back whole
 (saved every checkpoint.every_steps, after each epoch's evaluation and on SIGTERM;
 `checkpoint.restore_or_init`, pre-training's resume order) at its step inside its epoch, and
@@ -58,6 +59,7 @@ from bert_jax import fileio
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import optim
+from bert_jax import run_files
 from bert_jax import run_frame
 from bert_jax import sharding as sharding_lib
 from bert_jax import state_extras
@@ -125,12 +127,13 @@ def _run_files(workdir: str, config_json: str, bert_config: model_lib.BertConfig
                vocab_file: str, lower_case: bool, task: tasks.Task, **task_record) -> None:
   """Makes the workdir a loadable checkpoint folder (with its vocab and casing) + the config
   (`config_json`) + task.json (the task's info and `task_record`)."""
-  ckpt_lib.write_run_files(
+  run_files.write_run_files(
       workdir, config_json, bert_config, vocab_file, extra={
           'tokenizer_config.json': {'do_lower_case': lower_case,
                                     'tokenizer_class': 'BertTokenizer'},
+          # The head's module is named after the transformers class it exports as.
           'task.json': dict(task.info, kind=task.kind, main_metric=task.main_metric,
-                            **task_record)})
+                            hf_architecture=type(task.model).__name__, **task_record)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +240,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
       config.model.scan_layers, flag='config.train.init_checkpoint')
   bert_config = _model_config(config.model, max_seq_length, pre_config)
   task = task_table.make_task(config, tok, bert_config, lower_case)
-  buckets = batching.parse_buckets(config.buckets)
+  buckets = batching.parse_buckets(config.data.buckets)
   sort_window = int(config.train.length_sort_window)  # >= 1 (config_checks).
   attention.check_config(config.model.attention_impl,
                          config.model.attention_probs_dropout_prob, jax.default_backend(),
@@ -574,12 +577,12 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
   workdir = fileio.workdir_path(workdir)
   # Every check before the first run: a refusal at the second rate would leave the first run's
   # folder, and sweep.json, in a workdir that was never a sweep's.
-  ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
-  if ckpt_lib.read_run_config(workdir) is not None:
+  run_files.check_workdir_kind(workdir, fine_tuning=True)
+  if run_files.read_run_config(workdir) is not None:
     raise UserError(f'--workdir={workdir} holds a single fine-tuning run (its config.json): '
                     'sweep into another --workdir, which gets one lr_<rate> run folder a rate')
   for lr in learning_rates:
-    ckpt_lib.check_workdir_kind(os.path.join(workdir, f'lr_{lr:g}'), fine_tuning=True)
+    run_files.check_workdir_kind(os.path.join(workdir, f'lr_{lr:g}'), fine_tuning=True)
   runs = {}
   for lr in learning_rates:
     run_config = copy.deepcopy(config)

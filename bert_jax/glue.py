@@ -425,7 +425,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
     name = 'mnli'
   if name == 'ax':
     raise UserError("config.task.name='ax' is test-only: fine-tune 'mnli' with "
-                    'config.predict_test=True, which also writes AX.tsv')
+                    'config.eval.predict_test=True, which also writes AX.tsv')
   label_list, metric_names = task_info(name)
   if config.task.data_source == 'tsv':
     if not config.task.data_dir:
@@ -478,7 +478,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   else:
     dev = [dev_set('dev', name)]
   test = []
-  if config.predict_test:
+  if config.eval.predict_test:
     splits = ['test_matched', 'test_mismatched'] if name == 'mnli' else ['test']
     test = [test_set(name, s) for s in splits]
     diagnostic = os.path.join(config.task.data_dir, 'diagnostic', 'diagnostic.tsv')
@@ -493,8 +493,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       label_keys=('label',),
       train=tasks.subset(train, tasks.INPUTS + ('label',)), dev=dev, test=test,
       main_metric=MAIN_METRIC.get(name, 'accuracy'), metric_names=metric_names,
-      info={'task': name, 'labels': label_list,
-            'hf_architecture': 'BertForSequenceClassification'})
+      info={'task': name, 'labels': label_list})
 
 
 # ---------------------------------------------------------------------------------------------

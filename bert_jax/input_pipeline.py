@@ -52,15 +52,6 @@ FEATURES = tuple(objectives.RECORD_FEATURES)
 _VOCAB_TRAINING_CHARS = 200_000_000
 
 
-def hide_accelerators_from_tf() -> None:
-  """Keeps tf.data off GPUs and TPUs so it never takes device memory from JAX."""
-  for kind in ('GPU', 'TPU'):
-    try:
-      tf.config.set_visible_devices([], kind)
-    except (RuntimeError, ValueError):
-      pass  # Devices already initialized, or no such kind: nothing to hide.
-
-
 # ---------------------------------------------------------------------------------------------
 # Examples from documents
 # ---------------------------------------------------------------------------------------------
@@ -455,7 +446,7 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
     next_sentence_positions, next_sentence_labels (int32) and next_sentence_weights (float32)
     [B, data.packing_max_sequences].
   """
-  hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   if seq_len < 8:
     raise UserError(f'seq_len={seq_len} is too short for [CLS] A [SEP] B [SEP]: use >= 8')
   if not 1 <= max_predictions <= seq_len:

@@ -61,11 +61,6 @@ def keep_threshold(rate: float) -> int:
   return min(int(round(256 * rate)), 255)
 
 
-def effective_rate(rate: float) -> float:
-  """The dropout rate applied for `rate`: keep_threshold(rate) / 256 (0.1 -> 0.1015625)."""
-  return keep_threshold(rate) / 256
-
-
 def dropout_bits(rng: Array, shape: tuple[int, ...]) -> Array:
   """uint8 random bytes of `shape`, four per 32-bit word of `jax.random.bits`."""
   *lead, h = shape

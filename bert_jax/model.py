@@ -134,15 +134,6 @@ class BertConfig:
     kwargs = {k: d[k] for k in _ORIGINAL_FIELDS + ('layer_norm_eps',) if k in d}
     return cls(**kwargs)
 
-  @classmethod
-  def from_json_file(cls, path: str) -> 'BertConfig':
-    with open(path) as f:
-      try:
-        d = json.load(f)
-      except json.JSONDecodeError as e:
-        raise UserError(f'{path}: not valid JSON: {e}') from e
-    return cls.from_dict(d, source=path)
-
   def to_original_dict(self) -> dict[str, Any]:
     """The fields of the original bert_config.json (plus layer_norm_eps if not default)."""
     d = {k: getattr(self, k) for k in _ORIGINAL_FIELDS}

@@ -20,6 +20,7 @@ from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_checks
 from bert_jax import fileio
 from bert_jax import monitor
+from bert_jax import run_files
 from bert_jax import run_lock
 
 
@@ -36,10 +37,9 @@ def entered(config: ml_collections.ConfigDict, workdir: str, kind: str,
   # From the start, before the lock: SIGTERM during start-up is heard too.
   with monitor.Preemption() as preemption, run_lock.hold(workdir):
     preemption.check()
-    from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-    input_pipeline.hide_accelerators_from_tf()
-    ckpt_lib.check_workdir_kind(workdir, fine_tuning=kind == 'finetune')
-    ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
+    fileio.hide_accelerators_from_tf()
+    run_files.check_workdir_kind(workdir, fine_tuning=kind == 'finetune')
+    run_files.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
     yield workdir, preemption
 
 

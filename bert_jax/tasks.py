@@ -52,6 +52,7 @@ class Prediction:
 class Task:
   kind: str  # A key of task_table.KINDS, the task's module.
   head: str  # 'sequence', 'token', 'span': what the prediction step returns per row.
+  # Named after the transformers class of the same head, which a Hugging Face export names.
   model: nn.Module
   loss_fn: Callable
   label_keys: tuple[str, ...]

@@ -30,6 +30,7 @@ from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import objectives
 from bert_jax import pretraining
+from bert_jax import run_files
 from bert_jax import run_frame
 from bert_jax import sharding as sharding_lib
 from bert_jax import state_extras
@@ -126,7 +127,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   """
   from bert_jax import convert  # pylint: disable=g-import-not-at-top
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   convert.check_casing(checkpoint, config.data.lower_case, '--checkpoint')
@@ -290,7 +291,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   pretraining.check_attention(config, jax.default_backend())
   for phase in phases:
     input_pipeline.check_vocab_given(phase.data, f'phase {phase.index + 1} reads ')
-  written = [os.path.join(workdir, name) for name in ckpt_lib.RUN_FILES]
+  written = [os.path.join(workdir, name) for name in run_files.RUN_FILES]
   for phase in phases:
     for key in ('input', 'eval_input'):
       if phase.data[key]:
@@ -326,8 +327,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   preemption.check()
   # Only now, with the checkpoint found to match: a refused resume (another model size) leaves
   # the record of the run it refused to touch as it was.
-  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), built.bert_config,
-                           vocab_file)
+  run_files.write_run_files(workdir, config.to_json_best_effort(indent=2), built.bert_config,
+                            vocab_file)
   # Rows past the checkpoint are from a run that died after it: they are logged again.
   monitor.truncate_metrics(workdir, start)
   if start is not None and meta.get('seed') != seed:

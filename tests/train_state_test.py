@@ -19,6 +19,7 @@ from bert_jax import checkpoint
 from bert_jax import config_files
 from bert_jax import objectives
 from bert_jax import pretraining
+from bert_jax import run_files
 from bert_jax import sharding as sharding_lib
 from bert_jax import state_extras
 from bert_jax import train_state as state_lib
@@ -230,7 +231,7 @@ def test_an_extra_needs_nothing_but_its_declaration(tmp_path, monkeypatch, caplo
   np.testing.assert_array_equal(restored.params['nsp']['kernel'], state.params['nsp']['kernel'])
 
   # What loads a workdir's weights, and so every export, holds the parameters alone.
-  checkpoint.write_run_files(workdir, '{}', built.bert_config, None)
+  run_files.write_run_files(workdir, '{}', built.bert_config, None)
   out = str(tmp_path / 'export')
   convert.convert(workdir, out, 'bert_jax')
   _, exported = convert.load_pretrained(out)
