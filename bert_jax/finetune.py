@@ -371,7 +371,7 @@ def _train_epoch(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption
   every = int(config.checkpoint.every_steps)
   # The epoch's batches are planned from its seed alone, so a resumed run skips exactly the
   # ones it had trained on.
-  plan = batching.batches(run.task.train, int(config.train.batch_size), run.data.buckets,
+  plan = batching.batches(run.task.train, int(config.train.batch_size), run.buckets,
                           shuffle=True, seed=_epoch_seed(config, epoch),
                           window_batches=run.sort_window)
   for batch in itertools.islice(plan, run.step - (epoch - 1) * run.steps_per_epoch, None):
@@ -471,7 +471,7 @@ def _predict(run: _Run, preemption: monitor.Preemption, params: Any,
   try:
     with sharding_lib.activate(run.mesh, run.rules):
       return batching.predict_rows(predict_batch, eval_set.features,
-                                   int(run.config.eval.batch_size), run.data.buckets)
+                                   int(run.config.eval.batch_size), run.buckets)
   except CutShort:
     return None
 
