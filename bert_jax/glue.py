@@ -427,16 +427,14 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
     raise UserError("config.task.name='ax' is test-only: fine-tune 'mnli' with "
                     'config.eval.predict_test=True, which also writes AX.tsv')
   label_list, metric_names = task_info(name)
+  # task.data_source: 'tsv' or 'tfds' (config_checks.CHOICES, checked where the config loads).
   if config.task.data_source == 'tsv':
     if not config.task.data_dir:
       raise UserError('config.task.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
     fileio.check_input_dir(config.task.data_dir, 'config.task.data_dir')
     read = lambda task, split: read_task(task, config.task.data_dir, split)
-  elif config.task.data_source == 'tfds':
-    read = lambda task, split: read_tfds(task, split, config.data.tfds_data_dir or None)
   else:
-    raise UserError(f'config.task.data_source={config.task.data_source!r}: expected '
-                    "'tsv' or 'tfds'")
+    read = lambda task, split: read_tfds(task, split, config.data.tfds_data_dir or None)
 
   def convert_split(task, split):
     return convert_examples(read(task, split), tok, config.data.max_seq_length,

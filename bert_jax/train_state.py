@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from bert_jax import config_checks
 from bert_jax import errors
 from bert_jax import sharding as sharding_lib
 from bert_jax import state_extras
@@ -166,14 +167,13 @@ def state_from_params(params: Any, tx: optax.GradientTransformation,
 # The step
 # ---------------------------------------------------------------------------------------------
 
-RNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
+RNG_IMPLS = config_checks.CHOICES['train.rng_impl']
 
 
 def dropout_rng(train_config: ml_collections.ConfigDict) -> jax.Array:
   """The key that every step folds its step number into, for dropout."""
   impl = train_config.rng_impl
-  if impl not in RNG_IMPLS:
-    raise errors.UserError(f'config.train.rng_impl={impl!r}: expected one of {RNG_IMPLS}')
+  config_checks.check_choice('train.rng_impl', impl)  # For a config changed after loading.
   return jax.random.fold_in(jax.random.key(train_config.seed, impl=impl), 1)
 
 

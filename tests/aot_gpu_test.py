@@ -150,6 +150,7 @@ def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
     (r,) = aot.compile_for_topology(
         _config(**{'model.attention_impl': impl, 'model.layer_norm_impl': 'auto'}), 'h100')
     assert r['platform'] == 'gpu' and r['chips'] == 1 and r['dtype'] == 'bfloat16'
+    assert r['layer_norm_impl'] == 'pallas'  # 'auto', resolved for the H100, not this CPU.
     assert r['memory']['fits'] and 0 < r['memory']['total_gib'] < 1
     assert r['memory']['aliased_gib'] > 0  # The train state is donated.
     assert 1.0 <= r['flops']['xla_over_analytic'] < 1.5
