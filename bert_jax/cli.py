@@ -542,8 +542,9 @@ def _start_up(name: str, quiet: bool) -> None:
   packed_compile = name == 'compile' and FLAGS.config.data.packing  # packing.py: TensorFlow.
   if name not in _WITHOUT_TENSORFLOW or packed_compile:
     with hold():
-      from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
-      input_pipeline.hide_accelerators_from_tf()
+      # The pipeline's import loads TensorFlow Text too, whose notes are held back with it.
+      from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top,unused-import
+      fileio.hide_accelerators_from_tf()
   if 'distributed' in FLAGS:
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.distributed)
