@@ -80,6 +80,10 @@ class BertConfig:
   layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto': see layer_norm.py.
   # 'default' (matmuls in `dtype`) or 'fp8': see MATMUL_PRECISIONS.
   matmul_precision: str = 'default'
+  # The exact GELU's erf: 'erf' (`activations.bias_gelu`, what training runs) or 'portable'
+  # (`activations.portable_bias_gelu`: the same erf in StableHLO's core operations, which
+  # TensorFlow's XlaCallModule reads; the SavedModel export, export.py).
+  gelu_impl: str = 'erf'
 
   def __post_init__(self):
     if self.hidden_size % self.num_attention_heads:
@@ -102,6 +106,8 @@ class BertConfig:
     if self.matmul_precision not in MATMUL_PRECISIONS:
       raise UserError(f'matmul_precision {self.matmul_precision!r} is not one of '
                       f'{MATMUL_PRECISIONS}')
+    if self.gelu_impl not in GELU_IMPLS:
+      raise UserError(f'gelu_impl {self.gelu_impl!r} is not one of {GELU_IMPLS}')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
 
   @property
@@ -183,6 +189,7 @@ class BertConfig:
 # Evaluation and prediction (`deterministic=True`) run every matmul in the compute dtype,
 # with the parameters alone: the numbers a user of the exported weights gets.
 MATMUL_PRECISIONS = ('default', 'fp8')
+GELU_IMPLS = ('erf', 'portable')  # BertConfig.gelu_impl.
 FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
 FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
 
@@ -366,6 +373,8 @@ class DenseGeneral(nn.Module):
          else jax.lax.dot_general(x, kernel, dims))
     if not self.add_bias:
       return y, f32_bias
+    if self.activation == 'gelu' and c.gelu_impl == 'portable':
+      return activations.portable_bias_gelu(y, bias)
     if self.activation == 'gelu':
       # Bias add and exact GELU in one function that keeps only y for its backward.
       return activations.bias_gelu(y, bias)
