@@ -259,7 +259,8 @@ def _glue(module, serving, tok, bert_config, params, run, lower_case) -> dict[st
   """GLUE: a sentence or a pair (as the task has) -> label and probabilities (STS-B: score)."""
   del lower_case
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from bert_jax import glue  # pylint: disable=g-import-not-at-top
+  from bert_jax import task_table  # pylint: disable=g-import-not-at-top
+  glue = task_table.module('glue')
   info = run['info']
   labels = info['labels']
   max_length = int(info['max_seq_length'])
@@ -301,7 +302,8 @@ def _swag(module, serving, tok, bert_config, params, run, lower_case) -> dict[st
   """SWAG: a context, the second sentence's start and the endings -> the chosen ending."""
   del lower_case
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from bert_jax import swag  # pylint: disable=g-import-not-at-top
+  from bert_jax import task_table  # pylint: disable=g-import-not-at-top
+  swag = task_table.module('swag')
   info = run['info']
   max_length = int(info['max_seq_length'])
   bert_config = bert_config.replace(dtype=_dtype(run))
