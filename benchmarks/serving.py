@@ -46,7 +46,8 @@ def texts(count: int, seed: int = 0) -> list[str]:
 def make_run(root: str, size: str) -> dict[str, str]:
   """A finished SST-2 run of a random BERT of `size`, its export and its HF conversion."""
   import jax  # pylint: disable=g-import-not-at-top
-  from bert_jax import config_files, convert, export, finetune  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from bert_jax import config_files, convert, export, finetune
   from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   vocab = os.path.join(root, 'vocab.txt')
   with open(vocab, 'w') as f:

@@ -99,12 +99,20 @@ def export(workdir: str, output: str, fmt: str = 'savedmodel') -> dict[str, Any]
   signatures = dict(meta.pop('signatures'))
   signatures['tokenize'] = _tokenize_signature(tf, tok)
   meta.update(task=run['task'], kind=run['kind'], workdir=workdir, format=fmt,
-              lower_case=lower_case, compute_dtype=bert_config.dtype,
+              lower_case=lower_case,
               signatures={name: _describe(f) for name, f in signatures.items()})
-  if fileio.exists(output):
-    fileio.gfile().rmtree(output)  # An earlier export (`_check_output`).
-  tf.saved_model.save(module, output, signatures=signatures)
-  fileio.write_json(os.path.join(output, MARKER), meta)
+  # Written beside `output`, then moved there: an export cut short leaves an earlier one whole.
+  # (Cloud Storage renames no folder: there it is written in place, its marker last.)
+  remote = fileio.is_remote(output)
+  partial = output if remote else output.rstrip('/') + '.partial'
+  if fileio.exists(partial):
+    fileio.gfile().rmtree(partial)  # One cut short (on Cloud Storage: the earlier export).
+  tf.saved_model.save(module, partial, signatures=signatures)
+  fileio.write_json(os.path.join(partial, MARKER), meta)
+  if not remote:
+    if fileio.exists(output):
+      fileio.gfile().rmtree(output)  # An earlier export (`_check_output`).
+    fileio.gfile().rename(partial, output)
   logging.info('Exported %s to %s', run['task'], output)
   return {'task': run['task'], 'format': fmt, 'output': output,
           'signatures': sorted(signatures)}
@@ -178,7 +186,8 @@ def _tf_model(module, apply: Callable, params: Any, shapes: list[str],
   from jax import export as jax_export  # pylint: disable=g-import-not-at-top
   # StableHLO's Python API: jaxlib's writes the artifact, TensorFlow's says what it reads.
   from jaxlib.mlir.dialects import stablehlo  # pylint: disable=g-import-not-at-top
-  from tensorflow.compiler.mlir.stablehlo import stablehlo as tf_stablehlo  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tensorflow.compiler.mlir.stablehlo import stablehlo as tf_stablehlo
   from tensorflow.compiler.tf2xla.python import xla as tfxla  # pylint: disable=g-import-not-at-top
   param_specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                              params)
@@ -295,7 +304,8 @@ def _glue(module, serving, tok, bert_config, params, run, lower_case) -> dict[st
             'probabilities': tf.nn.softmax(logits, axis=-1), 'logits': logits}
 
   return {'signatures': {'serving_default': predict, 'encode': encode_signature},
-          'labels': labels, 'max_seq_length': max_length, 'lengths': lengths}
+          'compute_dtype': bert_config.dtype, 'labels': labels, 'max_seq_length': max_length,
+          'lengths': lengths}
 
 
 def _swag(module, serving, tok, bert_config, params, run, lower_case) -> dict[str, Any]:
@@ -339,7 +349,8 @@ def _swag(module, serving, tok, bert_config, params, run, lower_case) -> dict[st
             'probabilities': tf.nn.softmax(scores, axis=-1), 'scores': scores}
 
   return {'signatures': {'serving_default': predict, 'encode': encode_signature},
-          'choices': info.get('choices'), 'max_seq_length': max_length, 'lengths': lengths}
+          'compute_dtype': bert_config.dtype, 'choices': info.get('choices'),
+          'max_seq_length': max_length, 'lengths': lengths}
 
 
 def _ner(module, serving, tok, bert_config, params, run, lower_case) -> dict[str, Any]:
@@ -396,7 +407,8 @@ def _ner(module, serving, tok, bert_config, params, run, lower_case) -> dict[str
 
   return {'signatures': {'serving_default': predict, 'tag_words': tag_words,
                          'encode': encode_signature},
-          'labels': labels, 'max_seq_length': max_length, 'lengths': lengths}
+          'compute_dtype': bert_config.dtype, 'labels': labels, 'max_seq_length': max_length,
+          'lengths': lengths}
 
 
 def _squad(module, serving, tok, bert_config, params, run, lower_case) -> dict[str, Any]:
@@ -438,7 +450,8 @@ def _squad(module, serving, tok, bert_config, params, run, lower_case) -> dict[s
                 token_is_max_context=windows['token_is_max_context'].to_tensor(0, shape=rows))
 
   return {'signatures': {'serving_default': predict, 'encode': encode_signature},
-          'version_2': version_2, 'max_seq_length': max_length, 'lengths': lengths,
+          'compute_dtype': bert_config.dtype, 'version_2': version_2,
+          'max_seq_length': max_length, 'lengths': lengths,
           'doc_stride': int(settings.doc_stride),
           'max_query_length': int(settings.max_query_length),
           'n_best_size': int(settings.n_best_size)}
@@ -549,7 +562,8 @@ def _pretraining(module, serving, tok, bert_config, params, run, lower_case
   return {'signatures': {'serving_default': features_single, 'features': features_single,
                          'features_pair': features_pair, 'fill_mask': fill_mask,
                          'encode': encode_signature},
-          'layers': layers, 'max_seq_length': max_length, 'top_k': FILL_MASK_TOP_K}
+          'compute_dtype': bert_config.dtype, 'layers': layers, 'max_seq_length': max_length,
+          'top_k': FILL_MASK_TOP_K}
 
 
 def _dtype(run: dict[str, Any]) -> str:

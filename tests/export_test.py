@@ -155,6 +155,31 @@ def make_runs(root: str) -> dict[str, str]:
   return runs
 
 
+def test_the_model_runs_in_tensorflow_as_in_jax():
+  """The model as a TensorFlow function (jax.export, then XlaCallModule at TensorFlow's
+  StableHLO version): any batch and length, the logits JAX computes with training's GELU. The
+  route whose artifacts change with jax's version, so the current stack runs this too."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  config = TINY.replace(gelu_impl='portable')
+  model = model_lib.BertForSequenceClassification(config, num_labels=3)
+  params = model_lib.init_params(TINY, jax.random.key(1),
+                                 model_lib.BertForSequenceClassification, num_labels=3)
+  module = tf.Module()
+  call = export._tf_model(module, lambda p, *x: model.apply({'params': p}, *x), params,
+                          ['(b, l)'] * 3, TINY.max_position_embeddings)
+  training = model_lib.BertForSequenceClassification(TINY, num_labels=3)
+  rng = np.random.RandomState(0)
+  for rows, length in ((1, 5), (6, 17)):
+    ids = rng.randint(1, TINY.vocab_size, (rows, length)).astype(np.int32)
+    mask = (np.arange(length) < rng.randint(1, length + 1, (rows, 1))).astype(np.int32)
+    segments = np.zeros_like(ids)
+    served = call(tf.constant(ids), tf.constant(mask), tf.constant(segments)).numpy()
+    expected = training.apply({'params': params}, ids, mask, segments)
+    np.testing.assert_allclose(served, expected, atol=1e-6)
+  assert {v.name for v in module.variables} and len(module.variables) == len(
+      jax.tree.leaves(params))
+
+
 # Texts for the tokenizer: cased and accented words, pieces, unknown words, punctuation, CJK,
 # control characters and odd spaces.
 TRICKY = ['Good MOVIE, naïve Café!', 'unreal walking\u00a0w1\tw2', '中文 and dull...',
