@@ -157,6 +157,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     'text_a=tf.constant(["The cat sat."]), text_b=tf.constant(["A cat was sitting."])))\'':
         Run('pretrain'),
     'pip install -e ".[onnx]"': NotHere(_INSTALLS),
+    'python benchmarks/serving.py --size=base --examples=64': NotHere(
+        _BENCHMARK.replace('tests/benchmarks_test.py', 'tests/export_test.py')),
     'bert-jax convert --input=/tmp/mrpc --output=mrpc_hf --format=hf': Run(
         'pretrain', '--input={tmp}/mrpc'),
     'python3 -c \'import torch, transformers; model = '
