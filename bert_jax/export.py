@@ -88,9 +88,9 @@ def export(workdir: str, output: str, fmt: str = 'savedmodel') -> dict[str, Any]
   _check_output(output, workdir)
   bert_config, params, tok, _, lower_case = convert.load_checkpoint(workdir, flag='--workdir')
   # XLA attention and LayerNorm run anywhere; the GELU that TensorFlow's XlaCallModule reads
-  # (model.BertConfig.gelu_impl).
+  # (model.BertConfig.portable_gelu).
   bert_config = bert_config.replace(scan_layers=False, attention_impl='xla',
-                                    layer_norm_impl='xla', gelu_impl='portable')
+                                    layer_norm_impl='xla', portable_gelu=True)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from bert_jax import serving  # pylint: disable=g-import-not-at-top  (TensorFlow)
   module = tf.Module()

@@ -160,7 +160,7 @@ def test_the_model_runs_in_tensorflow_as_in_jax():
   StableHLO version): any batch and length, the logits JAX computes with training's GELU. The
   route whose artifacts change with jax's version, so the current stack runs this too."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  config = TINY.replace(gelu_impl='portable')
+  config = TINY.replace(portable_gelu=True)
   model = model_lib.BertForSequenceClassification(config, num_labels=3)
   params = model_lib.init_params(TINY, jax.random.key(1),
                                  model_lib.BertForSequenceClassification, num_labels=3)
