@@ -350,6 +350,24 @@ def _predict_flags():
   return run
 
 
+@_command('export', 'A finished run as a model a serving stack loads: a TensorFlow SavedModel '
+          'that takes strings and answers as predict (README, "Serving").')
+def _export_flags():
+  flags.DEFINE_string('workdir', None, 'A finished `bert-jax finetune` workdir (GLUE, SQuAD, '
+                      'NER, SWAG) or `pretrain` workdir (features and fill-mask).')
+  flags.DEFINE_string('output', None, 'The export\'s folder: new, empty, or an earlier export '
+                      '(replaced).')
+  flags.DEFINE_string('format', 'savedmodel', 'savedmodel: a TensorFlow SavedModel.')
+  flags.mark_flags_as_required(['workdir', 'output'])
+
+  def run(argv):
+    del argv
+    import json  # pylint: disable=g-import-not-at-top
+    from bert_jax import export  # pylint: disable=g-import-not-at-top
+    print(json.dumps(export.export(FLAGS.workdir, FLAGS.output, FLAGS.format)), flush=True)
+  return run
+
+
 @_command('fill-mask', 'Top-k tokens and probabilities for each [MASK] of the texts given '
           '(one JSON object per text).')
 def _fill_mask_flags():

@@ -81,6 +81,10 @@ class BertConfig:
   layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see layer_norm.py.
   # 'default' (matmuls in `dtype`) or 'fp8': see MATMUL_PRECISIONS.
   matmul_precision: str = 'default'
+  # The exact GELU's erf in StableHLO's core operations (`activations.portable_bias_gelu`),
+  # which TensorFlow's XlaCallModule reads: the SavedModel export (export.py). Training runs
+  # `activations.bias_gelu`.
+  portable_gelu: bool = False
 
   def __post_init__(self):
     if self.hidden_size % self.num_attention_heads:
@@ -362,6 +366,8 @@ class DenseGeneral(nn.Module):
          else jax.lax.dot_general(x, kernel, dims))
     if not self.add_bias:
       return y, f32_bias
+    if self.activation == 'gelu' and c.portable_gelu:
+      return activations.portable_bias_gelu(y, bias)
     if self.activation == 'gelu':
       # Bias add and exact GELU in one function that keeps only y for its backward.
       return activations.bias_gelu(y, bias)

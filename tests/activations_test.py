@@ -1,6 +1,7 @@
 """bias_gelu: the paper's exact GELU of x + b, forward and gradients, keeping only x and b."""
 
 import jax
+from jax import export
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,3 +66,15 @@ def test_bias_gelu_bias_gradient_sums_every_leading_axis(shape):
   _, vjp = jax.vjp(activations.bias_gelu, x, b)
   _, ref_vjp = jax.vjp(_reference, x, b)
   np.testing.assert_allclose(vjp(g)[1], ref_vjp(g)[1], rtol=1e-5, atol=1e-5)
+
+
+def test_portable_erf_is_lax_erf_in_core_operations():
+  x = jnp.concatenate([jnp.linspace(-6.0, 6.0, 4001), jnp.array([0.0, -0.0, 1e-8, 30.0])])
+  np.testing.assert_allclose(activations.portable_erf(x), jax.lax.erf(x), rtol=0, atol=5e-7)
+  x, b, _ = _inputs(jnp.float32)
+  np.testing.assert_allclose(activations.portable_bias_gelu(x, b),
+                             activations.bias_gelu(x, b), rtol=2e-6, atol=2e-6)
+  # What TensorFlow's XlaCallModule cannot read (export.py): a CHLO composite.
+  lowered = export.export(jax.jit(activations.portable_bias_gelu))(x, b).mlir_module()
+  assert 'composite' not in lowered
+  assert 'composite' in export.export(jax.jit(jax.lax.erf))(x).mlir_module()

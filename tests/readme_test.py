@@ -189,6 +189,26 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax predict --workdir=/tmp/swag *': NotHere(
         'needs a SWAG fine-tuning run (minutes); tests/swag_test.py fine-tunes SWAG and runs '
         'predict on its CSV and JSONL layouts'),
+    # ---- README.md: serving ----------------------------------------------------------------
+    'bert-jax export --workdir=/tmp/mrpc --output=mrpc_export --format=savedmodel': Run(
+        'pretrain', '--workdir={tmp}/mrpc'),
+    'saved_model_cli show --dir mrpc_export --tag_set serve --signature_def serving_default':
+        Run('pretrain'),
+    'python3 -c \'import tensorflow as tf, tensorflow_text; model = '
+    'tf.saved_model.load("mrpc_export"); print(model.signatures["serving_default"]('
+    'text_a=tf.constant(["The cat sat."]), text_b=tf.constant(["A cat was sitting."])))\'':
+        Run('pretrain'),
+    'pip install -e ".[onnx]"': NotHere(_INSTALLS),
+    'python benchmarks/serving.py --size=base --examples=64': NotHere(
+        _BENCHMARK.replace('tests/benchmarks_test.py', 'tests/export_test.py')),
+    'bert-jax convert --input=/tmp/mrpc --output=mrpc_hf --format=hf': Run(
+        'pretrain', '--input={tmp}/mrpc'),
+    'python3 -c \'import torch, transformers; model = '
+    'transformers.AutoModelForSequenceClassification.from_pretrained("mrpc_hf").eval(); ids = '
+    'torch.ones(1, 8, dtype=torch.long); names = ["input_ids", "attention_mask", '
+    '"token_type_ids"]; torch.onnx.export(model, (ids, ids, ids), "mrpc.onnx", dynamo=False, '
+    'input_names=names, output_names=["logits"], dynamic_axes={n: {0: "batch", 1: "length"} '
+    'for n in names})\'': Run('pretrain'),
     # ---- README.md: performance ------------------------------------------------------------
     'pytest tests/parity_test.py *': NotHere(_SUITE),
     'pytest tests/train_test.py -k sigterm_waits -s': NotHere(_SUITE),
