@@ -133,6 +133,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     'model.remat_policy': ('none', 'full', 'dots'),
     'model.attention_impl': ('xla', 'cudnn', 'cudnn_varlen', 'splash'),
     'model.layer_norm_impl': ('auto', 'pallas', 'xla'),
+    'model.gelu_impl': ('auto', 'pallas', 'xla'),
     'model.matmul_precision': ('default', 'fp8'),
     'data.objective': ('nsp', 'sop', 'none'),
     'train.optimizer': ('adamw', 'lamb'),

@@ -13,6 +13,12 @@ function with one forward and one backward pass:
              h and its statistics are recomputed from x, residual and the mask, so nothing
              float32 of [tokens, hidden] is kept.
 
+With `residual_copy=True` the function returns y twice: once for the next sub-layer, once
+as the residual of the LayerNorm after it. Each copy then gets its own gradient, and the
+backward kernel reads both and adds them in registers, where autodiff would otherwise sum the
+two in a separate [tokens, hidden] kernel between every two LayerNorm backward kernels (0.8 ms
+of BERT-base's step on an H200, issue 45).
+
 Implementations (`model.layer_norm_impl`):
   xla     the formula in jnp (every backend, the reference in tests);
   pallas  one Pallas kernel each way, lowered through Triton on NVIDIA GPUs (in interpret mode
@@ -43,10 +49,19 @@ from bert_jax import attention
 Array = jax.Array
 
 IMPLEMENTATIONS = ('auto', 'pallas', 'xla')
-# Rows one kernel program handles (a loop over them). The backward writes one partial sum of
-# dbias, dscale and dbeta per program: more rows per program, fewer partials to add up.
+# Tiling (benchmarks/layernorm.py --rows_per_program sweeps it on a GPU). The forward handles
+# _FWD_ROWS rows per program as one [rows, next_power_of_2(H)] tile: every load of a program
+# issued at once, no loop. The backward walks _BWD_ROWS rows per program in tiles of _BWD_TILE
+# rows, loads of the next tile in flight while one computes (num_stages=2), and writes one
+# partial sum of dbias, dscale and dbeta per program: more rows per program, fewer partials.
+# Chosen from bytes in flight, not timed (no GPU): an H200 needs ~25 KB in flight per SM
+# (4.8 TB/s x ~700 ns / 132 SMs); one forward program of 4 rows of H = 768 issues 20 KB of
+# loads (x, residual: bf16, mask: u8), one backward tile of 4 rows 36 KB (x, residual, mask,
+# two dy), and several programs share an SM. The one-row loop before (4 and 32 rows per
+# program, one row per iteration) ran at 1.5x (forward) and 2.4x (backward) its floor.
 _FWD_ROWS = 4
-_BWD_ROWS = 32
+_BWD_ROWS = 64
+_BWD_TILE = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,19 +149,26 @@ def _store(ref, idx, value, mask):
   plgpu.store(ref.at[idx], value.astype(ref.dtype), mask=mask)
 
 
+def _tile(first_row, rows, n_rows, n_cols, cols, cmask):
+  """Flat indices and mask of a [rows, block] tile from `first_row`."""
+  r = first_row + jnp.arange(rows)
+  return r[:, None] * n_cols + cols[None, :], (r[:, None] < n_rows) & cmask[None, :]
+
+
 def _row_stats(h, cmask, n_cols, eps):
-  mean = jnp.sum(h) / n_cols
-  centered = jnp.where(cmask, h - mean, 0.0)
-  var = jnp.sum(centered * centered) / n_cols
-  return centered * jax.lax.rsqrt(var + eps), jax.lax.rsqrt(var + eps)
+  """Per row of a [rows, block] tile: (x hat, rsqrt(var + eps) as [rows, 1])."""
+  mean = jnp.sum(h, axis=1, keepdims=True) / n_cols
+  centered = jnp.where(cmask[None, :], h - mean, 0.0)
+  rstd = jax.lax.rsqrt(jnp.sum(centered * centered, axis=1, keepdims=True) / n_cols + eps)
+  return centered * rstd, rstd
 
 
-def _row_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t):
-  """One row's residual + dropout(x + bias) in float32 (0 outside the mask), and the dropout
+def _tile_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t):
+  """A tile's residual + dropout(x + bias) in float32 (0 outside the mask), and the dropout
   multiplier (None without dropout): what both kernels start from."""
   z = _load(x_ref, idx, mask)
   if bias is not None:
-    z = z + bias
+    z = z + bias[None, :]
   mult = None
   if bits_ref is not None:
     mult = jnp.where(_load(bits_ref, idx, mask) >= t, 256.0 / (256 - t), 0.0)
@@ -164,52 +186,49 @@ def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bit
   cmask = cols < n_cols
   scale, beta = _load(scale_ref, cols, cmask), _load(beta_ref, cols, cmask)
   bias = _load(bias_ref, cols, cmask) if has_bias else None
-  t = keep_threshold(rate)
-  first = pl.program_id(0) * rows
-
-  @pl.loop(0, rows)
-  def _(i):
-    row = first + i
-    mask = cmask & (row < n_rows)
-    idx = row * n_cols + cols
-    h, _ = _row_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t)
-    xhat, _ = _row_stats(h, cmask, n_cols, eps)
-    _store(y_ref, idx, xhat * scale + beta, mask)
+  idx, mask = _tile(pl.program_id(0) * rows, rows, n_rows, n_cols, cols, cmask)
+  h, _ = _tile_sum(x_ref, r_ref, bits_ref, idx, mask, bias,
+                   keep_threshold(rate) if has_bits else 0)
+  xhat, _ = _row_stats(h, cmask, n_cols, eps)
+  _store(y_ref, idx, xhat * scale[None, :] + beta[None, :], mask)
 
 
-def _bwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bits):
+def _bwd_kernel(*refs, n_rows, n_cols, block, rows, tile, rate, eps, has_bias, has_bits,
+                has_dy2):
   refs = list(refs)
   x_ref, r_ref = refs.pop(0), refs.pop(0)
   bias_ref = refs.pop(0) if has_bias else None
   bits_ref = refs.pop(0) if has_bits else None
-  scale_ref, dy_ref, dx_ref, dr_ref, dpart_ref = refs
+  scale_ref, dy_ref = refs.pop(0), refs.pop(0)
+  dy2_ref = refs.pop(0) if has_dy2 else None
+  dx_ref, dr_ref, dpart_ref = refs
   cols = jnp.arange(block)
   cmask = cols < n_cols
   scale = _load(scale_ref, cols, cmask)
   bias = _load(bias_ref, cols, cmask) if has_bias else None
-  t = keep_threshold(rate)
+  t = keep_threshold(rate) if has_bits else 0
   program = pl.program_id(0)
-  first = program * rows
 
   def body(i, acc):
     dbias, dscale, dbeta = acc
-    row = first + i
-    mask = cmask & (row < n_rows)
-    idx = row * n_cols + cols
-    h, mult = _row_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t)
+    idx, mask = _tile(program * rows + i * tile, tile, n_rows, n_cols, cols, cmask)
+    h, mult = _tile_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t)
     xhat, rstd = _row_stats(h, cmask, n_cols, eps)
     dy = _load(dy_ref, idx, mask)
-    g = dy * scale
-    c1 = jnp.sum(g * xhat) / n_cols
-    c2 = jnp.sum(g) / n_cols
+    if dy2_ref is not None:  # The residual copy's gradient (residual_copy=True).
+      dy = dy + _load(dy2_ref, idx, mask)
+    g = dy * scale[None, :]
+    c1 = jnp.sum(g * xhat, axis=1, keepdims=True) / n_cols
+    c2 = jnp.sum(g, axis=1, keepdims=True) / n_cols
     dh = jnp.where(mask, (g - xhat * c1 - c2) * rstd, 0.0)
     _store(dr_ref, idx, dh, mask)
     dz = dh if mult is None else dh * mult
     _store(dx_ref, idx, dz, mask)
-    return dbias + dz, dscale + dy * xhat, dbeta + dy
+    return (dbias + jnp.sum(dz, axis=0), dscale + jnp.sum(dy * xhat, axis=0),
+            dbeta + jnp.sum(dy, axis=0))
 
   zeros = jnp.zeros((block,), jnp.float32)
-  dbias, dscale, dbeta = jax.lax.fori_loop(0, rows, body, (zeros, zeros, zeros))
+  dbias, dscale, dbeta = jax.lax.fori_loop(0, rows // tile, body, (zeros, zeros, zeros))
   # Partials laid out [programs, 3, H]: dbias, dscale, dbeta of this program's rows.
   base = program * 3 * n_cols + cols
   _store(dpart_ref, base, dbias, cmask)
@@ -217,15 +236,16 @@ def _bwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bit
   _store(dpart_ref, base + 2 * n_cols, dbeta, cmask)
 
 
-def _warps(block: int) -> int:
-  return min(max(block // 256, 1), 8)
+def _warps(elements: int) -> int:
+  """Warps for a tile of `elements`: 16 per thread or more, 1 to 8 warps."""
+  return min(max(elements // 512, 1), 8)
 
 
-def _call(kernel, inputs, out_shape, grid, block, interpret, name):
+def _call(kernel, inputs, out_shape, grid, warps, stages, interpret, name):
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid, interpret=interpret, name=name,
-      compiler_params=plgpu.CompilerParams(num_warps=_warps(block), num_stages=1))(*inputs)
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))(*inputs)
 
 
 def _flat_inputs(x, residual, bias, bits):
@@ -255,24 +275,30 @@ def _pallas_forward(x, residual, bias, scale, beta, bits, *, rate, eps, out_dtyp
                              has_bits=bits is not None)
   ins = _flat_inputs(x, residual, bias, bits) + [scale, beta]
   y = _call(kernel, ins, jax.ShapeDtypeStruct((x.size,), out_dtype),
-            (pl.cdiv(n_rows, _FWD_ROWS),), block, interpret, 'residual_layer_norm_fwd')
+            (pl.cdiv(n_rows, _FWD_ROWS),), _warps(_FWD_ROWS * block), 1, interpret,
+            'residual_layer_norm_fwd')
   return y.reshape(x.shape)
 
 
-def _pallas_backward(x, residual, bias, scale, bits, dy, *, rate, eps, interpret):
+def _pallas_backward(x, residual, bias, scale, bits, dy, dy2, *, rate, eps, interpret):
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   block = pl.next_power_of_2(n_cols)
-  programs = pl.cdiv(n_rows, _BWD_ROWS)
+  tile = min(_BWD_TILE, _BWD_ROWS)
+  rows = _BWD_ROWS // tile * tile
+  programs = pl.cdiv(n_rows, rows)
   kernel = functools.partial(_bwd_kernel, n_rows=n_rows, n_cols=n_cols, block=block,
-                             rows=_BWD_ROWS, rate=rate, eps=eps, has_bias=bias is not None,
-                             has_bits=bits is not None)
+                             rows=rows, tile=tile, rate=rate, eps=eps,
+                             has_bias=bias is not None, has_bits=bits is not None,
+                             has_dy2=dy2 is not None)
   ins = _flat_inputs(x, residual, bias, bits) + [scale, dy.reshape(-1)]
+  if dy2 is not None:
+    ins.append(dy2.reshape(-1))
   out_shape = (jax.ShapeDtypeStruct((x.size,), x.dtype),
                jax.ShapeDtypeStruct((x.size,), residual.dtype),
                jax.ShapeDtypeStruct((programs * 3 * n_cols,), jnp.float32))
-  dx, dr, parts = _call(kernel, ins, out_shape, (programs,), block, interpret,
-                        'residual_layer_norm_bwd')
+  dx, dr, parts = _call(kernel, ins, out_shape, (programs,), _warps(tile * block), 2,
+                        interpret, 'residual_layer_norm_bwd')
   dbias, dscale, dbeta = parts.reshape(programs, 3, n_cols).sum(axis=0)
   return dx.reshape(x.shape), dr.reshape(residual.shape), dbias, dscale, dbeta
 
@@ -324,17 +350,44 @@ def _fused_fwd(x, residual, bias, scale, beta, bits, rate, eps, out_dtype, inter
   return y, (x, residual, bias, scale, bits)
 
 
-def _fused_bwd(rate, eps, out_dtype, interpret, saved, dy):
+def _fused_bwd(rate, eps, out_dtype, interpret, saved, dy, dy2=None):
   del out_dtype
   x, residual, bias, scale, bits = saved
   bwd = functools.partial(_pallas_backward, rate=rate, eps=eps, interpret=interpret)
-  dx, dr, dbias, dscale, dbeta = _run_rows(bwd, 2, x, residual, bias, scale, bits, dy)
+  dx, dr, dbias, dscale, dbeta = _run_rows(bwd, 2, x, residual, bias, scale, bits, dy, dy2)
   dbias = None if bias is None else dbias.astype(bias.dtype)
   dbits = None if bits is None else jnp.zeros(bits.shape, jax.dtypes.float0)
   return dx, dr, dbias, dscale.astype(scale.dtype), dbeta.astype(scale.dtype), dbits
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _fused_pair(x, residual, bias, scale, beta, bits, rate, eps, out_dtype, interpret):
+  """_fused's output twice (residual_copy=True): each copy's gradient reaches the backward
+  kernel as an input of its own."""
+  y = _fused(x, residual, bias, scale, beta, bits, rate, eps, out_dtype, interpret)
+  return y, y
+
+
+def _fused_pair_fwd(x, residual, bias, scale, beta, bits, rate, eps, out_dtype, interpret):
+  # symbolic_zeros=True: the primals come as CustomVJPPrimal(value, perturbed).
+  values = [None if a is None else a.value for a in (x, residual, bias, scale, beta, bits)]
+  y, saved = _fused_fwd(*values, rate, eps, out_dtype, interpret)
+  return (y, y), saved
+
+
+def _fused_pair_bwd(rate, eps, out_dtype, interpret, saved, cotangents):
+  # A copy nothing reads (the last layer's residual copy) has a symbolic zero gradient: the
+  # kernel then reads one dy, not a tensor of zeros.
+  given = [c for c in cotangents if not isinstance(c, jax.custom_derivatives.SymbolicZero)]
+  if not given:
+    given = [jnp.zeros(saved[0].shape, out_dtype)]
+  return _fused_bwd(rate, eps, out_dtype, interpret, saved, *given)
+
+
+_fused_pair.defvjp(_fused_pair_fwd, _fused_pair_bwd, symbolic_zeros=True)
 
 
 def _run_rows(fn, n_out_rows, *args):
@@ -355,12 +408,15 @@ def _run_rows(fn, n_out_rows, *args):
 
 def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Array,
                         beta: Array, bits: Array | None = None, *, rate: float = 0.0,
-                        eps: float = 1e-12, impl: str = 'xla', out_dtype=None) -> Array:
+                        eps: float = 1e-12, impl: str = 'xla', out_dtype=None,
+                        residual_copy: bool = False) -> Array | tuple[Array, Array]:
   """LayerNorm(residual + dropout(x + bias)) over the last axis, statistics in float32.
 
   x, residual: [..., H] (the same shape); bias, scale, beta: [H] (bias may be None); bits: the
   uint8 `dropout_bits` of x's shape, or None for no dropout (evaluation, rate 0). impl: 'xla',
-  'pallas' or 'auto' (module docstring). Returns out_dtype (default: x's dtype).
+  'pallas' or 'auto' (module docstring). Returns out_dtype (default: x's dtype); with
+  residual_copy, the output twice (y, y): give the second to the next LayerNorm as its
+  residual, and the backward kernel adds the two gradients (module docstring).
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'layer norm impl {impl!r} is not one of {IMPLEMENTATIONS}')
@@ -372,6 +428,8 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
     bits = None
   gpu = attention.target_platform() == 'gpu'
   if impl == 'xla' or (impl == 'auto' and not gpu):
-    return _xla(x, residual, bias, scale, beta, bits, rate=rate, eps=eps, out_dtype=out_dtype)
-  return _fused(x, residual, bias, scale, beta, bits, float(rate), float(eps), out_dtype,
-                not gpu)
+    y = _xla(x, residual, bias, scale, beta, bits, rate=rate, eps=eps, out_dtype=out_dtype)
+    return (y, y) if residual_copy else y
+  fused = _fused_pair if residual_copy else _fused
+  return fused(x, residual, bias, scale, beta, bits, float(rate), float(eps), out_dtype,
+               not gpu)

@@ -78,6 +78,7 @@ class BertConfig:
   # The most sequences in one row (data.packing_max_sequences): cudnn_varlen's segment tables.
   max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
   layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto': see layer_norm.py.
+  gelu_impl: str = 'xla'  # 'xla', 'pallas' or 'auto': see activations.py.
   # 'default' (matmuls in `dtype`) or 'fp8': see MATMUL_PRECISIONS.
   matmul_precision: str = 'default'
 
@@ -99,6 +100,9 @@ class BertConfig:
     if self.layer_norm_impl not in layer_norm.IMPLEMENTATIONS:
       raise UserError(f'layer_norm_impl {self.layer_norm_impl!r} is not one of '
                       f'{layer_norm.IMPLEMENTATIONS}')
+    if self.gelu_impl not in activations.IMPLEMENTATIONS:
+      raise UserError(f'gelu_impl {self.gelu_impl!r} is not one of '
+                      f'{activations.IMPLEMENTATIONS}')
     if self.matmul_precision not in MATMUL_PRECISIONS:
       raise UserError(f'matmul_precision {self.matmul_precision!r} is not one of '
                       f'{MATMUL_PRECISIONS}')
@@ -227,6 +231,7 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
              attention_probs_dropout_prob=model.attention_probs_dropout_prob,
              scan_layers=model.scan_layers, remat_policy=model.remat_policy,
              attention_impl=model.attention_impl, layer_norm_impl=model.layer_norm_impl,
+             gelu_impl=model.gelu_impl,
              matmul_precision=model.matmul_precision)
   if max_packed_sequences is not None:
     run['max_packed_sequences'] = max_packed_sequences
@@ -317,6 +322,9 @@ class ResidualLayerNorm(nn.Module):
   The parameters are LayerNorm's (scale, bias). `x` is the sub-layer's projection without its
   bias, which is passed as `x_bias` (float32) so that the fused kernel adds it, and returns its
   gradient, in the same pass. `bits`: `hidden_dropout_bits`' mask, or None (no dropout).
+  Returns the output twice, (y, y): the first for the next sub-layer, the second for the
+  LayerNorm after it as its residual, so that the fused backward takes the two gradients as
+  two inputs instead of their sum (layer_norm.residual_layer_norm's residual_copy).
   """
   config: BertConfig
 
@@ -332,7 +340,7 @@ class ResidualLayerNorm(nn.Module):
     impl = 'xla' if self.is_initializing() else c.layer_norm_impl
     return layer_norm.residual_layer_norm(
         x, residual, x_bias, scale, bias, bits, rate=rate, eps=c.layer_norm_eps, impl=impl,
-        out_dtype=c.compute_dtype)
+        out_dtype=c.compute_dtype, residual_copy=True)
 
 
 class DenseGeneral(nn.Module):
@@ -352,6 +360,8 @@ class DenseGeneral(nn.Module):
   # False: return (x @ kernel, bias) for a consumer that adds the float32 bias itself.
   add_bias: bool = True
   fp8: bool = False  # The matmul through `fp8_dot_general` (matmul_precision='fp8').
+  # The output's logical axes, which place the fused GELU kernels under a mesh.
+  activation_axes: tuple[str | None, ...] | None = None
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -367,8 +377,10 @@ class DenseGeneral(nn.Module):
     if not self.add_bias:
       return y, f32_bias
     if self.activation == 'gelu':
-      # Bias add and exact GELU in one function that keeps only y for its backward.
-      return activations.bias_gelu(y, bias)
+      # Bias add and exact GELU in one function that keeps only y for its backward; the
+      # float32 bias as it is stored (no cast kernel; its gradient summed in float32).
+      impl = 'xla' if self.is_initializing() else c.gelu_impl
+      return activations.bias_gelu(y, f32_bias, impl=impl, axes=self.activation_axes)
     y = y + bias
     return _ACTIVATIONS[self.activation](y) if self.activation else y
 
@@ -389,13 +401,14 @@ def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
 
 def _dense(config: BertConfig, features, axes, name: str, in_axes=-1,
            activation: str | None = None, add_bias: bool = True,
-           fp8: bool = False) -> nn.Module:
+           fp8: bool = False, activation_axes=None) -> nn.Module:
   features = features if isinstance(features, tuple) else (features,)
   in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
   if in_axes != tuple(range(-len(in_axes), 0)):
     raise ValueError(f'in_axes {in_axes} are not the trailing axes')
   return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
-                      activation=activation, add_bias=add_bias, fp8=fp8, name=name)
+                      activation=activation, add_bias=add_bias, fp8=fp8,
+                      activation_axes=activation_axes, name=name)
 
 
 def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
@@ -455,18 +468,20 @@ class Embeddings(nn.Module):
     bits = hidden_dropout_bits(self, self.config, deterministic, x.shape)
     return layer_norm.dropout(x, bits, self.config.hidden_dropout_prob)
 
-  def attend(self, x: Array) -> Array:
+  def attend(self, x: Array, padded: bool = False) -> Array:
     """Logits over the vocabulary with the (tied) word embedding matrix.
 
     The matmul runs over the vocabulary padded with zero rows to a multiple of
-    `VOCAB_MULTIPLE` and the logits are sliced back: 30522 rows ran a misaligned cuBLAS kernel
-    (2-element alignment, 247 TFLOP/s on an H100) in both directions. The padding exists only
-    inside this matmul: parameters, checkpoints and the logits keep `vocab_size`."""
+    `VOCAB_MULTIPLE`: 30522 rows ran a misaligned cuBLAS kernel (2-element alignment,
+    247 TFLOP/s on an H100) in both directions. The padding exists only inside this matmul:
+    parameters and checkpoints keep `vocab_size`, and so do the logits unless `padded`
+    (then [..., padded vocabulary], the pad columns 0: see MlmHead)."""
     table = self.word_embeddings.embedding
     x, table = promote_dtype(x, table, dtype=self.config.compute_dtype)
     vocab = table.shape[0]
     table = jnp.pad(table, ((0, -vocab % VOCAB_MULTIPLE), (0, 0)))
-    return jnp.dot(x, table.T)[..., :vocab]
+    logits = jnp.dot(x, table.T)
+    return logits if padded else logits[..., :vocab]
 
 
 class DenseParams(nn.Module):
@@ -536,7 +551,8 @@ class Mlp(nn.Module):
     c = self.config
     fp8 = use_fp8(self, c, self.deterministic)
     h = _dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
-               activation=c.hidden_act, fp8=fp8)(x)
+               activation=c.hidden_act, fp8=fp8,
+               activation_axes=('batch', 'length', 'act_mlp'))(x)
     h = _constrain(h, ('batch', 'length', 'act_mlp'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
     return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False, fp8=fp8)(h)
@@ -551,18 +567,23 @@ class EncoderLayer(nn.Module):
   hidden_states: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, sequence_ids: Array) -> tuple[Array, Array | None]:
+  def __call__(self, carry: tuple[Array, Array],
+               sequence_ids: Array) -> tuple[tuple[Array, Array], Array | None]:
+    """carry: (x, residual), the layer input twice (ResidualLayerNorm's two outputs): x for
+    the attention, residual for its LayerNorm."""
     c = self.config
+    x, residual = carry
+    act = lambda a: _constrain(a, ('batch', 'length', 'act_embed'))
     # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
     drop = lambda: hidden_dropout_bits(self, c, self.deterministic, x.shape)
     attn, attn_bias = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
-    x = ResidualLayerNorm(c, name='attention_layer_norm')(attn, x, attn_bias, drop())
-    x = _constrain(x, ('batch', 'length', 'act_embed'))
+    x, residual = map(act, ResidualLayerNorm(c, name='attention_layer_norm')(
+        attn, residual, attn_bias, drop()))
     y, y_bias = Mlp(c, self.deterministic, name='mlp')(x)
-    x = ResidualLayerNorm(c, name='output_layer_norm')(y, x, y_bias, drop())
-    x = _constrain(x, ('batch', 'length', 'act_embed'))
-    # Returned twice: as the scan carry and as the per-layer output (hidden states).
-    return x, (x if self.hidden_states else None)
+    x, residual = map(act, ResidualLayerNorm(c, name='output_layer_norm')(
+        y, residual, y_bias, drop()))
+    # The carry for the next layer, and the per-layer output (hidden states).
+    return (x, residual), (x if self.hidden_states else None)
 
 
 class Encoder(nn.Module):
@@ -584,14 +605,15 @@ class Encoder(nn.Module):
                         split_rngs={'params': True, 'dropout': True},
                         in_axes=(nn.broadcast,), length=c.num_hidden_layers,
                         metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, stacked = scanned(c, deterministic, return_hidden_states, name='layers')(
-          x, sequence_ids)
+      (x, _), stacked = scanned(c, deterministic, return_hidden_states, name='layers')(
+          (x, x), sequence_ids)
       hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
     else:
-      hidden = []
+      hidden, carry = [], (x, x)
       for i in range(c.num_hidden_layers):
-        x, _ = layer_cls(c, deterministic, name=f'layer_{i}')(x, sequence_ids)
-        hidden.append(x)
+        carry, _ = layer_cls(c, deterministic, name=f'layer_{i}')(carry, sequence_ids)
+        hidden.append(carry[0])
+      x = carry[0]
       if not return_hidden_states:
         hidden = []
     return x, hidden
@@ -628,8 +650,8 @@ class BertModel(nn.Module):
       return seq, pooled, [x] + hidden
     return seq, pooled
 
-  def attend(self, x: Array) -> Array:
-    return self.embeddings.attend(x)
+  def attend(self, x: Array, padded: bool = False) -> Array:
+    return self.embeddings.attend(x, padded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -637,12 +659,25 @@ class BertModel(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+# The logit of a padded vocabulary column (MlmHead(padded_vocab=True)): exp() of it is 0 in
+# float32 next to any real logit, so softmax, logsumexp and argmax ignore the column, and its
+# gradient is exactly 0. Finite, so that no inf - inf can make a NaN.
+PAD_LOGIT = -1e9
+
+
 class MlmHead(nn.Module):
-  """Transform (dense + activation + LayerNorm), then logits tied to the word embeddings."""
+  """Transform (dense + activation + LayerNorm), then logits tied to the word embeddings.
+
+  padded_vocab: return the logits over the decoder's padded vocabulary (a multiple of
+  VOCAB_MULTIPLE), the pad columns at PAD_LOGIT: the same loss, predictions and gradients,
+  but the decoder's matmul output is used as it is, so the backward feeds the loss's gradient
+  straight into the matmul where the sliced logits made XLA pad it back with a copy of
+  [predictions, vocabulary] (0.37 ms of BERT-base's step on an H200, issue 45)."""
   config: BertConfig
+  padded_vocab: bool = False
 
   @nn.compact
-  def __call__(self, x: Array, attend: Callable[[Array], Array]) -> Array:
+  def __call__(self, x: Array, attend: Callable[..., Array]) -> Array:
     c = self.config
     x = _constrain(x, ('batch', None, 'act_embed'))
     # The transform maps back into the hidden ('embed') dimension that the LayerNorm and the
@@ -653,11 +688,16 @@ class MlmHead(nn.Module):
     # n/tensor] comes out with the rows of two batch shards swapped (a collective-permute it
     # never undoes) when data, fsdp and tensor are all > 1: the loss was right, the gradients
     # of the MLM head and everything below it were not.
-    x = _dense(c, c.hidden_size, ('mlp', 'embed'), 'transform', activation=c.hidden_act)(x)
+    x = _dense(c, c.hidden_size, ('mlp', 'embed'), 'transform', activation=c.hidden_act,
+               activation_axes=('batch', None, 'act_embed'))(x)
     x = _layer_norm(c, 'layer_norm')(x)
     x = _constrain(x, ('batch', None, 'act_embed'))
     bias = self.param('output_bias', _zeros(('vocab',)), (c.vocab_size,), jnp.float32)
-    logits = _constrain(attend(x).astype(jnp.float32), ('batch', None, 'act_vocab'))
+    logits = attend(x, padded=self.padded_vocab)
+    logits = _constrain(logits.astype(jnp.float32), ('batch', None, 'act_vocab'))
+    if logits.shape[-1] > c.vocab_size:
+      bias = jnp.concatenate([bias, jnp.full((logits.shape[-1] - c.vocab_size,), PAD_LOGIT,
+                                             bias.dtype)])
     return logits + bias
 
 
@@ -672,8 +712,12 @@ def gather_positions(sequence: Array, positions: Array) -> Array:
 
 
 class BertForPreTraining(nn.Module):
-  """BERT with the MLM head (only at `masked_lm_positions`) and the NSP head."""
+  """BERT with the MLM head (only at `masked_lm_positions`) and the NSP head.
+
+  padded_vocab: MLM logits over the padded vocabulary, pad columns masked (MlmHead); for a
+  loss, which they leave unchanged (the pre-training steps), not for a user of the logits."""
   config: BertConfig
+  padded_vocab: bool = False
 
   @nn.compact
   def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions,
@@ -688,7 +732,7 @@ class BertForPreTraining(nn.Module):
                        cls_positions=next_sentence_positions)
     # Only the P masked positions reach the vocabulary projection: [B, P, V], not [B, T, V].
     masked = gather_positions(seq, masked_lm_positions)
-    mlm_logits = MlmHead(self.config, name='mlm')(masked, bert.attend)
+    mlm_logits = MlmHead(self.config, self.padded_vocab, name='mlm')(masked, bert.attend)
     nsp_logits = _dense(self.config, 2, ('embed', None), 'nsp')(pooled).astype(jnp.float32)
     return mlm_logits, nsp_logits
 

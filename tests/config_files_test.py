@@ -152,6 +152,7 @@ def test_a_config_files_own_keys_go_inside_unlocked(tmp_path):
 
 def test_the_choices_checked_at_load_are_the_modules_own():
   """config_checks writes the values out (the modules import JAX); they must not drift."""
+  from bert_jax import activations  # pylint: disable=g-import-not-at-top
   from bert_jax import attention  # pylint: disable=g-import-not-at-top
   from bert_jax import config_checks  # pylint: disable=g-import-not-at-top
   from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
@@ -162,6 +163,7 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   assert set(choices['model.size']) == set(model.SIZES)
   assert set(choices['model.attention_impl']) == set(attention.IMPLEMENTATIONS)
   assert set(choices['model.layer_norm_impl']) == set(layer_norm.IMPLEMENTATIONS)
+  assert set(choices['model.gelu_impl']) == set(activations.IMPLEMENTATIONS)
   assert set(choices['model.matmul_precision']) == set(model.MATMUL_PRECISIONS)
   remat_policies = model._REMAT_POLICIES  # pylint: disable=protected-access
   assert set(choices['model.remat_policy']) == set(remat_policies)

@@ -172,3 +172,46 @@ def test_pallas_on_a_mesh_runs_per_device_and_sums_the_parameter_gradients():
   assert 'shard_map' in jaxpr and 'pallas_call' in jaxpr
   for a, b in zip(reference, out):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5)
+
+
+def test_residual_copy_takes_both_gradients_into_the_backward_kernel():
+  """residual_copy=True returns y twice; the gradients of the two copies are added inside the
+  backward kernel (it reads both): the same gradients as one output whose gradient is their
+  sum, and a copy nothing reads costs no zeros tensor (a symbolic zero: one dy read)."""
+  x, residual, bias, scale, beta, bits, dy = _inputs(9, 40, jnp.float32, seed=3)
+  dy2 = jnp.flip(dy, axis=1) * 0.7
+
+  def grads(impl, copy, cotangent):
+    def f(x, residual, bias, scale, beta):
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=0.1,
+                                            impl=impl, residual_copy=copy)
+    out, vjp = jax.vjp(f, x, residual, bias, scale, beta)
+    return out, vjp(cotangent)
+
+  (y, y_copy), both = grads('pallas', True, (dy, dy2))
+  assert y is y_copy or np.array_equal(np.asarray(y), np.asarray(y_copy))
+  _, summed = grads('xla', False, dy + dy2)
+  _, xla_both = grads('xla', True, (dy, dy2))
+  for a, b, c in zip(summed, both, xla_both):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=2e-5, atol=2e-5)
+
+  def second_unused(x, residual, bias, scale, beta):
+    return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=0.1,
+                                          impl='pallas', residual_copy=True)[0]
+  _, vjp = jax.vjp(second_unused, x, residual, bias, scale, beta)
+  _, single = grads('xla', False, dy)
+  for a, b in zip(single, vjp(dy)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5)
+  # The backward kernel's inputs: one dy when the copy is unused, two when both are, and no
+  # add of the two outside it.
+  def backward_call(f, cotangent):
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](cotangent))(
+        x, residual, bias, scale, beta)
+    # (The forward's call is there too: the backward's is the one with dx, dr, partials.)
+    calls = [e for e in jaxpr.eqns if e.primitive.name == 'pallas_call' and len(e.outvars) == 3]
+    assert len(calls) == 1 and not any(e.primitive.name == 'add_any' for e in jaxpr.eqns)
+    return calls[0]
+  both_call = backward_call(lambda *a: layer_norm.residual_layer_norm(
+      *a, bits, rate=0.1, impl='pallas', residual_copy=True), (dy, dy2))
+  assert len(both_call.invars) == len(backward_call(second_unused, dy).invars) + 1

@@ -310,9 +310,10 @@ def test_masked_positions_are_gathered_without_a_scatter_in_the_gradient():
   assert hlo.count('scatter(') + hlo.count('"stablehlo.scatter"') == 1, 'one scatter: words'
 
 
-def test_pallas_layer_norm_matches_xla_in_training_with_dropout():
-  """model.layer_norm_impl='pallas' (interpreted here) against 'xla': the same dropout masks
-  from the same rng, the same outputs and parameter gradients (scanned layers: one kernel
+def test_pallas_kernels_match_xla_in_training_with_dropout():
+  """model.layer_norm_impl='pallas' and model.gelu_impl='pallas' (interpreted here) against
+  'xla': the same dropout masks from the same rng, the same outputs and parameter gradients
+  (the LayerNorms' residual copies carried across the layers; scanned layers: one kernel
   trace; interpreting Pallas compiles slowly)."""
   params = model_lib.init_params(TINY, jax.random.key(4))
   ids, mask, seg, pos = _batch()
@@ -327,7 +328,8 @@ def test_pallas_layer_norm_matches_xla_in_training_with_dropout():
     return jax.value_and_grad(loss)(params)
 
   ref = loss_and_grads(TINY.replace(layer_norm_impl='xla', scan_layers=True))
-  out = loss_and_grads(TINY.replace(layer_norm_impl='pallas', scan_layers=True))
+  out = loss_and_grads(TINY.replace(layer_norm_impl='pallas', gelu_impl='pallas',
+                                    scan_layers=True))
   # Float32 both ways; leaves near zero (a few biases) are held to the largest's scale.
   top = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref))
   jax.tree.map(lambda a, b: assert_close(b, a, 2e-5, scale=top), ref, out)
@@ -340,6 +342,8 @@ def test_pallas_layer_norm_matches_xla_in_training_with_dropout():
 def test_bad_layer_norm_impl_is_one_line():
   with pytest.raises(model_lib.UserError, match="layer_norm_impl 'triton' is not one of"):
     TINY.replace(layer_norm_impl='triton')
+  with pytest.raises(model_lib.UserError, match="gelu_impl 'triton' is not one of"):
+    TINY.replace(gelu_impl='triton')
 
 
 def test_one_mapping_from_the_model_block_for_both_drivers():
@@ -457,3 +461,33 @@ def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dty
   fp8_err = assert_close(y, exact, 0.1, what='FP8 matmul')
   bf16_err = assert_close(jnp.dot(x, k), exact, 0.02, what='bf16 matmul')
   assert fp8_err > 2 * bf16_err, (fp8_err, bf16_err)
+
+
+def test_padded_vocab_logits_give_the_same_loss_predictions_and_gradients():
+  """BertForPreTraining(padded_vocab=True) (the pre-training steps'): MLM logits over the
+  decoder's padded vocabulary (99 -> 128), the pad columns at PAD_LOGIT, so that the loss's
+  gradient enters the decoder's matmul as it is (no pad of it back to 128 columns): the same
+  loss, accuracy and parameter gradients as the sliced logits, and no gradient through a pad
+  column."""
+  from bert_jax import objectives  # pylint: disable=g-import-not-at-top
+  params = model_lib.init_params(TINY, jax.random.key(6))
+  ids, mask, seg, pos = _batch()
+  labels = jnp.asarray(np.random.RandomState(1).randint(0, 99, pos.shape), jnp.int32)
+  batch = {'masked_lm_ids': labels, 'masked_lm_weights': jnp.ones(pos.shape, jnp.float32)}
+
+  def loss(p, padded):
+    logits, _ = model_lib.BertForPreTraining(TINY, padded_vocab=padded).apply(
+        {'params': p}, ids, mask, seg, pos)
+    sums, _, metrics = objectives.mlm_loss(logits, batch)
+    return sums['mlm'], (logits, metrics)
+
+  (ref, (ref_logits, ref_metrics)), ref_grads = jax.value_and_grad(loss, has_aux=True)(
+      params, False)
+  (got, (logits, metrics)), grads = jax.value_and_grad(loss, has_aux=True)(params, True)
+  assert ref_logits.shape[-1] == 99 and logits.shape[-1] == 128
+  np.testing.assert_array_equal(np.asarray(logits[..., :99]), np.asarray(ref_logits))
+  assert np.all(np.asarray(logits[..., 99:]) < model_lib.PAD_LOGIT / 2)
+  assert_close(got, ref, 1e-6, what='loss')
+  assert jax.tree.map(float, metrics) == jax.tree.map(float, ref_metrics)
+  top = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
+  jax.tree.map(lambda a, b: assert_close(b, a, 1e-6, scale=top), ref_grads, grads)
