@@ -6,9 +6,9 @@
 Times forward and forward+backward (dx, d residual, d bias, d scale, d beta) of
 `layer_norm.residual_layer_norm` with dropout 0.1 for impl='xla' and impl='pallas', each jitted,
 the median of --iters runs after a warm-up, and reports ms, GB/s (the bytes the fused kernels
-must move: forward reads x, residual, the 1-byte mask and writes y; backward reads x, residual,
-mask, dy and writes dx, d residual) and the largest absolute difference of every output from
-the xla path. --rows_per_program sweeps the kernels' tiling, FWD:BWD[:TILE] (forward rows per
+must move: forward reads x, residual and writes y; backward reads x, residual, dy and writes
+dx, d residual; the dropout mask is hashed from a seed in the kernels) and the largest absolute
+difference of every output from the xla path. --rows_per_program sweeps the kernels' tiling, FWD:BWD[:TILE] (forward rows per
 program, backward rows per program, backward rows per loop step; e.g. 4:64:4,2:32:2,8:128:8);
 one JSON line per (hidden, impl, tiling), then a summary line with the best.
 Needs no TensorFlow.
@@ -63,11 +63,11 @@ def run_case(rows, hidden, rate, dtype, iters, tilings):
   bias = 0.1 * jax.random.normal(keys[2], (hidden,), jnp.float32)
   scale = 1.0 + 0.1 * jax.random.normal(keys[3], (hidden,), jnp.float32)
   beta = 0.1 * jax.random.normal(keys[4], (hidden,), jnp.float32)
-  bits = layer_norm.dropout_bits(keys[5], x.shape)
+  seed = layer_norm.dropout_seed(keys[5])
   dy = jax.random.normal(jax.random.key(1), x.shape, dtype)
   size = jnp.dtype(dtype).itemsize * rows * hidden
-  fwd_bytes = 3 * size + rows * hidden
-  bwd_bytes = 5 * size + rows * hidden + fwd_bytes  # fwd+bwd moves both.
+  fwd_bytes = 3 * size
+  bwd_bytes = 5 * size + fwd_bytes  # fwd+bwd moves both.
   results, outputs = [], {}
   # pylint: disable-next=protected-access
   defaults = layer_norm._FWD_ROWS, layer_norm._BWD_ROWS, layer_norm._BWD_TILE
@@ -78,7 +78,7 @@ def run_case(rows, hidden, rate, dtype, iters, tilings):
       layer_norm._FWD_ROWS, layer_norm._BWD_ROWS, layer_norm._BWD_TILE = (
           tiling + defaults[len(tiling):])
     def f(x, residual, bias, scale, beta, impl=impl):
-      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=rate,
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, seed, rate=rate,
                                             impl=impl)
 
     fwd = jax.jit(f)

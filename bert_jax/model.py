@@ -306,14 +306,14 @@ class LayerNorm(nn.Module):
     return y.astype(self.config.compute_dtype)
 
 
-def hidden_dropout_bits(module: nn.Module, config: BertConfig, deterministic: bool,
-                        shape: tuple[int, ...]) -> Array | None:
-  """The 8-bit hidden-dropout mask of `shape` from `module`'s 'dropout' rng, or None when no
-  dropout applies. Drawn by the caller, outside the LayerNorm's scope, so that profiles name
-  the generator's kernels dropout, not LayerNorm."""
+def hidden_dropout_seed(module: nn.Module, config: BertConfig,
+                        deterministic: bool) -> Array | None:
+  """The seed of a hidden-dropout mask (`layer_norm.dropout_seed`) from `module`'s 'dropout'
+  rng, or None when no dropout applies. Drawn by the caller, outside the LayerNorm's scope, so
+  that profiles name the rng's kernels dropout, not LayerNorm."""
   if deterministic or not layer_norm.keep_threshold(config.hidden_dropout_prob):
     return None
-  return layer_norm.dropout_bits(module.make_rng('dropout'), shape)
+  return layer_norm.dropout_seed(module.make_rng('dropout'))
 
 
 class ResidualLayerNorm(nn.Module):
@@ -321,7 +321,7 @@ class ResidualLayerNorm(nn.Module):
 
   The parameters are LayerNorm's (scale, bias). `x` is the sub-layer's projection without its
   bias, which is passed as `x_bias` (float32) so that the fused kernel adds it, and returns its
-  gradient, in the same pass. `bits`: `hidden_dropout_bits`' mask, or None (no dropout).
+  gradient, in the same pass. `seed`: `hidden_dropout_seed`'s, or None (no dropout).
   Returns the output twice, (y, y): the first for the next sub-layer, the second for the
   LayerNorm after it as its residual, so that the fused backward takes the two gradients as
   two inputs instead of their sum (layer_norm.residual_layer_norm's residual_copy).
@@ -330,16 +330,16 @@ class ResidualLayerNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, residual: Array, x_bias: Array | None,
-               bits: Array | None) -> Array:
+               seed: Array | None) -> Array:
     c = self.config
     h = x.shape[-1]
     scale = self.param('scale', _ones(('embed',)), (h,), jnp.float32)
     bias = self.param('bias', _zeros(('embed',)), (h,), jnp.float32)
-    rate = c.hidden_dropout_prob if bits is not None else 0.0
+    rate = c.hidden_dropout_prob if seed is not None else 0.0
     # Initialization traces a dummy batch for the parameters' shapes only: plain jnp.
     impl = 'xla' if self.is_initializing() else c.layer_norm_impl
     return layer_norm.residual_layer_norm(
-        x, residual, x_bias, scale, bias, bits, rate=rate, eps=c.layer_norm_eps, impl=impl,
+        x, residual, x_bias, scale, bias, seed, rate=rate, eps=c.layer_norm_eps, impl=impl,
         out_dtype=c.compute_dtype, residual_copy=True)
 
 
@@ -428,8 +428,8 @@ def _one_hot_lookup(table: Array, ids: Array, dtype) -> Array:
 
 
 class Embeddings(nn.Module):
-  """Word + learned position + token type embeddings, LayerNorm, dropout (8-bit masks:
-  `layer_norm.dropout_bits`)."""
+  """Word + learned position + token type embeddings, LayerNorm, dropout (masks hashed from a
+  seed: `layer_norm.dropout_seed`)."""
   config: BertConfig
 
   def setup(self):
@@ -465,8 +465,8 @@ class Embeddings(nn.Module):
     x = self.word_embeddings(input_ids) + positions + token_types
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     x = self.layer_norm(x)
-    bits = hidden_dropout_bits(self, self.config, deterministic, x.shape)
-    return layer_norm.dropout(x, bits, self.config.hidden_dropout_prob)
+    seed = hidden_dropout_seed(self, self.config, deterministic)
+    return layer_norm.dropout(x, seed, self.config.hidden_dropout_prob)
 
   def attend(self, x: Array, padded: bool = False) -> Array:
     """Logits over the vocabulary with the (tied) word embedding matrix.
@@ -575,7 +575,7 @@ class EncoderLayer(nn.Module):
     x, residual = carry
     act = lambda a: _constrain(a, ('batch', 'length', 'act_embed'))
     # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
-    drop = lambda: hidden_dropout_bits(self, c, self.deterministic, x.shape)
+    drop = lambda: hidden_dropout_seed(self, c, self.deterministic)
     attn, attn_bias = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
     x, residual = map(act, ResidualLayerNorm(c, name='attention_layer_norm')(
         attn, residual, attn_bias, drop()))

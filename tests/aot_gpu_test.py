@@ -39,7 +39,8 @@ if importlib.util.find_spec('jax_plugins.xla_cuda12') is None and not os.environ
 # LayerNorm (main at 50c5ee3, 2026-11-27, what the H200 ran): 782 kernels, 44.7 GB, 12.07 GiB
 # at base/128; 1,351 kernels, 112.2 GB, 30.96 GiB at large/512. After issue 45's items 1, 4
 # (the LayerNorms' residual copies) and 5 (the MLM loss on the padded logits): 758 kernels,
-# 41.8 GB, 11.70 GiB at base/128.
+# 41.8 GB, 11.70 GiB at base/128; and dropout masks hashed in the LayerNorm kernels: 659
+# kernels, 38.6 GB, 11.14 GiB.
 # Issue 45's targets: <= 550 kernels at base/128 and <= 1,000 at large/512
 # (KERNEL_TARGETS); the budgets below ratchet towards them as its items land.
 # Regenerate (then set the budget to the new figures plus about 1.5%):
@@ -51,7 +52,7 @@ if importlib.util.find_spec('jax_plugins.xla_cuda12') is None and not os.environ
 # --config.model.size=large --config.train.batch_size=64 --config.data.max_seq_length=512
 # --config.data.max_predictions_per_seq=80).
 STEP_BUDGET = {
-    '0.10': dict(kernels=770, non_matmul_gb=42.5, memory_gib=11.9),
+    '0.10': dict(kernels=670, non_matmul_gb=39.2, memory_gib=11.35),
     # The current stack: 1,454 kernels, 65.62 GB, 12.57 GiB (jax 0.12.0.1, Python 3.12.1,
     # 2026-11-26); its cuBLAS calls are custom calls where 0.10's GEMMs are Triton fusions.
     # After items 3, 4 and 5: 1,268 kernels, 58.67 GB, 12.06 GiB; after item 6 (the bf16

@@ -128,3 +128,15 @@ def test_kernels_of_a_jax_0_11_gpu_profile_are_found_in_its_program():
   for library in ('nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_splitK_NTN',
                   'cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26'):
     assert library not in info
+
+
+def test_the_gelu_passes_of_the_h100_and_h200_programs_before_issue_45():
+  """step_budget's GELU passes (issue 45) on the two cuts of main's step before it: the
+  deviceless jax 0.10.2 program ran the forward and the backward with the bias gradient's
+  partial sums (2 passes over [tokens, intermediate]); the H200's jax 0.11.2 program split the
+  bias gradient into a column reduction that reads dy again (3 passes). Every one evaluated
+  XLA's float32 erf, instruction-bound on a GPU."""
+  for path, passes in ((SNIPPET, 2), (GPU_SNIPPET, 3)):
+    with open(path) as f:
+      budget = hlo_kernels.step_budget(f.read())
+    assert budget['gelu_passes'] == budget['gelu_erf_passes'] == passes, (path, budget)
