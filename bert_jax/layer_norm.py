@@ -58,9 +58,9 @@ IMPLEMENTATIONS = ('auto', 'pallas', 'xla')
 # rows, loads of the next tile in flight while one computes (num_stages=2), and writes one
 # partial sum of dbias, dscale and dbeta per program: more rows per program, fewer partials.
 # Chosen from bytes in flight, not timed (no GPU): an H200 needs ~25 KB in flight per SM
-# (4.8 TB/s x ~700 ns / 132 SMs); one forward program of 4 rows of H = 768 issues 20 KB of
-# loads (x, residual: bf16, mask: u8), one backward tile of 4 rows 36 KB (x, residual, mask,
-# two dy), and several programs share an SM. The one-row loop before (4 and 32 rows per
+# (4.8 TB/s x ~700 ns / 132 SMs); one forward program of 4 rows of H = 768 issues 16 KB of
+# loads (x, residual: bf16; the dropout mask is hashed, not loaded), one backward tile of 4 rows
+# 32 KB (x, residual, two dy), and several programs share an SM. The one-row loop before (4 and 32 rows per
 # program, one row per iteration) ran at 1.5x (forward) and 2.4x (backward) its floor.
 _FWD_ROWS = 4
 _BWD_ROWS = 64
