@@ -38,7 +38,7 @@ def parse_args(argv=None):
   parser.add_argument('--rate', type=float, default=0.1, help='dropout rate')
   parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
   parser.add_argument('--iters', type=int, default=50, help='timed runs (median reported)')
-  parser.add_argument('--rows_per_program', default='4:64:4',
+  parser.add_argument('--rows_per_program', default='8:128:8',
                       help='FWD:BWD[:TILE] rows each Pallas forward and backward program '
                            'handles (and the backward rows per loop step), comma-separated to '
                            'sweep (the module default: layer_norm._FWD_ROWS, _BWD_ROWS, '

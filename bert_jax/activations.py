@@ -12,9 +12,8 @@ input's dtype.
 Implementations (`model.gelu_impl`):
   xla     `lax.erf` in jnp (every backend; the reference in tests). On a GPU, XLA's float32
           erf is a clamped rational polynomial with a divide, ~45 instructions per element:
-          the forward ran instruction-bound at 2.1x its memory floor on an H200 (issue 45),
-          and jax 0.11+ splits the backward into a multiply and a separate column reduction
-          for the bias gradient (4 GELU kernels per layer).
+          the forward ran instruction-bound at 2.1x its memory floor on an H200 (issue 45's
+          profile, 2026-11-27).
   pallas  one Pallas kernel each way (lowered through Triton on NVIDIA GPUs; interpreted
           elsewhere, which is for tests only): the forward reads x and writes gelu(x + b), the
           backward reads x and dy, writes dx and the bias gradient's partial sums per block of
@@ -24,7 +23,20 @@ Implementations (`model.gelu_impl`):
           |error| <= 1.5e-7 (below float32 rounding of erf near 1), evaluated on |y| so the
           negative tail keeps its relative accuracy; phi shares its exp. About 16 instructions
           and 2 special-function ops per element, no IEEE divide.
-  auto    pallas when lowering for a GPU, xla otherwise.
+A config's 'auto' is xla on every platform (`model.resolve`), from the one measurement there
+is (one H100 80GB HBM3, jax 0.11.2 for CUDA 13, 2026-11-28; benchmarks/results/
+h100_2026-11-28_gelu*.json): alone, at [32768, 3072] bf16, jitted, median of 20 calls with
+their launch, xla's forward took 0.284 ms and pallas' 0.288, the backward (dx and the bias
+gradient) 0.384 and 0.406. A sweep of the pallas tiles ran every tiling at 1.2-1.44 TB/s (its
+best backward 0.419 ms, the default 0.491 in that run: within the runs' spread). The
+BERT-base/128 step compiled to 39 GELU kernels either way; inside it the pallas kernels ran
+144 us (forward) and 230 us (backward) per layer, 1.2x and 1.3x their floors at 3.35 TB/s (2
+and 3 passes of [32768, 3072] bf16: 120 and 180 us). The step's 2.6% gain over main (50.9 ->
+49.6 ms) is issue 45's changes together, the LayerNorm and dropout ones included; xla's GELU
+in the step was not profiled, so no share of it is known to be pallas'. pallas stays an option
+(and the GPU step budget's setting, tests/aot_gpu_test.py), its numerics xla's: in bf16 at
+most one bf16 step apart (0.031 forward, 0.016 dx), dbias 7e-8 relative; in float32 within
+5e-7 of jax.nn.gelu (xla 1e-6).
 """
 
 import functools
@@ -35,10 +47,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from bert_jax import attention
+from bert_jax import config_checks
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ('auto', 'pallas', 'xla')
+# model.gelu_impl's values but 'auto', which `model.resolve` turns into one of them.
+IMPLEMENTATIONS = tuple(i for i in config_checks.CHOICES['model.gelu_impl'] if i != 'auto')
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -265,14 +279,14 @@ def bias_gelu(x: Array, bias: Array, *, impl: str = 'xla',
               axes: tuple[str | None, ...] | None = None) -> Array:
   """gelu(x + bias), exact (erf); bias [C] broadcasts over x's leading axes.
 
-  impl: 'xla', 'pallas' or 'auto' (module docstring). axes: x's logical axis names (e.g.
+  impl: 'xla' or 'pallas' (module docstring; a config's 'auto' is resolved before this, in
+  `model.resolve`). axes: x's logical axis names (e.g.
   ('batch', 'length', 'act_mlp')), which place the Pallas kernels under a mesh; without them a
   mesh runs the xla implementation.
   """
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f'gelu impl {impl!r} is not one of {IMPLEMENTATIONS}')
+  assert impl in IMPLEMENTATIONS, impl
   gpu = attention.target_platform() == 'gpu'
-  if (impl == 'xla' or (impl == 'auto' and not gpu) or bias.ndim != 1 or
+  if (impl == 'xla' or bias.ndim != 1 or
       (axes is None and not jax.sharding.get_abstract_mesh().empty)):
     return _xla_bias_gelu(x, bias)
   if axes is not None and len(axes) != x.ndim:

@@ -22,8 +22,9 @@ of BERT-base's step on an H200, issue 45).
 Implementations (`model.layer_norm_impl`):
   xla     the formula in jnp (every backend, the reference in tests);
   pallas  one Pallas kernel each way, lowered through Triton on NVIDIA GPUs (in interpret mode
-          elsewhere, which is for tests only: slow);
-  auto    pallas when lowering for a GPU, xla otherwise.
+          elsewhere, which is for tests only: slow).
+A config's 'auto' is pallas for GPUs, xla elsewhere: `model.resolve` decides, for the platform a
+step runs on or is compiled for.
 Both compute in float32 (statistics, affine and the dropout scale) and return the compute
 dtype, so they agree to float32 rounding.
 
@@ -48,23 +49,27 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from bert_jax import attention
+from bert_jax import config_checks
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ('auto', 'pallas', 'xla')
+# model.layer_norm_impl's values but 'auto', which `model.resolve` turns into one of them.
+IMPLEMENTATIONS = tuple(i for i in config_checks.CHOICES['model.layer_norm_impl'] if i != 'auto')
 # Tiling (benchmarks/layernorm.py --rows_per_program sweeps it on a GPU). The forward handles
 # _FWD_ROWS rows per program as one [rows, next_power_of_2(H)] tile: every load of a program
 # issued at once, no loop. The backward walks _BWD_ROWS rows per program in tiles of _BWD_TILE
 # rows, loads of the next tile in flight while one computes (num_stages=2), and writes one
 # partial sum of dbias, dscale and dbeta per program: more rows per program, fewer partials.
-# Chosen from bytes in flight, not timed (no GPU): an H200 needs ~25 KB in flight per SM
-# (4.8 TB/s x ~700 ns / 132 SMs); one forward program of 4 rows of H = 768 issues 16 KB of
-# loads (x, residual: bf16; the dropout mask is hashed, not loaded), one backward tile of 4 rows
-# 32 KB (x, residual, two dy), and several programs share an SM. The one-row loop before (4 and 32 rows per
-# program, one row per iteration) ran at 1.5x (forward) and 2.4x (backward) its floor.
-_FWD_ROWS = 4
-_BWD_ROWS = 64
-_BWD_TILE = 4
+# Measured (one H100, jax 0.11.2, 2026-11-28, `benchmarks/layernorm.py --iters=10
+# --rows_per_program=1:16:1,4:64:4,8:128:8,16:128:8`, benchmarks/results/
+# h100_2026-11-28_layernorm.jsonl), forward + backward of [32768, H] bf16 at dropout 0.1 in ms:
+#   H = 768:  1:16:1 0.453, 4:64:4 0.553, 8:128:8 0.417, 16:128:8 0.450 (xla 0.590);
+#   H = 1024: 1:16:1 0.516, 4:64:4 0.518, 8:128:8 0.464, 16:128:8 0.451 (xla 0.753).
+# 8:128:8 is the best at 768 and 3% off the best at 1024: the default for both (4:64:4,
+# chosen from bytes in flight before any GPU ran it, is what the step of that day ran).
+_FWD_ROWS = 8
+_BWD_ROWS = 128
+_BWD_TILE = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,11 +82,6 @@ def keep_threshold(rate: float) -> int:
   if not 0.0 <= rate < 1.0:
     raise ValueError(f'dropout rate {rate} is not in [0, 1)')
   return min(int(round(256 * rate)), 255)
-
-
-def effective_rate(rate: float) -> float:
-  """The dropout rate applied for `rate`: keep_threshold(rate) / 256 (0.1 -> 0.1015625)."""
-  return keep_threshold(rate) / 256
 
 
 def dropout_seed(rng: Array) -> Array:
@@ -485,13 +485,11 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
 
   x, residual: [..., H] (the same shape); bias, scale, beta: [H] (bias may be None); seed: the
   uint32[2] `dropout_seed` of the dropout mask, or None for no dropout (evaluation, rate 0).
-  impl: 'xla',
-  'pallas' or 'auto' (module docstring). Returns out_dtype (default: x's dtype); with
+  impl: 'xla' or 'pallas' (module docstring). Returns out_dtype (default: x's dtype); with
   residual_copy, the output twice (y, y): give the second to the next LayerNorm as its
   residual, and the backward kernel adds the two gradients (module docstring).
   """
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f'layer norm impl {impl!r} is not one of {IMPLEMENTATIONS}')
+  assert impl in IMPLEMENTATIONS, impl
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   if x.shape != residual.shape:
     raise ValueError(f'x {x.shape} and residual {residual.shape} must have one shape')
@@ -501,7 +499,7 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
   if seed is not None and keep_threshold(rate) == 0:
     seed = None
   gpu = attention.target_platform() == 'gpu'
-  if impl == 'xla' or (impl == 'auto' and not gpu):
+  if impl == 'xla':
     y = _xla(x, residual, bias, scale, beta, seed, rate=rate, eps=eps, out_dtype=out_dtype)
     return (y, y) if residual_copy else y
   fused = _fused_pair if residual_copy else _fused

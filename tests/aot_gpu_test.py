@@ -27,15 +27,16 @@ if importlib.util.find_spec('jax_plugins.xla_cuda12') is None and not os.environ
 # The GPU step budget (issue 30, "How it is checked"; issue 45): BERT-base, 256 packed rows of
 # 128 tokens, and BERT-large, 64 packed rows of 512, cuDNN attention, bf16, layers unrolled,
 # compiled deviceless for one H100 with the fused kernels (model.layer_norm_impl and
-# model.gelu_impl pallas, as benchmarks/gpu.py runs them). Each figure is the one measured on the date below plus a
-# small margin, per jax minor version (another jax compiles another program); a change that
+# model.gelu_impl pallas, as benchmarks/gpu.py runs them). Each figure is the one measured on
+# the date below plus a small margin, per jax minor version (another jax compiles another program); a change that
 # adds kernels, non-matmul bytes (Pallas kernels' included) or memory past it fails.
 # History (BERT-base/128, jax 0.10.2 + jax-cuda12-plugin 0.10.2, the floor stack; LayerNorm
 # `xla` until issue 45): 2026-11-26 after bias + GELU became one custom_vjp: 1,479 kernels,
 # 64.45 GB, 12.54 GiB; after issue 30's items 3, 4 and 5 (one QKV matmul, no MLM zeros
 # scatter, 8-bit dropout masks multiplied): 1,247 kernels, 58.38 GB, 12.03 GiB; after item 6's
-# bf16 compute copy of the parameters: 1,195, 58.10 GB, 12.07 GiB; and the gradients' global
-# norm summed by groups of like leaves: 1,022 kernels, 58.20 GB, 12.07 GiB. With the Pallas
+# bf16 compute copy of the parameters (state_extras.COMPUTE_COPY): 1,195, 58.10 GB, 12.07 GiB;
+# and the gradients' global norm summed by groups of like leaves (train_state.global_norm):
+# 1,022 kernels, 58.20 GB, 12.07 GiB. With the Pallas
 # LayerNorm (main at 50c5ee3, 2026-11-27, what the H200 ran): 782 kernels, 44.7 GB, 12.07 GiB
 # at base/128; 1,351 kernels, 112.2 GB, 30.96 GiB at large/512. After issue 45's items 1, 4
 # (the LayerNorms' residual copies) and 5 (the MLM loss on the padded logits): 758 kernels,
@@ -228,6 +229,7 @@ def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
     (r,) = aot.compile_for_topology(
         _config(**{'model.attention_impl': impl, 'model.layer_norm_impl': 'auto'}), 'h100')
     assert r['platform'] == 'gpu' and r['chips'] == 1 and r['dtype'] == 'bfloat16'
+    assert r['layer_norm_impl'] == 'pallas'  # 'auto', resolved for the H100, not this CPU.
     assert r['memory']['fits'] and 0 < r['memory']['total_gib'] < 1
     assert r['memory']['aliased_gib'] > 0  # The train state is donated.
     assert 1.0 <= r['flops']['xla_over_analytic'] < 1.5
