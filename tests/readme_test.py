@@ -187,6 +187,9 @@ COMMANDS: dict[str, Run | NotHere] = {
     '--config.train.phases= --config.model.matmul_precision=fp8': NotHere(
         _COMPILE + ' (with the gpu_aot packages); tests/aot_gpu_test.py compiles the same FP8 '
         'step at BERT-tiny'),
+    'python3 benchmarks/gpu.py --output=OUT --sizes=base,large --seq_lens=128,512 '
+    '--attention=cudnn --packing=true --frameworks=bert_jax --no-attention_dropout_case '
+    '--no-attention_check --compile_workers=4 --layernorm=pallas': NotHere(_GPU),
     'python3 benchmarks/gpu.py --output=/tmp/gpu_fp8 --sizes=base,large --seq_lens=128 '
     '--attention=cudnn --packing=true --matmul_precision=default,fp8 --loss_steps=300 '
     '--frameworks=bert_jax --no-attention_dropout_case': NotHere(_GPU),
