@@ -280,9 +280,8 @@ def bias_gelu(x: Array, bias: Array, *, impl: str = 'xla',
   """gelu(x + bias), exact (erf); bias [C] broadcasts over x's leading axes.
 
   impl: 'xla' or 'pallas' (module docstring; a config's 'auto' is resolved before this, in
-  `model.resolve`). axes: x's logical axis names (e.g.
-  ('batch', 'length', 'act_mlp')), which place the Pallas kernels under a mesh; without them a
-  mesh runs the xla implementation.
+  `model.resolve`). axes: x's logical axis names (e.g. ('batch', 'length', 'act_mlp')), which
+  place the Pallas kernels under a mesh; without them a mesh runs the xla implementation.
   """
   assert impl in IMPLEMENTATIONS, impl
   gpu = attention.target_platform() == 'gpu'
