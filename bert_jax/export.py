@@ -52,6 +52,7 @@ from bert_jax import convert
 from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import model as model_lib
+from bert_jax import run_files
 from bert_jax import tasks
 from bert_jax.errors import UserError
 
@@ -78,8 +79,7 @@ def export(workdir: str, output: str, fmt: str = 'savedmodel') -> dict[str, Any]
   if fmt not in FORMATS:
     raise UserError(f'--format={fmt}: expected {" or ".join(FORMATS)} (ONNX: README "Serving" '
                     'exports the model from `bert-jax convert --format=hf`)')
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   run = _read_run(workdir)
   builder = _BUILDERS.get(run['kind'])
   if builder is None:
@@ -130,7 +130,7 @@ def _read_run(workdir: str) -> dict[str, Any]:
   if not fileio.isdir(workdir):
     raise UserError(f'--workdir={workdir} is a file: name a run\'s workdir')
   fileio.check_readable_dir(workdir, '--workdir')
-  record = ckpt_lib.read_run_config(workdir)
+  record = run_files.read_run_config(workdir)
   if record is None:
     raise UserError(f'--workdir={workdir} has no config.json: not a bert_jax training workdir')
   config = ml_collections.ConfigDict(defaults.saved_config(record))
