@@ -37,7 +37,6 @@ local one (Orbax handles its own paths).
 
 import asyncio
 import contextlib
-import errno
 import itertools
 import json
 import logging as std_logging
@@ -409,23 +408,7 @@ class _HeldBackOrbaxErrors(std_logging.Filter):
 _ORBAX_ERRORS = _HeldBackOrbaxErrors()
 
 
-_DISK_ERRORS = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded',
-                errno.EROFS: 'Read-only file system', errno.EACCES: 'Permission denied',
-                errno.EFBIG: 'File too large'}
-
-
-def _disk_error(error: BaseException) -> str | None:
-  """The cause of a save failure that the user must fix on the storage side, else None."""
-  while error is not None:
-    if isinstance(error, OSError) and error.errno in _DISK_ERRORS:
-      return _DISK_ERRORS[error.errno]
-    # TensorStore and TensorFlow report OS errors in their message ("... No space left on
-    # device [os_error_code='28']").
-    for text in _DISK_ERRORS.values():
-      if text in str(error):
-        return text
-    error = error.__cause__ or error.__context__
-  return None
+_disk_error = fileio.disk_error  # The cause of a save failure to fix on the storage side.
 
 
 def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception) -> None:
