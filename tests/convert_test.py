@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from bert_jax import convert
 from bert_jax import model
+from bert_jax.errors import UserError
 import torch_reference
 
 HF_CONFIG = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -213,6 +214,11 @@ def test_hf_sharded_safetensors(hf_dir, reference, tmp_path):
     json.dump({'metadata': {}, 'weight_map': weight_map}, f)
   _, params = convert.load_pretrained(str(tmp_path))
   _assert_same(reference[1], params)
+  # An index cut short (a download stopped part-way): one line naming it.
+  index = tmp_path / 'model.safetensors.index.json'
+  index.write_text(index.read_text()[:40])
+  with pytest.raises(UserError, match=rf'^{index}: not valid JSON \(.*\); download it again'):
+    convert.load_pretrained(str(tmp_path))
 
 
 def test_hf_finetuned_heads_export_and_reload(tmp_path):
