@@ -108,7 +108,17 @@ def _devices(target: Target) -> list:
     # Only compiling, never running: other processes with libtpu loaded (tests, a second
     # compile) are no contention, so skip libtpu's one-process lock.
     os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
-    return topologies.get_topology_desc(platform='tpu', topology_name=target.topology).devices
+    try:
+      return topologies.get_topology_desc(platform='tpu',
+                                          topology_name=target.topology).devices
+    except jax.errors.JaxRuntimeError as e:
+      if 'INVALID_ARGUMENT' not in str(e):
+        raise
+      # A shape libtpu has no slice of ("v5e:3x5": not a whole number of hosts).
+      reason = str(e).split('INVALID_ARGUMENT:', 1)[1].strip().splitlines()[0][:300]
+      raise UserError(f'--topology={target.topology}: not a TPU slice libtpu knows ({reason}); '
+                      'name a slice such as v5e:2x2, v5e:4x4, v5e:16x16, v4:2x2x4 or '
+                      'v5p:4x4x4') from None
   try:
     return topologies.get_topology_desc(platform='cuda', target_config=_gpu_target(target.chip),
                                         topology=target.topology).devices

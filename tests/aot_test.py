@@ -109,6 +109,10 @@ def test_bad_topology_and_batch_are_clear_errors():
     aot.parse_topology('v5e-256')
   with pytest.raises(ValueError, match='train.batch_size=30'):
     aot.compile_for_topology(_config(**{'train.batch_size': 30}), 'v5e:2x2')
+  # A shape libtpu has no slice of (15 chips are no whole number of 4-chip hosts).
+  with pytest.raises(ValueError, match=r'^--topology=v5e:3x5: not a TPU slice libtpu knows '
+                     r'\(Topology layout "v5e:3x5" is not divisible'):
+    aot.compile_for_topology(_config(), 'v5e:3x5')
 
 
 def test_a_step_that_does_not_fit_is_reported_not_raised():
