@@ -135,6 +135,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   if not vocab_file:
     raise UserError(f'--checkpoint={checkpoint} has no vocab.txt next to it: set '
                     '--config.data.vocab_file')
+  from bert_jax import tokenization  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  convert.check_vocab(checkpoint, vocab_file,
+                      tokenization.load_tokenizer(vocab_file, config.data.lower_case).vocab,
+                      loaded_config, '--checkpoint', 'data.vocab_file')
   if 'mlm' not in params:
     raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
                     'fine-tuned model has no pre-training metrics')
@@ -271,6 +275,21 @@ def _dataset(config: ml_collections.ConfigDict, vocab_file: str, phase: pretrain
       vocab_file=vocab_file)
 
 
+def _check_resumed_vocab(workdir: str, vocab_file: str, tokens: list[str]) -> None:
+  """Refuses to resume a workdir's checkpoints with another vocabulary than its vocab.txt, the
+  one they were trained with: of the same size it would train on silently, each embedding row
+  now another token's, and replace the record of what made the checkpoints."""
+  recorded = os.path.join(workdir, 'vocab.txt')
+  if not (fileio.exists(recorded) and ckpt_lib.checkpoint_steps(workdir)):
+    return
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  differs = convert.vocab_differs(recorded, vocab_file, tokens)
+  if differs is not None:
+    raise UserError(f'data.vocab_file={vocab_file} is not the vocabulary the checkpoints of '
+                    f'--workdir={workdir} were trained with ({differs}): resume with '
+                    f'--config.data.vocab_file={recorded}, or pre-train into another --workdir')
+
+
 def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
            preemption: monitor.Preemption) -> _Run:
   """Mesh, data (checked for every phase), model and steps, state (restored or initialized),
@@ -312,6 +331,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
                          'train.init_checkpoint')
   vocab_file = input_pipeline.resolve_vocab(pretraining.phase_data(config, phases[0]), workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
+  _check_resumed_vocab(workdir, vocab_file, tokenizer.vocab)
   dataset_for = functools.partial(_dataset, config, vocab_file)
   logging.info('Checking the input of %d phase(s)', len(phases))
   _check_phase_data(config, phases, dataset_for)
