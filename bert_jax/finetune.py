@@ -53,6 +53,7 @@ from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_checks
 from bert_jax import convert
+from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
@@ -205,8 +206,11 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str,
   input_pipeline.hide_accelerators_from_tf()
   ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
   ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
+  recorded = _recorded_run(workdir, config)
   metrics_path = os.path.join(workdir, 'metrics.json')
   if fileio.exists(metrics_path):
+    _warn_changed_length(recorded, config, 'The run in this workdir had finished',
+                         'its result stands; this config\'s is not used')
     return _finished(workdir, metrics_path)
   fileio.gfile().makedirs(workdir)
   run = _setup(config, workdir, preemption)
@@ -274,9 +278,13 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
                                          model_lib.initial_fp8_meta(abstract.fp8_meta))
 
   # A fresh head compiles its initializers: SIGTERM does not wait for them.
+  recorded = _recorded_run(workdir, config)  # Before _run_files replaces it.
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
                                                 lambda: preemption.wait(init))
   preemption.check()
+  if start is not None:
+    _warn_changed_length(recorded, config, f'Resuming at step {start}',
+                         'the rest of the run trains and evaluates at the new length')
   # Only now, with the checkpoint found to match: a refused run leaves the workdir's record as
   # it was.
   _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
@@ -541,6 +549,31 @@ def _batch_settings(config: ml_collections.ConfigDict, train_features: dict[str,
                'fixed %d-token batches', config.task.name, len(train_features['input_ids']),
                buckets, 100 * (1 - savings['tokens_saved_share']), config.data.max_seq_length)
   return buckets, sort_window
+
+
+def _recorded_run(workdir: str, config: ml_collections.ConfigDict) -> dict[str, Any] | None:
+  """The workdir's config.json (in today's keys), after refusing one of another task: its
+  checkpoints hold another head, and a finished one would report the other task's score."""
+  record = ckpt_lib.read_run_config(workdir)
+  if not isinstance(record, dict):
+    return None
+  record = defaults.saved_config(record)
+  task = record.get('task', {}).get('name')
+  if task and task != config.task.name:
+    raise UserError(f'--workdir={workdir} holds a fine-tuning run of task {task} (its '
+                    f'config.json), not {config.task.name}: fine-tune {config.task.name} into '
+                    'another --workdir')
+  return record
+
+
+def _warn_changed_length(record: dict[str, Any] | None, config: ml_collections.ConfigDict,
+                         when: str, consequence: str) -> None:
+  """Warns, as pre-training does, when the run in the workdir was made with another
+  data.max_seq_length than `config` (its examples were cut to another length)."""
+  saved = (record or {}).get('data', {}).get('max_seq_length')
+  if saved is not None and int(saved) != int(config.data.max_seq_length):
+    logging.warning('%s with data.max_seq_length changed (%s -> %s) since its checkpoint was '
+                    'saved: %s', when, saved, config.data.max_seq_length, consequence)
 
 
 def _finished(workdir: str, metrics_path: str, fresh: bool = False) -> dict[str, Any]:
