@@ -69,14 +69,50 @@ _GCS_COMMIT_FILE = 'commit_success.txt'
 
 
 def _registry(replica_parallel: bool):
-  """Orbax's type handlers; without replica-parallel saving when not `replica_parallel`: that
+  """Orbax's type handlers, whose tensorstore requests to Cloud Storage retry on the run's
+  budget (`_bounded`); without replica-parallel saving when not `replica_parallel`: that
   compiles a slicing program per distinct parameter shape on the first save (tens of seconds on
   CPU) and gains nothing for a few saves of a small model. The files are the same either way."""
-  scalar = ocp.type_handlers.ScalarHandler()
+  scalar = _bounded(ocp.type_handlers.ScalarHandler)()
   return ocp.type_handlers.create_type_handler_registry(
-      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)),
-      (np.ndarray, ocp.type_handlers.NumpyHandler()),
+      (jax.Array, _bounded(ocp.type_handlers.ArrayHandler)(
+          use_replica_parallel=replica_parallel)),
+      (np.ndarray, _bounded(ocp.type_handlers.NumpyHandler)()),
       (int, scalar), (float, scalar), (np.number, scalar))
+
+
+def _bounded(handler: type) -> type:
+  """Orbax's type handler class `handler`, whose reads and writes give tensorstore the run's
+  Cloud Storage retry budget (`gcs.tensorstore_retries`, TensorFlow's): with tensorstore's own
+  (about 15 min for one request) a store that keeps failing held a run for as long. Orbax
+  builds each save's tensorstore context itself and takes none from its caller: each parameter's
+  (`ParamInfo.ts_context`) becomes a child of it that adds the budget."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+
+  def bounded(infos):
+    children = {}
+    for info in infos:
+      parent = info.ts_context
+      if id(parent) not in children:
+        spec = ts.Context.Spec({'gcs_request_retries': gcs.tensorstore_retries()})
+        children[id(parent)] = (ts.Context(spec, parent) if parent is not None
+                                else ts.Context(spec))
+      info.ts_context = children[id(parent)]
+    return infos
+
+  class Bounded(handler):
+
+    async def serialize(self, values, infos, args=None):
+      return await super().serialize(values, bounded(infos), args)
+
+    async def deserialize(self, infos, args=None):
+      return await super().deserialize(bounded(infos), args)
+
+    async def metadata(self, infos):
+      return await super().metadata(bounded(infos))
+
+  Bounded.__name__ = Bounded.__qualname__ = handler.__name__
+  return Bounded
 
 
 def make_manager(workdir: str, keep: int | None, async_save: bool = True,
@@ -108,6 +144,7 @@ class _Manager(ocp.CheckpointManager):
   """Orbax's CheckpointManager, whose `save` waits for the commit when `waits`."""
 
   waits = False
+  committed: int | None = None  # The latest step known committed when a save began.
 
   def save(self, *args, **kwargs) -> bool:
     saved = super().save(*args, **kwargs)
@@ -324,6 +361,9 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   (`_exchange`).
   """
   wait_for_saves(manager, workdir)
+  # Every save before this one is committed now: the step an outage's message names as intact
+  # (`_save_failed` asks the failing store nothing more).
+  manager.committed = manager.latest_step()
   _ORBAX_ERRORS.hold()
   try:
     if data_iterator is not None:
@@ -349,6 +389,26 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   except Exception as e:  # pylint: disable=broad-except
     _save_failed(manager, workdir, e)
   _clean_data_states(manager, workdir, keep_step=step)
+
+
+def check_saves(manager: ocp.CheckpointManager, workdir: str) -> None:
+  """Raises as `wait_for_saves` if the pending (asynchronous) save has failed meanwhile, and
+  returns at once otherwise: the loop checks at each log step, so that a save Cloud Storage
+  fails ends the run within its retries, not at the next save (`checkpoint.every_steps` steps
+  later). With several processes every process learns whether any failed, so that all stop at
+  the same step."""
+  error = None
+  try:
+    manager.check_for_errors()
+  except Exception as e:  # pylint: disable=broad-except  (raised below)
+    error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    failed = multihost_utils.process_allgather(np.int32(error is not None))
+    if error is None and np.any(failed):
+      wait_for_saves(manager, workdir)  # Its save failed too (`_exchange`): raised there.
+  if error is not None:
+    _save_failed(manager, workdir, error)
 
 
 def wait_for_saves(manager: ocp.CheckpointManager, workdir: str) -> None:
@@ -414,6 +474,19 @@ _disk_error = fileio.disk_error  # The cause of a save failure to fix on the sto
 def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception) -> None:
   """Removes what failed saves left behind, then raises (a UserError for a storage problem)."""
   ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
+  elsewhere = _in_chain(error, SaveFailedElsewhere)
+  report = elsewhere.report if elsewhere else _report(error)
+  if report['outage'] is not None:
+    # Cloud Storage past the retries: nothing to clean up there (a step folder without
+    # commit_success.txt is never resumed from), and every request to it would wait out the
+    # retries again before the run could end.
+    _ORBAX_ERRORS.release(show=False)
+    kept = getattr(manager, 'committed', None)
+    intact = (f'the last complete checkpoint, step {kept},' if kept is not None
+              else 'the last committed checkpoint')
+    prefix = (f'stopped because process {elsewhere.process}\'s {elsewhere.part} failed: '
+              if elsewhere else '')
+    raise Outage(prefix + gcs.outage_message(*report['outage'], intact)) from error
   partial = []
   if jax.process_index() == 0 and fileio.gfile().isdir(ckpt_dir):
     for name in fileio.gfile().listdir(ckpt_dir):
@@ -430,16 +503,10 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
             else 'every file written before')
   # Another process's part failed (`_exchange`): this one stops with the same status, saying
   # which process and why.
-  elsewhere = _in_chain(error, SaveFailedElsewhere)
-  report = elsewhere.report if elsewhere else _report(error)
   prefix = (f'stopped because process {elsewhere.process}\'s {elsewhere.part} failed: '
             if elsewhere else '')
-  cause, failing = report['disk'], report['outage']
-  _ORBAX_ERRORS.release(show=cause is None and failing is None and not elsewhere)
-  if failing is not None:
-    # Cloud Storage past the retries: Orbax's step folder there has no commit_success.txt, so
-    # it is never resumed from; the rerun writes it again.
-    raise Outage(prefix + gcs.outage_message(*failing, intact)) from error
+  cause = report['disk']
+  _ORBAX_ERRORS.release(show=cause is None and not elsewhere)
   if cause is None:
     if elsewhere:
       raise RuntimeError(f'{prefix}{report["line"]} (its log has the traceback)') from error

@@ -450,6 +450,9 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
           run.log.train(run.step, summary)
           steps.bar.set_postfix(loss=f'{summary["loss"]:.3f}',
                                 mlm_acc=f'{summary["mlm_accuracy"]:.3f}')
+          # A save that failed meanwhile (Cloud Storage past the retries) ends the run now,
+          # not at the next save.
+          ckpt_lib.check_saves(run.manager, run.workdir)
         preemption.stop_now(run.step, run.manager)
         if (run.step % config.checkpoint.every_steps == 0 or run.step == run.stop_at
             or preemption.stopping):

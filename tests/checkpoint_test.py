@@ -179,7 +179,10 @@ class _Written:
 
 
 class _Committed:
-  """The CheckpointManager methods `_save_failed` calls: step 4 is committed."""
+  """The CheckpointManager methods `_save_failed` calls: step 4 is committed (`committed`: as
+  `checkpoint.save` records it before each save)."""
+
+  committed = 4
 
   def reload(self):
     pass
