@@ -240,13 +240,15 @@ _DOWN_BOUND_S = 120
 
 def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounded_time(
     gcs, cache, data, tmp_path):
-  """From the commit of a run's first checkpoint on, every object of its gs:// workdir answers
-  503 (its checkpoint folder, data_state/, metrics.jsonl, events, the lock): pre-training and
-  fine-tuning each end within _DOWN_BOUND_S with one line naming an object of the workdir and
-  exit status 143, the committed checkpoint intact; each rerun resumes from it. Every layer
-  retries on the budget of GCS_RETRY_CONFIG_* (shortened here): before, tensorstore retried a
-  checkpoint's arrays for about 15 minutes and an asynchronous save's failure surfaced only at
-  the next save."""
+  """From the commit of a run's first checkpoint on, pre-training's checkpoint folder answers
+  only 503 (its next save's arrays and metadata, while metrics.jsonl and the rest answer), and
+  every object of a fine-tuning run's gs:// workdir does (metrics.jsonl, events, the lock, the
+  checkpoints): each run ends within _DOWN_BOUND_S with one line naming an object of its workdir
+  and exit status 143, the committed checkpoint intact, and each rerun resumes from it. Every
+  layer retries on the budget of GCS_RETRY_CONFIG_* (shortened here): before, tensorstore
+  retried a checkpoint's arrays for about 15 minutes, and an asynchronous save's failure
+  surfaced only at the next save (a run whose checkpoint folder failed had not ended after
+  300 s)."""
   line = (rf'bert-jax (pretrain|finetune): error: gs://{gcs_server.BUCKET}/(down|ft_down)/\S+: '
           r'Cloud Storage kept failing \(Backend Error\) past the retries \(README: Cloud '
           r'Storage\); the last (complete checkpoint, step \d+,|committed checkpoint) is intact: '
@@ -256,7 +258,8 @@ def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounde
   gcs.reset_log()
   try:
     proc = _pretrain(gcs, cache, workdir, overrides, env=_SHORT_RETRIES)
-    down = _down_after(gcs, proc, 'down/checkpoints/4/commit_success.txt', 'down/')
+    down = _down_after(gcs, proc, 'down/checkpoints/4/commit_success.txt',
+                       'down/checkpoints/')
     _, err = _communicate(proc, 900)
     ended = time.time()
   finally:
