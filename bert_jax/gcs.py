@@ -18,9 +18,7 @@ STORAGE_EMULATOR_HOST for a test server).
 import contextlib
 import functools
 import os
-import random
 import re
-import time
 import urllib.parse
 from typing import Any
 import uuid
@@ -111,6 +109,7 @@ def delete_if_generation(path: str, generation: int) -> bool:
 # Objects this process has appended to, and their size after its last append.
 _sizes: dict[str, int] = {}
 
+
 def _retry():
   """google-cloud-storage's retry rule (429, 5xx, dropped connections) on the run's budget
   (`retry_seconds`, TensorFlow's) instead of its own (1 s doubling to 60 s, for 120 s): the
@@ -121,13 +120,6 @@ def _retry():
       retry_seconds())
 
 
-def _transient(error: BaseException) -> bool:
-  """Whether google-cloud-storage would retry `error` (its own rule: 408, 429, 5xx, dropped
-  connections)."""
-  from google.cloud.storage import retry as storage_retry  # pylint: disable=g-import-not-at-top
-  return storage_retry._should_retry(error)  # pylint: disable=protected-access
-
-
 def append(path: str, data: bytes) -> None:
   """Appends `data` to the object (creating it): a small upload composed onto its end, so the
   cost does not grow with the object (3 requests). Not atomic against another writer: one
@@ -135,7 +127,8 @@ def append(path: str, data: bytes) -> None:
 
   google-cloud-storage retries (429, 5xx, dropped connections) only requests that are safe to
   repeat: the part is uploaded if absent (a new name), and the compose, which is not, is retried
-  here: after a failure the object's size says whether it landed (its answer lost) or not.
+  with its retry policy here: before each repeat, the object's size says whether the one before
+  landed (its answer lost) or not.
   """
   size = _sizes.get(path)
   if size is None:
@@ -162,30 +155,37 @@ def _stat_size(path: str) -> int:
 
 
 def _compose_once(path: str, part, size: int, added: int) -> int:
-  """Composes `part` onto the object of `size` bytes, exactly once; its new size."""
-  deadline, delay = time.monotonic() + retry_seconds(), retry_budget()[1]
-  while True:
+  """Composes `part` onto the object of `size` bytes, exactly once, under google-cloud-storage's
+  own retry policy (`DEFAULT_RETRY`) on the run's budget (`_retry`); the object's new size.
+
+  (A compose conditional on the object's generation would make the library's conditional retry
+  safe by itself; fake-gcs-server, the tests' server, neither changes an object's generation on
+  a compose nor checks the condition, so a lost answer's repeat could not be tested.)
+  """
+  tried = []
+
+  def attempt() -> int:
+    if tried:  # A repeat: did the last try land, its answer lost?
+      now = _stat_size(path)
+      if now == size + added:
+        return now
+      if now != size:
+        raise RuntimeError(f'{path}: {now} bytes after appending {added} to {size}: another '
+                           'process writes to it')
+    tried.append(True)
     target = _blob(path)
-    try:
-      target.compose([target, part], retry=None)
-      return target.size
-    except Exception as e:  # pylint: disable=broad-except
-      if not _transient(e) or time.monotonic() + delay > deadline:
-        raise
-    time.sleep(delay * (0.5 + random.random() / 2))
-    delay = min(2 * delay, retry_budget()[2])
-    now = _stat_size(path)  # Retried itself by google-cloud-storage.
-    if now == size + added:
-      return now  # The compose landed; its answer was lost.
-    if now != size:
-      raise RuntimeError(f'{path}: {now} bytes after appending {added} to {size}: another '
-                         'process writes to it')
+    target.compose([target, part], retry=None)
+    return target.size
+
+  return _retry()(attempt)()
 
 
 def _reason(error: BaseException) -> str:
   """Cloud Storage's own words for a refusal: the "message" of its JSON error (which
   google-cloud-storage keeps in `errors`, and TensorFlow quotes in its text), else the first
   line of the error."""
+  if isinstance(getattr(error, 'cause', None), BaseException):
+    return _reason(error.cause)  # google-api-core's RetryError: the last attempt's error.
   for detail in getattr(error, 'errors', None) or []:
     if isinstance(detail, dict) and detail.get('message'):
       return detail['message']

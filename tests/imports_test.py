@@ -20,8 +20,10 @@ LAYERS = (
     ('commands that use a model', {'predict', 'features', 'fill_mask'}),
     # The task modules are the table's (task_table.py imports none of them).
     ('fine-tuning tasks', {'task_table', 'metrics', *task_table.KINDS}),
-    ('training', {'pretraining', 'train_state', 'optim', 'sharding', 'monitor'}),
-    ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint', 'run_lock'}),
+    ('training', {'pretraining', 'train_state', 'state_extras', 'optim', 'sharding',
+                  'monitor', 'run_frame'}),
+    ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint', 'orbax_hooks',
+                                 'run_files', 'run_lock'}),
     ('model', {'model', 'attention', 'activations', 'layer_norm', 'flops'}),
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
               'vocab', 'sample_corpus', 'batching'}),
