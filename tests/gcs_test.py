@@ -299,7 +299,7 @@ def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounde
   argv = [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=finetune_glue:sst2',
           f'--workdir={workdir}'] + _flags({
               'train.init_checkpoint': init, 'task.data_dir': gcs.url('glue_down'),
-              'data.max_seq_length': 32, 'buckets': '()', 'train.batch_size': 8,
+              'data.max_seq_length': 32, 'data.buckets': '()', 'train.batch_size': 8,
               'eval.batch_size': 16, 'train.epochs': 2, 'checkpoint.every_steps': 2,
               'log.every_steps': 1, 'log.progress': False})
   run = lambda env: subprocess.Popen(
