@@ -167,8 +167,9 @@ def _convert_flags():
 @_command('data', 'Show decoded pre-training examples, or statistics with --stats=N.')
 def _data_flags():
   _define_config_flag(os.path.join(configs_dir(), 'smoke.py'))
-  flags.DEFINE_integer('stats', 0, 'Print one JSON object of statistics over N batches.')
-  flags.DEFINE_integer('num_examples', 3, 'Examples to show.')
+  flags.DEFINE_integer('stats', 0, 'Print one JSON object of statistics over N batches.',
+                       lower_bound=0)
+  flags.DEFINE_integer('num_examples', 3, 'Examples to show.', lower_bound=0)
   flags.DEFINE_string('workdir', '', 'Where a trained vocab is cached (empty data.vocab_file).')
 
   def run(argv):
@@ -468,6 +469,9 @@ def user_error_message(error: BaseException) -> str | None:
     return str(failing)
   if isinstance(error, (flags.Error, app.UsageError)):
     return str(error)
+  backend = errors.no_backend(error)  # JAX_PLATFORMS=gpu or tpu on a machine without one.
+  if backend is not None:
+    return backend
   if isinstance(error, SyntaxError) and error.filename and not os.path.realpath(
       error.filename).startswith(os.path.dirname(os.path.realpath(__file__))):
     # A config file that is not valid Python (ours are).

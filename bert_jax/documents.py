@@ -62,7 +62,9 @@ def input_kind(spec: str) -> str:
 
 
 def _split_spec(spec: str) -> list[str]:
-  return [p.strip() for p in spec.split(',') if p.strip()]
+  """The paths or globs of a comma-separated spec, with a leading ~ expanded as --workdir's is
+  (the shell leaves `--config.data.input=~/x` as it is)."""
+  return [os.path.expanduser(p.strip()) for p in spec.split(',') if p.strip()]
 
 
 def check_not_matched(spec: str, flag: str, written: list[str]) -> None:

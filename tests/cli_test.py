@@ -185,6 +185,7 @@ def _assert_user_error(proc, command, *fragments):
     (['compile', '--topology=v5e'], ["--topology='v5e': expected GENERATION:SHAPE"]),
     (['data', '--config.data.max_seq_length=1024'],
      ['data.max_seq_length=1024 exceeds model.max_position_embeddings=512']),
+    (['data', '--stats=-1'], ['flag --stats=-1: -1 is not a non-negative integer']),  # It hung.
 ])
 def test_flag_and_config_mistakes_are_one_message(args, fragments):
   _assert_user_error(_cli(args), args[0], *fragments)
@@ -457,6 +458,20 @@ def test_meshes_and_batches_that_do_not_divide(files):
                f'--config.data.vocab_file={root}/vocab.txt'],
               env={'XLA_FLAGS': '--xla_force_host_platform_device_count=4'})
   _assert_user_error(proc, 'pretrain', 'train.batch_size=6', '4 data-parallel shards')
+
+
+@pytest.mark.parametrize('platforms', ['gpu', 'tpu'])
+def test_a_platform_this_machine_lacks_is_one_line(files, platforms):
+  """JAX_PLATFORMS=gpu (or tpu) on a machine without one: one line naming the setting, not two
+  tracebacks (one naming ROCm, one advising `sudo rm` of libtpu's lock file)."""
+  _, ckpt = files
+  proc = _cli(['fill-mask', f'--checkpoint={ckpt}', 'the [MASK] was good'],
+              env={'JAX_PLATFORMS': platforms})
+  kind = platforms.upper()
+  _assert_user_error(proc, 'fill-mask', f'error: JAX_PLATFORMS={platforms}: JAX could not start '
+                     f'a {kind} backend: this machine has no usable {kind}',
+                     'unset JAX_PLATFORMS')
+  assert 'sudo' not in proc.stderr and 'rocm' not in proc.stderr.lower()
 
 
 def test_checkpoints_that_do_not_match(files):

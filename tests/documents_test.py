@@ -119,6 +119,14 @@ def test_expand_files_errors(tmp_path):
     documents.expand_files(' , ')
 
 
+def test_a_leading_tilde_is_the_home_folder(tmp_path, monkeypatch):
+  """As --workdir's: the shell leaves `--config.data.input=~/corpus.txt` as it is."""
+  monkeypatch.setenv('HOME', str(tmp_path))
+  (tmp_path / 'corpus.txt').write_text('a b.\n')
+  assert documents.expand_files('~/corpus.txt, ~/*.txt') == [str(tmp_path / 'corpus.txt')] * 2
+  assert list(documents.text_lines('~/corpus.txt', ml_collections.ConfigDict())) == ['a b.']
+
+
 def test_input_kind():
   assert documents.input_kind('sample') == 'sample'
   assert documents.input_kind('tfds:wikipedia/20230601.en:train[:1%]') == 'tfds'
