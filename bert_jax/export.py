@@ -233,7 +233,7 @@ def _task_model(module, task_model, head: str, params: Any, max_length: int,
 
 def _lengths(run: dict[str, Any], max_length: int) -> list[int]:
   """The lengths a batch is padded to: the run's buckets below its max_seq_length, and that."""
-  buckets = batching.parse_buckets(run['config'].buckets)
+  buckets = batching.parse_buckets(run['config'].data.buckets)
   return sorted({b for b in buckets if b < max_length} | {max_length})
 
 
