@@ -64,7 +64,7 @@ def make_run(root: str, size: str) -> dict[str, str]:
   workdir = os.path.join(root, 'run')
   finetune.finetune(config_files.load_config('finetune_glue.py:sst2', {
       'train.init_checkpoint': init, 'task.data_dir': os.path.join(root, 'glue'),
-      'data.max_seq_length': 64, 'buckets': (16, 32, 64), 'train.epochs': 1,
+      'data.max_seq_length': 64, 'data.buckets': (16, 32, 64), 'train.epochs': 1,
       'train.batch_size': 8, 'eval.batch_size': 8, 'log.progress': False,
       'model.hidden_dropout_prob': 0.0, 'model.attention_probs_dropout_prob': 0.0}), workdir)
   paths = {'workdir': workdir, 'export': os.path.join(root, 'export'),

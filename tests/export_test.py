@@ -86,7 +86,7 @@ def make_runs(root: str) -> dict[str, str]:
     _write(os.path.join(glue_dir, 'STS-B', f'{split}.tsv'), header + '\n' + ''.join(
         f'{i}\tg\tf\t2012\t{i}\ts\ts\t{_sentence(rng)}\t{_sentence(rng)}\t{rng.uniform(0, 5):.3f}\n'
         for i in range(n)))
-  glue_data = {'task.data_dir': glue_dir, 'data.max_seq_length': 32, 'buckets': (16, 32)}
+  glue_data = {'task.data_dir': glue_dir, 'data.max_seq_length': 32, 'data.buckets': (16, 32)}
   finetune_run('sst2', 'finetune_glue.py:sst2', glue_data)
   finetune_run('stsb', 'finetune_glue.py:stsb', glue_data)
 
@@ -99,7 +99,7 @@ def make_runs(root: str) -> dict[str, str]:
         + [rng.randint(0, 3)] for _ in range(n)])
     _write(os.path.join(swag_dir, name), out.getvalue())
   finetune_run('swag', 'finetune_swag.py', {'task.data_dir': swag_dir,
-                                            'data.max_seq_length': 24, 'buckets': (16, 24)})
+                                            'data.max_seq_length': 24, 'data.buckets': (16, 24)})
 
   conll_dir = os.path.join(root, 'conll')
   for name, n in (('train.txt', 12), ('valid.txt', 10)):
@@ -112,7 +112,7 @@ def make_runs(root: str) -> dict[str, str]:
     _write(os.path.join(conll_dir, name), '\n'.join(lines) + '\n')
   # 16 tokens: sentences of 14 words with pieces need a second window.
   finetune_run('ner', 'finetune_ner.py', {'task.data_dir': conll_dir,
-                                          'data.max_seq_length': 16, 'buckets': ()})
+                                          'data.max_seq_length': 16, 'data.buckets': ()})
 
   squad_dir = os.path.join(root, 'squad')
   for version in ('v1.1', 'v2.0'):
@@ -132,7 +132,7 @@ def make_runs(root: str) -> dict[str, str]:
         paragraphs.append({'context': context, 'qas': [qa]})
       _write(os.path.join(squad_dir, f'{split}-{version}.json'), json.dumps(
           {'version': version, 'data': [{'title': 't', 'paragraphs': paragraphs}]}))
-  squad_data = {'task.data_dir': squad_dir, 'data.max_seq_length': 48, 'buckets': (32, 48),
+  squad_data = {'task.data_dir': squad_dir, 'data.max_seq_length': 48, 'data.buckets': (32, 48),
                 'task.doc_stride': 16, 'task.max_query_length': 12}
   finetune_run('squad_v1', 'finetune_squad.py:v1', squad_data)
   # The same weights read as a SQuAD 2.0 model (as tests/finetune_test.py does): its decoding
