@@ -27,6 +27,8 @@ import processes
      {'padded_padding_fraction', 'packed_padding_fraction', 'packed_sequences_per_row'}),
     ('layernorm.py', ['--rows=9', '--hidden=24', '--iters=1'],
      {'backend', 'pallas_interpreted', 'cases'}),
+    ('gelu.py', ['--rows=37', '--cols=300', '--iters=1', '--tiles=4:1024:64,2:128:8'],
+     {'backend', 'pallas_interpreted', 'cases'}),
     ('finetune_buckets.py', ['--num_examples=64', '--batch_size=16', '--max_seq_length=32',
                              '--buckets=16,32', '--vocab_size=100', '--rounds=1'],
      {'padding', 'fixed', 'bucketed', 'speedup'}),

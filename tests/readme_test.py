@@ -135,6 +135,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax pretrain --config=configs/bert_base.py ... --config.model.attention_impl=cudnn '
     '--config.model.attention_probs_dropout_prob=0': NotHere(
         _GPU + ' (cuDNN attention); tests/aot_gpu_test.py compiles it for an H100'),
+    'python3 benchmarks/gelu.py': NotHere(
+        _GPU + ' (times the Pallas kernels); tests/benchmarks_test.py runs it in interpret mode'),
     'python3 benchmarks/layernorm.py': NotHere(
         _GPU + ' (times the Pallas kernel); tests/layer_norm_test.py runs it in interpret mode'),
     # ---- README.md: Cloud Storage -------------------------------------------------------------
