@@ -153,7 +153,8 @@ def _config_name() -> str:
 @_command('convert', 'Convert BERT weights between Hugging Face, Google TF and bert_jax.')
 def _convert_flags():
   flags.DEFINE_string('input', None, 'A Hugging Face directory, a Google checkpoint '
-                      '(directory or bert_model.ckpt prefix), a bert_jax checkpoint or workdir.')
+                      '(directory or bert_model.ckpt prefix), a bert_jax checkpoint or workdir, or '
+                      'hf://ORG/NAME[@REVISION] on the Hugging Face Hub.')
   flags.DEFINE_string('output', None, 'Output directory.')
   flags.DEFINE_enum('format', 'bert_jax', ['bert_jax', 'hf', 'google'], 'Output format.')
   flags.mark_flags_as_required(['input', 'output'])
@@ -275,7 +276,8 @@ def _finetune_flags():
           '(.jsonl, .npz or .npy).')
 def _features_flags():
   flags.DEFINE_string('init_checkpoint', None, 'Any checkpoint: bert_jax, Hugging Face, Google '
-                      'TF, or a (pre-)training workdir; its vocab.txt and casing are used.')
+                      'TF, a (pre-)training workdir or hf://ORG/NAME[@REVISION]; its vocab.txt and '
+                      'casing are used.')
   flags.DEFINE_string('input', None, 'Text file: one text per line, or "text_a ||| text_b".')
   flags.DEFINE_string('output', None, 'A .jsonl, .npz or .npy path.')
   flags.DEFINE_list('layers', [], 'Hidden states to output, in this order: -1 = last encoder '
@@ -318,7 +320,7 @@ def _features_flags():
 def _eval_flags():
   _define_config_flag(os.path.join(configs_dir(), 'smoke.py'))
   flags.DEFINE_string('checkpoint', None, 'A pre-training workdir, or a Hugging Face, Google TF '
-                      'or bert_jax checkpoint with an MLM head.')
+                      'or bert_jax checkpoint with an MLM head, or hf://ORG/NAME[@REVISION].')
   flags.mark_flags_as_required(['checkpoint'])
 
   def run(argv):
@@ -358,7 +360,7 @@ def _predict_flags():
           '(one JSON object per text).')
 def _fill_mask_flags():
   flags.DEFINE_string('checkpoint', None, 'A checkpoint with an MLM head: bert_jax, Hugging '
-                      'Face, Google TF, or a pre-training workdir.')
+                      'Face, Google TF, a pre-training workdir, or hf://ORG/NAME[@REVISION].')
   flags.DEFINE_integer('top_k', 5, 'Tokens to show per [MASK].')
   flags.DEFINE_bool('table', False, 'A human-readable table instead of JSON lines.')
   flags.DEFINE_string('vocab_file', '', 'vocab.txt; default: the checkpoint\'s.')

@@ -12,6 +12,9 @@
                 float32), written by `export_bert_jax`.
   workdir       a training directory with checkpoints/: `checkpoint.load_pretrained_from_workdir`.
 
+Every function here that takes a checkpoint's path also takes a Hub name,
+hf://ORG/NAME[@REVISION] (`hub.checkpoint_folder`: fetched into the Hugging Face cache).
+
 Loading is strict. The config fixes every shape (`jax.eval_shape` of the model) and a missing,
 unexpected or misshapen tensor is an error naming it and its file. Heads (`mlm`, `nsp`,
 `classifier`, `qa_outputs`) are optional, each as a whole. A checkpoint without a pooler (HF's
@@ -38,6 +41,7 @@ import orbax.checkpoint as ocp
 import safetensors.numpy
 
 from bert_jax import fileio
+from bert_jax import hub
 from bert_jax import model
 from bert_jax import objectives
 from bert_jax import tasks
@@ -393,6 +397,7 @@ def _detect(path: str) -> tuple[str, str]:
 
 def find_vocab(path: str) -> str | None:
   """The vocab.txt belonging to a checkpoint directory or TF checkpoint prefix, if any."""
+  path = hub.checkpoint_folder(path, 'checkpoint')
   folder = path if fileio.isdir(path) else os.path.dirname(path)
   vocab = os.path.join(folder, 'vocab.txt')
   return vocab if fileio.exists(vocab) and not fileio.isdir(vocab) else None
@@ -468,6 +473,7 @@ def read_metadata(path: str) -> dict:
   (`data.lower_case`); only without one is it guessed from vocab.txt (`guess_lower_case`);
   None when there is no vocabulary at all. `lower_case_from` says which.
   """
+  path = hub.checkpoint_folder(path, 'checkpoint')
   fmt, where = _detect(path)
   folder = path if fileio.isdir(path) else os.path.dirname(where)
   meta = {'format': fmt, 'source': path}
@@ -490,6 +496,7 @@ def check_casing(path: str, lower_case: bool, flag: str) -> None:
   trained on (data.lower_case of pre-training and `bert-jax eval`, which default to uncased):
   every capitalised word piece would be out of reach, without a word. A guess from its
   vocabulary that disagrees is a warning."""
+  path = hub.checkpoint_folder(path, flag)
   meta = read_metadata(path)
   recorded = meta.get('lower_case')
   if recorded is None or bool(recorded) == bool(lower_case):
@@ -510,6 +517,7 @@ def load_pretrained(path: str, *, dtype: str = 'float32',
   checkpoint has, in the layout `scan_layers` asks for; `dtype` is the compute dtype set in the
   returned config (parameters stay float32).
   """
+  path = hub.checkpoint_folder(path, 'checkpoint')
   fmt, where = _detect(path)
   if fmt == 'workdir':
     # Lazy: the checkpoint module brings in the training stack.
@@ -547,7 +555,8 @@ def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = N
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top  (TensorFlow)
   if not path:
     raise UserError(f'{flag} is empty: name a pre-trained checkpoint (bert_jax, Hugging Face, '
-                    'Google TF, or a training workdir)')
+                    'Google TF, a training workdir, or hf://ORG/NAME on the Hub)')
+  path = hub.checkpoint_folder(path, flag)
   fileio.check_bucket(path, flag)
   if vocab_file:
     fileio.check_bucket(vocab_file, 'vocab_file')
@@ -719,6 +728,7 @@ def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
   if fmt not in FORMATS:
     raise UserError(f'--format={fmt!r} is not one of {FORMATS}')
   # Before reading the weights (minutes for a large model), not after.
+  input_path = hub.checkpoint_folder(input_path, '--input')
   fileio.check_bucket(input_path, '--input')
   fileio.check_bucket(output_dir, '--output', write=True)
   fileio.check_output_dir(output_dir, '--output')

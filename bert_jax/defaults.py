@@ -162,8 +162,9 @@ def pretrain() -> ml_collections.ConfigDict:
   # cheaper than 'threefry2x32' on every backend (about 7% of a CPU step of BERT-mini) and
   # gives the same bits on any mesh; 'threefry2x32' is jax's default.
   config.train.rng_impl = 'rbg'
-  # A converted checkpoint to start from when the workdir has none (resume order: latest
-  # checkpoint in workdir, then this, then a fresh init).
+  # A checkpoint to start from when the workdir has none (resume order: latest checkpoint in
+  # workdir, then this, then a fresh init): any format `bert_jax.load_pretrained` reads, or
+  # hf://ORG/NAME[@REVISION] on the Hugging Face Hub.
   config.train.init_checkpoint = ''
 
   # ---- Mesh and sharding -----------------------------------------------------------------
@@ -252,7 +253,8 @@ def finetune(task: str) -> ml_collections.ConfigDict:
 
   config.train = ml_collections.ConfigDict()
   # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a
-  # Hugging Face directory or an original Google TF checkpoint. Only its encoder is used; the
+  # Hugging Face directory, an original Google TF checkpoint, or hf://ORG/NAME[@REVISION] on the
+  # Hugging Face Hub. Only its encoder is used; the
   # task head starts fresh (truncated normal, stddev 0.02).
   config.train.init_checkpoint = ''
   config.train.epochs = 3

@@ -25,6 +25,7 @@ from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_checks
 from bert_jax import fileio
 from bert_jax import flops as flops_lib
+from bert_jax import hub
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import objectives
@@ -128,10 +129,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   input_pipeline.hide_accelerators_from_tf()
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
-  convert.check_casing(checkpoint, config.data.lower_case, '--checkpoint')
-  loaded_config, params = convert.load_pretrained(checkpoint,
-                                                  scan_layers=config.model.scan_layers)
-  vocab_file = config.data.vocab_file or convert.find_vocab(checkpoint)
+  local = hub.checkpoint_folder(checkpoint, '--checkpoint')  # hf://ORG/NAME: from the Hub.
+  convert.check_casing(local, config.data.lower_case, '--checkpoint')
+  loaded_config, params = convert.load_pretrained(local, scan_layers=config.model.scan_layers)
+  vocab_file = config.data.vocab_file or convert.find_vocab(local)
   if not vocab_file:
     raise UserError(f'--checkpoint={checkpoint} has no vocab.txt next to it: set '
                     '--config.data.vocab_file')
@@ -146,7 +147,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   params = model_lib.with_nsp_head(params, bert_config.hidden_size)  # Not reported without.
   # The phase of the last step: a workdir's latest checkpoint, else where the run would end.
   phases = pretraining.parse_phases(config)
-  steps = ckpt_lib.checkpoint_steps(checkpoint) if fileio.isdir(checkpoint) else []
+  steps = ckpt_lib.checkpoint_steps(local) if fileio.isdir(local) else []
   last = steps[-1] if steps else (int(config.train.stop_at_step) or int(config.train.steps))
   phase = pretraining.phase_at(phases, last - 1)
   model = model_lib.BertForPreTraining(bert_config)

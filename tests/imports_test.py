@@ -26,7 +26,8 @@ LAYERS = (
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
               'vocab', 'sample_corpus', 'batching'}),
     ('what is trained', {'objectives', 'tasks'}),
-    ('foundations', {'config_files', 'config_checks', 'defaults', 'fileio', 'gcs', 'errors'}),
+    ('foundations', {'config_files', 'config_checks', 'defaults', 'fileio', 'gcs', 'hub',
+                     'errors'}),
 )
 # The drivers: one straight function each, from a config to a trained model.
 DRIVERS = {'train', 'finetune'}
