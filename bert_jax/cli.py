@@ -200,6 +200,7 @@ def _vocab_flags():
   flags.DEFINE_bool('lower_case', True, 'Lower-case and strip accents (uncased).')
   flags.DEFINE_integer('num_unused', 0, 'Number of [unusedN] slots.')
   flags.DEFINE_string('tfds_text_key', 'text', 'The text feature of a tfds:NAME input.')
+  flags.DEFINE_string('text_column', 'text', 'The text column of a Parquet / Hub dataset input.')
   flags.DEFINE_string('tfds_data_dir', '', 'TFDS data_dir of a tfds:NAME input (default: '
                       "TFDS's).")
   flags.mark_flags_as_required(['input', 'output'])
@@ -209,7 +210,8 @@ def _vocab_flags():
     from bert_jax import vocab  # pylint: disable=g-import-not-at-top
     path = vocab.run(FLAGS.input, FLAGS.output, FLAGS.vocab_size, kind=FLAGS.kind,
                      lower_case=FLAGS.lower_case, num_unused=FLAGS.num_unused,
-                     tfds_text_key=FLAGS.tfds_text_key, tfds_data_dir=FLAGS.tfds_data_dir)
+                     tfds_text_key=FLAGS.tfds_text_key, tfds_data_dir=FLAGS.tfds_data_dir,
+                     text_column=FLAGS.text_column)
     print(f'Wrote {path}')
   return run
 

@@ -90,7 +90,9 @@ def pretrain() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()
   # Paths or globs (comma separated) of text files (one sentence a line, blank line between
   # documents, .gz allowed), TFRecords of create_pretraining_data.py ('*.tfrecord*'),
-  # 'tfds:NAME[/CONFIG][:SPLIT]', or 'sample' for the built-in sample corpus.
+  # 'tfds:NAME[/CONFIG][:SPLIT]', Parquet files ('*.parquet', local, gs:// or
+  # 'hf://datasets/ORG/NAME[@REVISION]/GLOB.parquet'), a folder written by
+  # `datasets.save_to_disk`, or 'sample' for the built-in sample corpus.
   config.data.input = 'sample'
   # Held-out data for evaluation, same forms as data.input; '' = hold out part of data.input.
   config.data.eval_input = ''
@@ -103,6 +105,9 @@ def pretrain() -> ml_collections.ConfigDict:
   config.data.tfds_text_key = 'text'
   # TFDS data_dir of 'tfds:' inputs (prepared datasets; never downloaded); '' = TFDS's default.
   config.data.tfds_data_dir = ''
+  # Tables (Parquet files, hf://datasets/ORG/NAME/GLOB.parquet, a folder of
+  # `datasets.save_to_disk`): the column that holds each row's document text.
+  config.data.text_column = 'text'
   # WordPiece vocab.txt or SentencePiece .model; '' = train one from the input (smoke runs).
   config.data.vocab_file = ''
   config.data.lower_case = True

@@ -19,6 +19,7 @@ an input resolves it here first, and never passes it on to another file system.
 """
 
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -159,3 +160,36 @@ def checkpoint_folder(path: str, flag: str) -> str:
     raise UserError(f'{flag}={path}: a dataset repository, not a model; name a model as '
                     'hf://ORG/NAME[@REVISION]')
   return _checkpoint_folder(name, flag)
+
+
+# Dataset files resolved in this process, by name (as _FOLDERS).
+_DATASET_FILES: dict[HubName, list[tuple[str, str]]] = {}
+
+
+def dataset_files(spec: str, flag: str) -> list[tuple[str, str]]:
+  """(local path, identity) of each Parquet file that hf://datasets/ORG/NAME[@REVISION]/GLOB
+  names, fetched into the Hub cache once; sorted. The identity,
+  hf://datasets/ORG/NAME@COMMIT/PATH, names the file wherever the cache is (a recreated
+  machine downloads it to another place, yet it is the same input)."""
+  name = parse(spec, flag)
+  if name.kind != 'dataset':
+    raise UserError(f'{flag}={spec}: a model repository, not a dataset; name the Parquet files '
+                    'of a dataset as hf://datasets/ORG/NAME[@REVISION]/GLOB')
+  if not name.path.endswith('.parquet'):
+    raise UserError(
+        f'{flag}={spec}: name the Parquet files in the dataset, as '
+        f'hf://datasets/{name.repo_id}/GLOB.parquet (for example .../data/train-*.parquet); a '
+        'dataset published in another format has Parquet files at the revision '
+        '@refs/convert/parquet (CONFIG/SPLIT/*.parquet)')
+  if name in _DATASET_FILES:
+    return _DATASET_FILES[name]
+  folder = _download(name, [name.path], flag)
+  commit = os.path.basename(folder.rstrip('/'))
+  matched = sorted(glob.glob(os.path.join(glob.escape(folder), name.path), recursive=True))
+  if not matched:
+    raise UserError(f'{flag}={spec}: matches no file of the dataset {name.repo_id}'
+                    f'{"@" + name.revision if name.revision else ""}')
+  files = [(path, f'{SCHEME}datasets/{name.repo_id}@{commit}/{os.path.relpath(path, folder)}')
+           for path in matched]
+  _DATASET_FILES[name] = files
+  return files

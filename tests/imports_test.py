@@ -24,7 +24,7 @@ LAYERS = (
     ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint', 'run_lock'}),
     ('model', {'model', 'attention', 'activations', 'layer_norm', 'flops'}),
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
-              'vocab', 'sample_corpus', 'batching'}),
+              'vocab', 'sample_corpus', 'batching', 'tables'}),
     ('what is trained', {'objectives', 'tasks'}),
     ('foundations', {'config_files', 'config_checks', 'defaults', 'fileio', 'gcs', 'hub',
                      'errors'}),
