@@ -257,8 +257,32 @@ def _batches(config):
 
 
 # Rules between keys, in order; each raises a UserError naming the keys, or returns.
+# log.writers' names (trackers.py writes to them): these, or MODULE:NAME of a clu MetricWriter.
+WRITERS = ('tensorboard', 'wandb')
+
+
+def writer_names(writers: str) -> list[str]:
+  """log.writers -> its writer names; a name that is none (a typo) is a UserError."""
+  names = [w.strip() for w in str(writers).split(',') if w.strip()]
+  for name in names:
+    if name not in WRITERS and not (':' in name and all(name.split(':', 1))):
+      close = difflib.get_close_matches(name, WRITERS, n=1)
+      raise UserError(f'--config.log.writers={writers!r}: {name!r} is not a writer'
+                      + (f' (did you mean {close[0]!r}?)' if close else '')
+                      + ': tensorboard, wandb, or MODULE:NAME of a clu MetricWriter')
+  if len(set(names)) != len(names):
+    raise UserError(f'--config.log.writers={writers!r} names a writer twice')
+  return names
+
+
+def _writers(config: ml_collections.ConfigDict) -> None:
+  present, value = _lookup(config, 'log.writers')
+  if present:
+    writer_names(value)
+
+
 CROSS_CHECKS: tuple[Callable[[ml_collections.ConfigDict], None], ...] = (
-    _lengths, _phases, _schedule, _batches)
+    _lengths, _phases, _schedule, _batches, _writers)
 
 
 # config.kind -> (the job, the command that runs it).

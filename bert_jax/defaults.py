@@ -215,6 +215,11 @@ def pretrain() -> ml_collections.ConfigDict:
   config.log.every_steps = 100
   # Console progress bar (off when stdout is not a terminal unless forced).
   config.log.progress = True
+  # Where curves go besides metrics.jsonl, comma separated: tensorboard, wandb (Weights &
+  # Biases; the run resumes into the same W&B run), MODULE:NAME (a clu MetricWriter).
+  config.log.writers = 'tensorboard'
+  # The W&B project of log.writers=wandb; '' = WANDB_PROJECT (else wandb's default).
+  config.log.wandb_project = ''
 
   # Multi-host runs are set up by flags of `bert-jax pretrain` (--coordinator_address,
   # --num_processes, --process_id, --distributed), not config keys: they describe the launch,
@@ -315,6 +320,11 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.log = ml_collections.ConfigDict()
   config.log.every_steps = 50
   config.log.progress = True
+  # Where curves go besides metrics.jsonl, comma separated: tensorboard, wandb (Weights &
+  # Biases; the run resumes into the same W&B run), MODULE:NAME (a clu MetricWriter).
+  config.log.writers = 'tensorboard'
+  # The W&B project of log.writers=wandb; '' = WANDB_PROJECT (else wandb's default).
+  config.log.wandb_project = ''
   config.lock()  # A config file that sets a key this lacks (a misspelling) fails.
   return config
 

@@ -311,7 +311,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
                config.train.learning_rate, warmup_steps)
   return _Run(config, workdir, task, mesh, rules, batch_sharding, buckets, sort_window,
               steps_per_epoch, total_steps, stop_at, schedule, manager, abstract, train_step,
-              predict_step, monitor.MetricsLog(workdir), state, step, meta.get('best'),
+              predict_step, monitor.MetricsLog(workdir, config), state, step, meta.get('best'),
               bool(meta.get('eval_pending')))
 
 

@@ -358,7 +358,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
   preemption.wait(lambda: state_lib.compile_ahead(
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
   return _Run(config, workdir, phases, mesh, rules, batch_sharding, vocab_file, dataset_for,
-              built, manager, monitor.MetricsLog(workdir), stop_at, start, meta, state, step,
+              built, manager, monitor.MetricsLog(workdir, config), stop_at, start, meta, state, step,
               last_saved=start)
 
 

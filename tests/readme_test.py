@@ -90,6 +90,10 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax compile --topology=h100': NotHere(_COMPILE + ' (with the gpu_aot packages)'),
     'sbatch --nodes=4 launch/gpu_slurm.sbatch': NotHere(
         'submits a job to a SLURM cluster; launch/README.md\'s DRY_RUN=1 line runs the script'),
+    # ---- README.md: experiment trackers ------------------------------------------------------
+    'WANDB_MODE=offline bert-jax pretrain --config.log.writers=tensorboard,wandb': Run(
+        'quickstart', f'--workdir={{tmp}}/wandb_run {_TINY_PRETRAIN} --config.model.size=tiny '
+        '--config.data.vocab_file={tmp}/run/vocab.txt'),
     # ---- README.md: attention ----------------------------------------------------------------
     'bert-jax pretrain --config=configs/bert_base_tpu_speed.py ...': NotHere(
         _TPU + ' (splash attention trains on TPUs only); tests/aot_test.py compiles it'),
@@ -411,8 +415,11 @@ def test_pretraining_run_and_the_commands_that_use_it(tmp_path):
 
 def test_quickstart_and_vocabulary_commands(tmp_path):
   results = _run_group('quickstart', tmp_path)
-  assert len(results) == 3
+  assert len(results) == 4
   assert (tmp_path / 'run' / 'checkpoints').is_dir()
+  # The W&B offline run of the trackers section, beside its TensorBoard events.
+  assert list((tmp_path / 'wandb_run' / 'wandb').glob('offline-run-*/run-*.wandb'))
+  assert list((tmp_path / 'wandb_run').glob('events.out.tfevents.*'))
   vocab = (tmp_path / 'vocab.txt').read_text().splitlines()
   assert vocab[:2] == ['[PAD]', '[unused0]'] and '[unused99]' in vocab
   assert (tmp_path / 'spm.model').exists()
