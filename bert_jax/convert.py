@@ -10,7 +10,7 @@
                 given as its directory or its prefix. Optimizer slots are skipped.
   bert_jax      bert_jax.json + bert_config.json + vocab.txt + params/ (Orbax, unscanned,
                 float32), written by `export_bert_jax`.
-  workdir       a training directory with checkpoints/: `checkpoint.load_pretrained_from_workdir`.
+  workdir       a training directory with checkpoints/: `run_files.load_pretrained_from_workdir`.
 
 Every function here that takes a checkpoint's path also takes a Hub name,
 hf://ORG/NAME[@REVISION] (`hub.checkpoint_folder`: fetched into the Hugging Face cache).
@@ -520,9 +520,9 @@ def load_pretrained(path: str, *, dtype: str = 'float32',
   path = hub.checkpoint_folder(path, 'checkpoint')
   fmt, where = _detect(path)
   if fmt == 'workdir':
-    # Lazy: the checkpoint module brings in the training stack.
-    from bert_jax import checkpoint  # pylint: disable=g-import-not-at-top
-    config, params = checkpoint.load_pretrained_from_workdir(path)
+    # Lazy: reading a workdir brings in Orbax.
+    from bert_jax import run_files  # pylint: disable=g-import-not-at-top
+    config, params = run_files.load_pretrained_from_workdir(path)
   else:
     folder = os.path.dirname(where) if fmt == 'google' else where
     config = _read_config(

@@ -59,6 +59,7 @@ from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import optim
 from bert_jax import run_lock
+from bert_jax import run_files
 from bert_jax import sharding as sharding_lib
 from bert_jax import task_table
 from bert_jax import tasks
@@ -122,7 +123,7 @@ def _scalars(d: dict) -> dict[str, float]:
 
 def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> None:
   """Makes the workdir a loadable checkpoint folder (with its vocab and casing) + the config."""
-  ckpt_lib.write_run_files(
+  run_files.write_run_files(
       workdir, config.to_json_best_effort(indent=2), bert_config, vocab_file, extra={
           'tokenizer_config.json': {'do_lower_case': lower_case,
                                     'tokenizer_class': 'BertTokenizer'},
@@ -203,8 +204,8 @@ class _Run:
 def _finetune(config: ml_collections.ConfigDict, workdir: str,
               preemption: monitor.Preemption) -> dict[str, Any] | None:
   input_pipeline.hide_accelerators_from_tf()
-  ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
-  ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
+  run_files.check_workdir_kind(workdir, fine_tuning=True)
+  run_files.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   metrics_path = os.path.join(workdir, 'metrics.json')
   if fileio.exists(metrics_path):
     return _finished(workdir, metrics_path)
@@ -574,12 +575,12 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
   workdir = fileio.workdir_path(workdir)
   # Every check before the first run: a refusal at the second rate would leave the first run's
   # folder, and sweep.json, in a workdir that was never a sweep's.
-  ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
-  if ckpt_lib.read_run_config(workdir) is not None:
+  run_files.check_workdir_kind(workdir, fine_tuning=True)
+  if run_files.read_run_config(workdir) is not None:
     raise UserError(f'--workdir={workdir} holds a single fine-tuning run (its config.json): '
                     'sweep into another --workdir, which gets one lr_<rate> run folder a rate')
   for lr in learning_rates:
-    ckpt_lib.check_workdir_kind(os.path.join(workdir, f'lr_{lr:g}'), fine_tuning=True)
+    run_files.check_workdir_kind(os.path.join(workdir, f'lr_{lr:g}'), fine_tuning=True)
   runs = {}
   for lr in learning_rates:
     run_config = copy.deepcopy(config)

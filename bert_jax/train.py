@@ -31,6 +31,7 @@ from bert_jax import monitor
 from bert_jax import objectives
 from bert_jax import pretraining
 from bert_jax import run_lock
+from bert_jax import run_files
 from bert_jax import sharding as sharding_lib
 from bert_jax import train_state as state_lib
 from bert_jax.errors import UserError
@@ -253,8 +254,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         preemption: monitor.Preemption) -> dict[str, float]:
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   input_pipeline.hide_accelerators_from_tf()
-  ckpt_lib.check_workdir_kind(workdir, fine_tuning=False)
-  ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
+  run_files.check_workdir_kind(workdir, fine_tuning=False)
+  run_files.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
   stop_at = int(config.train.stop_at_step) or int(config.train.steps)  # In range (config_checks).
   return _train(_setup(config, workdir, stop_at, preemption), preemption)
 
@@ -295,7 +296,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
   for phase in phases:
     input_pipeline.check_vocab_given(pretraining.phase_data(config, phase),
                                      f'phase {phase.index + 1} reads ')
-  written = [os.path.join(workdir, name) for name in ckpt_lib.RUN_FILES]
+  written = [os.path.join(workdir, name) for name in run_files.RUN_FILES]
   for phase in phases:
     data = pretraining.phase_data(config, phase)
     for key in ('input', 'eval_input'):
@@ -332,7 +333,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
   preemption.check()
   # Only now, with the checkpoint found to match: a refused resume (another model size) leaves
   # the record of the run it refused to touch as it was.
-  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), built.bert_config,
+  run_files.write_run_files(workdir, config.to_json_best_effort(indent=2), built.bert_config,
                            vocab_file)
   # Rows past the checkpoint are from a run that died after it: they are logged again.
   monitor.truncate_metrics(workdir, start)

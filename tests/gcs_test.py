@@ -25,6 +25,7 @@ from bert_jax import fileio
 from bert_jax import gcs as gcs_lib
 from bert_jax import monitor
 from bert_jax import run_lock
+from bert_jax import run_files
 from bert_jax import sample_corpus
 from bert_jax import train
 from bert_jax import vocab as vocab_lib
@@ -145,7 +146,7 @@ def test_pretrain_writes_its_workdir_to_the_bucket(reference):
   for name in ('bert_config.json', 'vocab.txt'):
     assert fileio.exists(os.path.join(workdir, name)), name
   assert not fileio.exists(os.path.join(workdir, run_lock.LOCK_FILE))  # Released at the end.
-  config, params = ckpt_lib.load_pretrained_from_workdir(workdir)
+  config, params = run_files.load_pretrained_from_workdir(workdir)
   assert config.num_hidden_layers == 2
 
 
@@ -551,7 +552,7 @@ def test_init_checkpoint_on_gs_and_tfrecords_on_gs(gcs, data, reference):
         masked_lm_weights=np.ones(5)) for _ in range(n)])
   google = gcs.url('google_ckpt')
   convert.convert(reference[0], google, 'google')
-  reference_params = ckpt_lib.load_pretrained_from_workdir(reference[0])[1]
+  reference_params = run_files.load_pretrained_from_workdir(reference[0])[1]
   for name, init in (('from_workdir', reference[0]), ('from_google', google)):
     workdir = gcs.url(name)
     config = config_files.load_config('smoke', _overrides(
@@ -559,7 +560,7 @@ def test_init_checkpoint_on_gs_and_tfrecords_on_gs(gcs, data, reference):
         train__learning_rate=1e-30, train__init_checkpoint=init))
     train.train_and_evaluate(config, workdir)
     assert [r['step'] for r in _rows(workdir)[0]] == [1]
-    _same_params(ckpt_lib.load_pretrained_from_workdir(workdir)[1], reference_params, 1e-28)
+    _same_params(run_files.load_pretrained_from_workdir(workdir)[1], reference_params, 1e-28)
 
 
 def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monkeypatch,
