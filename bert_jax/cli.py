@@ -140,8 +140,17 @@ def _pretrain_flags():
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.distributed)
     workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
+    _record_command(workdir)
     train.train_and_evaluate(FLAGS.config, workdir)
   return run
+
+
+def _record_command(workdir: str) -> None:
+  """The command line, into the workdir (process 0): a pushed model card says how it was made."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() == 0:
+    from bert_jax import publish  # pylint: disable=g-import-not-at-top
+    publish.record_command(fileio.workdir_path(workdir), sys.argv[1:])
 
 
 def _config_name() -> str:
@@ -155,12 +164,27 @@ def _convert_flags():
   flags.DEFINE_string('input', None, 'A Hugging Face directory, a Google checkpoint '
                       '(directory or bert_model.ckpt prefix), a bert_jax checkpoint or workdir, or '
                       'hf://ORG/NAME[@REVISION] on the Hugging Face Hub.')
-  flags.DEFINE_string('output', None, 'Output directory.')
+  flags.DEFINE_string('output', None, 'Output directory (with --push_to_hub: optional, the '
+                      'pushed folder is kept there).')
   flags.DEFINE_enum('format', 'bert_jax', ['bert_jax', 'hf', 'google'], 'Output format.')
-  flags.mark_flags_as_required(['input', 'output'])
+  flags.DEFINE_string('push_to_hub', '', 'ORG/NAME: push the Hugging Face export (with a model '
+                      'card and the tokenizer files) to this model repository on the Hub; '
+                      'needs --format=hf.')
+  flags.mark_flags_as_required(['input'])
 
   def run(argv):
     del argv
+    if FLAGS.push_to_hub:
+      if FLAGS.format != 'hf':
+        raise UserError(f'--push_to_hub={FLAGS.push_to_hub} pushes the Hugging Face layout: '
+                        'add --format=hf')
+      from bert_jax import publish  # pylint: disable=g-import-not-at-top
+      commit = publish.push_export(FLAGS.input, FLAGS.push_to_hub, FLAGS.output or '')
+      print(f'Pushed {FLAGS.input} to {FLAGS.push_to_hub} (commit {commit}); load it as '
+            f'hf://{FLAGS.push_to_hub}')
+      return
+    if not FLAGS.output:
+      raise UserError('--output is required (the folder to write), unless --push_to_hub')
     from bert_jax import convert  # pylint: disable=g-import-not-at-top
     convert.convert(FLAGS.input, FLAGS.output, FLAGS.format)
     print(f'Wrote {FLAGS.format} checkpoint to {FLAGS.output}')
@@ -258,6 +282,7 @@ def _finetune_flags():
                            FLAGS.distributed)
     workdir = FLAGS.workdir or fileio.default_workdir(f'finetune_{FLAGS.config.task.name}')
     if not FLAGS.sweep:
+      _record_command(workdir)
       finetune.finetune(FLAGS.config, workdir)
       return
     try:

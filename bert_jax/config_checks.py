@@ -19,6 +19,7 @@ phases of train.phases); their messages name every key involved. What depends on
 
 import difflib
 import math
+import re
 from typing import Any, Callable
 
 import ml_collections
@@ -114,6 +115,7 @@ RANGES: dict[str, Check] = {
     'checkpoint.every_steps': (_every_steps, 'must be an integer >= 1 (fine-tuning: >= 0, '
                                '0 = only after each epoch)'),
     'checkpoint.keep': at_least(1),
+    'checkpoint.push_every_steps': at_least(0),
     'eval.every_steps': at_least(1),
     'eval.steps': at_least(1),
     'eval.batch_size': at_least(1),
@@ -279,6 +281,10 @@ def _writers(config: ml_collections.ConfigDict) -> None:
   present, value = _lookup(config, 'log.writers')
   if present:
     writer_names(value)
+  present, value = _lookup(config, 'checkpoint.push_to_hub')
+  if present and value and not re.fullmatch(r'[\w.-]+/[\w.-]+', str(value)):
+    raise UserError(f'--config.checkpoint.push_to_hub={value!r}: expected ORG/NAME, a model '
+                    "repository on the Hugging Face Hub ('' = no pushes)")
 
 
 CROSS_CHECKS: tuple[Callable[[ml_collections.ConfigDict], None], ...] = (

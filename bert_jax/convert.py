@@ -509,20 +509,24 @@ def check_casing(path: str, lower_case: bool, flag: str) -> None:
                   f'--config.data.lower_case={bool(recorded)}')
 
 
-def load_pretrained(path: str, *, dtype: str = 'float32',
-                    scan_layers: bool = False) -> tuple[model.BertConfig, dict]:
+def load_pretrained(path: str, *, dtype: str = 'float32', scan_layers: bool = False,
+                    step: int | None = None) -> tuple[model.BertConfig, dict]:
   """(config, params) of any checkpoint format above; params are numpy float32.
 
   `params` holds 'bert' and whichever of 'mlm', 'nsp', 'classifier', 'qa_outputs' the
   checkpoint has, in the layout `scan_layers` asks for; `dtype` is the compute dtype set in the
-  returned config (parameters stay float32).
+  returned config (parameters stay float32). `step`: that step of a training workdir (default:
+  its latest).
   """
   path = hub.checkpoint_folder(path, 'checkpoint')
   fmt, where = _detect(path)
+  if step is not None and fmt != 'workdir':
+    raise UserError(f'{path}: a step ({step}) names a checkpoint of a training workdir; this is '
+                    f'a {fmt} checkpoint')
   if fmt == 'workdir':
     # Lazy: reading a workdir brings in Orbax.
     from bert_jax import run_files  # pylint: disable=g-import-not-at-top
-    config, params = run_files.load_pretrained_from_workdir(path)
+    config, params = run_files.load_pretrained_from_workdir(path, step)
   else:
     folder = os.path.dirname(where) if fmt == 'google' else where
     config = _read_config(
@@ -723,8 +727,10 @@ def export_bert_jax(config: model.BertConfig, params: dict, out_dir: str,
     f.write('\n')
 
 
-def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
-  """`bert-jax convert`: any readable checkpoint -> `fmt` ('bert_jax', 'hf' or 'google')."""
+def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax',
+            step: int | None = None) -> None:
+  """`bert-jax convert`: any readable checkpoint (`step`: that step of a training workdir) ->
+  `fmt` ('bert_jax', 'hf' or 'google')."""
   if fmt not in FORMATS:
     raise UserError(f'--format={fmt!r} is not one of {FORMATS}')
   # Before reading the weights (minutes for a large model), not after.
@@ -734,7 +740,7 @@ def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
   fileio.check_output_dir(output_dir, '--output')
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     raise UserError(f'--output={output_dir}: output directory exists and is not empty')
-  config, params = load_pretrained(input_path)
+  config, params = load_pretrained(input_path, step=step)
   vocab = find_vocab(input_path)
   lower_case = read_metadata(input_path).get('lower_case')
   if fmt == 'bert_jax':

@@ -108,7 +108,8 @@ def pretrain() -> ml_collections.ConfigDict:
   # Tables (Parquet files, hf://datasets/ORG/NAME/GLOB.parquet, a folder of
   # `datasets.save_to_disk`): the column that holds each row's document text.
   config.data.text_column = 'text'
-  # WordPiece vocab.txt or SentencePiece .model; '' = train one from the input (smoke runs).
+  # WordPiece vocab.txt or SentencePiece .model; '' = train.init_checkpoint's vocab.txt, or
+  # without one, train one from the input (smoke runs).
   config.data.vocab_file = ''
   config.data.lower_case = True
   # Size of the vocabulary trained when data.vocab_file is empty.
@@ -204,6 +205,12 @@ def pretrain() -> ml_collections.ConfigDict:
   # workdir; absolute and gs:// paths are taken as given (several runs may share one);
   # '' = none. A cache set outside the config (JAX_COMPILATION_CACHE_DIR) is used instead.
   config.checkpoint.compilation_cache_dir = 'compilation_cache'
+  # Push to the Hugging Face Hub while training: ORG/NAME of a model repository ('' = no):
+  # every push_every_steps (0 = every checkpoint) and at the run's last step, the checkpoint
+  # exported to the Hugging Face layout with a model card, one commit tagged step-N, in the
+  # background (a failed push is a warning; the run goes on).
+  config.checkpoint.push_to_hub = ''
+  config.checkpoint.push_every_steps = 0
 
   config.eval = ml_collections.ConfigDict()
   config.eval.every_steps = 10_000
@@ -302,6 +309,12 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # workdir; absolute and gs:// paths are taken as given (several runs may share one);
   # '' = none. A cache set outside the config (JAX_COMPILATION_CACHE_DIR) is used instead.
   config.checkpoint.compilation_cache_dir = 'compilation_cache'
+  # Push to the Hugging Face Hub while training: ORG/NAME of a model repository ('' = no):
+  # every push_every_steps (0 = every checkpoint) and at the run's last step, the checkpoint
+  # exported to the Hugging Face layout with a model card, one commit tagged step-N, in the
+  # background (a failed push is a warning; the run goes on).
+  config.checkpoint.push_to_hub = ''
+  config.checkpoint.push_every_steps = 0
 
   config.eval = ml_collections.ConfigDict()
   # Evaluation happens after every epoch, on every dev set.

@@ -58,6 +58,7 @@ from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import optim
+from bert_jax import publish
 from bert_jax import run_lock
 from bert_jax import run_files
 from bert_jax import sharding as sharding_lib
@@ -191,6 +192,7 @@ class _Run:
   # SIGTERM cut short the evaluation of the epoch that ends at `step`: its rerun evaluates
   # first. Kept in the checkpoint's meta as well.
   eval_pending: bool
+  pusher: Any = None  # publish.Pusher of checkpoint.push_to_hub (process 0), or None.
 
   @property
   def is_main(self) -> bool:
@@ -313,7 +315,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   return _Run(config, workdir, task, mesh, rules, batch_sharding, buckets, sort_window,
               steps_per_epoch, total_steps, stop_at, schedule, manager, abstract, train_step,
               predict_step, monitor.MetricsLog(workdir, config), state, step, meta.get('best'),
-              bool(meta.get('eval_pending')))
+              bool(meta.get('eval_pending')), publish.make_pusher(config, workdir))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +359,8 @@ def _train(run: _Run, preemption: monitor.Preemption) -> bool:
     ckpt_lib.wait_for_saves(run.manager, run.workdir)  # A failed save as one line.
     run.manager.close()
     run.log.close()
+    if run.pusher:
+      run.pusher.close()  # The pushes in flight (the saves are committed now).
   return True
 
 
@@ -441,6 +445,8 @@ def _save(run: _Run, steps: monitor.Steps) -> None:
   steps.check(run.step, 'lower config.train.learning_rate', saving=True)
   ckpt_lib.save(run.manager, run.workdir, run.step, run.state,
                 dict(best=run.best, seed=run.config.train.seed, eval_pending=run.eval_pending))
+  if run.pusher:  # In the background, once the save is committed.
+    run.pusher.saved(run.step, last=run.step == run.stop_at)
   kept = run.manager.all_steps()
   committed = max((old for old in kept if old != run.step), default=None)
   for old in kept:

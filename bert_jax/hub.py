@@ -75,7 +75,12 @@ def parse(name: str, flag: str) -> HubName:
 
 
 def _huggingface_hub():
-  return errors.require('huggingface_hub', 'hub', 'hf:// names')
+  return errors.require('huggingface_hub', 'hub', 'hf:// names and pushes to the Hub')
+
+
+def require() -> None:
+  """Raises the one-line UserError of a missing `hub` extra, before work that will need it."""
+  _huggingface_hub()
 
 
 def _download(name: HubName, patterns: list[str], flag: str) -> str:
@@ -193,3 +198,28 @@ def dataset_files(spec: str, flag: str) -> list[tuple[str, str]]:
            for path in matched]
   _DATASET_FILES[name] = files
   return files
+
+
+def push_folder(folder: str, repo_id: str, message: str, tag: str = '',
+                flag: str = '--push_to_hub') -> str:
+  """Commits the local `folder` as the whole tree of the model repository `repo_id` (created if
+  missing, with the account's default visibility, as transformers' push_to_hub), its files that the folder lacks deleted, tagged `tag` if given;
+  returns the commit's id. A refusal (no token, no write access, no network) is a UserError
+  naming `flag`."""
+  hf = _huggingface_hub()
+  from huggingface_hub import errors as hf_errors  # pylint: disable=g-import-not-at-top
+  if not re.fullmatch(r'[\w.-]+/[\w.-]+', repo_id):
+    raise UserError(f'{flag}={repo_id}: expected ORG/NAME, a model repository on the Hub')
+  api = hf.HfApi()
+  try:
+    api.create_repo(repo_id, exist_ok=True)
+    commit = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=message,
+                               delete_patterns=['*'])
+    if tag:
+      api.create_tag(repo_id, tag=tag, revision=commit.oid, tag_message=message,
+                     exist_ok=True)
+  except (hf_errors.HfHubHTTPError, hf_errors.OfflineModeIsEnabled, OSError) as e:
+    first = str(e).strip().split('\n')[0]
+    raise UserError(f'{flag}={repo_id}: the Hub refused the push ({type(e).__name__}: '
+                    f'{first})') from e
+  return commit.oid

@@ -30,6 +30,7 @@ from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import objectives
 from bert_jax import pretraining
+from bert_jax import publish
 from bert_jax import run_lock
 from bert_jax import run_files
 from bert_jax import sharding as sharding_lib
@@ -244,6 +245,7 @@ class _Run:
   state: state_lib.TrainState
   step: int
   last_saved: int | None
+  pusher: Any = None  # publish.Pusher of checkpoint.push_to_hub (process 0), or None.
 
   @property
   def is_main(self) -> bool:
@@ -312,7 +314,16 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
                       'another --workdir')
     convert.check_casing(config.train.init_checkpoint, config.data.lower_case,
                          'train.init_checkpoint')
-  vocab_file = input_pipeline.resolve_vocab(pretraining.phase_data(config, phases[0]), workdir)
+  if config.train.init_checkpoint and not config.data.vocab_file:
+    # The checkpoint's embeddings are its vocabulary's: one trained here would not fit them.
+    from bert_jax import convert  # pylint: disable=g-import-not-at-top
+    vocab_file = convert.find_vocab(config.train.init_checkpoint)
+    if not vocab_file:
+      raise UserError(f'train.init_checkpoint={config.train.init_checkpoint} has no vocab.txt '
+                      'beside it: set data.vocab_file to the vocabulary it was trained with')
+  else:
+    vocab_file = input_pipeline.resolve_vocab(pretraining.phase_data(config, phases[0]),
+                                              workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   dataset_for = functools.partial(_dataset, config, vocab_file)
   logging.info('Checking the input of %d phase(s)', len(phases))
@@ -360,7 +371,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
   return _Run(config, workdir, phases, mesh, rules, batch_sharding, vocab_file, dataset_for,
               built, manager, monitor.MetricsLog(workdir, config), stop_at, start, meta, state, step,
-              last_saved=start)
+              last_saved=start, pusher=publish.make_pusher(config, workdir))
 
 
 def _init(config: ml_collections.ConfigDict, built: pretraining.Step) -> state_lib.TrainState:
@@ -450,6 +461,8 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
     ckpt_lib.wait_for_saves(run.manager, run.workdir)
     run.manager.close()
     run.log.close()
+    if run.pusher:
+      run.pusher.close()  # The pushes in flight (the saves are committed now).
 
   if run.is_main:
     _print_summary(config, run.workdir, run.step, run.stop_at, run.start, eval_metrics)
@@ -479,6 +492,8 @@ def _save(run: _Run, steps: monitor.Steps, phase: pretraining.Phase, data_it) ->
   ckpt_lib.save(run.manager, run.workdir, run.step, run.state,
                 dict(seed=run.config.train.seed, data_phase=phase.index), data_it)
   run.last_saved = run.step
+  if run.pusher:  # In the background, once the save is committed.
+    run.pusher.saved(run.step, last=run.step == run.stop_at)
 
 
 def _evaluate(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,

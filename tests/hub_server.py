@@ -9,8 +9,8 @@ tree {path: bytes} with a sha, branches and tags point at commits. Every file is
 
 Answers follow the Hub's: a missing or private repository (without the token) is a 404 with
 `X-Error-Code: RepoNotFound`, a missing revision `RevisionNotFound`, a missing file
-`EntryNotFound`. `fail_commits` makes the next N commits fail with a 500 (an upload that
-fails), counted, never by chance.
+`EntryNotFound`. `fail_commits` makes the next N commits fail with `fail_status` (an upload
+that fails), counted, never by chance.
 
 Run in-process by the tests (`HubServer` is a context manager), or alone:
 `python3 tests/hub_server.py PORT`.
@@ -24,6 +24,8 @@ import re
 import sys
 import threading
 import urllib.parse
+
+import yaml
 
 TOKEN = 'hf_bert_jax_test_token'
 
@@ -77,6 +79,8 @@ class HubServer:
     self.requests: list[tuple[str, str]] = []
     self.fail_commits = 0
     self.failed_commits = 0
+    # 5xx answers are retried by huggingface_hub (5 times, backing off); 403 is not.
+    self.fail_status = 500
     self._lock = threading.Lock()
     self._httpd = http.server.ThreadingHTTPServer(('127.0.0.1', port), _handler(self))
     self.url = f'http://127.0.0.1:{self._httpd.server_address[1]}'
@@ -172,6 +176,8 @@ def _handler(hub: HubServer):
       with hub._lock:  # pylint: disable=protected-access
         if path == '/api/repos/create':
           return self._create(json.loads(body))
+        if path == '/api/validate-yaml':  # A README.md's metadata, checked before a commit.
+          return self._validate_yaml(json.loads(body)['content'])
         m = re.fullmatch(r'/api/(models|datasets)/([^/]+/[^/]+)/preupload/(.+)', path)
         if m:
           files = json.loads(body)['files']
@@ -188,6 +194,17 @@ def _handler(hub: HubServer):
           return self._branch(m[1][:-1], m[2], urllib.parse.unquote(m[3]),
                               json.loads(body or b'{}'))
       self._error(404, 'NotFound', f'no route {path}')
+
+    def _validate_yaml(self, content):
+      m = re.match(r'---\n(.*?)\n---\n', content, re.S)
+      try:
+        metadata = yaml.safe_load(m[1]) if m else {}
+      except yaml.YAMLError as e:
+        metadata = str(e)
+      if not isinstance(metadata, dict):
+        return self._json({'errors': [{'message': f'metadata is not a mapping: {metadata}'}]},
+                          400, {'X-Error-Message': 'invalid metadata'})
+      self._json({'errors': [], 'warnings': []})
 
     def _info(self, kind, repo_id, revision):
       repo = self._repo(kind, repo_id)
@@ -226,10 +243,13 @@ def _handler(hub: HubServer):
     def _create(self, request):
       kind = request.get('type') or 'model'
       repo_id = f'{request["organization"]}/{request["name"]}'
-      if (kind, repo_id) in hub.repos:
-        return self._error(409, 'RepoExists', 'You already created this repo')
-      hub.repos[(kind, repo_id)] = Repo(bool(request.get('private')))
       prefix = '' if kind == 'model' else f'{kind}s/'
+      if (kind, repo_id) in hub.repos:  # As the Hub: the repository's url in the 409 too.
+        return self._json({'error': 'You already created this repo',
+                           'url': f'{hub.url}/{prefix}{repo_id}'}, 409,
+                          {'X-Error-Message': 'You already created this repo'})
+      hub.repos[(kind, repo_id)] = Repo(request.get('visibility') == 'private' or
+                                        bool(request.get('private')))
       self._json({'url': f'{hub.url}/{prefix}{repo_id}', 'name': repo_id})
 
     def _commit(self, kind, repo_id, revision, body):
@@ -239,7 +259,7 @@ def _handler(hub: HubServer):
       if hub.fail_commits:
         hub.fail_commits -= 1
         hub.failed_commits += 1
-        return self._error(500, 'InternalError', 'the fake Hub fails this commit')
+        return self._error(hub.fail_status, 'Refused', 'the fake Hub fails this commit')
       if revision not in repo.branches:
         return self._error(404, 'RevisionNotFound', f'Invalid rev id: {revision}')
       files, message = {}, ''

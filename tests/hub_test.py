@@ -214,6 +214,6 @@ def test_offline_command_reads_the_cache(online, tmp_path):
 
 def test_missing_extra_is_one_line(monkeypatch):
   monkeypatch.setitem(sys.modules, 'huggingface_hub', None)  # As if not installed.
-  with pytest.raises(UserError, match=r'^hf:// names need huggingface_hub, which is not '
-                                      r'installed: pip install "bert_jax\[hub\]"$'):
+  with pytest.raises(UserError, match=r'^hf:// names and pushes to the Hub need huggingface_hub, '
+                                      r'which is not installed: pip install "bert_jax\[hub\]"$'):
     hub.checkpoint_folder('hf://org/bert', '--checkpoint')

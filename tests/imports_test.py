@@ -21,8 +21,8 @@ LAYERS = (
     # The task modules are the table's (task_table.py imports none of them).
     ('fine-tuning tasks', {'task_table', 'metrics', *task_table.KINDS}),
     ('training', {'pretraining', 'train_state', 'optim', 'sharding', 'monitor', 'trackers'}),
-    ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint', 'orbax_hooks',
-                                 'run_files', 'run_lock'}),
+    ('weights and checkpoints', {'publish', 'convert', 'tensor_files', 'checkpoint',
+                                 'orbax_hooks', 'run_files', 'run_lock'}),
     ('model', {'model', 'attention', 'activations', 'layer_norm', 'flops'}),
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
               'vocab', 'sample_corpus', 'batching', 'tables'}),

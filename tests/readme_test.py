@@ -57,6 +57,10 @@ class NotHere:
 _TINY_PRETRAIN = ('--config.train.steps=2 --config.train.warmup_steps=0 '
                   '--config.train.batch_size=8 --config.eval.batch_size=8 --config.eval.steps=1 '
                   '--config.log.progress=false')
+# The guide's runs at tiny sizes (one phase of 32 tokens), the tiny model the test's Hub holds.
+_TINY_HUB = ('--config.model.size=tiny --config.train.phases= --config.data.max_seq_length=32 '
+             '--config.data.max_predictions_per_seq=5 --config.data.shuffle_buffer=50 '
+             f'--config.train.warmup_steps=0 {_TINY_PRETRAIN}')
 _INSTALLS = 'installs packages; .ci/run installs the checkout first (pip install -e ".[test]")'
 _TPU = 'needs a Cloud TPU and a Google Cloud project'
 _GPU = 'needs NVIDIA GPUs'
@@ -94,6 +98,30 @@ COMMANDS: dict[str, Run | NotHere] = {
     'WANDB_MODE=offline bert-jax pretrain --config.log.writers=tensorboard,wandb': Run(
         'quickstart', f'--workdir={{tmp}}/wandb_run {_TINY_PRETRAIN} --config.model.size=tiny '
         '--config.data.vocab_file={tmp}/run/vocab.txt'),
+    # ---- README.md: your own corpus, continuing a Hub checkpoint (a Hub on loopback) -------
+    'python3 -m pip install -e ".[hub,parquet]"': NotHere(_INSTALLS),
+    'pip install -e ".[hub]"': NotHere(_INSTALLS),
+    'pip install -e ".[parquet]"': NotHere(_INSTALLS),
+    'pip install -e ".[wandb]"': NotHere(_INSTALLS),
+    "bert-jax vocab --input='corpus/*.txt' --output=vocab.txt --vocab_size=30522": Run(
+        'hub', '--vocab_size=600'),
+    "bert-jax pretrain --config=bert_base --workdir=/tmp/my_bert "
+    "--config.data.input='corpus/*.txt' --config.data.vocab_file=vocab.txt": Run(
+        'hub', f'--workdir={{tmp}}/my_bert {_TINY_HUB}'),
+    "bert-jax pretrain --config=continue_pretraining --workdir=/tmp/domain_bert "
+    "--config.data.input='domain/*.parquet' --config.checkpoint.push_to_hub=ORG/domain-bert":
+        Run('hub', f'--workdir={{tmp}}/domain_bert {_TINY_HUB} --config.checkpoint.every_steps=1'),
+    "bert-jax eval --checkpoint=/tmp/domain_bert --config=continue_pretraining "
+    "--config.data.input='domain/*.parquet'": Run(
+        'hub', f'--checkpoint={{tmp}}/domain_bert {_TINY_HUB}'),
+    'bert-jax convert --input=/tmp/domain_bert --format=hf --push_to_hub=ORG/domain-bert': Run(
+        'hub', '--input={tmp}/domain_bert'),
+    'python3 -c "from transformers import pipeline; print(pipeline(\'fill-mask\', '
+    'model=\'ORG/domain-bert\')(\'the model reads [MASK] text.\'))"': Run('hub'),
+    'bert-jax fill-mask --checkpoint=hf://ORG/domain-bert@main "the model reads [MASK] text."':
+        Run('hub'),
+    'bert-jax convert --input=/tmp/bert-jax/smoke --format=hf --push_to_hub=ORG/NAME': Run(
+        'hub', '--input={tmp}/my_bert'),
     # ---- README.md: attention ----------------------------------------------------------------
     'bert-jax pretrain --config=configs/bert_base_tpu_speed.py ...': NotHere(
         _TPU + ' (splash attention trains on TPUs only); tests/aot_test.py compiles it'),
@@ -362,12 +390,17 @@ def _scratch(tmp_path) -> str:
   return str(tmp_path)
 
 
-def _run_group(group: str, tmp_path) -> dict[str, subprocess.CompletedProcess]:
+def _run_group(group: str, tmp_path, extra_env: dict[str, str] | None = None,
+               prepare=None) -> dict[str, subprocess.CompletedProcess]:
   """Runs the group's commands in README order, each exactly as written plus its appended flags,
-  in one shell (so `F=...` carries to the next line); returns each command's result."""
+  in one shell (so `F=...` carries to the next line); returns each command's result.
+  `prepare(folder)` adds inputs to the scratch folder first; `extra_env` goes to every command."""
   folder = _scratch(tmp_path)
+  if prepare:
+    prepare(folder)
   env = processes.env(os.path.join(folder, 'jax_cache'), 1)
   env.update(PATH=f'{folder}/bin:{env["PATH"]}', BERT_JAX_CACHE=os.path.join(folder, 'cache'))
+  env.update(extra_env or {})
   results, shell_vars = {}, ''
   for path, number, command in _all_commands():
     entry = COMMANDS.get(command)
@@ -430,3 +463,64 @@ def test_launcher_dry_runs(tmp_path):
   assert len(results) == 9
   assert 'gcloud compute tpus' in _output(results, 'python launch/tpu.py create')
   assert '# task 1 on node02:' in _output(results, 'DRY_RUN=1')
+
+
+def _hub_inputs(folder: str) -> None:
+  """The guide's inputs: domain/*.parquet (the corpus's documents, a row each, in two files) and
+  a tiny BERT with a vocabulary of that corpus, for the test's Hub to hold as
+  google-bert/bert-base-uncased (in folder/hub_model)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from bert_jax import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  texts = []
+  for name in sorted(os.listdir(os.path.join(folder, 'corpus'))):
+    with open(os.path.join(folder, 'corpus', name)) as f:
+      texts += [doc for doc in f.read().split('\n\n') if doc.strip()]
+  texts = [f'{t} {i}.' for i, t in enumerate(texts * 5)]  # Enough documents to hold some out.
+  os.makedirs(os.path.join(folder, 'domain'))
+  half = len(texts) // 2
+  for i, rows in enumerate((texts[:half], texts[half:])):
+    pq.write_table(pa.table({'text': rows}), os.path.join(folder, 'domain', f'part-{i}.parquet'))
+  vocab = vocab_lib.train_wordpiece([line for t in texts for line in t.split('\n')],
+                                    os.path.join(folder, 'hub_vocab.txt'), 200)
+  with open(vocab) as f:
+    size = len(f.read().splitlines())
+  config = model_lib.config_for_size('tiny', vocab_size=size)
+  params = model_lib.init_params(config, jax.random.key(0))
+  convert.export_hf(config, params, os.path.join(folder, 'hub_model'), vocab, lower_case=True)
+
+
+def test_the_guide_from_a_corpus_to_a_pushed_model(tmp_path):
+  """The guide's commands, as written, against a Hub on loopback (HF_ENDPOINT) that holds a tiny
+  BERT as google-bert/bert-base-uncased: pre-training from scratch, continued pre-training of
+  the Hub model on Parquet with pushes every checkpoint, eval, the final push, and the pushed
+  model in transformers' fill-mask pipeline and bert-jax fill-mask by name."""
+  import hub_server  # pylint: disable=g-import-not-at-top
+  with hub_server.HubServer() as hub:
+
+    def prepare(folder):
+      _hub_inputs(folder)
+      files = {}
+      for name in os.listdir(os.path.join(folder, 'hub_model')):
+        with open(os.path.join(folder, 'hub_model', name), 'rb') as f:
+          files[name] = f.read()
+      hub.add_repo('google-bert/bert-base-uncased', files)
+
+    results = _run_group('hub', tmp_path, {'HF_ENDPOINT': hub.url, 'HF_TOKEN': hub_server.TOKEN,
+                                           'HF_HOME': str(tmp_path / 'hf_home')}, prepare)
+  assert len(results) == 8
+  pushed = hub.repos[('model', 'ORG/domain-bert')]
+  assert {'step-1', 'step-2'} <= set(pushed.tags)  # Every checkpoint of the run, tagged.
+  card = pushed.commits[pushed.branches['main']]['README.md'].decode()
+  assert 'bert-jax pretrain --config=continue_pretraining' in card
+  assert '"init_checkpoint": "hf://google-bert/bert-base-uncased"' in card
+  assert ('model', 'ORG/NAME') in hub.repos
+  evaluation = json.loads(_output(results, 'bert-jax eval').splitlines()[-1])
+  assert {'mlm_accuracy', 'nsp_accuracy'} <= set(evaluation)
+  assert "'token_str'" in _output(results, 'python3 -c')  # transformers' fill-mask answers.
+  masks = [json.loads(line) for line in _output(results, 'bert-jax fill-mask --checkpoint=hf://')
+           .splitlines() if line.startswith('{')]
+  assert len(masks[0]['masks'][0]['predictions']) == 5

@@ -1,0 +1,193 @@
+"""Pushing to the Hub (a fake Hub on loopback, tests/hub_server.py, through huggingface_hub's own
+commit code): checkpoint.push_to_hub pushes every N steps in the background as tagged commits,
+never blocks a step, counts a step only once pushed, and a failed push is a warning; `bert-jax
+convert --format=hf --push_to_hub` pushes an export with its model card; what was pushed pulls
+back (hf://) as the same weights and loads in transformers."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from bert_jax import config_files
+from bert_jax import convert
+from bert_jax import hub
+from bert_jax import model as model_lib
+from bert_jax import publish
+from bert_jax import sample_corpus
+from bert_jax import train
+from bert_jax import vocab as vocab_lib
+import hub_server
+
+pytest.importorskip('huggingface_hub')
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {
+    'model.size': 'tiny', 'data.max_seq_length': 32, 'data.max_predictions_per_seq': 5,
+    'data.shuffle_buffer': 50, 'train.steps': 6, 'train.batch_size': 8,
+    'train.warmup_steps': 1, 'checkpoint.every_steps': 2, 'eval.every_steps': 1000,
+    'eval.steps': 1, 'eval.batch_size': 8, 'log.every_steps': 1, 'log.progress': False,
+}
+
+
+@pytest.fixture(scope='module')
+def server(tmp_path_factory):
+  """The fake Hub, with huggingface_hub pointed at it (HF_ENDPOINT's constants, as set at
+  import) and a Hub cache of the module's own."""
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  with hub_server.HubServer() as hub_, pytest.MonkeyPatch.context() as patch:
+    patch.setattr(constants, 'ENDPOINT', hub_.url)
+    patch.setattr(constants, 'HUGGINGFACE_CO_URL_TEMPLATE',
+                  hub_.url + '/{repo_id}/resolve/{revision}/{filename}')
+    patch.setattr(constants, 'HF_HUB_CACHE', str(tmp_path_factory.mktemp('hf_cache')))
+    patch.setattr(hub, '_FOLDERS', {})
+    patch.setenv('HF_TOKEN', hub_server.TOKEN)
+    yield hub_
+
+
+class _Warnings:
+  """absl's warnings during a block (the pusher warns from its thread)."""
+
+  def __init__(self):
+    import logging  # pylint: disable=g-import-not-at-top
+    self.lines, self._logging = [], logging
+    self._handler = logging.Handler(logging.WARNING)
+    self._handler.emit = lambda record: self.lines.append(record.getMessage())
+
+  def __enter__(self):
+    self._logging.getLogger('absl').addHandler(self._handler)
+    return self
+
+  def __exit__(self, *exc):
+    self._logging.getLogger('absl').removeHandler(self._handler)
+
+
+@pytest.fixture(scope='module')
+def run(server, tmp_path_factory):
+  """A 6-step pre-training run that pushes every 2 steps; the first push fails (the Hub
+  refuses its commit), the others land."""
+  root = tmp_path_factory.mktemp('run')
+  with open(sample_corpus.sample_corpus_path(), encoding='utf-8') as f:
+    lines = f.read().splitlines()[:3500]
+  corpus, held_out = root / 'corpus.txt', root / 'held_out.txt'
+  corpus.write_text('\n'.join(lines[:3000]) + '\n')
+  held_out.write_text('\n'.join(lines[3000:]) + '\n')
+  vocab = vocab_lib.train_wordpiece(lines, str(root / 'vocab.txt'), 500)
+  config = config_files.load_config('smoke', dict(
+      TINY, **{'data.input': str(corpus), 'data.eval_input': str(held_out),
+               'data.vocab_file': vocab,
+               'checkpoint.push_to_hub': 'bert-jax-test/run', 'checkpoint.push_every_steps': 2}))
+  workdir = str(root / 'workdir')
+  server.fail_commits, server.fail_status = 1, 403  # A 5xx would be retried for 31 s first.
+  with _Warnings() as warnings:
+    train.train_and_evaluate(config, workdir)
+  return {'workdir': workdir, 'warnings': warnings.lines, 'config': config}
+
+
+def test_a_run_pushes_tagged_steps_and_counts_only_what_landed(server, run):
+  repo = server.repos[('model', 'bert-jax-test/run')]
+  assert server.failed_commits == 1
+  assert sorted(repo.tags) == ['step-4', 'step-6']
+  assert [m for _, m in repo.log] == ['initial commit', 'Step 4', 'Step 6']
+  with open(os.path.join(run['workdir'], publish.PUSHES_FILE)) as f:
+    record = json.load(f)
+  assert record['repo'] == 'bert-jax-test/run'
+  assert sorted(record['steps']) == ['4', '6']
+  assert record['steps']['4'] == repo.tags['step-4']
+  failed = [w for w in run['warnings'] if w.startswith('Pushing step 2 to the Hub')]
+  assert len(failed) == 1 and 'the run goes on, and step 2 does not count as pushed' in failed[0]
+  # Each tag holds its own step: pulled by name, the weights of that step of the workdir.
+  for step in (4, 6):
+    _, pulled = convert.load_pretrained(f'hf://bert-jax-test/run@step-{step}')
+    _, saved = convert.load_pretrained(run['workdir'], step=step)
+    _assert_same(pulled, saved)
+  files = repo.commits[repo.branches['main']]
+  assert {'config.json', 'model.safetensors', 'vocab.txt', 'tokenizer_config.json',
+          'README.md'} <= set(files)
+  assert b'at step 6' in files['README.md']
+
+
+def test_a_push_never_blocks_the_step(server, run, tmp_path):
+  """`saved` returns at once while the Hub holds the commit; `close` waits for it."""
+  gate = threading.Event()
+  original = hub_server.Repo.commit
+
+  def held(repo, branch, files, message):
+    if message.startswith('Step'):
+      gate.wait(60)
+    return original(repo, branch, files, message)
+
+  hub_server.Repo.commit = held
+  try:
+    pusher = publish.Pusher(run['workdir'], 'bert-jax-test/held', every_steps=2)
+    pusher.pushed = {}  # Not the run's record: a fresh repository.
+    start = time.monotonic()
+    pusher.saved(4)
+    pusher.saved(5)  # Not a push step.
+    assert time.monotonic() - start < 0.5
+    time.sleep(1.0)
+    assert not pusher.pushed  # In flight: not counted.
+    gate.set()
+    pusher.close()
+  finally:
+    hub_server.Repo.commit = original
+  assert sorted(pusher.pushed) == [4]
+  assert sorted(server.repos[('model', 'bert-jax-test/held')].tags) == ['step-4']
+
+
+def _assert_same(a, b):
+  flat_a, flat_b = convert._flatten(a), convert._flatten(b)  # pylint: disable=protected-access
+  assert sorted(flat_a) == sorted(flat_b)
+  for path, x in flat_a.items():
+    np.testing.assert_array_equal(x, flat_b[path], err_msg=path)
+
+
+def test_convert_push_to_hub_round_trip(server, run, tmp_path):
+  """`bert-jax convert --format=hf --push_to_hub=ORG/NAME` (the command, against the fake Hub):
+  the export with its model card (config, metrics, the command that trained it) and tokenizer
+  files; pulled back by name it is the workdir's weights, and transformers loads it with the
+  tokenizer and outputs of bert_jax."""
+  workdir = run['workdir']
+  publish.record_command(workdir, ['pretrain', f'--workdir={workdir}', '--config=smoke'])
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu', HF_ENDPOINT=server.url,
+             HF_TOKEN=hub_server.TOKEN, HF_HOME=str(tmp_path / 'hf_home'))
+  proc = subprocess.run(
+      [sys.executable, '-m', 'bert_jax.cli', 'convert', f'--input={workdir}', '--format=hf',
+       '--push_to_hub=bert-jax-test/exported'], env=env, capture_output=True, text=True,
+      timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'Pushed' in proc.stdout and 'hf://bert-jax-test/exported' in proc.stdout
+  repo = server.repos[('model', 'bert-jax-test/exported')]
+  files = repo.commits[repo.branches['main']]
+  card = files['README.md'].decode()
+  assert 'library_name: transformers' in card and 'pipeline_tag: fill-mask' in card
+  assert f'bert-jax pretrain --workdir={workdir} --config=smoke' in card
+  assert '"push_to_hub": "bert-jax-test/run"' in card  # The run's config.
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    last_loss = [row for row in map(json.loads, f) if not row.get('eval')][-1]['loss']
+  assert f'| loss | {last_loss:.6g} |' in card
+  assert json.loads(files['tokenizer_config.json'])['do_lower_case'] is True
+
+  folder = hub.checkpoint_folder('hf://bert-jax-test/exported', '--checkpoint')
+  config, pulled = convert.load_pretrained(folder)
+  _assert_same(pulled, convert.load_pretrained(workdir)[1])
+
+  torch = pytest.importorskip('torch')
+  import transformers  # pylint: disable=g-import-not-at-top
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  model = transformers.AutoModelForPreTraining.from_pretrained(folder).eval()
+  text = 'The interpreter reads a module and runs it.'
+  from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
+  ours = tokenization.load_tokenizer(os.path.join(folder, 'vocab.txt'), lower_case=True)
+  ids = tokenizer(text)['input_ids']
+  assert ids == [ours.cls_id] + ours.encode([text])[0] + [ours.sep_id]
+  with torch.no_grad():
+    hf_out = model.bert(torch.tensor([ids])).last_hidden_state.numpy()
+  jax_out, _ = model_lib.encode(config, pulled, np.array([ids]), np.ones((1, len(ids))),
+                                np.zeros((1, len(ids)), np.int32))
+  np.testing.assert_allclose(np.asarray(jax_out), hf_out, atol=2e-5, rtol=1e-4)
