@@ -41,14 +41,17 @@ def step_tag(step: int) -> str:
   return f'step-{step}'
 
 
-def _last_metrics(workdir: str) -> tuple[dict, dict]:
-  """(last training row, last evaluation row) of a workdir's metrics.jsonl ({} if none)."""
+def _last_metrics(workdir: str, step: int | None = None) -> tuple[dict, dict]:
+  """(last training row, last evaluation row) of a workdir's metrics.jsonl ({} if none), up to
+  `step` (a push of step N while the run goes on: not the rows of later steps)."""
   path = os.path.join(workdir, 'metrics.jsonl')
   last_train, last_eval = {}, {}
   if fileio.isfile(path):
     for line in fileio.read_text(path).splitlines():
       if line.strip():
         row = json.loads(line)
+        if step is not None and row.get('step', 0) > step:
+          continue
         if row.get('eval') or 'split' in row:
           last_eval = row
         else:
@@ -56,28 +59,37 @@ def _last_metrics(workdir: str) -> tuple[dict, dict]:
   return last_train, last_eval
 
 
-def model_card(repo_id: str, source: str, step: int | None = None) -> str:
+# transformers' class of an export (its config.json) -> the Hub's pipeline tag.
+_PIPELINES = {'BertForPreTraining': 'fill-mask', 'BertForMaskedLM': 'fill-mask',
+              'BertForSequenceClassification': 'text-classification',
+              'BertForTokenClassification': 'token-classification',
+              'BertForQuestionAnswering': 'question-answering',
+              'BertModel': 'feature-extraction'}
+
+
+def model_card(repo_id: str, source: str, step: int | None = None,
+               architecture: str = 'BertForPreTraining') -> str:
   """README.md of a pushed export of `source` (a training workdir, or another checkpoint): the
-  Hub metadata (library, tags, pipeline), how to load it, the step, the last metrics, the
-  command that trained it and the run's config."""
+  Hub metadata (library, tags, the pipeline of `architecture`), how to load it, the step, the
+  last metrics, the command that trained it and the run's config."""
   run_config = run_files.read_run_config(source) if fileio.isdir(source) else None
-  kind = (run_config or {}).get('kind', '')
   task = ((run_config or {}).get('task') or {}).get('name', '')
-  pipeline = 'fill-mask' if kind != 'finetune' else 'text-classification'
-  last_train, last_eval = _last_metrics(source) if run_config else ({}, {})
+  pipeline = _PIPELINES.get(architecture)
+  last_train, last_eval = _last_metrics(source, step) if run_config else ({}, {})
   command_path = os.path.join(source, COMMAND_FILE)
   commands = (fileio.read_text(command_path).strip() if fileio.isfile(command_path) else '')
-  lines = ['---', 'library_name: transformers', f'pipeline_tag: {pipeline}',
-           'tags:', '- bert', '- bert_jax', '- jax', '---', '',
-           f'# {repo_id.split("/")[-1]}', '',
-           f'A BERT {"fine-tuned on " + task if task else "pre-trained"} with bert_jax '
-           '(BERT pre-training and fine-tuning in JAX and Flax), exported to the Hugging Face '
-           'layout'
-           + (f' at step {step}' if step is not None else '') + '.', '',
-           '```python', 'from transformers import AutoModel, AutoTokenizer', '',
-           f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
-           f'model = AutoModel.from_pretrained("{repo_id}")', '```', '',
-           f'In bert_jax: `bert_jax.load_pretrained("hf://{repo_id}")`.', '']
+  what = f'fine-tuned on {task}' if task else 'pre-trained'
+  at = f' at step {step}' if step is not None else ''
+  lines = ['---', 'library_name: transformers']
+  lines += [f'pipeline_tag: {pipeline}'] if pipeline else []
+  lines += ['tags:', '- bert', '- bert_jax', '- jax', '---', '',
+            f'# {repo_id.split("/")[-1]}', '',
+            f'A BERT {what} with bert_jax (BERT pre-training and fine-tuning in JAX and Flax), '
+            f'exported to the Hugging Face layout{at}.', '',
+            '```python', 'from transformers import AutoModel, AutoTokenizer', '',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+            f'model = AutoModel.from_pretrained("{repo_id}")', '```', '',
+            f'In bert_jax: `bert_jax.load_pretrained("hf://{repo_id}")`.', '']
   if last_train or last_eval:
     lines += ['## Metrics', '']
     for title, row in (('Last training row', last_train), ('Last evaluation', last_eval)):
@@ -99,7 +111,9 @@ def model_card(repo_id: str, source: str, step: int | None = None) -> str:
 def export_for_hub(source: str, out_dir: str, repo_id: str, step: int | None = None) -> None:
   """The Hugging Face export of `source` (step `step` of a workdir) and its model card."""
   convert.convert(source, out_dir, 'hf', step=step)
-  fileio.write_text(os.path.join(out_dir, 'README.md'), model_card(repo_id, source, step))
+  architecture = fileio.read_json(os.path.join(out_dir, 'config.json'))['architectures'][0]
+  fileio.write_text(os.path.join(out_dir, 'README.md'),
+                    model_card(repo_id, source, step, architecture))
 
 
 def push_export(source: str, repo_id: str, output: str = '') -> str:

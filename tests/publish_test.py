@@ -191,3 +191,15 @@ def test_convert_push_to_hub_round_trip(server, run, tmp_path):
   jax_out, _ = model_lib.encode(config, pulled, np.array([ids]), np.ones((1, len(ids))),
                                 np.zeros((1, len(ids)), np.int32))
   np.testing.assert_allclose(np.asarray(jax_out), hf_out, atol=2e-5, rtol=1e-4)
+
+
+def test_the_model_card_of_a_step(run):
+  """A push of step 4 while the run went on: that step's metrics, the run's config; the pipeline
+  tag of the exported head; a malformed repository name is refused where the config loads."""
+  card = publish.model_card('org/name', run['workdir'], 4, 'BertForTokenClassification')
+  assert 'pipeline_tag: token-classification' in card and 'at step 4.' in card
+  assert 'Last training row (step 4):' in card and '(step 6)' not in card
+  assert '"push_every_steps": 2' in card
+  with pytest.raises(Exception, match=r"--config\.checkpoint\.push_to_hub='no-org': expected "
+                                      'ORG/NAME'):
+    config_files.load_config('smoke', {'checkpoint.push_to_hub': 'no-org'})
