@@ -97,7 +97,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     # ---- README.md: experiment trackers ------------------------------------------------------
     'WANDB_MODE=offline bert-jax pretrain --config.log.writers=tensorboard,wandb': Run(
         'quickstart', f'--workdir={{tmp}}/wandb_run {_TINY_PRETRAIN} --config.model.size=tiny '
-        '--config.data.vocab_file={tmp}/run/vocab.txt'),
+        '--config.data.input={tmp}/corpus/part-0.txt --config.data.eval_input={tmp}/corpus/'
+        'part-1.txt --config.data.vocab_size=300'),
     # ---- README.md: your own corpus, continuing a Hub checkpoint (a Hub on loopback) -------
     'python3 -m pip install -e ".[hub,parquet]"': NotHere(_INSTALLS),
     'pip install -e ".[hub]"': NotHere(_INSTALLS),
