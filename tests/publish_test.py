@@ -203,3 +203,33 @@ def test_the_model_card_of_a_step(run):
   with pytest.raises(Exception, match=r"--config\.checkpoint\.push_to_hub='no-org': expected "
                                       'ORG/NAME'):
     config_files.load_config('smoke', {'checkpoint.push_to_hub': 'no-org'})
+
+
+def test_fine_tuning_pushes_its_steps_with_its_head(server, run, tmp_path):
+  """checkpoint.push_to_hub in fine-tuning (GLUE MRPC, 3 steps from the run's weights): steps 2
+  (push_every_steps) and 3 (the last) pushed with the classifier, as transformers'
+  BertForSequenceClassification, with a text-classification card."""
+  glue = tmp_path / 'glue' / 'MRPC'
+  glue.mkdir(parents=True)
+  words = 'the interpreter reads a module and runs its code line by line'.split()
+  for split, n in (('train', 24), ('dev', 8)):
+    rows = ['Quality\t#1 ID\t#2 ID\t#1 String\t#2 String']
+    for i in range(n):
+      a = ' '.join(words[i % 5:i % 5 + 6])
+      rows.append(f'{i % 2}\t{i}\t{100 + i}\t{a}\t{a if i % 2 else " ".join(words[:4])}')
+    (glue / f'{split}.tsv').write_text('\n'.join(rows) + '\n')
+  from bert_jax import finetune  # pylint: disable=g-import-not-at-top
+  config = config_files.load_config('finetune_glue:mrpc', {
+      'train.init_checkpoint': run['workdir'], 'task.data_dir': str(tmp_path / 'glue'),
+      'train.epochs': 1, 'data.max_seq_length': 32, 'train.batch_size': 8,
+      'eval.batch_size': 8, 'log.progress': False, 'checkpoint.every_steps': 2,
+      'checkpoint.push_to_hub': 'bert-jax-test/mrpc', 'checkpoint.push_every_steps': 2})
+  finetune.finetune(config, str(tmp_path / 'mrpc'))
+  repo = server.repos[('model', 'bert-jax-test/mrpc')]
+  assert sorted(repo.tags) == ['step-2', 'step-3']
+  files = repo.commits[repo.tags['step-3']]
+  assert json.loads(files['config.json'])['architectures'] == ['BertForSequenceClassification']
+  assert b'pipeline_tag: text-classification' in files['README.md']
+  assert b'fine-tuned on mrpc' in files['README.md']
+  _, pulled = convert.load_pretrained('hf://bert-jax-test/mrpc@step-3')
+  assert 'classifier' in pulled
