@@ -227,3 +227,15 @@ def test_missing_extra_is_one_line(corpus, monkeypatch):
   with pytest.raises(UserError, match=r'^Parquet corpora \(\*\.parquet\) need pyarrow, which is '
                                       r'not installed: pip install "bert_jax\[parquet\]"$'):
     tables.plan(corpus.parquet, 'content')
+
+
+def test_bert_jax_vocab_reads_tables(corpus, tmp_path):
+  from bert_jax import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  out = vocab_lib.run([corpus.config().input], str(tmp_path / 'vocab.txt'), 200,
+                      text_column='content')
+  with open(out) as f:
+    tokens = f.read().split()
+  # The pieces of the rows' marker words (d12s3): the text column's, nothing else's.
+  assert {'d', '##s', '##s0', '##s1'} <= set(tokens) and len(tokens) == 200
+  with pytest.raises(UserError, match=r"--text_column='text' is not a column"):
+    vocab_lib.run([corpus.config().input], str(tmp_path / 'other.txt'), 200)
