@@ -578,6 +578,12 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
   rerunning the sweep skips the finished runs and resumes that one."""
   if not learning_rates:
     raise UserError('sweep: no learning rates')
+  if config.checkpoint.push_to_hub:
+    # Every rate's run would push its steps to one repository, tags colliding.
+    raise UserError(f'--sweep with checkpoint.push_to_hub={config.checkpoint.push_to_hub}: '
+                    'the runs of every rate would push into one repository; sweep without it, '
+                    'then push the best run: bert-jax convert --input=WORKDIR/lr_RATE '
+                    f'--format=hf --push_to_hub={config.checkpoint.push_to_hub}')
   workdir = fileio.workdir_path(workdir)
   # Every check before the first run: a refusal at the second rate would leave the first run's
   # folder, and sweep.json, in a workdir that was never a sweep's.

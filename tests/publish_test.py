@@ -233,3 +233,12 @@ def test_fine_tuning_pushes_its_steps_with_its_head(server, run, tmp_path):
   assert b'fine-tuned on mrpc' in files['README.md']
   _, pulled = convert.load_pretrained('hf://bert-jax-test/mrpc@step-3')
   assert 'classifier' in pulled
+
+
+def test_a_sweep_does_not_push(tmp_path):
+  from bert_jax import finetune  # pylint: disable=g-import-not-at-top
+  config = config_files.load_config('finetune_glue:mrpc',
+                                    {'checkpoint.push_to_hub': 'bert-jax-test/sweep'})
+  with pytest.raises(Exception, match=r'--sweep with checkpoint\.push_to_hub=bert-jax-test/sweep: '
+                                      'the runs of every rate would push into one repository'):
+    finetune.sweep(config, str(tmp_path / 'sweep'))
