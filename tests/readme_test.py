@@ -187,6 +187,8 @@ COMMANDS: dict[str, Run | NotHere] = {
         _BENCHMARK + '; tests/benchmarks_test.py runs its smallest shapes under a 2 GB limit'),
     'python benchmarks/corpus.py --shapes=wiki,books --batches=50 --speed_seconds=20':
         NotHere(_BENCHMARK),
+    'python benchmarks/corpus.py --formats=text,parquet --seq_lens=128 --packing=false '
+    '--batches=20': NotHere(_BENCHMARK),
     'python benchmarks/train_step.py --size=mini --batch_size=32 --seq_len=128 --compare_torch':
         NotHere(_BENCHMARK),
     'bert-jax compile --config=configs/bert_large.py --topology=v5e:4x4': NotHere(_COMPILE),
