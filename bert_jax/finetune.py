@@ -359,8 +359,8 @@ def _train(run: _Run, preemption: monitor.Preemption) -> bool:
     ckpt_lib.wait_for_saves(run.manager, run.workdir)  # A failed save as one line.
     run.manager.close()
     run.log.close()
-    if run.pusher:
-      run.pusher.close()  # The pushes in flight (the saves are committed now).
+    if run.pusher:  # The pushes in flight (the saves are committed now); not in a notice.
+      run.pusher.close(wait=not preemption.requested)
   return True
 
 

@@ -11,7 +11,7 @@ every N steps of a run.
   it as one commit tagged `step-N`; `hf://ORG/NAME@step-N` then loads that step. The training
   loop never waits for it. A step counts as pushed only once its commit and tag are on the Hub
   (WORKDIR/hub_pushes.json); a failed push is a warning naming the step and the run goes on.
-  The run's end waits for the pushes in flight.
+  The run's end waits for the pushes in flight, except in a preemption notice.
 """
 
 import datetime
@@ -163,11 +163,16 @@ class Pusher:
     self._commit_timeout_s = commit_timeout_s
     self._record = os.path.join(workdir, PUSHES_FILE)
     self.pushed: dict[int, str] = {}
-    if fileio.exists(self._record):
-      self.pushed = {int(k): v for k, v in fileio.read_json(self._record)['steps'].items()}
+    if fileio.exists(self._record):  # A rerun: the steps pushed before (to this repository).
+      saved = fileio.read_json(self._record)
+      if saved.get('repo') == repo_id:
+        self.pushed = {int(k): v for k, v in saved['steps'].items()}
     self.failed: list[int] = []
+    self._pending: list[int] = []  # Queued or being pushed.
+    self._lock = threading.Lock()
     self._queue: queue.Queue = queue.Queue()
     self._closing = threading.Event()
+    self._abandon = threading.Event()
     self._thread = threading.Thread(target=self._work, name='hub-push', daemon=True)
     self._thread.start()
 
@@ -175,11 +180,26 @@ class Pusher:
     """The checkpoint of `step` is being saved: push it if it is a push step (or `last`)."""
     if step in self.pushed or not (last or not self.every or step % self.every == 0):
       return
+    with self._lock:
+      self._pending.append(step)
     self._queue.put(step)
 
-  def close(self) -> None:
-    """Waits for the pushes in flight; call it after the run waited for its saves."""
+  def close(self, wait: bool = True) -> None:
+    """Waits for the pushes in flight; call it after the run waited for its saves. Without
+    `wait` (a preemption notice is seconds, an upload may be minutes) it returns at once: the
+    push in flight counts only if it lands before the process ends, the queued ones are
+    dropped, and the rerun pushes its own later steps."""
     self._closing.set()
+    if not wait:
+      self._abandon.set()
+      self._queue.put(None)
+      with self._lock:
+        left = sorted(self._pending)
+      if left:
+        logging.warning('Not waiting for the pushes to %s of steps %s (the run is stopping): a '
+                        'step not on the Hub before the process ends does not count as pushed',
+                        self.repo_id, left)
+      return
     self._queue.put(None)
     self._thread.join()
     if self.pushed:
@@ -191,7 +211,7 @@ class Pusher:
   def _work(self) -> None:
     while True:
       step = self._queue.get()
-      if step is None:
+      if step is None or self._abandon.is_set():
         return
       try:
         self._push(step)
@@ -200,6 +220,9 @@ class Pusher:
         logging.warning('Pushing step %d to the Hub (%s) failed: %s; the run goes on, and step '
                         '%d does not count as pushed', step, self.repo_id,
                         str(e).strip().split('\n')[0], step)
+      finally:
+        with self._lock:
+          self._pending.remove(step)
 
   def _wait_committed(self, step: int) -> None:
     """Until the checkpoint of `step` is committed (Orbax's async save is done). Once the run

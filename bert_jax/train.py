@@ -461,8 +461,8 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
     ckpt_lib.wait_for_saves(run.manager, run.workdir)
     run.manager.close()
     run.log.close()
-    if run.pusher:
-      run.pusher.close()  # The pushes in flight (the saves are committed now).
+    if run.pusher:  # The pushes in flight (the saves are committed now); not in a notice.
+      run.pusher.close(wait=not preemption.requested)
 
   if run.is_main:
     _print_summary(config, run.workdir, run.step, run.stop_at, run.start, eval_metrics)

@@ -112,7 +112,19 @@ def test_a_run_pushes_tagged_steps_and_counts_only_what_landed(server, run):
   assert b'at step 6' in files['README.md']
 
 
-def test_a_push_never_blocks_the_step(server, run, tmp_path):
+@pytest.fixture
+def kept_record(run):
+  """The run's WORKDIR/hub_pushes.json as it was, after a test pushing from its workdir to another
+  repository (which records its own pushes there)."""
+  path = os.path.join(run['workdir'], publish.PUSHES_FILE)
+  with open(path, encoding='utf-8') as f:
+    before = f.read()
+  yield
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(before)
+
+
+def test_a_push_never_blocks_the_step(server, run, kept_record):
   """`saved` returns at once while the Hub holds the commit; `close` waits for it."""
   gate = threading.Event()
   original = hub_server.Repo.commit
@@ -125,7 +137,7 @@ def test_a_push_never_blocks_the_step(server, run, tmp_path):
   hub_server.Repo.commit = held
   try:
     pusher = publish.Pusher(run['workdir'], 'bert-jax-test/held', every_steps=2)
-    pusher.pushed = {}  # Not the run's record: a fresh repository.
+    assert not pusher.pushed  # The run's record is of another repository.
     start = time.monotonic()
     pusher.saved(4)
     pusher.saved(5)  # Not a push step.
@@ -242,3 +254,38 @@ def test_a_sweep_does_not_push(tmp_path):
   with pytest.raises(Exception, match=r'--sweep with checkpoint\.push_to_hub=bert-jax-test/sweep: '
                                       'the runs of every rate would push into one repository'):
     finetune.sweep(config, str(tmp_path / 'sweep'))
+
+
+def test_a_preempted_run_does_not_wait_for_its_pushes(server, run, kept_record):
+  """close(wait=False), as a run stopping in a preemption notice does: it returns at once while
+  the Hub holds the commit of step 4, with a warning naming the steps not pushed; nothing is
+  counted then; the push in flight counts once it lands, the queued step 6 is never pushed."""
+  gate, entered = threading.Event(), threading.Event()
+  original = hub_server.Repo.commit
+
+  def held(repo, branch, files, message):
+    if message.startswith('Step'):
+      entered.set()
+      gate.wait(60)
+    return original(repo, branch, files, message)
+
+  hub_server.Repo.commit = held
+  try:
+    pusher = publish.Pusher(run['workdir'], 'bert-jax-test/preempted', every_steps=2)
+    pusher.saved(4)
+    pusher.saved(6)
+    assert entered.wait(120)  # Step 4 is in the Hub's commit, step 6 queued.
+    with _Warnings() as warnings:
+      start = time.monotonic()
+      pusher.close(wait=False)
+      assert time.monotonic() - start < 0.5
+    assert not pusher.pushed
+    assert [w for w in warnings.lines if w.startswith('Not waiting for the pushes')] == [
+        'Not waiting for the pushes to bert-jax-test/preempted of steps [4, 6] (the run is '
+        'stopping): a step not on the Hub before the process ends does not count as pushed']
+  finally:
+    gate.set()
+    hub_server.Repo.commit = original
+  pusher._thread.join(60)  # pylint: disable=protected-access  (the test's process goes on)
+  assert sorted(pusher.pushed) == [4]
+  assert sorted(server.repos[('model', 'bert-jax-test/preempted')].tags) == ['step-4']
