@@ -197,7 +197,7 @@ def main():
   unknown = sorted(set(args.seq_lens) - set(SETTINGS))
   if unknown:
     parser.error(f'--seq_lens: {unknown} not in {sorted(SETTINGS)}')
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   dict(padding=padding, speed=speed, learning=learning)[args.what](args)
 
 

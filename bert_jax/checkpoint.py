@@ -2,8 +2,9 @@
 
 A workdir's checkpoints (its other files: `run_files.py`; its lock: `run_lock.py`):
   checkpoints/<step>/               Orbax items: params, opt_state, meta (step, phase, seed),
-                                    and fp8_meta (FP8 scales and amax histories) when
-                                    model.matmul_precision='fp8'
+                                    and one per saved extra of the train state
+                                    (`state_extras.py`: fp8_meta, FP8 scales and amax
+                                    histories, when model.matmul_precision='fp8')
   data_state/<step>/process_<i>.*   each process's tf.data iterator position at that step
 
 Resume order, followed by both drivers through `restore_or_init`:
@@ -32,7 +33,7 @@ local one (Orbax handles its own paths).
 import os
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
@@ -41,16 +42,12 @@ from absl import logging
 
 from bert_jax import fileio
 from bert_jax import gcs
-from bert_jax import model as model_lib
 from bert_jax import orbax_hooks
 from bert_jax.errors import Outage
 from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
 DATA_STATE_DIR = 'data_state'
-# The item of `TrainState.fp8_meta` (model.matmul_precision='fp8'): run state, like opt_state,
-# that resumes exactly and is never exported as weights.
-FP8_META = 'fp8_meta'
 # The file whose presence commits a step folder on Cloud Storage (Orbax writes a step there in
 # place, without a rename).
 _GCS_COMMIT_FILE = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
@@ -68,32 +65,38 @@ def _registry(replica_parallel: bool):
 
 
 def make_manager(workdir: str, keep: int | None, async_save: bool = True,
-                 replica_parallel: bool = True) -> ocp.CheckpointManager:
-  """The manager of `<workdir>/checkpoints`: items params, opt_state, fp8_meta (Orbax
-  PyTrees; fp8_meta only in the checkpoints of FP8 runs), meta (JSON). `keep`: how many recent
-  steps are kept (None: all; the caller deletes). `async_save=False`: its `save` returns once
-  the save is committed (Orbax's asynchronous checkpointer either way: with several processes,
-  only its commit can be agreed on, `orbax_hooks.CommitOutcome`)."""
+                 replica_parallel: bool = True, extras: Iterable[str] = ()
+                 ) -> ocp.CheckpointManager:
+  """The manager of `<workdir>/checkpoints`: items params, opt_state and `extras` (Orbax
+  PyTrees: the items of the train state's saved extras, `state_extras.saved_names()`, which a
+  checkpoint holds when its state has them), meta (JSON). `keep`: how many recent steps are
+  kept (None: all; the caller deletes). `async_save=False`: its `save` returns once the save
+  is committed (Orbax's asynchronous checkpointer either way: with several processes, only its
+  commit can be agreed on, `orbax_hooks.CommitOutcome`)."""
   commit = orbax_hooks.CommitOutcome() if jax.process_count() > 1 else None
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, enable_async_checkpointing=True,
       async_options=ocp.AsyncOptions(barrier_sync_fn=commit.barrier) if commit else None)
   registry = _registry(replica_parallel)
-  pytree = lambda: orbax_hooks.agreeing(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
-  handlers = {'params': pytree(), 'opt_state': pytree(), FP8_META: pytree(),
-              'meta': orbax_hooks.agreeing(ocp.JsonCheckpointHandler())}
+  trees = ('params', 'opt_state', *extras)
+  handlers = {name: orbax_hooks.agreeing(
+      ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) for name in trees}
+  handlers['meta'] = orbax_hooks.agreeing(ocp.JsonCheckpointHandler())
   manager = _Manager(os.path.join(workdir, CHECKPOINT_DIR), options=options,
                      item_handlers=handlers)
   manager.waits = not async_save
+  manager.extras = frozenset(trees[2:])
   if commit:
     commit.hook(manager)
   return manager
 
 
 class _Manager(ocp.CheckpointManager):
-  """Orbax's CheckpointManager, whose `save` waits for the commit when `waits`."""
+  """Orbax's CheckpointManager, whose `save` waits for the commit when `waits`; `extras`: the
+  items of the saved extras it has handlers for."""
 
   waits = False
+  extras = frozenset()
 
   def save(self, *args, **kwargs) -> bool:
     saved = super().save(*args, **kwargs)
@@ -134,8 +137,11 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
     items = dict(params=ocp.args.PyTreeSave(state.params),
                  opt_state=ocp.args.PyTreeSave(state.opt_state),
                  meta=ocp.args.JsonSave(dict(meta, step=int(step))))
-    if getattr(state, 'fp8_meta', None) is not None:
-      items[FP8_META] = ocp.args.PyTreeSave(state.fp8_meta)
+    for name, value in state.saved_extras().items():
+      if name not in manager.extras:  # A bug: make_manager(extras=...) names every one.
+        raise ValueError(f'the checkpoint manager has no item {name!r}: make it with '
+                         'extras=state_extras.saved_names()')
+      items[name] = ocp.args.PyTreeSave(value)
     manager.save(step, force=True, args=ocp.args.Composite(**items))
   except Exception as e:  # pylint: disable=broad-except
     _save_failed(manager, workdir, e)
@@ -304,13 +310,12 @@ def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> tuple[Any, dict]:
-  """Restores params and optimizer state (and FP8 scales, `abstract_state.fp8_meta`) into the
-  shardings of `abstract_state` (a `train_state.TrainState` of ShapeDtypeStructs, which derives
-  the rest: `restored`).
+  """Restores params, optimizer state and the saved extras (`saved_extras()`) into the
+  shardings of `abstract_state` (a `train_state.TrainState` of ShapeDtypeStructs, which
+  computes the rest: `restored`).
 
-  FP8 scales and histories are not weights: a run that turns model.matmul_precision='fp8' on
-  resumes a checkpoint without them from the initial ones, and one that turns it off leaves
-  them unread."""
+  A saved extra that the checkpoint lacks (FP8 scales, saved with model.matmul_precision='fp8'
+  off) starts afresh; one the checkpoint holds and the state has not is left unread."""
   return _derived(_read(manager, step, abstract_state), step, abstract_state)
 
 
@@ -319,28 +324,19 @@ def _read(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> dic
   items = dict(params=_pytree_restore(abstract_state.params),
                opt_state=_pytree_restore(abstract_state.opt_state),
                meta=ocp.args.JsonRestore())
-  if (getattr(abstract_state, 'fp8_meta', None) is not None
-      and _has_item(manager, step, FP8_META)):
-    items[FP8_META] = _pytree_restore(abstract_state.fp8_meta)
+  for name, abstract in abstract_state.saved_extras().items():
+    if _has_item(manager, step, name):
+      items[name] = _pytree_restore(abstract)
   with orbax_hooks.reads_end_their_tasks():
     return dict(manager.restore(step, args=ocp.args.Composite(**items)))
 
 
 def _derived(restored: dict, step: int, abstract_state: Any) -> tuple[Any, dict]:
   """(state, meta) of a read checkpoint, with what a checkpoint does not hold computed on the
-  devices: the compute copy (train_state.TrainState.restored) and fresh FP8 scales."""
-  state = abstract_state.restored(params=restored['params'], opt_state=restored['opt_state'],
-                                  step=restored['meta']['step'])
-  abstract_fp8 = getattr(abstract_state, 'fp8_meta', None)
-  if abstract_fp8 is not None:
-    if FP8_META in restored:
-      fp8_meta = restored[FP8_META]
-    else:
-      logging.warning('Checkpoint %d has no FP8 scales (saved without '
-                      "model.matmul_precision='fp8'): they start afresh", step)
-      fp8_meta = jax.jit(lambda: model_lib.initial_fp8_meta(abstract_fp8),
-                         out_shardings=jax.tree.map(lambda a: a.sharding, abstract_fp8))()
-    state = state.replace(fp8_meta=fp8_meta)
+  devices (`TrainState.restored`: derived extras, saved ones it lacks)."""
+  saved = {name: restored[name] for name in abstract_state.saved_extras() if name in restored}
+  state = abstract_state.restored(restored['meta']['step'], restored['params'],
+                                  restored['opt_state'], saved)
   return state, restored['meta']
 
 

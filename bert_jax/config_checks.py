@@ -6,7 +6,10 @@ have (pre-training versus fine-tuning, a task's own keys) is skipped, so one tab
 job. A value out of range is a UserError naming the key as the user sets it
 (`--config.train.learning_rate=-0.001: must be > 0`), before any data or model is built;
 adding a key is one more row here and one more row in tests/inputs_test.py. `CHOICES` does the
-same for every categorical key (`--config.model.dtype='fp16': expected one of auto, ...`).
+same for every categorical key (`--config.model.dtype='fp16': expected one of auto, ...`), and is
+where each key's values are defined: the modules that branch on one import its values from here
+(`attention.IMPLEMENTATIONS` is `CHOICES['model.attention_impl']`), and check a direct caller's
+value with `check_choice`, the same one line.
 
 Every check needs config.kind ('pretrain' or 'finetune', set by defaults.pretrain() and
 defaults.finetune()): which job the config is for, never guessed from the keys it has.
@@ -123,14 +126,27 @@ RANGES: dict[str, Check] = {
 }
 
 
-# The values of every categorical key, written out here (the modules that use them import JAX,
-# seconds of start-up; tests/config_files_test.py checks that the lists agree with theirs), so
-# that a misspelt value fails where the config loads, not 10-30 s in or after the workdir is
-# written.
-_SIZES = ('tiny', 'mini', 'small', 'medium', 'base', 'large') + tuple(
-    f'L{layers}_H{hidden}' for layers in (2, 4, 6, 8, 10, 12) for hidden in (128, 256, 512, 768))
+# The values of every categorical key, defined here once. The modules that branch on them import
+# them from here: this module imports no JAX (seconds of start-up), so a misspelt value fails
+# where the config loads, not 10-30 s in or after the workdir is written.
+
+# Named model sizes (model.size): (layers, hidden, heads); the intermediate size is always
+# 4 x hidden. `model.config_for_size` decodes them.
+MODEL_SIZES: dict[str, tuple[int, int, int]] = {
+    f'L{layers}_H{hidden}': (layers, hidden, hidden // 64)
+    for layers in (2, 4, 6, 8, 10, 12) for hidden in (128, 256, 512, 768)}
+MODEL_SIZES.update({
+    'tiny': MODEL_SIZES['L2_H128'],     # Turc et al.'s BERT-Tiny; what the tests run.
+    'mini': MODEL_SIZES['L4_H256'],
+    'small': MODEL_SIZES['L4_H512'],
+    'medium': MODEL_SIZES['L8_H512'],
+    'base': (12, 768, 12),
+    'large': (24, 1024, 16),
+})
 CHOICES: dict[str, tuple[str, ...]] = {
-    'model.size': _SIZES,
+    'model.size': tuple(MODEL_SIZES),
+    # 'auto' (this key and layer_norm_impl): for the platform a step runs on, or is compiled
+    # for (`model.resolve`, the one place that resolves it).
     'model.dtype': ('auto', 'float32', 'bfloat16', 'float16'),
     'model.remat_policy': ('none', 'full', 'dots'),
     'model.attention_impl': ('xla', 'cudnn', 'cudnn_varlen', 'splash'),
@@ -144,6 +160,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+def check_choice(key: str, value: Any) -> None:
+  """The UserError of `key`'s check where a config loads, for a value `key` does not take: for
+  the libraries that branch on `key`, on a direct caller's value."""
+  if value not in CHOICES[key]:
+    raise _choice_error(key, value)
+
+
 def _choice_error(key: str, value: Any) -> UserError:
   choices = CHOICES[key]
   close = difflib.get_close_matches(str(value), choices, n=1)
@@ -151,6 +174,24 @@ def _choice_error(key: str, value: Any) -> UserError:
   shown = ('tiny, mini, small, medium, base, large or L{2..12}_H{128,256,512,768}'
            if key == 'model.size' else ', '.join(choices))
   return UserError(f'--config.{key}={value!r}: expected one of {shown}{hint}')
+
+
+# log.writers' names (trackers.py writes to them): these, or MODULE:NAME of a clu MetricWriter.
+WRITERS = ('tensorboard', 'wandb')
+
+
+def writer_names(writers: str) -> list[str]:
+  """log.writers -> its writer names; a name that is none (a typo) is a UserError."""
+  names = [w.strip() for w in str(writers).split(',') if w.strip()]
+  for name in names:
+    if name not in WRITERS and not (':' in name and all(name.split(':', 1))):
+      close = difflib.get_close_matches(name, WRITERS, n=1)
+      raise UserError(f'--config.log.writers={writers!r}: {name!r} is not a writer'
+                      + (f' (did you mean {close[0]!r}?)' if close else '')
+                      + ': tensorboard, wandb, or MODULE:NAME of a clu MetricWriter')
+  if len(set(names)) != len(names):
+    raise UserError(f'--config.log.writers={writers!r} names a writer twice')
+  return names
 
 
 def _lookup(config: ml_collections.ConfigDict, key: str):
@@ -258,25 +299,6 @@ def _batches(config):
                     f'data-parallel shards (mesh.data={sizes[0]} x mesh.fsdp={sizes[1]})')
 
 
-# Rules between keys, in order; each raises a UserError naming the keys, or returns.
-# log.writers' names (trackers.py writes to them): these, or MODULE:NAME of a clu MetricWriter.
-WRITERS = ('tensorboard', 'wandb')
-
-
-def writer_names(writers: str) -> list[str]:
-  """log.writers -> its writer names; a name that is none (a typo) is a UserError."""
-  names = [w.strip() for w in str(writers).split(',') if w.strip()]
-  for name in names:
-    if name not in WRITERS and not (':' in name and all(name.split(':', 1))):
-      close = difflib.get_close_matches(name, WRITERS, n=1)
-      raise UserError(f'--config.log.writers={writers!r}: {name!r} is not a writer'
-                      + (f' (did you mean {close[0]!r}?)' if close else '')
-                      + ': tensorboard, wandb, or MODULE:NAME of a clu MetricWriter')
-  if len(set(names)) != len(names):
-    raise UserError(f'--config.log.writers={writers!r} names a writer twice')
-  return names
-
-
 def _writers(config: ml_collections.ConfigDict) -> None:
   present, value = _lookup(config, 'log.writers')
   if present:
@@ -287,6 +309,7 @@ def _writers(config: ml_collections.ConfigDict) -> None:
                     "repository on the Hugging Face Hub ('' = no pushes)")
 
 
+# Rules between keys, in order; each raises a UserError naming the keys, or returns.
 CROSS_CHECKS: tuple[Callable[[ml_collections.ConfigDict], None], ...] = (
     _lengths, _phases, _schedule, _batches, _writers)
 
@@ -318,7 +341,7 @@ def check_config(config: ml_collections.ConfigDict, kind: str | None = None) -> 
       raise UserError(f'--config.{key}={value!r}: {wording}')
   for key in CHOICES:
     present, value = _lookup(config, key)
-    if present and value not in CHOICES[key]:
-      raise _choice_error(key, value)
+    if present:
+      check_choice(key, value)
   for check in CROSS_CHECKS:
     check(config)

@@ -34,6 +34,13 @@ def tensorflow():
   return tf
 
 
+def hide_accelerators_from_tf() -> None:
+  """Keeps TensorFlow (tf.data, tf.io.gfile) off GPUs and TPUs, so it never takes device memory
+  from JAX: done once, as TensorFlow is imported here. Call it before TensorFlow first touches
+  a device (a module that imports TensorFlow itself does not hide them)."""
+  tensorflow()
+
+
 def gfile():
   """`tf.io.gfile`: local paths and gs:// alike."""
   return tensorflow().io.gfile

@@ -39,6 +39,7 @@ import numpy as np
 
 from bert_jax import activations
 from bert_jax import attention
+from bert_jax import config_checks
 from bert_jax import layer_norm
 from bert_jax.errors import UserError
 
@@ -77,7 +78,7 @@ class BertConfig:
   attention_impl: str = 'xla'   # 'xla', 'cudnn', 'cudnn_varlen' or 'splash': see attention.py.
   # The most sequences in one row (data.packing_max_sequences): cudnn_varlen's segment tables.
   max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
-  layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto': see layer_norm.py.
+  layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see layer_norm.py.
   # 'default' (matmuls in `dtype`) or 'fp8': see MATMUL_PRECISIONS.
   matmul_precision: str = 'default'
 
@@ -87,21 +88,13 @@ class BertConfig:
                       f'num_attention_heads {self.num_attention_heads}')
     if self.hidden_act not in _ACTIVATIONS:
       raise UserError(f'hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}')
-    if self.remat_policy not in _REMAT_POLICIES:
-      raise UserError(f'remat_policy {self.remat_policy!r} is not one of '
-                      f'{sorted(_REMAT_POLICIES)}')
-    if self.attention_impl not in attention.IMPLEMENTATIONS:
-      raise UserError(f'attention_impl {self.attention_impl!r} is not one of '
-                      f'{attention.IMPLEMENTATIONS}')
+    # The run fields, for a BertConfig built in code (config_from's are checked where the
+    # config loads): config_checks' own check and line.
+    for key in ('remat_policy', 'attention_impl', 'layer_norm_impl', 'matmul_precision'):
+      config_checks.check_choice(f'model.{key}', getattr(self, key))
     if self.max_packed_sequences < 1:
       raise UserError(f'max_packed_sequences={self.max_packed_sequences}: a row holds at least '
                       'one sequence (data.packing_max_sequences)')
-    if self.layer_norm_impl not in layer_norm.IMPLEMENTATIONS:
-      raise UserError(f'layer_norm_impl {self.layer_norm_impl!r} is not one of '
-                      f'{layer_norm.IMPLEMENTATIONS}')
-    if self.matmul_precision not in MATMUL_PRECISIONS:
-      raise UserError(f'matmul_precision {self.matmul_precision!r} is not one of '
-                      f'{MATMUL_PRECISIONS}')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
 
   @property
@@ -134,15 +127,6 @@ class BertConfig:
     kwargs = {k: d[k] for k in _ORIGINAL_FIELDS + ('layer_norm_eps',) if k in d}
     return cls(**kwargs)
 
-  @classmethod
-  def from_json_file(cls, path: str) -> 'BertConfig':
-    with open(path) as f:
-      try:
-        d = json.load(f)
-      except json.JSONDecodeError as e:
-        raise UserError(f'{path}: not valid JSON: {e}') from e
-    return cls.from_dict(d, source=path)
-
   def to_original_dict(self) -> dict[str, Any]:
     """The fields of the original bert_config.json (plus layer_norm_eps if not default)."""
     d = {k: getattr(self, k) for k in _ORIGINAL_FIELDS}
@@ -174,7 +158,7 @@ class BertConfig:
 #   recipe): inputs and kernels in float8_e4m3fn, output gradients in float8_e5m2, each scaled
 #   by the largest magnitude of the last FP8_AMAX_HISTORY steps. The scales and amax histories
 #   live in the FP8_COLLECTION variable collection: the "gradient" a step computes for them is
-#   their new value, which replaces them (`train_state.TrainState.fp8_meta`), never an
+#   their new value, which replaces them (`state_extras.FP8_SCALES`), never an
 #   optimizer update. Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them
 #   (correct, slower).
 # The embeddings (exact one-hot lookups), the pooler, the MLM transform and the tied decoder,
@@ -182,51 +166,42 @@ class BertConfig:
 # logits feed the loss directly, where FP8's 3-bit mantissa would cost the most accuracy.
 # Evaluation and prediction (`deterministic=True`) run every matmul in the compute dtype,
 # with the parameters alone: the numbers a user of the exported weights gets.
-MATMUL_PRECISIONS = ('default', 'fp8')
+MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
 FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
 FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
 
-# Named sizes: (layers, hidden, heads). Intermediate size is always 4 x hidden.
-_COMPACT_LAYERS = (2, 4, 6, 8, 10, 12)
-_COMPACT_HIDDEN = (128, 256, 512, 768)
-SIZES: dict[str, tuple[int, int, int]] = {
-    f'L{l}_H{h}': (l, h, h // 64) for l in _COMPACT_LAYERS for h in _COMPACT_HIDDEN}
-SIZES.update({
-    'tiny': SIZES['L2_H128'],     # Turc et al.'s BERT-Tiny; what the tests run.
-    'mini': SIZES['L4_H256'],
-    'small': SIZES['L4_H512'],
-    'medium': SIZES['L8_H512'],
-    'base': (12, 768, 12),
-    'large': (24, 1024, 16),
-})
+# Named sizes: (layers, hidden, heads), defined where a config's model.size is checked.
+SIZES = config_checks.MODEL_SIZES
 
 
 def config_for_size(size: str, **overrides) -> BertConfig:
   """`BertConfig` of a named size (see `SIZES`), with any field overridden."""
-  if size not in SIZES:
-    raise UserError(f'model.size={size!r} is not a known size; known: tiny, mini, small, medium, '
-                    f'base, large and L{{2..12}}_H{{128,256,512,768}}')
+  config_checks.check_choice('model.size', size)
   layers, hidden, heads = SIZES[size]
   return BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                     intermediate_size=4 * hidden, **overrides)
 
 
 def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | None = None,
-                max_packed_sequences: int | None = None) -> BertConfig:
+                max_packed_sequences: int | None = None,
+                platform: str | None = None) -> BertConfig:
   """The BertConfig of a config's `model` block: the one place that decodes it.
 
   The architecture is `checkpoint`'s when given (fine-tuning or evaluating a checkpoint: its
   shape wins), else model.size's with model.vocab_size (0 = `vocab_size`, the tokenizer's),
   model.max_position_embeddings and model.type_vocab_size (pre-training from scratch). Either
-  way the block says how to run it: dtype ('auto' resolved for this backend), dropout, layer
-  stacking, rematerialization, the attention and LayerNorm kernels, the encoder matmuls'
-  precision. `max_packed_sequences` is the most sequences one row holds
+  way the block says how to run it: dtype, dropout, layer stacking, rematerialization, the
+  attention and LayerNorm kernels, the encoder matmuls' precision; 'auto' resolved for
+  `platform` (`resolve`: None is the platform being lowered for, else this process's
+  backend). `max_packed_sequences` is the most sequences one row holds
   (data.packing_max_sequences); None keeps BertConfig's.
   """
-  run = dict(dtype=resolve_dtype(model.dtype), hidden_dropout_prob=model.hidden_dropout_prob,
+  run = dict(dtype=resolve('dtype', model.dtype, platform),
+             hidden_dropout_prob=model.hidden_dropout_prob,
              attention_probs_dropout_prob=model.attention_probs_dropout_prob,
              scan_layers=model.scan_layers, remat_policy=model.remat_policy,
-             attention_impl=model.attention_impl, layer_norm_impl=model.layer_norm_impl,
+             attention_impl=model.attention_impl,
+             layer_norm_impl=resolve('layer_norm_impl', model.layer_norm_impl, platform),
              matmul_precision=model.matmul_precision)
   if max_packed_sequences is not None:
     run['max_packed_sequences'] = max_packed_sequences
@@ -240,11 +215,30 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
                          type_vocab_size=model.type_vocab_size, **run)
 
 
-def resolve_dtype(name: str) -> str:
-  """A config's `model.dtype`: 'auto' is bfloat16 on GPUs and TPUs, float32 on CPUs."""
-  if name == 'auto':
-    return 'bfloat16' if jax.default_backend() in ('gpu', 'tpu') else 'float32'
-  return name
+# What 'auto' means for each model key that takes it, by platform: the one place that says.
+_AUTO: dict[str, Callable[[str], str]] = {
+    # Accelerators compute in bfloat16 (parameters stay float32); CPUs in float32.
+    'dtype': lambda platform: 'bfloat16' if platform in ('gpu', 'tpu') else 'float32',
+    # The fused Pallas kernel where it lowers through Triton (NVIDIA GPUs); elsewhere it would
+    # run in interpret mode, for tests only.
+    'layer_norm_impl': lambda platform: 'pallas' if platform == 'gpu' else 'xla',
+}
+
+
+def resolve(key: str, value: str, platform: str | None = None) -> str:
+  """`value` of model.`key` ('dtype', 'layer_norm_impl'), with 'auto' resolved for `platform`
+  ('cpu', 'gpu', 'tpu': what the model runs on or is compiled for; None: the platform being
+  lowered for, `attention.target_platform`: `attention.lowering_for`'s, else this process's
+  backend)."""
+  if value != 'auto':
+    return value
+  return _AUTO[key](platform or attention.target_platform())
+
+
+def resolve_dtype(name: str, platform: str | None = None) -> str:
+  """A config's `model.dtype` (`resolve`): 'auto' is bfloat16 on GPUs and TPUs, float32 on
+  CPUs."""
+  return resolve('dtype', name, platform)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +259,7 @@ _REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+assert tuple(_REMAT_POLICIES) == config_checks.CHOICES['model.remat_policy']
 
 
 def _init(config: BertConfig, axes: tuple[str | None, ...]):
@@ -328,8 +323,9 @@ class ResidualLayerNorm(nn.Module):
     scale = self.param('scale', _ones(('embed',)), (h,), jnp.float32)
     bias = self.param('bias', _zeros(('embed',)), (h,), jnp.float32)
     rate = c.hidden_dropout_prob if bits is not None else 0.0
-    # Initialization traces a dummy batch for the parameters' shapes only: plain jnp.
-    impl = 'xla' if self.is_initializing() else c.layer_norm_impl
+    # Initialization traces a dummy batch for the parameters' shapes only: plain jnp. A
+    # BertConfig built in code may say 'auto': for the platform being lowered for.
+    impl = 'xla' if self.is_initializing() else resolve('layer_norm_impl', c.layer_norm_impl)
     return layer_norm.residual_layer_norm(
         x, residual, x_bias, scale, bias, bits, rate=rate, eps=c.layer_norm_eps, impl=impl,
         out_dtype=c.compute_dtype)
@@ -796,14 +792,6 @@ def with_nsp_head(params: dict, hidden_size: int) -> dict:
                            'bias': np.zeros(2, np.float32)})
 
 
-def split_variables(variables: dict) -> Any:
-  """A model's initial variables as `train_state.abstract_state` takes them: the parameters,
-  or (parameters, FP8 scales and histories) when it has those (matmul_precision='fp8')."""
-  if FP8_COLLECTION in variables:
-    return variables['params'], variables[FP8_COLLECTION]
-  return variables['params']
-
-
 def initial_fp8_meta(abstract: Any) -> Any:
   """The FP8 scales and amax histories a model starts with (flax's: scales 1, histories 0),
   shaped as the abstract tree `abstract` (ShapeDtypeStructs or arrays); None for None."""
@@ -815,13 +803,6 @@ def initial_fp8_meta(abstract: Any) -> Any:
       return jnp.zeros(leaf.shape, leaf.dtype)
     raise ValueError(f'unknown FP8 variable {jax.tree_util.keystr(path)}')
   return None if abstract is None else jax.tree_util.tree_map_with_path(initial, abstract)
-
-
-def variables(params: Any, fp8_meta: Any = None) -> dict:
-  """The variables `Module.apply` takes: `params`, plus the FP8 scales and histories."""
-  if fp8_meta is None:
-    return {'params': params}
-  return {'params': params, FP8_COLLECTION: fp8_meta}
 
 
 def count_params(params) -> int:

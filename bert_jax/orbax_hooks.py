@@ -14,8 +14,10 @@ Orbax upgrade would otherwise disable it silently):
     commit failed, and with what error.
   - `CommitOutcome.barrier` (Orbax's public `AsyncOptions.barrier_sync_fn`) knows the barrier
     after the commit by its key, `_AFTER_COMMIT_BARRIER`, a name inside Orbax's background save.
-  - `agreeing` replaces a handler's `async_save` (public, per the handler interface) on the
-    instance, so that Orbax keeps finding the handler by its class.
+  - `agreeing` replaces a handler's `async_save` (a public method of the handler interface) on
+    the instance. A subclass would be the documented way, but Orbax pairs a handler with its
+    CheckpointArgs by exact class (`checkpoint_args.get_registered_args_cls`): a subclass needs
+    args classes of its own, registered process-wide (`ocp.args.register_with_handler`).
   - `reads_end_their_tasks` and `ORBAX_ERRORS` swap the process-wide asyncio event-loop policy
     (public asyncio API) because Orbax makes its own event loops (`asyncio_utils.run_sync`) and
     offers no way to give it one.

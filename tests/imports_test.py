@@ -20,7 +20,8 @@ LAYERS = (
     ('commands that use a model', {'predict', 'features', 'fill_mask'}),
     # The task modules are the table's (task_table.py imports none of them).
     ('fine-tuning tasks', {'task_table', 'metrics', *task_table.KINDS}),
-    ('training', {'pretraining', 'train_state', 'optim', 'sharding', 'monitor', 'trackers'}),
+    ('training', {'pretraining', 'train_state', 'state_extras', 'optim', 'sharding',
+                  'monitor', 'trackers', 'run_frame'}),
     ('weights and checkpoints', {'publish', 'convert', 'tensor_files', 'checkpoint',
                                  'orbax_hooks', 'run_files', 'run_lock'}),
     ('model', {'model', 'attention', 'activations', 'layer_norm', 'flops'}),

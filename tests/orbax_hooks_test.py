@@ -274,3 +274,124 @@ def test_a_commit_process_0_cannot_write_stops_every_process_before_orbaxs_last_
   manager._checkpointer._make_on_commit_callback('tmpdir', None, 0.0)
   with pytest.raises(TimeoutError, match='process 0 did not finish its commit'):
     outcomes[1].barrier(key='async_commit_complete', timeout_ms=1000)
+
+
+# ---- The internals the hooks rely on, on the installed Orbax ---------------------------------
+# Each test below fails when an Orbax upgrade renames, drops or stops calling what a hook of
+# orbax_hooks.py relies on: the hook would otherwise be turned off without a word.
+
+
+def test_orbax_makes_each_saves_commit_callback_through_the_hooked_method(tmp_path, monkeypatch):
+  """`CommitOutcome.hook` replaces the checkpointer's `_make_on_commit_callback`: a real save
+  goes through it, and its commit's outcome is published once, after the commit."""
+  import itertools  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  manager = ocp.CheckpointManager(
+      str(tmp_path / 'checkpoints'), item_handlers={'meta': ocp.JsonCheckpointHandler()},
+      options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True))
+  assert isinstance(manager._checkpointer, ocp.AsyncCheckpointer)  # pylint: disable=protected-access
+  outcome = orbax_hooks.CommitOutcome()
+  published = []
+  monkeypatch.setattr(orbax_hooks, '_commits', itertools.count(7))
+  monkeypatch.setattr(outcome, 'publish', lambda number, error: published.append(
+      (number, error, threading.current_thread().name)))
+  outcome.hook(manager)
+  manager.save(1, args=ocp.args.Composite(meta=ocp.args.JsonSave({'a': 1})))
+  manager.wait_until_finished()
+  # Published once, by the commit in Orbax's background save thread.
+  assert published == [(7, None, 'async_save')]
+  manager.reload()
+  assert manager.latest_step() == 1
+  manager.close()
+
+
+def test_orbax_saves_each_item_through_its_handlers_async_save(tmp_path):
+  """`agreeing` replaces a handler's `async_save` on the instance: Orbax's save of the item
+  calls that one."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  handler = ocp.JsonCheckpointHandler()
+  original, calls = handler.async_save, []
+
+  async def spy(*args, **kwargs):
+    calls.append(True)
+    return await original(*args, **kwargs)
+
+  handler.async_save = spy
+  manager = ocp.CheckpointManager(str(tmp_path / 'checkpoints'),
+                                  item_handlers={'meta': orbax_hooks.agreeing(handler)})
+  manager.save(1, args=ocp.args.Composite(meta=ocp.args.JsonSave({'a': 1})))
+  manager.wait_until_finished()
+  assert calls == [True]
+  assert manager.restore(1, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'] == {
+      'a': 1}
+  manager.close()
+
+
+def test_orbaxs_background_save_has_the_barrier_after_the_commit(monkeypatch):
+  """`CommitOutcome.barrier` knows the barrier after process 0's commit by its key: Orbax's
+  background save calls its barriers, with those keys, around the commit."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.checkpointers import async_checkpointer  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(orbax_hooks.jax, 'process_count', lambda: 2)
+  events = []
+  async_checkpointer._background_wait_for_commit_futures(  # pylint: disable=protected-access
+      epath.Path('/tmp/8'), [_Written()], lambda: events.append('commit'),
+      barrier_sync_key_prefix='', timeout_secs=60,
+      sync_fn=lambda key, timeout_ms: events.append(key), primary_host=0)
+  assert len(events) == 3 and events[1] == 'commit', events
+  assert orbax_hooks._AFTER_COMMIT_BARRIER in events[2]  # pylint: disable=protected-access
+  assert orbax_hooks._AFTER_COMMIT_BARRIER not in events[0]  # pylint: disable=protected-access
+
+
+def test_orbax_runs_its_reads_in_an_event_loop_of_the_policy():
+  """`reads_end_their_tasks` (and `ORBAX_ERRORS.hold`) swap the event-loop policy: Orbax's
+  `run_sync` makes its loops through it."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+
+  async def loop_kind():
+    return type(asyncio.get_running_loop()).__name__
+
+  with orbax_hooks.reads_end_their_tasks():
+    assert asyncio_utils.run_sync(loop_kind()) == '_TaskEndingLoop'
+  orbax_hooks.ORBAX_ERRORS.hold()
+  try:
+    assert asyncio_utils.run_sync(loop_kind()) == '_TaskEndingLoop'
+  finally:
+    orbax_hooks.ORBAX_ERRORS.release(show=False)
+  assert asyncio_utils.run_sync(loop_kind()) != '_TaskEndingLoop'
+
+
+def test_orbaxs_error_lines_of_a_failed_save_are_held_back():
+  """`ORBAX_ERRORS` tells Orbax's records by the file that logs them: the error Orbax's
+  background save logs when its writes fail is held back, and shown or dropped on release."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.checkpointers import async_checkpointer  # pylint: disable=g-import-not-at-top
+  shown = []
+  handler = logging.Handler(logging.ERROR)
+  handler.emit = shown.append
+  logging.getLogger('absl').addHandler(handler)
+  try:
+    background = async_checkpointer._AsyncManager(  # pylint: disable=protected-access
+        barrier_sync_fn=lambda key, timeout_ms: None, timeout_secs=60)
+    for show in (False, True):
+      orbax_hooks.ORBAX_ERRORS.hold()
+      background._thread_func(epath.Path('/tmp/8'), [_Written(OSError(28, 'disk full'))],  # pylint: disable=protected-access
+                              lambda: None)
+      assert not shown
+      orbax_hooks.ORBAX_ERRORS.release(show=show)
+    assert len(shown) == 1 and 'Failed to run 1 Handler Commit' in shown[0].getMessage()
+  finally:
+    logging.getLogger('absl').removeHandler(handler)
+
+
+def test_the_key_value_store_is_reached_as_the_hooks_reach_it():
+  """jax.distributed's key-value store, through Orbax's accessor, with the three calls made."""
+  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+  assert callable(multihost.get_jax_distributed_client)
+  assert callable(multihost.get_barrier_sync_fn)
+  for method in ('key_value_set', 'blocking_key_value_get', 'key_value_delete'):
+    assert callable(getattr(_jax.DistributedRuntimeClient, method)), method

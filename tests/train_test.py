@@ -1089,11 +1089,16 @@ def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, v
     assert f"Persistent compilation cache hit for '{name}'" in logs[1], logs[1][-5000:]
 
 
+# The checkpoint item of FP8 runs' scales, named so since they exist: checkpoints written then
+# restore now.
+FP8_ITEM = 'fp8_meta'
+
+
 def _fp8_meta(workdir, step):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   with ocp.StandardCheckpointer() as checkpointer:
     return checkpointer.restore(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, str(step),
-                                             ckpt_lib.FP8_META))
+                                             FP8_ITEM))
 
 
 def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_file, caplog):
@@ -1141,7 +1146,7 @@ def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_fi
   fresh = str(tmp_path / 'fresh')
   shutil.copytree(full, fresh)
   shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '8'))
-  shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '4', ckpt_lib.FP8_META))
+  shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '4', FP8_ITEM))
   with caplog.at_level('WARNING'):
     train.train_and_evaluate(_config(vocab_file, **fp8), fresh)
   assert 'Checkpoint 4 has no FP8 scales' in caplog.text
@@ -1154,7 +1159,7 @@ def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_fi
   shutil.rmtree(os.path.join(off, ckpt_lib.CHECKPOINT_DIR, '8'))
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=8), off)
   assert sorted(_losses(off)) == list(range(1, 9))
-  assert not os.path.exists(os.path.join(off, ckpt_lib.CHECKPOINT_DIR, '8', ckpt_lib.FP8_META))
+  assert not os.path.exists(os.path.join(off, ckpt_lib.CHECKPOINT_DIR, '8', FP8_ITEM))
 
 
 def test_smoke_run_in_bf16_stays_within_the_noise_of_the_step_before_issue_30(tmp_path):
