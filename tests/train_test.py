@@ -10,6 +10,7 @@ subprocesses) lets later runs reuse those compiles.
 """
 
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -226,12 +227,15 @@ def test_exact_resume(tmp_path, reference, vocab_file, monkeypatch):
   """Stopping at step N and resuming to 2N gives bit-identical losses and parameters: params,
   optimizer state, step, dropout RNG and the input position all come back exactly. Logged to
   W&B too (offline): the rerun resumes into the same W&B run, whose curves are TensorBoard's
-  tags with metrics.jsonl's values."""
+  tags with metrics.jsonl's values (where the wandb extra is installed, as the test extra does;
+  a hand-made environment without it checks the resume alone)."""
   monkeypatch.setenv('WANDB_MODE', 'offline')
   monkeypatch.setenv('WANDB_SILENT', 'true')
   n = REFERENCE_STEPS // 2
   workdir = str(tmp_path / 'run')
-  writers = {'log.writers': 'tensorboard,wandb', 'log.wandb_project': 'bert-jax-test'}
+  wandb = importlib.util.find_spec('wandb') is not None
+  writers = ({'log.writers': 'tensorboard,wandb', 'log.wandb_project': 'bert-jax-test'}
+             if wandb else {})
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=n, **writers), workdir)
   assert ckpt_lib.checkpoint_steps(workdir) == [4, n]
   first = _losses(workdir)
@@ -244,7 +248,8 @@ def test_exact_resume(tmp_path, reference, vocab_file, monkeypatch):
   assert {s: expected[s] for s in first} == first
   assert {s: expected[s] for s in resumed} == resumed
   _assert_same_params(_params(workdir), _params(reference))
-  _assert_wandb_run_is_the_log(workdir, runs=2)
+  if wandb:
+    _assert_wandb_run_is_the_log(workdir, runs=2)
 
 
 def _assert_wandb_run_is_the_log(workdir, runs):
