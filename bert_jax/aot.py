@@ -103,7 +103,8 @@ def _gpu_target(chip: str) -> str:
   ])
 
 
-def _devices(target: Target) -> list:
+def target_devices(target: Target) -> list:
+  """The devices of a target's topology description (loads libtpu or JAX's CUDA plugin)."""
   if target.platform == 'tpu':
     # Only compiling, never running: other processes with libtpu loaded (tests, a second
     # compile) are no contention, so skip libtpu's one-process lock.
@@ -267,7 +268,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
   target = parse_topology(topology)
   chip = target.chip
   pretraining.check_attention(config, target.platform)
-  devices = _devices(target)
+  devices = target_devices(target)
   if target.platform == 'gpu':
     hw = {k: flops_lib.GPU_CHIPS[chip][k] for k in ('peak_flops', 'hbm_bytes', 'hbm_bandwidth')}
     chips = len(devices)

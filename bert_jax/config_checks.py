@@ -145,12 +145,13 @@ MODEL_SIZES.update({
 })
 CHOICES: dict[str, tuple[str, ...]] = {
     'model.size': tuple(MODEL_SIZES),
-    # 'auto' (this key and layer_norm_impl): for the platform a step runs on, or is compiled
-    # for (`model.resolve`, the one place that resolves it).
+    # 'auto' (this key, layer_norm_impl and gelu_impl): for the platform a step runs on, or is
+    # compiled for (`model.resolve`, the one place that resolves it).
     'model.dtype': ('auto', 'float32', 'bfloat16', 'float16'),
     'model.remat_policy': ('none', 'full', 'dots'),
     'model.attention_impl': ('xla', 'cudnn', 'cudnn_varlen', 'splash'),
     'model.layer_norm_impl': ('auto', 'pallas', 'xla'),
+    'model.gelu_impl': ('auto', 'pallas', 'xla'),
     'model.matmul_precision': ('default', 'fp8'),
     'data.objective': ('nsp', 'sop', 'none'),
     'train.optimizer': ('adamw', 'lamb'),

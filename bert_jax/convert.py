@@ -161,7 +161,7 @@ def _unflatten(flat: dict[str, object]) -> dict:
 def expected_shapes(config: model.BertConfig, num_labels: int | None = None) -> dict:
   """{path: shape} of every parameter BERT with all heads has under `config` (unscanned)."""
   config = config.replace(scan_layers=False, remat_policy='none', dtype='float32',
-                          attention_impl='xla', layer_norm_impl='xla',
+                          attention_impl='xla', layer_norm_impl='xla', gelu_impl='xla',
                           matmul_precision='default')
 
   def shapes(model_cls, **kwargs):
@@ -332,7 +332,7 @@ def _read_config(path: str) -> model.BertConfig:
     raise UserError(f'{path}: expected a JSON object of BERT config fields')
   # HF configs carry their own `dtype` (and could carry others): how to run is ours to say.
   run_fields = ('dtype', 'scan_layers', 'remat_policy', 'attention_impl', 'layer_norm_impl',
-                'matmul_precision')
+                'gelu_impl', 'matmul_precision')
   return model.BertConfig.from_dict({k: v for k, v in d.items() if k not in run_fields},
                                     source=path)
 

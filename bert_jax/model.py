@@ -79,8 +79,13 @@ class BertConfig:
   # The most sequences in one row (data.packing_max_sequences): cudnn_varlen's segment tables.
   max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
   layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see layer_norm.py.
+  gelu_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see activations.py.
   # 'default' (matmuls in `dtype`) or 'fp8': see MATMUL_PRECISIONS.
   matmul_precision: str = 'default'
+  # The exact GELU's erf in StableHLO's core operations (`activations.portable_bias_gelu`),
+  # which TensorFlow's XlaCallModule reads: the SavedModel export (export.py). Training runs
+  # `activations.bias_gelu`.
+  portable_gelu: bool = False
 
   def __post_init__(self):
     if self.hidden_size % self.num_attention_heads:
@@ -90,7 +95,8 @@ class BertConfig:
       raise UserError(f'hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}')
     # The run fields, for a BertConfig built in code (config_from's are checked where the
     # config loads): config_checks' own check and line.
-    for key in ('remat_policy', 'attention_impl', 'layer_norm_impl', 'matmul_precision'):
+    for key in ('remat_policy', 'attention_impl', 'layer_norm_impl', 'gelu_impl',
+                'matmul_precision'):
       config_checks.check_choice(f'model.{key}', getattr(self, key))
     if self.max_packed_sequences < 1:
       raise UserError(f'max_packed_sequences={self.max_packed_sequences}: a row holds at least '
@@ -202,6 +208,7 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
              scan_layers=model.scan_layers, remat_policy=model.remat_policy,
              attention_impl=model.attention_impl,
              layer_norm_impl=resolve('layer_norm_impl', model.layer_norm_impl, platform),
+             gelu_impl=resolve('gelu_impl', model.gelu_impl, platform),
              matmul_precision=model.matmul_precision)
   if max_packed_sequences is not None:
     run['max_packed_sequences'] = max_packed_sequences
@@ -222,14 +229,18 @@ _AUTO: dict[str, Callable[[str], str]] = {
     # The fused Pallas kernel where it lowers through Triton (NVIDIA GPUs); elsewhere it would
     # run in interpret mode, for tests only.
     'layer_norm_impl': lambda platform: 'pallas' if platform == 'gpu' else 'xla',
+    # XLA's GELU everywhere: on an H100 (jax 0.11.2, 2026-11-28) the Pallas pair was no faster
+    # in isolation (forward 0.288 vs 0.284 ms, backward 0.406 vs 0.384 at [32768, 3072]
+    # bf16) and the step compiled to as many GELU kernels either way (activations.py).
+    'gelu_impl': lambda platform: 'xla',
 }
 
 
 def resolve(key: str, value: str, platform: str | None = None) -> str:
-  """`value` of model.`key` ('dtype', 'layer_norm_impl'), with 'auto' resolved for `platform`
-  ('cpu', 'gpu', 'tpu': what the model runs on or is compiled for; None: the platform being
-  lowered for, `attention.target_platform`: `attention.lowering_for`'s, else this process's
-  backend)."""
+  """`value` of model.`key` ('dtype', 'layer_norm_impl', 'gelu_impl'), with 'auto' resolved
+  for `platform` ('cpu', 'gpu', 'tpu': what the model runs on or is compiled for; None: the
+  platform being lowered for, `attention.target_platform`: `attention.lowering_for`'s, else
+  this process's backend)."""
   if value != 'auto':
     return value
   return _AUTO[key](platform or attention.target_platform())
@@ -296,14 +307,14 @@ class LayerNorm(nn.Module):
     return y.astype(self.config.compute_dtype)
 
 
-def hidden_dropout_bits(module: nn.Module, config: BertConfig, deterministic: bool,
-                        shape: tuple[int, ...]) -> Array | None:
-  """The 8-bit hidden-dropout mask of `shape` from `module`'s 'dropout' rng, or None when no
-  dropout applies. Drawn by the caller, outside the LayerNorm's scope, so that profiles name
-  the generator's kernels dropout, not LayerNorm."""
+def hidden_dropout_seed(module: nn.Module, config: BertConfig,
+                        deterministic: bool) -> Array | None:
+  """The seed of a hidden-dropout mask (`layer_norm.dropout_seed`) from `module`'s 'dropout'
+  rng, or None when no dropout applies. Drawn by the caller, outside the LayerNorm's scope, so
+  that profiles name the rng's kernels dropout, not LayerNorm."""
   if deterministic or not layer_norm.keep_threshold(config.hidden_dropout_prob):
     return None
-  return layer_norm.dropout_bits(module.make_rng('dropout'), shape)
+  return layer_norm.dropout_seed(module.make_rng('dropout'))
 
 
 class ResidualLayerNorm(nn.Module):
@@ -311,24 +322,27 @@ class ResidualLayerNorm(nn.Module):
 
   The parameters are LayerNorm's (scale, bias). `x` is the sub-layer's projection without its
   bias, which is passed as `x_bias` (float32) so that the fused kernel adds it, and returns its
-  gradient, in the same pass. `bits`: `hidden_dropout_bits`' mask, or None (no dropout).
+  gradient, in the same pass. `seed`: `hidden_dropout_seed`'s, or None (no dropout).
+  Returns the output twice, (y, y): the first for the next sub-layer, the second for the
+  LayerNorm after it as its residual, so that the fused backward takes the two gradients as
+  two inputs instead of their sum (layer_norm.residual_layer_norm's residual_copy).
   """
   config: BertConfig
 
   @nn.compact
   def __call__(self, x: Array, residual: Array, x_bias: Array | None,
-               bits: Array | None) -> Array:
+               seed: Array | None) -> Array:
     c = self.config
     h = x.shape[-1]
     scale = self.param('scale', _ones(('embed',)), (h,), jnp.float32)
     bias = self.param('bias', _zeros(('embed',)), (h,), jnp.float32)
-    rate = c.hidden_dropout_prob if bits is not None else 0.0
+    rate = c.hidden_dropout_prob if seed is not None else 0.0
     # Initialization traces a dummy batch for the parameters' shapes only: plain jnp. A
     # BertConfig built in code may say 'auto': for the platform being lowered for.
     impl = 'xla' if self.is_initializing() else resolve('layer_norm_impl', c.layer_norm_impl)
     return layer_norm.residual_layer_norm(
-        x, residual, x_bias, scale, bias, bits, rate=rate, eps=c.layer_norm_eps, impl=impl,
-        out_dtype=c.compute_dtype)
+        x, residual, x_bias, scale, bias, seed, rate=rate, eps=c.layer_norm_eps, impl=impl,
+        out_dtype=c.compute_dtype, residual_copy=True)
 
 
 class DenseGeneral(nn.Module):
@@ -348,6 +362,8 @@ class DenseGeneral(nn.Module):
   # False: return (x @ kernel, bias) for a consumer that adds the float32 bias itself.
   add_bias: bool = True
   fp8: bool = False  # The matmul through `fp8_dot_general` (matmul_precision='fp8').
+  # The output's logical axes, which place the fused GELU kernels under a mesh.
+  activation_axes: tuple[str | None, ...] | None = None
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -362,9 +378,13 @@ class DenseGeneral(nn.Module):
          else jax.lax.dot_general(x, kernel, dims))
     if not self.add_bias:
       return y, f32_bias
+    if self.activation == 'gelu' and c.portable_gelu:
+      return activations.portable_bias_gelu(y, bias)
     if self.activation == 'gelu':
-      # Bias add and exact GELU in one function that keeps only y for its backward.
-      return activations.bias_gelu(y, bias)
+      # Bias add and exact GELU in one function that keeps only y for its backward; the
+      # float32 bias as it is stored (no cast kernel; its gradient summed in float32).
+      impl = 'xla' if self.is_initializing() else resolve('gelu_impl', c.gelu_impl)
+      return activations.bias_gelu(y, f32_bias, impl=impl, axes=self.activation_axes)
     y = y + bias
     return _ACTIVATIONS[self.activation](y) if self.activation else y
 
@@ -385,13 +405,14 @@ def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
 
 def _dense(config: BertConfig, features, axes, name: str, in_axes=-1,
            activation: str | None = None, add_bias: bool = True,
-           fp8: bool = False) -> nn.Module:
+           fp8: bool = False, activation_axes=None) -> nn.Module:
   features = features if isinstance(features, tuple) else (features,)
   in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
   if in_axes != tuple(range(-len(in_axes), 0)):
     raise ValueError(f'in_axes {in_axes} are not the trailing axes')
   return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
-                      activation=activation, add_bias=add_bias, fp8=fp8, name=name)
+                      activation=activation, add_bias=add_bias, fp8=fp8,
+                      activation_axes=activation_axes, name=name)
 
 
 def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
@@ -411,8 +432,8 @@ def _one_hot_lookup(table: Array, ids: Array, dtype) -> Array:
 
 
 class Embeddings(nn.Module):
-  """Word + learned position + token type embeddings, LayerNorm, dropout (8-bit masks:
-  `layer_norm.dropout_bits`)."""
+  """Word + learned position + token type embeddings, LayerNorm, dropout (masks hashed from a
+  seed: `layer_norm.dropout_seed`)."""
   config: BertConfig
 
   def setup(self):
@@ -448,21 +469,23 @@ class Embeddings(nn.Module):
     x = self.word_embeddings(input_ids) + positions + token_types
     x = _constrain(x, ('batch', 'length', 'act_embed'))
     x = self.layer_norm(x)
-    bits = hidden_dropout_bits(self, self.config, deterministic, x.shape)
-    return layer_norm.dropout(x, bits, self.config.hidden_dropout_prob)
+    seed = hidden_dropout_seed(self, self.config, deterministic)
+    return layer_norm.dropout(x, seed, self.config.hidden_dropout_prob)
 
-  def attend(self, x: Array) -> Array:
+  def attend(self, x: Array, padded: bool = False) -> Array:
     """Logits over the vocabulary with the (tied) word embedding matrix.
 
     The matmul runs over the vocabulary padded with zero rows to a multiple of
-    `VOCAB_MULTIPLE` and the logits are sliced back: 30522 rows ran a misaligned cuBLAS kernel
-    (2-element alignment, 247 TFLOP/s on an H100) in both directions. The padding exists only
-    inside this matmul: parameters, checkpoints and the logits keep `vocab_size`."""
+    `VOCAB_MULTIPLE`: 30522 rows ran a misaligned cuBLAS kernel (2-element alignment,
+    247 TFLOP/s on an H100) in both directions. The padding exists only inside this matmul:
+    parameters and checkpoints keep `vocab_size`, and so do the logits unless `padded`
+    (then [..., padded vocabulary], the pad columns 0: see MlmHead)."""
     table = self.word_embeddings.embedding
     x, table = promote_dtype(x, table, dtype=self.config.compute_dtype)
     vocab = table.shape[0]
     table = jnp.pad(table, ((0, -vocab % VOCAB_MULTIPLE), (0, 0)))
-    return jnp.dot(x, table.T)[..., :vocab]
+    logits = jnp.dot(x, table.T)
+    return logits if padded else logits[..., :vocab]
 
 
 class DenseParams(nn.Module):
@@ -532,7 +555,8 @@ class Mlp(nn.Module):
     c = self.config
     fp8 = use_fp8(self, c, self.deterministic)
     h = _dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
-               activation=c.hidden_act, fp8=fp8)(x)
+               activation=c.hidden_act, fp8=fp8,
+               activation_axes=('batch', 'length', 'act_mlp'))(x)
     h = _constrain(h, ('batch', 'length', 'act_mlp'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
     return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False, fp8=fp8)(h)
@@ -547,18 +571,23 @@ class EncoderLayer(nn.Module):
   hidden_states: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, sequence_ids: Array) -> tuple[Array, Array | None]:
+  def __call__(self, carry: tuple[Array, Array],
+               sequence_ids: Array) -> tuple[tuple[Array, Array], Array | None]:
+    """carry: (x, residual), the layer input twice (ResidualLayerNorm's two outputs): x for
+    the attention, residual for its LayerNorm."""
     c = self.config
+    x, residual = carry
+    act = lambda a: _constrain(a, ('batch', 'length', 'act_embed'))
     # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
-    drop = lambda: hidden_dropout_bits(self, c, self.deterministic, x.shape)
+    drop = lambda: hidden_dropout_seed(self, c, self.deterministic)
     attn, attn_bias = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
-    x = ResidualLayerNorm(c, name='attention_layer_norm')(attn, x, attn_bias, drop())
-    x = _constrain(x, ('batch', 'length', 'act_embed'))
+    x, residual = map(act, ResidualLayerNorm(c, name='attention_layer_norm')(
+        attn, residual, attn_bias, drop()))
     y, y_bias = Mlp(c, self.deterministic, name='mlp')(x)
-    x = ResidualLayerNorm(c, name='output_layer_norm')(y, x, y_bias, drop())
-    x = _constrain(x, ('batch', 'length', 'act_embed'))
-    # Returned twice: as the scan carry and as the per-layer output (hidden states).
-    return x, (x if self.hidden_states else None)
+    x, residual = map(act, ResidualLayerNorm(c, name='output_layer_norm')(
+        y, residual, y_bias, drop()))
+    # The carry for the next layer, and the per-layer output (hidden states).
+    return (x, residual), (x if self.hidden_states else None)
 
 
 class Encoder(nn.Module):
@@ -580,14 +609,15 @@ class Encoder(nn.Module):
                         split_rngs={'params': True, 'dropout': True},
                         in_axes=(nn.broadcast,), length=c.num_hidden_layers,
                         metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, stacked = scanned(c, deterministic, return_hidden_states, name='layers')(
-          x, sequence_ids)
+      (x, _), stacked = scanned(c, deterministic, return_hidden_states, name='layers')(
+          (x, x), sequence_ids)
       hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
     else:
-      hidden = []
+      hidden, carry = [], (x, x)
       for i in range(c.num_hidden_layers):
-        x, _ = layer_cls(c, deterministic, name=f'layer_{i}')(x, sequence_ids)
-        hidden.append(x)
+        carry, _ = layer_cls(c, deterministic, name=f'layer_{i}')(carry, sequence_ids)
+        hidden.append(carry[0])
+      x = carry[0]
       if not return_hidden_states:
         hidden = []
     return x, hidden
@@ -624,8 +654,8 @@ class BertModel(nn.Module):
       return seq, pooled, [x] + hidden
     return seq, pooled
 
-  def attend(self, x: Array) -> Array:
-    return self.embeddings.attend(x)
+  def attend(self, x: Array, padded: bool = False) -> Array:
+    return self.embeddings.attend(x, padded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,12 +663,25 @@ class BertModel(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+# The logit of a padded vocabulary column (MlmHead(padded_vocab=True)): exp() of it is 0 in
+# float32 next to any real logit, so softmax, logsumexp and argmax ignore the column, and its
+# gradient is exactly 0. Finite, so that no inf - inf can make a NaN.
+PAD_LOGIT = -1e9
+
+
 class MlmHead(nn.Module):
-  """Transform (dense + activation + LayerNorm), then logits tied to the word embeddings."""
+  """Transform (dense + activation + LayerNorm), then logits tied to the word embeddings.
+
+  padded_vocab: return the logits over the decoder's padded vocabulary (a multiple of
+  VOCAB_MULTIPLE), the pad columns at PAD_LOGIT: the same loss, predictions and gradients,
+  but the decoder's matmul output is used as it is, so the backward feeds the loss's gradient
+  straight into the matmul where the sliced logits made XLA pad it back with a copy of
+  [predictions, vocabulary] (0.37 ms of BERT-base's step on an H200, issue 45)."""
   config: BertConfig
+  padded_vocab: bool = False
 
   @nn.compact
-  def __call__(self, x: Array, attend: Callable[[Array], Array]) -> Array:
+  def __call__(self, x: Array, attend: Callable[..., Array]) -> Array:
     c = self.config
     x = _constrain(x, ('batch', None, 'act_embed'))
     # The transform maps back into the hidden ('embed') dimension that the LayerNorm and the
@@ -649,11 +692,16 @@ class MlmHead(nn.Module):
     # n/tensor] comes out with the rows of two batch shards swapped (a collective-permute it
     # never undoes) when data, fsdp and tensor are all > 1: the loss was right, the gradients
     # of the MLM head and everything below it were not.
-    x = _dense(c, c.hidden_size, ('mlp', 'embed'), 'transform', activation=c.hidden_act)(x)
+    x = _dense(c, c.hidden_size, ('mlp', 'embed'), 'transform', activation=c.hidden_act,
+               activation_axes=('batch', None, 'act_embed'))(x)
     x = _layer_norm(c, 'layer_norm')(x)
     x = _constrain(x, ('batch', None, 'act_embed'))
     bias = self.param('output_bias', _zeros(('vocab',)), (c.vocab_size,), jnp.float32)
-    logits = _constrain(attend(x).astype(jnp.float32), ('batch', None, 'act_vocab'))
+    logits = attend(x, padded=self.padded_vocab)
+    logits = _constrain(logits.astype(jnp.float32), ('batch', None, 'act_vocab'))
+    if logits.shape[-1] > c.vocab_size:
+      bias = jnp.concatenate([bias, jnp.full((logits.shape[-1] - c.vocab_size,), PAD_LOGIT,
+                                             bias.dtype)])
     return logits + bias
 
 
@@ -668,8 +716,12 @@ def gather_positions(sequence: Array, positions: Array) -> Array:
 
 
 class BertForPreTraining(nn.Module):
-  """BERT with the MLM head (only at `masked_lm_positions`) and the NSP head."""
+  """BERT with the MLM head (only at `masked_lm_positions`) and the NSP head.
+
+  padded_vocab: MLM logits over the padded vocabulary, pad columns masked (MlmHead); for a
+  loss, which they leave unchanged (the pre-training steps), not for a user of the logits."""
   config: BertConfig
+  padded_vocab: bool = False
 
   @nn.compact
   def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions,
@@ -684,7 +736,7 @@ class BertForPreTraining(nn.Module):
                        cls_positions=next_sentence_positions)
     # Only the P masked positions reach the vocabulary projection: [B, P, V], not [B, T, V].
     masked = gather_positions(seq, masked_lm_positions)
-    mlm_logits = MlmHead(self.config, name='mlm')(masked, bert.attend)
+    mlm_logits = MlmHead(self.config, self.padded_vocab, name='mlm')(masked, bert.attend)
     nsp_logits = _dense(self.config, 2, ('embed', None), 'nsp')(pooled).astype(jnp.float32)
     return mlm_logits, nsp_logits
 

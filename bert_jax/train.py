@@ -153,7 +153,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   steps = ckpt_lib.checkpoint_steps(local) if fileio.isdir(local) else []
   last = steps[-1] if steps else (int(config.train.stop_at_step) or int(config.train.steps))
   phase = pretraining.phase_at(phases, last - 1)
-  model = model_lib.BertForPreTraining(bert_config)
+  model = model_lib.BertForPreTraining(bert_config, padded_vocab=True)
   _, shardings, _ = pretraining.abstract_state_and_shardings(model, optax.identity(), mesh,
                                                              rules)
   params = state_lib.put_sharded({k: params[k] for k in shardings.params},
