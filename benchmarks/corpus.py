@@ -19,6 +19,10 @@ buffers as free, so with --speed_seconds=T each setting also runs the same pipel
 of its own for --warmup seconds and is then timed for T (steady_tokens_per_second_per_core,
 which the summary compares when present).
 
+With --formats=text,parquet each corpus is also written as Parquet (a row per document, in
+the column 'text'; pyarrow) and read as data.input=*.parquet: the same documents through
+`tables.py`'s chunks of rows.
+
   python benchmarks/corpus.py --speed_seconds=20                # the full matrix
   python benchmarks/corpus.py --scale=0.02 --seq_lens=128 --batches=3 --rss_limit_mb=2048
 """
@@ -90,6 +94,33 @@ def make_corpora(directory: str, scale: float, seed: int = 0) -> dict[str, str]:
   _write_documents(paths['cjk'], int(10 * MB * scale), lambda: rng.randint(1_000, 300_000),
                    cjk_line)
   return paths
+
+
+def to_parquet(path: str) -> str:
+  """The text corpus at `path` as Parquet beside it: a row per blank-line separated document
+  (the whole file for the one-line shape), written a few MB at a time."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  out = path[:-len('.txt')] + '.parquet'
+  schema = pa.schema([('text', pa.large_string())])
+  with open(path, encoding='utf-8') as f, pq.ParquetWriter(out, schema) as writer:
+    rows, size, lines = [], 0, []
+    for line in f:
+      if line.strip():
+        lines.append(line.rstrip('\n'))
+        continue
+      if lines:
+        rows.append('\n'.join(lines))
+        size += len(rows[-1])
+        lines = []
+      if size > 4 * MB:
+        writer.write_table(pa.table({'text': rows}, schema=schema))
+        rows, size = [], 0
+    if lines:
+      rows.append('\n'.join(lines))
+    if rows:
+      writer.write_table(pa.table({'text': rows}, schema=schema))
+  return out
 
 
 def _cores() -> int:
@@ -181,6 +212,7 @@ def measure_speed(settings: dict, warmup: float, seconds: float) -> dict:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument('--shapes', default=','.join(SHAPES))
+  parser.add_argument('--formats', default='text', help="'text', 'parquet' or both")
   parser.add_argument('--scale', type=float, default=1.0, help='corpus sizes times this')
   parser.add_argument('--seq_lens', default='128,512')
   parser.add_argument('--packing', default='false,true')
@@ -213,26 +245,31 @@ def main():
   paths = make_corpora(directory, args.scale)
   peak = {}
   speed = {}
-  for shape in args.shapes.split(','):
+  formats = args.formats.split(',')
+  for shape_format in [(s, f) for s in args.shapes.split(',') for f in formats]:
+    shape, fmt = shape_format
+    path = paths[shape] if fmt == 'text' else to_parquet(paths[shape])
     size = os.path.getsize(paths[shape])
     for seq_len in (int(s) for s in args.seq_lens.split(',')):
       for packing in (p.strip() == 'true' for p in args.packing.split(',')):
         # One line is one document: NotNext needs two, so it runs MLM alone.
         objective = 'none' if shape == 'line' else args.objective
-        row = run_stats(paths[shape], vocab_file, seq_len, packing, args.batches,
+        row = run_stats(path, vocab_file, seq_len, packing, args.batches,
                         args.batch_size, objective, args.rss_limit_mb)
         rate = row.get('tokens_per_second_per_core')
         if args.speed_seconds:
-          timed = run_stats(paths[shape], vocab_file, seq_len, packing, args.batches,
+          timed = run_stats(path, vocab_file, seq_len, packing, args.batches,
                             args.batch_size, objective, args.rss_limit_mb,
                             speed=(args.warmup, args.speed_seconds))
           rate = row['steady_tokens_per_second_per_core'] = timed.get(
               'steady_tokens_per_second_per_core')
           row['peak_rss_mb'] = max(row['peak_rss_mb'], timed['peak_rss_mb'])
-        row = dict(shape=shape, corpus_mb=round(size / MB, 2), **row)
+        row = dict(shape=shape, format=fmt, corpus_mb=round(size / MB, 2), **row)
         print(json.dumps(row), flush=True)
-        peak[shape] = max(peak.get(shape, 0), row.get('peak_rss_mb', float('inf')))
-        speed[(shape, seq_len, packing)] = rate
+        key = shape if fmt == 'text' else f'{shape}_{fmt}'
+        peak[key] = max(peak.get(key, 0), row.get('peak_rss_mb', float('inf')))
+        if fmt == 'text':
+          speed[(shape, seq_len, packing)] = rate
   ratios = {f'{seq_len}{"_packed" if packed else ""}': round(v / speed[('wiki', seq_len,
                                                                            packed)], 2)
             for (shape, seq_len, packed), v in speed.items()

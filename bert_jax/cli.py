@@ -138,8 +138,17 @@ def _pretrain_flags():
     del argv
     from bert_jax import train  # pylint: disable=g-import-not-at-top
     workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
+    _record_command(workdir)
     train.train_and_evaluate(FLAGS.config, workdir)
   return run
+
+
+def _record_command(workdir: str) -> None:
+  """The command line, into the workdir (process 0): a pushed model card says how it was made."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() == 0:
+    from bert_jax import publish  # pylint: disable=g-import-not-at-top
+    publish.record_command(fileio.workdir_path(workdir), sys.argv[1:])
 
 
 def _config_name() -> str:
@@ -151,13 +160,29 @@ def _config_name() -> str:
 @_command('convert', 'Convert BERT weights between Hugging Face, Google TF and bert_jax.')
 def _convert_flags():
   flags.DEFINE_string('input', None, 'A Hugging Face directory, a Google checkpoint '
-                      '(directory or bert_model.ckpt prefix), a bert_jax checkpoint or workdir.')
-  flags.DEFINE_string('output', None, 'Output directory.')
+                      '(directory or bert_model.ckpt prefix), a bert_jax checkpoint or workdir, or '
+                      'hf://ORG/NAME[@REVISION] on the Hugging Face Hub.')
+  flags.DEFINE_string('output', None, 'Output directory (with --push_to_hub: optional, the '
+                      'pushed folder is kept there).')
   flags.DEFINE_enum('format', 'bert_jax', ['bert_jax', 'hf', 'google'], 'Output format.')
-  flags.mark_flags_as_required(['input', 'output'])
+  flags.DEFINE_string('push_to_hub', '', 'ORG/NAME: push the Hugging Face export (with a model '
+                      'card and the tokenizer files) to this model repository on the Hub; '
+                      'needs --format=hf.')
+  flags.mark_flags_as_required(['input'])
 
   def run(argv):
     del argv
+    if FLAGS.push_to_hub:
+      if FLAGS.format != 'hf':
+        raise UserError(f'--push_to_hub={FLAGS.push_to_hub} pushes the Hugging Face layout: '
+                        'add --format=hf')
+      from bert_jax import publish  # pylint: disable=g-import-not-at-top
+      commit = publish.push_export(FLAGS.input, FLAGS.push_to_hub, FLAGS.output or '')
+      print(f'Pushed {FLAGS.input} to {FLAGS.push_to_hub} (commit {commit}); load it as '
+            f'hf://{FLAGS.push_to_hub}')
+      return
+    if not FLAGS.output:
+      raise UserError('--output is required (the folder to write), unless --push_to_hub')
     from bert_jax import convert  # pylint: disable=g-import-not-at-top
     convert.convert(FLAGS.input, FLAGS.output, FLAGS.format)
     print(f'Wrote {FLAGS.format} checkpoint to {FLAGS.output}')
@@ -198,6 +223,7 @@ def _vocab_flags():
   flags.DEFINE_bool('lower_case', True, 'Lower-case and strip accents (uncased).')
   flags.DEFINE_integer('num_unused', 0, 'Number of [unusedN] slots.')
   flags.DEFINE_string('tfds_text_key', 'text', 'The text feature of a tfds:NAME input.')
+  flags.DEFINE_string('text_column', 'text', 'The text column of a Parquet / Hub dataset input.')
   flags.DEFINE_string('tfds_data_dir', '', 'TFDS data_dir of a tfds:NAME input (default: '
                       "TFDS's).")
   flags.mark_flags_as_required(['input', 'output'])
@@ -207,7 +233,8 @@ def _vocab_flags():
     from bert_jax import vocab  # pylint: disable=g-import-not-at-top
     path = vocab.run(FLAGS.input, FLAGS.output, FLAGS.vocab_size, kind=FLAGS.kind,
                      lower_case=FLAGS.lower_case, num_unused=FLAGS.num_unused,
-                     tfds_text_key=FLAGS.tfds_text_key, tfds_data_dir=FLAGS.tfds_data_dir)
+                     tfds_text_key=FLAGS.tfds_text_key, tfds_data_dir=FLAGS.tfds_data_dir,
+                     text_column=FLAGS.text_column)
     print(f'Wrote {path}')
   return run
 
@@ -252,6 +279,7 @@ def _finetune_flags():
     from bert_jax import finetune  # pylint: disable=g-import-not-at-top
     workdir = FLAGS.workdir or fileio.default_workdir(f'finetune_{FLAGS.config.task.name}')
     if not FLAGS.sweep:
+      _record_command(workdir)
       finetune.finetune(FLAGS.config, workdir)
       return
     try:
@@ -272,7 +300,8 @@ def _finetune_flags():
           '(.jsonl, .npz or .npy).')
 def _features_flags():
   flags.DEFINE_string('init_checkpoint', None, 'Any checkpoint: bert_jax, Hugging Face, Google '
-                      'TF, or a (pre-)training workdir; its vocab.txt and casing are used.')
+                      'TF, a (pre-)training workdir or hf://ORG/NAME[@REVISION]; its vocab.txt and '
+                      'casing are used.')
   flags.DEFINE_string('input', None, 'Text file: one text per line, or "text_a ||| text_b".')
   flags.DEFINE_string('output', None, 'A .jsonl, .npz or .npy path.')
   flags.DEFINE_list('layers', [], 'Hidden states to output, in this order: -1 = last encoder '
@@ -315,7 +344,7 @@ def _features_flags():
 def _eval_flags():
   _define_config_flag(os.path.join(configs_dir(), 'smoke.py'))
   flags.DEFINE_string('checkpoint', None, 'A pre-training workdir, or a Hugging Face, Google TF '
-                      'or bert_jax checkpoint with an MLM head.')
+                      'or bert_jax checkpoint with an MLM head, or hf://ORG/NAME[@REVISION].')
   flags.mark_flags_as_required(['checkpoint'])
 
   def run(argv):
@@ -373,7 +402,7 @@ def _export_flags():
           '(one JSON object per text).')
 def _fill_mask_flags():
   flags.DEFINE_string('checkpoint', None, 'A checkpoint with an MLM head: bert_jax, Hugging '
-                      'Face, Google TF, or a pre-training workdir.')
+                      'Face, Google TF, a pre-training workdir, or hf://ORG/NAME[@REVISION].')
   flags.DEFINE_integer('top_k', 5, 'Tokens to show per [MASK].')
   flags.DEFINE_bool('table', False, 'A human-readable table instead of JSON lines.')
   flags.DEFINE_string('vocab_file', '', 'vocab.txt; default: the checkpoint\'s.')

@@ -22,6 +22,7 @@ phases of train.phases); their messages name every key involved. What depends on
 
 import difflib
 import math
+import re
 from typing import Any, Callable
 
 import ml_collections
@@ -117,6 +118,7 @@ RANGES: dict[str, Check] = {
     'checkpoint.every_steps': (_every_steps, 'must be an integer >= 1 (fine-tuning: >= 0, '
                                '0 = only after each epoch)'),
     'checkpoint.keep': at_least(1),
+    'checkpoint.push_every_steps': at_least(0),
     'eval.every_steps': at_least(1),
     'eval.steps': at_least(1),
     'eval.batch_size': at_least(1),
@@ -173,6 +175,24 @@ def _choice_error(key: str, value: Any) -> UserError:
   shown = ('tiny, mini, small, medium, base, large or L{2..12}_H{128,256,512,768}'
            if key == 'model.size' else ', '.join(choices))
   return UserError(f'--config.{key}={value!r}: expected one of {shown}{hint}')
+
+
+# log.writers' names (trackers.py writes to them): these, or MODULE:NAME of a clu MetricWriter.
+WRITERS = ('tensorboard', 'wandb')
+
+
+def writer_names(writers: str) -> list[str]:
+  """log.writers -> its writer names; a name that is none (a typo) is a UserError."""
+  names = [w.strip() for w in str(writers).split(',') if w.strip()]
+  for name in names:
+    if name not in WRITERS and not (':' in name and all(name.split(':', 1))):
+      close = difflib.get_close_matches(name, WRITERS, n=1)
+      raise UserError(f'--config.log.writers={writers!r}: {name!r} is not a writer'
+                      + (f' (did you mean {close[0]!r}?)' if close else '')
+                      + ': tensorboard, wandb, or MODULE:NAME of a clu MetricWriter')
+  if len(set(names)) != len(names):
+    raise UserError(f'--config.log.writers={writers!r} names a writer twice')
+  return names
 
 
 def _lookup(config: ml_collections.ConfigDict, key: str):
@@ -280,9 +300,19 @@ def _batches(config):
                     f'data-parallel shards (mesh.data={sizes[0]} x mesh.fsdp={sizes[1]})')
 
 
+def _writers(config: ml_collections.ConfigDict) -> None:
+  present, value = _lookup(config, 'log.writers')
+  if present:
+    writer_names(value)
+  present, value = _lookup(config, 'checkpoint.push_to_hub')
+  if present and value and not re.fullmatch(r'[\w.-]+/[\w.-]+', str(value)):
+    raise UserError(f'--config.checkpoint.push_to_hub={value!r}: expected ORG/NAME, a model '
+                    "repository on the Hugging Face Hub ('' = no pushes)")
+
+
 # Rules between keys, in order; each raises a UserError naming the keys, or returns.
 CROSS_CHECKS: tuple[Callable[[ml_collections.ConfigDict], None], ...] = (
-    _lengths, _phases, _schedule, _batches)
+    _lengths, _phases, _schedule, _batches, _writers)
 
 
 # config.kind -> (the job, the command that runs it).

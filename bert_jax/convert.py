@@ -12,6 +12,9 @@
                 float32), written by `export_bert_jax`.
   workdir       a training directory with checkpoints/: `run_files.load_pretrained_from_workdir`.
 
+Every function here that takes a checkpoint's path also takes a Hub name,
+hf://ORG/NAME[@REVISION] (`hub.checkpoint_folder`: fetched into the Hugging Face cache).
+
 Loading is strict. The config fixes every shape (`jax.eval_shape` of the model) and a missing,
 unexpected or misshapen tensor is an error naming it and its file. Heads (`mlm`, `nsp`,
 `classifier`, `qa_outputs`) are optional, each as a whole. A checkpoint without a pooler (HF's
@@ -39,6 +42,7 @@ import orbax.checkpoint as ocp
 import safetensors.numpy
 
 from bert_jax import fileio
+from bert_jax import hub
 from bert_jax import model
 from bert_jax import objectives
 from bert_jax import tasks
@@ -394,6 +398,7 @@ def _detect(path: str) -> tuple[str, str]:
 
 def find_vocab(path: str) -> str | None:
   """The vocab.txt belonging to a checkpoint directory or TF checkpoint prefix, if any."""
+  path = hub.checkpoint_folder(path, 'checkpoint')
   folder = path if fileio.isdir(path) else os.path.dirname(path)
   vocab = os.path.join(folder, 'vocab.txt')
   return vocab if fileio.exists(vocab) and not fileio.isdir(vocab) else None
@@ -469,6 +474,7 @@ def read_metadata(path: str) -> dict:
   (`data.lower_case`); only without one is it guessed from vocab.txt (`guess_lower_case`);
   None when there is no vocabulary at all. `lower_case_from` says which.
   """
+  path = hub.checkpoint_folder(path, 'checkpoint')
   fmt, where = _detect(path)
   folder = path if fileio.isdir(path) else os.path.dirname(where)
   meta = {'format': fmt, 'source': path}
@@ -491,6 +497,7 @@ def check_casing(path: str, lower_case: bool, flag: str) -> None:
   trained on (data.lower_case of pre-training and `bert-jax eval`, which default to uncased):
   every capitalised word piece would be out of reach, without a word. A guess from its
   vocabulary that disagrees is a warning."""
+  path = hub.checkpoint_folder(path, flag)
   meta = read_metadata(path)
   recorded = meta.get('lower_case')
   if recorded is None or bool(recorded) == bool(lower_case):
@@ -503,19 +510,24 @@ def check_casing(path: str, lower_case: bool, flag: str) -> None:
                   f'--config.data.lower_case={bool(recorded)}')
 
 
-def load_pretrained(path: str, *, dtype: str = 'float32',
-                    scan_layers: bool = False) -> tuple[model.BertConfig, dict]:
+def load_pretrained(path: str, *, dtype: str = 'float32', scan_layers: bool = False,
+                    step: int | None = None) -> tuple[model.BertConfig, dict]:
   """(config, params) of any checkpoint format above; params are numpy float32.
 
   `params` holds 'bert' and whichever of 'mlm', 'nsp', 'classifier', 'qa_outputs' the
   checkpoint has, in the layout `scan_layers` asks for; `dtype` is the compute dtype set in the
-  returned config (parameters stay float32).
+  returned config (parameters stay float32). `step`: that step of a training workdir (default:
+  its latest).
   """
+  path = hub.checkpoint_folder(path, 'checkpoint')
   fmt, where = _detect(path)
+  if step is not None and fmt != 'workdir':
+    raise UserError(f'{path}: a step ({step}) names a checkpoint of a training workdir; this is '
+                    f'a {fmt} checkpoint')
   if fmt == 'workdir':
     # Lazy: reading a workdir brings in Orbax.
     from bert_jax import run_files  # pylint: disable=g-import-not-at-top
-    config, params = run_files.load_pretrained_from_workdir(path)
+    config, params = run_files.load_pretrained_from_workdir(path, step)
   else:
     folder = os.path.dirname(where) if fmt == 'google' else where
     config = _read_config(
@@ -599,7 +611,8 @@ def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = N
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top  (TensorFlow)
   if not path:
     raise UserError(f'{flag} is empty: name a pre-trained checkpoint (bert_jax, Hugging Face, '
-                    'Google TF, or a training workdir)')
+                    'Google TF, a training workdir, or hf://ORG/NAME on the Hub)')
+  path = hub.checkpoint_folder(path, flag)
   fileio.check_bucket(path, flag)
   if vocab_file:
     fileio.check_bucket(vocab_file, 'vocab_file')
@@ -762,17 +775,20 @@ def export_bert_jax(config: model.BertConfig, params: dict, out_dir: str,
     f.write('\n')
 
 
-def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
-  """`bert-jax convert`: any readable checkpoint -> `fmt` ('bert_jax', 'hf' or 'google')."""
+def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax',
+            step: int | None = None) -> None:
+  """`bert-jax convert`: any readable checkpoint (`step`: that step of a training workdir) ->
+  `fmt` ('bert_jax', 'hf' or 'google')."""
   if fmt not in FORMATS:
     raise UserError(f'--format={fmt!r} is not one of {FORMATS}')
   # Before reading the weights (minutes for a large model), not after.
+  input_path = hub.checkpoint_folder(input_path, '--input')
   fileio.check_bucket(input_path, '--input')
   fileio.check_bucket(output_dir, '--output', write=True)
   fileio.check_output_dir(output_dir, '--output')
   if os.path.isdir(output_dir) and os.listdir(output_dir):
     raise UserError(f'--output={output_dir}: output directory exists and is not empty')
-  config, params = load_pretrained(input_path)
+  config, params = load_pretrained(input_path, step=step)
   vocab = find_vocab(input_path)
   lower_case = read_metadata(input_path).get('lower_case')
   with _staged(output_dir) as staging:

@@ -121,7 +121,9 @@ def pretrain() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()
   # Paths or globs (comma separated) of text files (one sentence a line, blank line between
   # documents, .gz allowed), TFRecords of create_pretraining_data.py ('*.tfrecord*'),
-  # 'tfds:NAME[/CONFIG][:SPLIT]', or 'sample' for the built-in sample corpus.
+  # 'tfds:NAME[/CONFIG][:SPLIT]', Parquet files ('*.parquet', local, gs:// or
+  # 'hf://datasets/ORG/NAME[@REVISION]/GLOB.parquet'), a folder written by
+  # `datasets.save_to_disk`, or 'sample' for the built-in sample corpus.
   config.data.input = 'sample'
   # Held-out data for evaluation, same forms as data.input; '' = hold out part of data.input.
   config.data.eval_input = ''
@@ -134,7 +136,11 @@ def pretrain() -> ml_collections.ConfigDict:
   config.data.tfds_text_key = 'text'
   # TFDS data_dir of 'tfds:' inputs (prepared datasets; never downloaded); '' = TFDS's default.
   config.data.tfds_data_dir = ''
-  # WordPiece vocab.txt or SentencePiece .model; '' = train one from the input (smoke runs).
+  # Tables (Parquet files, hf://datasets/ORG/NAME/GLOB.parquet, a folder of
+  # `datasets.save_to_disk`): the column that holds each row's document text.
+  config.data.text_column = 'text'
+  # WordPiece vocab.txt or SentencePiece .model; '' = train.init_checkpoint's vocab.txt, or
+  # without one, train one from the input (smoke runs).
   config.data.vocab_file = ''
   config.data.lower_case = True
   # Size of the vocabulary trained when data.vocab_file is empty.
@@ -193,8 +199,9 @@ def pretrain() -> ml_collections.ConfigDict:
   # cheaper than 'threefry2x32' on every backend (about 7% of a CPU step of BERT-mini) and
   # gives the same bits on any mesh; 'threefry2x32' is jax's default.
   config.train.rng_impl = 'rbg'
-  # A converted checkpoint to start from when the workdir has none (resume order: latest
-  # checkpoint in workdir, then this, then a fresh init).
+  # A checkpoint to start from when the workdir has none (resume order: latest checkpoint in
+  # workdir, then this, then a fresh init): any format `bert_jax.load_pretrained` reads, or
+  # hf://ORG/NAME[@REVISION] on the Hugging Face Hub.
   config.train.init_checkpoint = ''
 
   # ---- Mesh and sharding -----------------------------------------------------------------
@@ -209,6 +216,12 @@ def pretrain() -> ml_collections.ConfigDict:
   # workdir; absolute and gs:// paths are taken as given (several runs may share one);
   # '' = none. A cache set outside the config (JAX_COMPILATION_CACHE_DIR) is used instead.
   config.checkpoint.compilation_cache_dir = 'compilation_cache'
+  # Push to the Hugging Face Hub while training: ORG/NAME of a model repository ('' = no):
+  # every push_every_steps (0 = every checkpoint) and at the run's last step, the checkpoint
+  # exported to the Hugging Face layout with a model card, one commit tagged step-N, in the
+  # background (a failed push is a warning; the run goes on).
+  config.checkpoint.push_to_hub = ''
+  config.checkpoint.push_every_steps = 0
 
   config.eval = ml_collections.ConfigDict()
   config.eval.every_steps = 10_000
@@ -220,6 +233,11 @@ def pretrain() -> ml_collections.ConfigDict:
   config.log.every_steps = 100
   # Console progress bar (off when stdout is not a terminal unless forced).
   config.log.progress = True
+  # Where curves go besides metrics.jsonl, comma separated: tensorboard, wandb (Weights &
+  # Biases; the run resumes into the same W&B run), MODULE:NAME (a clu MetricWriter).
+  config.log.writers = 'tensorboard'
+  # The W&B project of log.writers=wandb; '' = WANDB_PROJECT (else wandb's default).
+  config.log.wandb_project = ''
 
   # Multi-host runs are set up by flags of `bert-jax pretrain` (--coordinator_address,
   # --num_processes, --process_id, --distributed), not config keys: they describe the launch,
@@ -262,7 +280,8 @@ def finetune(task: str) -> ml_collections.ConfigDict:
 
   config.train = ml_collections.ConfigDict()
   # Pre-trained weights: a bert_jax checkpoint, a pre-training (or fine-tuning) workdir, a
-  # Hugging Face directory or an original Google TF checkpoint. Only its encoder is used; the
+  # Hugging Face directory, an original Google TF checkpoint, or hf://ORG/NAME[@REVISION] on the
+  # Hugging Face Hub. Only its encoder is used; the
   # task head starts fresh (truncated normal, stddev 0.02).
   config.train.init_checkpoint = ''
   config.train.epochs = 3
@@ -300,6 +319,12 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # workdir; absolute and gs:// paths are taken as given (several runs may share one);
   # '' = none. A cache set outside the config (JAX_COMPILATION_CACHE_DIR) is used instead.
   config.checkpoint.compilation_cache_dir = 'compilation_cache'
+  # Push to the Hugging Face Hub while training: ORG/NAME of a model repository ('' = no):
+  # every push_every_steps (0 = every checkpoint) and at the run's last step, the checkpoint
+  # exported to the Hugging Face layout with a model card, one commit tagged step-N, in the
+  # background (a failed push is a warning; the run goes on).
+  config.checkpoint.push_to_hub = ''
+  config.checkpoint.push_every_steps = 0
 
   config.eval = ml_collections.ConfigDict()
   # Evaluation happens after every epoch, on every dev set.
@@ -317,6 +342,11 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.log = ml_collections.ConfigDict()
   config.log.every_steps = 50
   config.log.progress = True
+  # Where curves go besides metrics.jsonl, comma separated: tensorboard, wandb (Weights &
+  # Biases; the run resumes into the same W&B run), MODULE:NAME (a clu MetricWriter).
+  config.log.writers = 'tensorboard'
+  # The W&B project of log.writers=wandb; '' = WANDB_PROJECT (else wandb's default).
+  config.log.wandb_project = ''
   config.lock()  # A config file that sets a key this lacks (a misspelling) fails.
   return config
 

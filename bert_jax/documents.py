@@ -1,4 +1,4 @@
-"""Streams of documents for pre-training: text files, TFDS articles, the sample corpus.
+"""Streams of documents for pre-training: text files, TFDS articles, tables, the sample corpus.
 
 A document is one tf.string, its sentences joined by '\\n', with an int64 id: a 62-bit hash of
 its text (`document_ids`). The id decides the held-out evaluation share (id % 100 == 0) and,
@@ -16,6 +16,10 @@ lines (a new piece at every PIECE_BYTES of its text; all carry the document's id
 longer than LINE_BYTES is cut into several, so a book or a file without newlines costs what a
 batch of ordinary documents does. The reader still holds one raw line (TextLineDataset) while
 it is cut.
+
+Tables (`tables.py`: Parquet files, local, gs:// or hf://datasets/...; a folder that
+`datasets.save_to_disk` wrote) hold a document per row, in the column data.text_column; each is
+split into sentences and pieces as a TFDS article is (`split_into_sentences`, `_in_pieces`).
 """
 
 import difflib
@@ -29,7 +33,9 @@ import ml_collections
 import tensorflow as tf
 
 from bert_jax import fileio
+from bert_jax import hub
 from bert_jax import sample_corpus
+from bert_jax import tables
 from bert_jax.errors import UserError
 
 # One document in HOLDOUT_MODULUS (by id) is held out for evaluation.
@@ -51,13 +57,22 @@ _SENTENCE_BREAK = r'([.!?][\"\'\)\]\x{201D}\x{2019}\x{00BB}]*)[ \t\r\f\v]+'
 
 
 def input_kind(spec: str) -> str:
-  """'sample', 'tfds', 'tfrecord' (every path names *.tfrecord*) or 'text'."""
+  """'sample', 'tfds', 'tfrecord' (every path names *.tfrecord*), 'table' (every path names
+  *.parquet or *.arrow files, Hub dataset files or a saved dataset folder) or 'text'."""
   if spec == 'sample':
     return 'sample'
   if spec.startswith('tfds:'):
     return 'tfds'
-  if all(re.search(r'\.tfrecords?(\b|$)', p) for p in _split_spec(spec)):
+  patterns = _split_spec(spec)
+  if all(re.search(r'\.tfrecords?(\b|$)', p) for p in patterns):
     return 'tfrecord'
+  table = [hub.is_hub(p) or tables.is_table_file(p) or tables.is_saved_dataset(p)
+           for p in patterns]
+  if all(table):
+    return 'table'
+  if any(table):
+    raise UserError(f'{spec!r} mixes tables (Parquet, Arrow, hf://datasets/) with other files; '
+                    'give one kind')
   return 'text'
 
 
@@ -71,7 +86,7 @@ def check_not_matched(spec: str, flag: str, written: list[str]) -> None:
   """Refuses an input spec whose paths or globs match a file a run writes (`written`: the
   workdir's vocab.txt, config.json, ...): the next run would read its own output as data."""
   for pattern in _split_spec(spec):
-    if input_kind(pattern) == 'tfds':
+    if input_kind(pattern) == 'tfds' or hub.is_hub(pattern):
       continue
     for path in written:
       if fileio.is_remote(pattern) != fileio.is_remote(path):
@@ -95,6 +110,12 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
   text = input_kind(spec) == 'text'
   files = []
   for pattern in patterns:
+    if hub.is_hub(pattern):  # Parquet files of a Hub dataset, fetched into the Hub cache.
+      files += [path for path, _ in hub.dataset_files(pattern, flag)]
+      continue
+    if tables.is_saved_dataset(pattern):
+      files += tables.saved_dataset_files(pattern, flag)
+      continue
     fileio.check_bucket(pattern, flag)
     # A file that exists as written is that file, though its name has glob characters
     # ('[', ']', '*', '?'): 'run[1].txt' would otherwise match only 'run1.txt'.
@@ -216,6 +237,22 @@ def resolve_files(spec: str, flag: str = 'data.input') -> list[str]:
   if spec == 'sample':
     return [sample_corpus.sample_corpus_path()]
   return expand_files(spec, flag)
+
+
+def file_identities(spec: str, flag: str = 'data.input') -> list[list]:
+  """[name, size, modification time] of each file of an input: what a saved input position
+  is valid for. A Hub dataset's files are named by their commit (hf://datasets/ORG/NAME@COMMIT/
+  PATH, time 0): the same files wherever the Hub cache puts them."""
+  out = []
+  for pattern in ([spec] if spec == 'sample' else _split_spec(spec)):
+    if hub.is_hub(pattern):
+      out += [[name, int(os.path.getsize(path)), 0]
+              for path, name in hub.dataset_files(pattern, flag)]
+      continue
+    for path in resolve_files(pattern, flag):
+      stat = tf.io.gfile.stat(path)
+      out.append([path, int(stat.length), int(stat.mtime_nsec)])
+  return out
 
 
 def fix_utf8(text: tf.Tensor) -> tf.Tensor:
@@ -458,6 +495,29 @@ def tfds_documents(spec: str, data: ml_collections.ConfigDict, *, holdout: bool 
                            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
 
 
+def table_documents(files: list[str], column: str, *, holdout: bool | None = None,
+                    shuffle_files: bool = False, seed: int = 0, process_index: int = 0,
+                    process_count: int = 1, setting: str = 'data.') -> tf.data.Dataset:
+  """One pass over the rows of tables (`tables.py`), a document each (text in `column`), as
+  text_documents reads files: process i of n reads files i::n (with fewer files than
+  processes, all of them, keeping the documents whose id falls to it), files interleaved."""
+  by_document = len(files) < process_count
+  if not by_document:
+    files = files[process_index::process_count]
+  keep = selector(holdout, (process_index, process_count) if by_document else None)
+  chunks = tables.plan(files, column, setting)
+  ds = tf.data.Dataset.range(len(files))
+  if shuffle_files and len(files) > 1:
+    ds = ds.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
+
+  def read(file_index):
+    return chunks.texts(file_index).map(
+        lambda texts: _in_pieces(_select(split_into_sentences(texts), keep))).unbatch()
+
+  return ds.interleave(read, cycle_length=min(len(files), 16),
+                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
 def _in_pieces(docs: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
   """Whole documents {'text', 'id', 'cut'} [N] -> their pieces, as text files give them
   (long lines cut, a new piece every PIECE_BYTES of a document), each with its document's id."""
@@ -490,7 +550,10 @@ def documents(spec: str, flag: str, data: ml_collections.ConfigDict,
     return tfds_documents(spec, data, **kwargs), f'{flag}={spec!r}'
   files = resolve_files(spec, flag)
   shown = files if len(files) <= 5 else files[:5] + ['...']
-  return text_documents(files, **kwargs), f'{flag}={spec!r} ({len(files)} files: {shown})'
+  described = f'{flag}={spec!r} ({len(files)} files: {shown})'
+  if input_kind(spec) == 'table':
+    return table_documents(files, data.text_column, **kwargs), described
+  return text_documents(files, **kwargs), described
 
 
 def require_element(ds: tf.data.Dataset, message: str) -> None:
@@ -544,6 +607,8 @@ def text_lines(spec: str, data: ml_collections.ConfigDict, setting: str = 'data.
   the TFDS settings as `setting` + key (see tfds_documents)."""
   if input_kind(spec) == 'tfds':
     ds = tfds_documents(spec, data, setting=setting)
+  elif input_kind(spec) == 'table':
+    ds = table_documents(resolve_files(spec), data.text_column, setting=setting)
   else:
     ds = text_documents(resolve_files(spec))
   for doc in ds.as_numpy_iterator():

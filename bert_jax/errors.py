@@ -8,6 +8,7 @@ neither: a run stopped by SIGTERM or Ctrl-C (status 143), after saving what it h
 mistake nor a bug either: one line and status 143 too, since a rerun resumes.
 """
 
+import importlib
 import os
 import re
 
@@ -139,3 +140,13 @@ def no_backend(error: BaseException) -> str | None:
     seen.append(error)
     error = error.__cause__ or error.__context__
   return None
+
+
+def require(module: str, extra: str, purpose: str):
+  """`module` imported, for `purpose` (an optional integration: the Hub, W&B, Parquet); if it
+  is not installed, a UserError naming the extra that installs it."""
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    raise UserError(f'{purpose} need {module.split(".")[0]}, which is not installed: '
+                    f'pip install "bert_jax[{extra}]"') from e

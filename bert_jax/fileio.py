@@ -105,6 +105,12 @@ def glob(pattern: str) -> list[str]:
   return sorted(gfile().glob(pattern) if is_remote(pattern) else glob_lib.glob(pattern))
 
 
+def read_text(path: str, encoding: str = 'utf-8') -> str:
+  """The whole file, decoded (`utf-8-sig` drops a byte-order mark); newlines kept as they are."""
+  with (gfile().GFile(path, 'rb') if is_remote(path) else open(path, 'rb')) as f:
+    return f.read().decode(encoding)
+
+
 def missing(path: str) -> str:
   """Why `path`, which does not exist, is missing: 'no such file', and for a symbolic link what
   is wrong with it (a loop, or the target it names)."""

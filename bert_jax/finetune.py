@@ -60,6 +60,7 @@ from bert_jax import fileio
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import optim
+from bert_jax import publish
 from bert_jax import run_files
 from bert_jax import run_frame
 from bert_jax import sharding as sharding_lib
@@ -206,6 +207,7 @@ class _Run:
   train_step: Callable  # (state, batch) -> (state, metrics), state donated.
   predict_step: Callable  # (params, batch) -> `tasks.predict_step`'s outputs.
   log: monitor.MetricsLog
+  pusher: publish.Pusher | None  # checkpoint.push_to_hub's (process 0).
   state: state_lib.TrainState
   step: int
   # The best epoch so far (what metrics.json will hold), kept in every checkpoint's meta.
@@ -337,7 +339,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
               progress=bool(config.log.progress), steps_per_epoch=steps_per_epoch,
               total_steps=total_steps, stop_at=stop_at, schedule=schedule, manager=manager,
               abstract=abstract, train_step=train_step, predict_step=predict_step,
-              log=monitor.MetricsLog(workdir), state=state, step=step, best=meta.get('best'),
+              log=monitor.MetricsLog(workdir, config), pusher=publish.make_pusher(config, workdir),
+              state=state, step=step, best=meta.get('best'),
               eval_pending=bool(meta.get('eval_pending')))
 
 
@@ -351,7 +354,7 @@ def _train(run: _Run, preemption: monitor.Preemption) -> bool:
   test predictions; whether the run finished (False: stopped at train.stop_at_step)."""
   steps = monitor.Steps(run.step, run.total_steps, run.is_main and run.progress)
   state_lib.wait_for_processes('the first step')
-  with run_frame.closing(steps, run.manager, run.workdir, run.log):
+  with run_frame.closing(steps, run.manager, run.workdir, run.log, run.pusher, preemption):
     if run.eval_pending:  # Stopped inside the evaluation of the epoch that ends here.
       # Its checkpoint stays as it is: later saves carry the new best.
       _end_epoch(run, steps, preemption, run.step // run.steps_per_epoch, saved=True)
@@ -455,6 +458,8 @@ def _save(run: _Run, steps: monitor.Steps) -> None:
   steps.check(run.step, 'lower config.train.learning_rate', saving=True)
   ckpt_lib.save(run.manager, run.workdir, run.step, run.state,
                 dict(best=run.best, seed=run.seed, eval_pending=run.eval_pending))
+  if run.pusher:  # In the background, once the save is committed.
+    run.pusher.saved(run.step, last=run.step == run.stop_at)
   kept = run.manager.all_steps()
   committed = max((old for old in kept if old != run.step), default=None)
   for old in kept:
@@ -607,6 +612,12 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
   rerunning the sweep skips the finished runs and resumes that one."""
   if not learning_rates:
     raise UserError('sweep: no learning rates')
+  if config.checkpoint.push_to_hub:
+    # Every rate's run would push its steps to one repository, tags colliding.
+    raise UserError(f'--sweep with checkpoint.push_to_hub={config.checkpoint.push_to_hub}: '
+                    'the runs of every rate would push into one repository; sweep without it, '
+                    'then push the best run: bert-jax convert --input=WORKDIR/lr_RATE '
+                    f'--format=hf --push_to_hub={config.checkpoint.push_to_hub}')
   workdir = fileio.workdir_path(workdir)
   # Every check before the first run: a refusal at the second rate would leave the first run's
   # folder, and sweep.json, in a workdir that was never a sweep's.

@@ -490,10 +490,7 @@ def input_fingerprint(data: ml_collections.ConfigDict, *, batch_size: int, seq_l
   if documents.input_kind(data.input) == 'tfds':
     files = data.input  # A prepared TFDS split does not change under a name.
   else:
-    files = []
-    for path in documents.resolve_files(data.input):
-      stat = tf.io.gfile.stat(path)
-      files.append([path, int(stat.length), int(stat.mtime_nsec)])
+    files = documents.file_identities(data.input)
   return {
       'data.input': files,
       'data.eval_input': bool(data.eval_input),  # Empty: training skips the held-out share.

@@ -4,7 +4,8 @@
 - `with_rates`: a log row's rates, counted one way in pre-training and fine-tuning.
 - `Chrono`: the loop's clock: steps (and what they carry) per second, input wait, and the time
   that is not training (compiles, saves, evaluations) kept out.
-- `MetricsLog`: metrics.jsonl + TensorBoard on process 0, one tag scheme for every run:
+- `MetricsLog`: metrics.jsonl + the writers of log.writers (TensorBoard by default, W&B, any
+  clu MetricWriter: `trackers.py`) on process 0, one tag scheme for every run and writer:
   `train/<name>` for training metrics, `eval/<name>` for evaluations (a run with several
   evaluation sets: `eval/<set>/<name>`).
 - `InFlight`: bounds how far the host runs ahead of the device (one step).
@@ -142,7 +143,9 @@ EVENTS_BATCH_ROWS = 100
 
 
 class MetricsLog:
-  """metrics.jsonl + TensorBoard (clu) on process 0; nothing elsewhere.
+  """metrics.jsonl + TensorBoard (clu) + the other writers of `config.log.writers`
+  (`trackers.make`: W&B, clu MetricWriters) on process 0; nothing elsewhere. TensorBoard only
+  if log.writers names it (the default); the others get the config as hyperparameters.
 
   A jsonl row is {step, **extra, **scalars} (scalars without their tag prefix).
 
@@ -153,13 +156,20 @@ class MetricsLog:
   reads every events file of the folder), and at `close`.
   """
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, config=None):
     from clu import metric_writers  # pylint: disable=g-import-not-at-top  (TensorFlow)
+    from bert_jax import trackers  # pylint: disable=g-import-not-at-top  (clu: TensorFlow)
     self.active = jax.process_index() == 0
     self.workdir = workdir
+    names = trackers.parse(config.log.writers if config is not None else 'tensorboard')
+    self.tensorboard = 'tensorboard' in names
     self.batched = gcs.is_gcs(workdir)
     self.writer = metric_writers.create_default_writer(
-        workdir, just_logging=not self.active or self.batched, asynchronous=False)
+        workdir, just_logging=not (self.active and self.tensorboard) or self.batched,
+        asynchronous=False)
+    self.others = trackers.make(
+        names, workdir, config.to_dict() if config is not None else None,
+        config.log.wandb_project if config is not None else '') if self.active else []
     self.path = os.path.join(workdir, METRICS_FILE)
     self._pending: list[tuple[int, dict[str, Any]]] = []
 
@@ -174,13 +184,16 @@ class MetricsLog:
       return
     tagged = {prefix + k: v for k, v in scalars.items() if v is not None}
     self.writer.write_scalars(step, tagged)  # Only logs them when batched.
+    for writer in self.others:
+      writer.write_scalars(step, tagged)
     line = json.dumps(dict(step=step, **extra, **scalars)) + '\n'
     if not self.batched:
       with fileio.gfile().GFile(self.path, 'a') as f:
         f.write(line)
       return
     gcs.append(self.path, line.encode())
-    self._pending.append((step, tagged))
+    if self.tensorboard:
+      self._pending.append((step, tagged))
     if len(self._pending) >= EVENTS_BATCH_ROWS:
       self._write_events()
 
@@ -202,6 +215,9 @@ class MetricsLog:
       self._write_events()
     self.writer.flush()
     self.writer.close()
+    for writer in self.others:
+      writer.close()
+    self.others = []
 
 
 def truncate_metrics(workdir: str, after_step: int | None) -> None:

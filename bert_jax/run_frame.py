@@ -7,7 +7,8 @@ its loop ends, and the loop's schedules.
   the other kind of run refused, and the compilation cache pointed at the workdir's.
 - `closing`: however the loop ends (finished, stopped, failed), the progress bar closed, the
   last save waited for (a failed one ends the run as one line), the checkpoint manager and the
-  metrics log closed.
+  metrics log closed, and the pushes of checkpoint.push_to_hub waited for (not in a preemption
+  notice).
 - `itstime`: whether a step is due for something done every n steps (big_vision's `itstime`).
 """
 
@@ -20,6 +21,7 @@ from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_checks
 from bert_jax import fileio
 from bert_jax import monitor
+from bert_jax import publish
 from bert_jax import run_files
 from bert_jax import run_lock
 
@@ -44,18 +46,25 @@ def entered(config: ml_collections.ConfigDict, workdir: str, kind: str,
 
 
 @contextlib.contextmanager
-def closing(steps: monitor.Steps, manager: Any, workdir: str,
-            log: monitor.MetricsLog) -> Iterator[None]:
+def closing(steps: monitor.Steps, manager: Any, workdir: str, log: monitor.MetricsLog,
+            pusher: publish.Pusher | None = None,
+            preemption: monitor.Preemption | None = None) -> Iterator[None]:
   """The end of a run's loop, however it ends: `steps`' progress bar closed, the last save of
   `manager` (Orbax's CheckpointManager) waited for (`checkpoint.wait_for_saves`: a failed one
-  as one line), the manager and the metrics `log` closed."""
+  as one line), the manager and the metrics `log` closed; then `pusher`'s pushes waited for
+  (they wait for their saves' commits), except once `preemption` was requested: its notice is
+  seconds, an upload may be minutes."""
   try:
     yield
   finally:
     steps.close()
-    ckpt_lib.wait_for_saves(manager, workdir)
-    manager.close()
-    log.close()
+    try:
+      ckpt_lib.wait_for_saves(manager, workdir)
+      manager.close()
+      log.close()
+    finally:
+      if pusher:
+        pusher.close(wait=not (preemption and preemption.requested))
 
 
 def itstime(step: int, every: int, *also: int) -> bool:

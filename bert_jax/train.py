@@ -26,10 +26,12 @@ from jax.experimental import multihost_utils
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import fileio
 from bert_jax import flops as flops_lib
+from bert_jax import hub
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import objectives
 from bert_jax import pretraining
+from bert_jax import publish
 from bert_jax import run_files
 from bert_jax import run_frame
 from bert_jax import sharding as sharding_lib
@@ -130,10 +132,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   fileio.hide_accelerators_from_tf()
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
-  convert.check_casing(checkpoint, config.data.lower_case, '--checkpoint')
-  loaded_config, params = convert.load_pretrained(checkpoint,
-                                                  scan_layers=config.model.scan_layers)
-  vocab_file = config.data.vocab_file or convert.find_vocab(checkpoint)
+  local = hub.checkpoint_folder(checkpoint, '--checkpoint')  # hf://ORG/NAME: from the Hub.
+  convert.check_casing(local, config.data.lower_case, '--checkpoint')
+  loaded_config, params = convert.load_pretrained(local, scan_layers=config.model.scan_layers)
+  vocab_file = config.data.vocab_file or convert.find_vocab(local)
   if not vocab_file:
     raise UserError(f'--checkpoint={checkpoint} has no vocab.txt next to it: set '
                     '--config.data.vocab_file')
@@ -152,7 +154,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   params = model_lib.with_nsp_head(params, bert_config.hidden_size)  # Not reported without.
   # The phase of the last step: a workdir's latest checkpoint, else where the run would end.
   phases = pretraining.parse_phases(config)
-  steps = ckpt_lib.checkpoint_steps(checkpoint) if fileio.isdir(checkpoint) else []
+  steps = ckpt_lib.checkpoint_steps(local) if fileio.isdir(local) else []
   last = steps[-1] if steps else (int(config.train.stop_at_step) or int(config.train.steps))
   phase = pretraining.phase_at(phases, last - 1)
   model = model_lib.BertForPreTraining(bert_config, padded_vocab=True)
@@ -237,6 +239,7 @@ class _Run:
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
   manager: Any  # Orbax's CheckpointManager.
   log: monitor.MetricsLog
+  pusher: publish.Pusher | None  # checkpoint.push_to_hub's (process 0).
   batch_size: int  # train.batch_size, the global batch.
   seed: int  # train.seed, kept in every checkpoint's meta.
   steps: int  # train.steps, where the schedule ends.
@@ -252,6 +255,7 @@ class _Run:
   state: state_lib.TrainState
   step: int
   last_saved: int | None
+  pusher: Any = None  # publish.Pusher of checkpoint.push_to_hub (process 0), or None.
 
   @property
   def is_main(self) -> bool:
@@ -323,7 +327,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
       raise UserError(f'train.init_checkpoint={init_checkpoint} is the --workdir itself: a run '
                       'resumes from its own workdir anyway; start from it in another --workdir')
     convert.check_casing(init_checkpoint, config.data.lower_case, 'train.init_checkpoint')
-  vocab_file = input_pipeline.resolve_vocab(phases[0].data, workdir)
+  if init_checkpoint and not config.data.vocab_file:
+    # The checkpoint's embeddings are its vocabulary's: one trained here would not fit them.
+    vocab_file = convert.find_vocab(init_checkpoint)
+    if not vocab_file:
+      raise UserError(f'train.init_checkpoint={init_checkpoint} has no vocab.txt beside it: set '
+                      'data.vocab_file to the vocabulary it was trained with')
+  else:
+    vocab_file = input_pipeline.resolve_vocab(phases[0].data, workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   _check_resumed_vocab(workdir, vocab_file, tokenizer.vocab)
   dataset_for = functools.partial(_dataset, vocab_file, batch_size)
@@ -374,7 +385,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
   return _Run(workdir=workdir, phases=phases, mesh=mesh, rules=rules,
               batch_sharding=batch_sharding, vocab_file=vocab_file, dataset_for=dataset_for,
-              built=built, manager=manager, log=monitor.MetricsLog(workdir),
+              built=built, manager=manager, log=monitor.MetricsLog(workdir, config),
+              pusher=publish.make_pusher(config, workdir),
               batch_size=batch_size, seed=seed, steps=int(config.train.steps), stop_at=stop_at,
               log_every=int(config.log.every_steps),
               checkpoint_every=int(config.checkpoint.every_steps),
@@ -410,7 +422,7 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
   steps = monitor.Steps(run.step, run.stop_at, run.is_main and run.progress)
   eval_metrics: dict[str, float] = {}
   first_step = run.step
-  with run_frame.closing(steps, run.manager, run.workdir, run.log):
+  with run_frame.closing(steps, run.manager, run.workdir, run.log, run.pusher, preemption):
     while run.step < run.stop_at and not preemption.stopping:
       phase = pretraining.phase_at(run.phases, run.step)
       data_it = _training_input(run, phase)
@@ -492,6 +504,8 @@ def _save(run: _Run, steps: monitor.Steps, phase: pretraining.Phase, data_it) ->
   ckpt_lib.save(run.manager, run.workdir, run.step, run.state,
                 dict(seed=run.seed, data_phase=phase.index), data_it)
   run.last_saved = run.step
+  if run.pusher:  # In the background, once the save is committed.
+    run.pusher.saved(run.step, last=run.step == run.stop_at)
 
 
 def _evaluate(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,

@@ -305,11 +305,12 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str,
 def run(input_patterns: Sequence[str], output: str, vocab_size: int,
         kind: str = 'wordpiece', lower_case: bool = True,
         num_unused: int = 0, tfds_text_key: str = 'text',
-        tfds_data_dir: str = '') -> str:
-  """Entry point of `bert-jax vocab`: trains a vocabulary from text files or TFDS.
+        tfds_data_dir: str = '', text_column: str = 'text') -> str:
+  """Entry point of `bert-jax vocab`: trains a vocabulary from text files, TFDS or tables.
 
-  `input_patterns` are file paths / globs, or 'tfds:NAME[/CONFIG][:SPLIT]' whose feature
-  `tfds_text_key` holds the text. `output` is the vocab.txt path for WordPiece, or the model
+  `input_patterns` are file paths / globs, 'tfds:NAME[/CONFIG][:SPLIT]' whose feature
+  `tfds_text_key` holds the text, or tables (Parquet, hf://datasets/..., a saved dataset
+  folder) whose column `text_column` does. `output` is the vocab.txt path for WordPiece, or the model
   path (with or without '.model') for SentencePiece. Returns the file written.
   """
   if kind not in ('wordpiece', 'sentencepiece'):
@@ -321,7 +322,7 @@ def run(input_patterns: Sequence[str], output: str, vocab_size: int,
     input_patterns = [input_patterns]
   fileio.check_output_file(output if kind == 'wordpiece'
                            else output.removesuffix('.model') + '.model', '--output')
-  tfds_specs = [p for p in input_patterns if documents.input_kind(p) == 'tfds']
+  tfds_specs = [p for p in input_patterns if documents.input_kind(p) in ('tfds', 'table')]
   file_patterns = [p for p in input_patterns if p not in tfds_specs]
   # Expanded here, before any work, so that a pattern matching nothing fails at once.
   paths = expand_patterns(file_patterns) if file_patterns else []
@@ -330,7 +331,8 @@ def run(input_patterns: Sequence[str], output: str, vocab_size: int,
   for written in [output] if kind == 'wordpiece' else [prefix + '.model', prefix + '.vocab']:
     fileio.check_not_an_input(written, '--output', {'--input': paths})
   data = ml_collections.ConfigDict({'tfds_text_key': tfds_text_key,
-                                    'tfds_data_dir': tfds_data_dir})
+                                    'tfds_data_dir': tfds_data_dir,
+                                    'text_column': text_column})
   texts = itertools.chain(read_files(paths),
                           *(documents.text_lines(spec, data, setting='--') for spec in tfds_specs))
   try:

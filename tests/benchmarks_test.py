@@ -157,31 +157,34 @@ def test_torch_side_without_torch_says_what_to_install(tmp_path, script, args, m
   assert message in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize('shape', ['wiki', 'books', 'line', 'cjk'])
-def test_corpus_benchmark_smallest_shapes_stay_under_2_gb(tmp_path, shape):
+@pytest.mark.parametrize('shape, fmt', [('wiki', 'text'), ('books', 'text'), ('line', 'text'),
+                                        ('cjk', 'text'), ('line', 'parquet')])
+def test_corpus_benchmark_smallest_shapes_stay_under_2_gb(tmp_path, shape, fmt):
   # Each corpus shape of issue 31 (many short documents, book-length ones, one line without
   # newline, CJK-like text), smallest, through `bert-jax data --stats` in a subprocess killed
   # above 2 GB of RSS: each shape in a process of its own so that its peak is its own, and in a
   # test of its own so that the shapes run side by side under `pytest -n 2` (about 25 s each).
+  # The one-line corpus as Parquet too: one row, read whole (tables.py).
   vocab = tmp_path / 'vocab.txt'
   vocab.write_text('\n'.join(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] +
                              [chr(c) for c in range(97, 123)] +
                              [f'##{chr(c)}' for c in range(97, 123)]) + '\n')
   proc = subprocess.run(
       [sys.executable, os.path.join(processes.ROOT, 'benchmarks', 'corpus.py'), '--scale=0.01',
-       f'--shapes={shape}', '--seq_lens=128', '--packing=false', '--batches=2',
+       f'--shapes={shape}', f'--formats={fmt}', '--seq_lens=128', '--packing=false',
+       '--batches=2',
        '--rss_limit_mb=2048', f'--vocab_file={vocab}', f'--dir={tmp_path}'], cwd=tmp_path,
       env=processes.env(str(tmp_path / 'jax_cache')), capture_output=True, text=True,
       timeout=600)
   assert proc.returncode == 0, proc.stderr[-5000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{')]
   runs = [r for r in rows if not r.get('summary')]
-  assert [r['shape'] for r in runs] == [shape], rows
+  assert [(r['shape'], r['format']) for r in runs] == [(shape, fmt)], rows
   for row in runs:
     assert 'killed_over_mb' not in row and 'error' not in row, row
     assert row['examples'] > 0 and 0 < row['peak_rss_mb'] <= 2048, row
   assert rows[-1]['summary'] and rows[-1]['rss_target_met'], rows[-1]
-  assert list(rows[-1]['peak_rss_mb']) == [shape], rows[-1]
+  assert list(rows[-1]['peak_rss_mb']) == [shape if fmt == 'text' else f'{shape}_{fmt}'], rows[-1]
 
 
 def test_gpu_benchmark_classifies_every_kernel_once():

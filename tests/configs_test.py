@@ -5,7 +5,8 @@ import pytest
 from bert_jax import config_files
 
 PRETRAINING = ['default.py', 'bert_base.py', 'bert_large.py', 'bert_base_tpu_speed.py',
-               'smoke.py', 'lamb_large_batch.py:phase1', 'lamb_large_batch.py:phase2']
+               'smoke.py', 'lamb_large_batch.py:phase1', 'lamb_large_batch.py:phase2',
+               'continue_pretraining.py']
 
 
 @pytest.mark.parametrize('name', PRETRAINING)
@@ -36,7 +37,8 @@ def test_the_code_reads_only_keys_the_config_defines():
   defined = _keys(config_files.load_config('configs/default.py'))
   read, gets = set(), []
   for module in ('train.py', 'input_pipeline.py', 'documents.py', 'optim.py', 'sharding.py',
-                 'aot.py', 'cli.py', 'checkpoint.py', 'train_state.py', 'monitor.py'):
+                 'aot.py', 'cli.py', 'checkpoint.py', 'train_state.py', 'monitor.py',
+                 'tables.py', 'trackers.py', 'publish.py'):
     with open(os.path.join(root, module)) as f:
       source = f.read()
     for section in ('model', 'data', 'train', 'mesh', 'checkpoint', 'eval', 'log'):

@@ -86,7 +86,8 @@ def make_runs(root: str) -> dict[str, str]:
     _write(os.path.join(glue_dir, 'STS-B', f'{split}.tsv'), header + '\n' + ''.join(
         f'{i}\tg\tf\t2012\t{i}\ts\ts\t{_sentence(rng)}\t{_sentence(rng)}\t{rng.uniform(0, 5):.3f}\n'
         for i in range(n)))
-  glue_data = {'task.data_dir': glue_dir, 'data.max_seq_length': 32, 'data.buckets': (16, 32)}
+  glue_data = {'task.data_dir': glue_dir, 'data.max_seq_length': 32,
+               'data.buckets': (16, 32)}
   finetune_run('sst2', 'finetune_glue.py:sst2', glue_data)
   finetune_run('stsb', 'finetune_glue.py:stsb', glue_data)
 
@@ -98,8 +99,8 @@ def make_runs(root: str) -> dict[str, str]:
         [_sentence(rng), _sentence(rng, 2)] + [_sentence(rng, rng.randint(1, 6)) for _ in range(4)]
         + [rng.randint(0, 3)] for _ in range(n)])
     _write(os.path.join(swag_dir, name), out.getvalue())
-  finetune_run('swag', 'finetune_swag.py', {'task.data_dir': swag_dir,
-                                            'data.max_seq_length': 24, 'data.buckets': (16, 24)})
+  finetune_run('swag', 'finetune_swag.py', {'task.data_dir': swag_dir, 'data.max_seq_length': 24,
+                                            'data.buckets': (16, 24)})
 
   conll_dir = os.path.join(root, 'conll')
   for name, n in (('train.txt', 12), ('valid.txt', 10)):
@@ -132,8 +133,8 @@ def make_runs(root: str) -> dict[str, str]:
         paragraphs.append({'context': context, 'qas': [qa]})
       _write(os.path.join(squad_dir, f'{split}-{version}.json'), json.dumps(
           {'version': version, 'data': [{'title': 't', 'paragraphs': paragraphs}]}))
-  squad_data = {'task.data_dir': squad_dir, 'data.max_seq_length': 48, 'data.buckets': (32, 48),
-                'task.doc_stride': 16, 'task.max_query_length': 12}
+  squad_data = {'task.data_dir': squad_dir, 'data.max_seq_length': 48,
+                'data.buckets': (32, 48), 'task.doc_stride': 16, 'task.max_query_length': 12}
   finetune_run('squad_v1', 'finetune_squad.py:v1', squad_data)
   # The same weights read as a SQuAD 2.0 model (as tests/finetune_test.py does): its decoding
   # and outputs without a second run.

@@ -21,14 +21,15 @@ LAYERS = (
     # The task modules are the table's (task_table.py imports none of them).
     ('fine-tuning tasks', {'task_table', 'metrics', *task_table.KINDS}),
     ('training', {'pretraining', 'train_state', 'state_extras', 'optim', 'sharding',
-                  'monitor', 'run_frame'}),
-    ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint', 'orbax_hooks',
-                                 'run_files', 'run_lock'}),
+                  'monitor', 'trackers', 'run_frame'}),
+    ('weights and checkpoints', {'publish', 'convert', 'tensor_files', 'checkpoint',
+                                 'orbax_hooks', 'run_files', 'run_lock'}),
     ('model', {'model', 'attention', 'activations', 'layer_norm', 'flops'}),
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
-              'vocab', 'sample_corpus', 'batching'}),
+              'vocab', 'sample_corpus', 'batching', 'tables'}),
     ('what is trained', {'objectives', 'tasks'}),
-    ('foundations', {'config_files', 'config_checks', 'defaults', 'fileio', 'gcs', 'errors'}),
+    ('foundations', {'config_files', 'config_checks', 'defaults', 'fileio', 'gcs', 'hub',
+                     'errors'}),
 )
 # The drivers: one straight function each, from a config to a trained model.
 DRIVERS = {'train', 'finetune'}

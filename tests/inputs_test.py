@@ -929,7 +929,8 @@ KEY_ROWS = [
     (_S, 'task.max_answer_length', 0), (_S, 'task.n_best_size', 0),
     (_P, 'mesh.data', 0), (_P, 'mesh.fsdp', -2), (_F, 'mesh.tensor', 0),
     (_P, 'checkpoint.every_steps', 0), (_F, 'checkpoint.every_steps', -1),
-    (_P, 'checkpoint.keep', 0),
+    (_P, 'checkpoint.keep', 0), (_P, 'checkpoint.push_every_steps', -1),
+    (_F, 'checkpoint.push_every_steps', -2),
     (_P, 'eval.every_steps', 0), (_P, 'eval.steps', 0), (_P, 'eval.batch_size', 0),
     (_F, 'eval.batch_size', 0), (_P, 'log.every_steps', 0),
 ]
@@ -954,7 +955,8 @@ def test_edge_values_that_mean_something_are_accepted(config, key, value):
 
 
 _SHIPPED = ['smoke', 'default', 'bert_base', 'bert_large', 'bert_base_tpu_speed',
-            'lamb_large_batch', 'finetune_glue:mrpc', 'finetune_squad', 'finetune_ner']
+            'lamb_large_batch', 'finetune_glue:mrpc', 'finetune_squad', 'finetune_ner',
+            'continue_pretraining']
 
 
 def _numeric_keys(node, prefix=''):

@@ -70,8 +70,8 @@ PROGRAMS = ('bert-jax', 'python', 'python3', 'pip', 'pytest', 'bash', 'sh', 'sba
 SMOKE = '/tmp/bert-jax/smoke'
 
 
-# The groups of Run entries, one test each (below).
-GROUPS = ('pretrain', 'vocab', 'quick')
+# The groups of Run entries, one test each (below); 'hub' talks to a Hub on loopback.
+GROUPS = ('pretrain', 'vocab', 'quick', 'hub')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +94,10 @@ _TINY_PRETRAIN = ('--config.train.steps=4 --config.train.warmup_steps=0 '
                   '--config.log.progress=false')
 # What `bert-jax pretrain` prints at its end (README, "The two commands").
 _PRETRAIN_SAYS = ('checkpoints:', 'metrics:', 'TensorBoard:', 'last eval:')
+# The guide's runs at tiny sizes (one phase of 32 tokens), the tiny model the test's Hub holds.
+_TINY_HUB = ('--config.model.size=tiny --config.train.phases= --config.data.max_seq_length=32 '
+             '--config.data.max_predictions_per_seq=5 --config.data.shuffle_buffer=50 '
+             f'{_TINY_PRETRAIN} --config.train.steps=2')
 _INSTALLS = 'installs packages; .ci/run installs the checkout first (pip install -e ".[test]")'
 _TPU = 'needs a Cloud TPU and a Google Cloud project'
 _GPU = 'needs NVIDIA GPUs'
@@ -129,6 +133,37 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax compile --config=configs/bert_base.py --topology=h100 *': NotHere(_GPU_COMPILE),
     'sbatch --nodes=4 launch/gpu_slurm.sbatch': NotHere(
         'submits a job to a SLURM cluster; launch/README.md\'s DRY_RUN=1 line runs the script'),
+    # ---- README.md: experiment trackers ------------------------------------------------------
+    # A run of its own beside the smoke run, compiled steps loaded from that run's cache.
+    'pip install -e ".[wandb]"': NotHere(_INSTALLS),
+    'WANDB_MODE=offline bert-jax pretrain --config.log.writers=tensorboard,wandb': Run(
+        'pretrain', f'--workdir={{tmp}}/wandb_run {_TINY_PRETRAIN} --config.train.stop_at_step=2 '
+        '--config.checkpoint.compilation_cache_dir={tmp}/smoke/compilation_cache',
+        _PRETRAIN_SAYS),
+    # ---- README.md: your own corpus, continuing a Hub checkpoint (a Hub on loopback) -------
+    'pip install -e ".[parquet]"': NotHere(_INSTALLS),
+    "bert-jax vocab --input='corpus/*.txt' --output=vocab.txt --vocab_size=30522": Run(
+        'hub', '--vocab_size=600', ('Wrote vocab.txt',)),
+    "bert-jax pretrain --config=bert_base --workdir=/tmp/my_bert "
+    "--config.data.input='corpus/*.txt' --config.data.vocab_file=vocab.txt": Run(
+        'hub', f'--workdir={{tmp}}/my_bert {_TINY_HUB}', _PRETRAIN_SAYS),
+    "bert-jax pretrain --config=continue_pretraining --workdir=/tmp/domain_bert "
+    "--config.data.input='domain/*.parquet' --config.checkpoint.push_to_hub=ORG/domain-bert":
+        Run('hub', f'--workdir={{tmp}}/domain_bert {_TINY_HUB} --config.checkpoint.every_steps=1',
+            _PRETRAIN_SAYS),
+    "bert-jax eval --checkpoint=/tmp/domain_bert --config=continue_pretraining "
+    "--config.data.input='domain/*.parquet'": Run(
+        'hub', f'--checkpoint={{tmp}}/domain_bert {_TINY_HUB}', ('"mlm_accuracy"',)),
+    'bert-jax convert --input=/tmp/domain_bert --format=hf --push_to_hub=ORG/domain-bert': Run(
+        'hub', '--input={tmp}/domain_bert'),
+    'python3 -c "from transformers import pipeline; print(pipeline(\'fill-mask\', '
+    'model=\'ORG/domain-bert\')(\'the model reads [MASK] text.\'))"': Run(
+        'hub', '', ("'token_str'",)),
+    'bert-jax fill-mask --checkpoint=hf://ORG/domain-bert@main "the model reads [MASK] text."':
+        Run('hub'),
+    'pip install -e ".[hub]"': NotHere(_INSTALLS),
+    'bert-jax convert --input=/tmp/bert-jax/smoke --format=hf --push_to_hub=ORG/NAME': Run(
+        'hub', '--input={tmp}/my_bert'),
     # ---- README.md: attention, LayerNorm ----------------------------------------------------
     'bert-jax pretrain --config=configs/bert_base_tpu_speed.py ...': NotHere(
         _TPU + ' (splash attention trains on TPUs only); tests/aot_test.py compiles it'),
@@ -607,12 +642,17 @@ def _children_cpu() -> float:
   return usage.ru_utime + usage.ru_stime
 
 
-def _run_group(group: str, tmp_path) -> dict[str, subprocess.CompletedProcess]:
+def _run_group(group: str, tmp_path, extra_env: dict[str, str] | None = None,
+               prepare=None) -> dict[str, subprocess.CompletedProcess]:
   """Runs the group's commands in README order, each as written plus its appended flags, in
   one shell (so `F=...` carries to the next line), checks each (`check_console`) and returns
-  each command's result. Prints each command's time (and CPU time)."""
+  each command's result. Prints each command's time (and CPU time). `prepare(folder)` adds
+  inputs to the scratch folder first; `extra_env` goes to every command."""
   folder = _scratch(tmp_path)
+  if prepare:
+    prepare(folder)
   env = processes.user_env(folder)
+  env.update(extra_env or {})
   results, shell_vars = {}, ''
   for path, number, command in _all():
     found = entry(command)
@@ -643,7 +683,8 @@ def _output(results, start: str) -> str:
 
 def test_pretraining_run_and_the_commands_that_use_it(tmp_path):
   """`bert-jax pretrain`, its reruns one step further, then eval, fill-mask, features,
-  convert, and GLUE fine-tuning with predict, all on that one run."""
+  convert, and GLUE fine-tuning with predict, all on that one run; beside it, the trackers
+  section's W&B offline run."""
   results = _run_group('pretrain', tmp_path)
   smoke = tmp_path / 'smoke'
   with open(smoke / 'metrics.jsonl') as f:
@@ -668,6 +709,9 @@ def test_pretraining_run_and_the_commands_that_use_it(tmp_path):
   assert (tmp_path / 'mrpc' / 'predictions' / 'dev.tsv').exists()
   with open(tmp_path / 'mrpc_dev.jsonl') as f:
     assert len(f.readlines()) == 8
+  # The W&B offline run of the trackers section, beside its TensorBoard events.
+  assert list((tmp_path / 'wandb_run' / 'wandb').glob('offline-run-*/run-*.wandb'))
+  assert list((tmp_path / 'wandb_run').glob('events.out.tfevents.*'))
 
 
 def test_vocabulary_commands(tmp_path):
@@ -683,3 +727,64 @@ def test_help_and_launcher_dry_runs(tmp_path):
   assert len(results) == 11
   assert 'gcloud compute tpus' in _output(results, 'python launch/tpu.py create')
   assert '# task 1 on node02:' in _output(results, 'DRY_RUN=1')
+
+
+def _hub_inputs(folder: str) -> None:
+  """The guide's inputs: domain/*.parquet (the corpus's documents, a row each, in two files) and
+  a tiny BERT with a vocabulary of that corpus, for the test's Hub to hold as
+  google-bert/bert-base-uncased (in folder/hub_model)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from bert_jax import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  texts = []
+  for name in sorted(os.listdir(os.path.join(folder, 'corpus'))):
+    with open(os.path.join(folder, 'corpus', name)) as f:
+      texts += [doc for doc in f.read().split('\n\n') if doc.strip()]
+  texts = [f'{t} {i}.' for i, t in enumerate(texts * 5)]  # Enough documents to hold some out.
+  os.makedirs(os.path.join(folder, 'domain'))
+  half = len(texts) // 2
+  for i, rows in enumerate((texts[:half], texts[half:])):
+    pq.write_table(pa.table({'text': rows}), os.path.join(folder, 'domain', f'part-{i}.parquet'))
+  vocab = vocab_lib.train_wordpiece([line for t in texts for line in t.split('\n')],
+                                    os.path.join(folder, 'hub_vocab.txt'), 200)
+  with open(vocab) as f:
+    size = len(f.read().splitlines())
+  config = model_lib.config_for_size('tiny', vocab_size=size)
+  params = model_lib.init_params(config, jax.random.key(0))
+  convert.export_hf(config, params, os.path.join(folder, 'hub_model'), vocab, lower_case=True)
+
+
+def test_the_guide_from_a_corpus_to_a_pushed_model(tmp_path):
+  """The guide's commands, as written, against a Hub on loopback (HF_ENDPOINT) that holds a tiny
+  BERT as google-bert/bert-base-uncased: pre-training from scratch, continued pre-training of
+  the Hub model on Parquet with pushes every checkpoint, eval, the final push, and the pushed
+  model in transformers' fill-mask pipeline and bert-jax fill-mask by name."""
+  import hub_server  # pylint: disable=g-import-not-at-top
+  with hub_server.HubServer() as hub:
+
+    def prepare(folder):
+      _hub_inputs(folder)
+      files = {}
+      for name in os.listdir(os.path.join(folder, 'hub_model')):
+        with open(os.path.join(folder, 'hub_model', name), 'rb') as f:
+          files[name] = f.read()
+      hub.add_repo('google-bert/bert-base-uncased', files)
+
+    results = _run_group('hub', tmp_path, {'HF_ENDPOINT': hub.url, 'HF_TOKEN': hub_server.TOKEN,
+                                           'HF_HOME': str(tmp_path / 'hf_home')}, prepare)
+  assert len(results) == 8
+  pushed = hub.repos[('model', 'ORG/domain-bert')]
+  assert {'step-1', 'step-2'} <= set(pushed.tags)  # Every checkpoint of the run, tagged.
+  card = pushed.commits[pushed.branches['main']]['README.md'].decode()
+  assert 'bert-jax pretrain --config=continue_pretraining' in card
+  assert '"init_checkpoint": "hf://google-bert/bert-base-uncased"' in card
+  assert ('model', 'ORG/NAME') in hub.repos
+  evaluation = json.loads(_output(results, 'bert-jax eval').splitlines()[-1])
+  assert {'mlm_accuracy', 'nsp_accuracy'} <= set(evaluation)
+  assert "'token_str'" in _output(results, 'python3 -c')  # transformers' fill-mask answers.
+  masks = [json.loads(line) for line in _output(results, 'bert-jax fill-mask --checkpoint=hf://')
+           .splitlines() if line.startswith('{')]
+  assert len(masks[0]['masks'][0]['predictions']) == 5

@@ -3,6 +3,7 @@ driver's refusals before the lock, the lock held inside), the close that runs ho
 ends, and the schedules (`itstime`). The drivers' own tests run whole runs through it."""
 
 import os
+import types
 
 import pytest
 
@@ -85,6 +86,43 @@ def test_the_close_waits_for_the_last_save_and_closes_however_the_loop_ends(tmp_
         raise RuntimeError('the loop failed')
   assert calls == ['loop', 'Steps.close', 'wait for the last save', 'Manager.close',
                    'Log.close']
+
+
+class Pusher:
+
+  def __init__(self, calls):
+    self.calls = calls
+
+  def close(self, wait=True):
+    self.calls.append(f'Pusher.close(wait={wait})')
+
+
+@pytest.mark.parametrize('requested', [False, True])
+def test_the_pushes_are_waited_for_after_the_saves_but_not_in_a_notice(tmp_path, requested):
+  """checkpoint.push_to_hub's pushes close last (they wait for their saves' commits); a
+  preemption notice does not wait for them (publish_test: what close(wait=False) does)."""
+  calls = []
+  preemption = types.SimpleNamespace(requested=requested)
+  with run_frame.closing(Steps(calls), Manager(calls), str(tmp_path), Log(calls), Pusher(calls),
+                         preemption):
+    calls.append('loop')
+  assert calls == ['loop', 'Steps.close', 'wait for the last save', 'Manager.close',
+                   'Log.close', f'Pusher.close(wait={not requested})']
+
+
+def test_the_pushes_close_when_the_last_save_failed(tmp_path, monkeypatch):
+  calls = []
+
+  def failed(manager, workdir):
+    del manager, workdir
+    raise UserError('the save failed')
+
+  monkeypatch.setattr(run_frame.ckpt_lib, 'wait_for_saves', failed)
+  with pytest.raises(UserError, match='the save failed'):
+    with run_frame.closing(Steps(calls), Manager(calls), str(tmp_path), Log(calls), Pusher(calls),
+                           types.SimpleNamespace(requested=False)):
+      calls.append('loop')
+  assert calls == ['loop', 'Steps.close', 'Pusher.close(wait=True)']
 
 
 class _nothing:

@@ -10,6 +10,7 @@ subprocesses) lets later runs reuse those compiles.
 """
 
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -223,23 +224,68 @@ def test_pretrain_command_runs_end_to_end(cli_run):
     assert what in out, out
 
 
-def test_exact_resume(tmp_path, reference, vocab_file):
+def test_exact_resume(tmp_path, reference, vocab_file, monkeypatch):
   """Stopping at step N and resuming to 2N gives bit-identical losses and parameters: params,
-  optimizer state, step, dropout RNG and the input position all come back exactly."""
+  optimizer state, step, dropout RNG and the input position all come back exactly. Logged to
+  W&B too (offline): the rerun resumes into the same W&B run, whose curves are TensorBoard's
+  tags with metrics.jsonl's values (where the wandb extra is installed, as the test extra does;
+  a hand-made environment without it checks the resume alone)."""
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.setenv('WANDB_SILENT', 'true')
   n = REFERENCE_STEPS // 2
   workdir = str(tmp_path / 'run')
-  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=n), workdir)
+  wandb = importlib.util.find_spec('wandb') is not None
+  writers = ({'log.writers': 'tensorboard,wandb', 'log.wandb_project': 'bert-jax-test'}
+             if wandb else {})
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=n, **writers), workdir)
   assert ckpt_lib.checkpoint_steps(workdir) == [4, n]
   first = _losses(workdir)
   assert sorted(first) == list(range(1, n + 1))
   lines = _num_lines(workdir)
-  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=2 * n), workdir)
+  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=2 * n, **writers), workdir)
   resumed = _losses(workdir, skip=lines)
   expected = _losses(reference)
   assert sorted(resumed) == list(range(n + 1, 2 * n + 1))
   assert {s: expected[s] for s in first} == first
   assert {s: expected[s] for s in resumed} == resumed
   _assert_same_params(_params(workdir), _params(reference))
+  if wandb:
+    _assert_wandb_run_is_the_log(workdir, runs=2)
+
+
+def _assert_wandb_run_is_the_log(workdir, runs):
+  """The workdir's W&B run (offline): one run id over `runs` starts, the config, and the
+  same tags, steps and values as TensorBoard's events and metrics.jsonl."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import wandb_records  # pylint: disable=g-import-not-at-top
+  offline = wandb_records.offline_runs(workdir)
+  with open(os.path.join(workdir, 'wandb_run.json')) as f:
+    run_id = json.load(f)['id']
+  assert [r.run_id for r in offline] == [run_id] * runs
+  assert offline[0].project == 'bert-jax-test'
+  assert offline[0].config['train']['steps'] == TOTAL_STEPS
+  logged = {}
+  for run in offline:
+    for row in run.history:
+      logged.setdefault(row['_step'], {}).update(
+          {k: v for k, v in row.items() if not k.startswith('_')})
+  events = {}
+  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        events.setdefault(event.step, {})[value.tag] = float(
+            tf.make_ndarray(value.tensor) if value.HasField('tensor') else value.simple_value)
+  assert logged.keys() == events.keys()
+  for step, tagged in events.items():
+    assert logged[step].keys() == tagged.keys(), step
+    for tag, value in tagged.items():
+      # TensorBoard keeps float32, W&B the float64 that was logged.
+      assert np.float32(logged[step][tag]) == np.float32(value), (tag, step)
+  train_rows, eval_rows = _rows(workdir)
+  for row in train_rows:
+    assert logged[row['step']]['train/loss'] == row['loss']
+  for row in eval_rows:
+    assert logged[row['step']]['eval/mlm_accuracy'] == row['mlm_accuracy']
 
 
 def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, vocab_file,
