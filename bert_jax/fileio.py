@@ -239,7 +239,8 @@ def same_path(a: str, b: str) -> bool:
   """Whether `a` and `b` name one file or folder: local paths compared resolved (relative
   paths, symlinks, `..`) and, when both exist, by inode (hard links); remote ones as written,
   less a trailing '/'."""
-  if is_remote(a) or is_remote(b):
+  # A Hub name (hf://, hub.py) is no filesystem's path: compared as written, like remote ones.
+  if a.startswith('hf://') or b.startswith('hf://') or is_remote(a) or is_remote(b):
     return a.rstrip('/') == b.rstrip('/')
   if os.path.realpath(a) == os.path.realpath(b):
     return True
