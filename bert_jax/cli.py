@@ -155,7 +155,9 @@ def _convert_flags():
   flags.DEFINE_string('input', None, 'A Hugging Face directory, a Google checkpoint '
                       '(directory or bert_model.ckpt prefix), a bert_jax checkpoint or workdir.')
   flags.DEFINE_string('output', None, 'Output directory.')
-  flags.DEFINE_enum('format', 'bert_jax', ['bert_jax', 'hf', 'google'], 'Output format.')
+  flags.DEFINE_enum('format', 'bert_jax', ['bert_jax', 'hf', 'google', 'modernbert'],
+                    'Output format (modernbert: transformers\' ModernBertForMaskedLM, for a '
+                    'model with its architecture).')
   flags.mark_flags_as_required(['input', 'output'])
 
   def run(argv):

@@ -519,7 +519,7 @@ def _batch_shapes(task: tasks.Task, config: ml_collections.ConfigDict, epochs: r
 def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertConfig
                   ) -> model_lib.BertConfig:
   """The checkpoint's BertConfig, run as config.model says (dtype, dropout, layout, kernel)."""
-  if config.data.max_seq_length > pre_config.max_position_embeddings:
+  if pre_config.max_length and config.data.max_seq_length > pre_config.max_length:
     raise UserError(f'config.data.max_seq_length={config.data.max_seq_length} exceeds the '
                     'checkpoint\'s max_position_embeddings='
                     f'{pre_config.max_position_embeddings}')

@@ -101,6 +101,14 @@ def _pre_norm(x, residual, bias, bits, rate, dtype):
   return z + residual.astype(dtype)
 
 
+def residual_add(x: Array, residual: Array, bias: Array | None, bits: Array | None,
+                 rate: float) -> Array:
+  """residual + dropout(x + bias), the sum `residual_layer_norm` normalizes, in x's dtype: a
+  pre-LN layer's residual stream (its LayerNorm of the same sum is the fused op)."""
+  bits = bits if bits is not None and keep_threshold(rate) else None
+  return _pre_norm(x, residual, bias, bits, rate, x.dtype)
+
+
 def _xla(x, residual, bias, scale, beta, bits, *, rate, eps, out_dtype):
   # The sum in the compute dtype (bf16), statistics in float32, as flax's Dense, Dropout and
   # LayerNorm did: a float32 sum here makes XLA keep and move float32 [tokens, hidden]

@@ -155,6 +155,7 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   from bert_jax import attention  # pylint: disable=g-import-not-at-top
   from bert_jax import config_checks  # pylint: disable=g-import-not-at-top
   from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
+  from bert_jax import layers  # pylint: disable=g-import-not-at-top
   from bert_jax import model  # pylint: disable=g-import-not-at-top
   from bert_jax import objectives  # pylint: disable=g-import-not-at-top
   from bert_jax import train_state  # pylint: disable=g-import-not-at-top
@@ -163,8 +164,9 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   assert set(choices['model.attention_impl']) == set(attention.IMPLEMENTATIONS)
   assert set(choices['model.layer_norm_impl']) == set(layer_norm.IMPLEMENTATIONS)
   assert set(choices['model.matmul_precision']) == set(model.MATMUL_PRECISIONS)
-  remat_policies = model._REMAT_POLICIES  # pylint: disable=protected-access
-  assert set(choices['model.remat_policy']) == set(remat_policies)
+  assert set(choices['model.remat_policy']) == set(layers.REMAT_POLICIES)
+  assert set(choices['model.position_embedding_type']) == set(model.POSITION_EMBEDDINGS)
+  assert set(choices['model.mlp']) == set(model.MLPS)
   assert set(choices['data.objective']) == set(objectives.OBJECTIVES)
   assert set(choices['train.rng_impl']) == set(train_state.RNG_IMPLS)
   for dtype in choices['model.dtype']:

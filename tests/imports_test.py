@@ -21,8 +21,10 @@ LAYERS = (
     # The task modules are the table's (task_table.py imports none of them).
     ('fine-tuning tasks', {'task_table', 'metrics', *task_table.KINDS}),
     ('training', {'pretraining', 'train_state', 'optim', 'sharding', 'monitor'}),
-    ('weights and checkpoints', {'convert', 'tensor_files', 'checkpoint', 'run_lock'}),
-    ('model', {'model', 'attention', 'activations', 'layer_norm', 'flops'}),
+    ('weights and checkpoints', {'convert', 'modernbert', 'tensor_files', 'checkpoint',
+                                 'run_lock'}),
+    ('model', {'model', 'layers', 'attention', 'rotary', 'activations', 'layer_norm',
+               'flops'}),
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',
               'vocab', 'sample_corpus', 'batching'}),
     ('what is trained', {'objectives', 'tasks'}),
