@@ -1,4 +1,5 @@
-"""BERT in Flax linen: embeddings, post-LN encoder, pooler, pre-training and fine-tuning heads.
+"""BERT in Flax linen: `BertConfig`, the model (embeddings, encoder, pooler) and its pre-training
+and fine-tuning heads; the layers it is made of are in `layers.py`.
 
 The architecture options after the paper (all off by default: the paper's BERT is unchanged)
 are fields of `BertConfig` (see ARCHITECTURE_OPTIONS): rotary position embeddings instead of a
@@ -34,7 +35,8 @@ Parameter layout (unscanned; with `scan_layers` the per-layer trees are stacked 
 
 With matmul_precision='fp8' the encoder's matmuls also keep FP8 scales and amax histories, in
 the FP8_COLLECTION variable collection (not parameters): .../attention/qkv_fp8/*,
-.../attention/output/fp8/*, .../mlp/{intermediate,output}/fp8/*.
+.../attention/output/fp8/*, .../mlp/{intermediate,output}/fp8/* (a gated MLP: mlp/gated_fp8/*
+for its stacked input matmul).
 """
 
 import dataclasses

@@ -8,9 +8,14 @@ On a CPU, the same recipe at the smoke run's size (README "Modern recipe"):
 
   bert-jax pretrain --config=configs/modern.py:tiny --workdir=/tmp/bert-jax/modern
 
-Ahead-of-time check of the 8,192-token phase on a TPU slice or an H100 (README "Modern recipe"):
+Ahead-of-time check of the 8,192-token phase, one row per chip, on a TPU slice (splash attention)
+and on an H100 (cuDNN attention, the Pallas LayerNorm); README "Modern recipe" has the memory:
 
-  bert-jax compile --config=configs/modern.py --topology=v5e:4x4 --phase=1
+  bert-jax compile --config=configs/modern.py --topology=v5e:2x2 --config.train.batch_size=4 \
+      --config.train.phases=1:8192:2464 --config.model.attention_impl=splash
+  bert-jax compile --config=configs/modern.py --topology=h100 --config.train.batch_size=1 \
+      --config.train.phases=1:8192:2464 --config.model.attention_impl=cudnn \
+      --config.model.layer_norm_impl=pallas
 
 Where each choice comes from (README "Modern recipe" compares it with the paper's recipe at the
 same compute: benchmarks/recipes.py):

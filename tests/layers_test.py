@@ -220,6 +220,35 @@ def test_local_attention_sees_only_its_window():
   assert (np.abs(np.asarray(out) - np.asarray(ref)).max(-1) > 1e-6).all()
 
 
+def test_an_8192_token_packed_row_trains_on_the_cpu():
+  """The long-context case at the model level (the one long test here): one packed row of
+  8,192 tokens (four sequences, no learned positions: max_position_embeddings is 16) through a
+  one-layer local-attention model, forward and gradient. Attention stays inside each sequence
+  and inside the window; the gradient is finite."""
+  config = MODERN.replace(num_hidden_layers=1, num_attention_heads=1, global_attention_every=0,
+                          local_attention_window=256)
+  params = _params(config)
+  t = 8192
+  rng = np.random.RandomState(0)
+  ids = rng.randint(5, 99, (1, t)).astype(np.int32)
+  starts = [0, 3000, 5000, 8000]
+  sequence_ids = np.zeros((1, t), np.int32)
+  position_ids = np.zeros((1, t), np.int32)
+  for k, (a, b) in enumerate(zip(starts, starts[1:] + [t])):
+    sequence_ids[0, a:b] = k + 1
+    position_ids[0, a:b] = np.arange(b - a)
+  run = jax.jit(lambda p, ids: _encode(config, p, ids, jnp.ones_like(ids), jnp.zeros_like(ids),
+                                       sequence_ids=sequence_ids, position_ids=position_ids)[0])
+  ref = np.asarray(run(params, ids))
+  changed = ids.copy()
+  changed[0, 3001] = 7 if ids[0, 3001] != 7 else 8  # Inside sequence 2, near its start.
+  moved = np.abs(np.asarray(run(params, changed)) - ref).max(-1)[0] > 1e-6
+  # Sequence 1 (0-2999) never sees it, nor does anything past the window (3001 + 128).
+  assert np.flatnonzero(moved).tolist() == list(range(3000, 3001 + 128 + 1))
+  grads = jax.jit(jax.grad(lambda p: jnp.sum(run(p, ids) ** 2)))(params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
 def test_which_layers_are_local():
   kinds = lambda **kw: [MODERN.replace(num_hidden_layers=7, **kw).is_local_layer(i)
                         for i in range(7)]
