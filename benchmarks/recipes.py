@@ -3,7 +3,9 @@
 model's held-out MLM accuracy and its fine-tuning score on a task built from held-out text.
 Prints one JSON object (per seed and recipe, and the mean and spread per recipe).
 
-  nice python benchmarks/recipes.py --size=tiny --paper_steps=600 --seeds=0,1
+  nice python benchmarks/recipes.py --paper_steps=600 --seeds=0,1
+  nice python benchmarks/recipes.py --paper_steps=200 --seeds=0,1 --finetune_epochs=2 \
+      --finetune_lr=1e-4
 
 The corpus is the built-in sample corpus (the running Python's documentation), split by
 document: every 10th document is held out. Both recipes train on the rest with one WordPiece
@@ -24,9 +26,11 @@ Evaluation is the same for both: `bert-jax eval` (train.evaluate_checkpoint) of 
 checkpoint on the held-out documents, 15% masking, rows of one sequence, MLM only
 (mlm_accuracy). Fine-tuning: a task in SST-2's layout (`finetune_glue.py:sst2`) made from the
 held-out documents' sentences: label 1 the sentence as written, label 0 the same sentence with
-two of its words swapped (a word-order judgment, CoLA-like); train on 80% of the sentences,
-accuracy on the other 20%, the paper's GLUE recipe (3 epochs, batch 32, AdamW 10% warmup) at
---finetune_lr, one seed per pre-training seed.
+two of its words swapped (--task=word_order, a word-order judgment, CoLA-like) or one of its
+words replaced by a word of another held-out sentence (--task=replaced_word, ELECTRA's
+replaced-token detection at the sentence level); train on 80% of the sentences,
+accuracy on the other 20%, the paper's GLUE recipe (batch 32, AdamW 10% warmup) for
+--finetune_epochs at --finetune_lr, one seed per pre-training seed.
 """
 
 import argparse
@@ -61,20 +65,30 @@ def split_corpus(out_dir: str, hold_out_every: int = 10) -> tuple[str, str]:
   return paths
 
 
-def word_order_task(heldout: str, out_dir: str, max_examples: int, seed: int = 0) -> str:
-  """SST-2-layout train.tsv / dev.tsv under out_dir/SST-2 (see the module docstring)."""
+TASKS = ('word_order', 'replaced_word')
+
+
+def sentence_task(heldout: str, out_dir: str, max_examples: int, task: str = 'word_order',
+                  seed: int = 0) -> str:
+  """SST-2-layout train.tsv / dev.tsv under out_dir/SST-2 (see the module docstring): label 1
+  a held-out sentence as written, 0 the sentence with two of its words swapped (word_order)
+  or one word replaced by a word of another held-out sentence (replaced_word)."""
   rng = random.Random(seed)
   with open(heldout, encoding='utf-8') as f:
     sentences = [s.strip() for s in f if 6 <= len(s.split()) <= 30 and '\t' not in s]
   rng.shuffle(sentences)
+  words_elsewhere = [w for s in sentences[max_examples:] for w in s.split()] or ['the']
   rows = []
   for s in sentences[:max_examples]:
     words = s.split()
     if rng.random() < 0.5:
       i, j = rng.sample(range(len(words)), 2)
-      if words[i] == words[j]:
+      if task == 'word_order':
+        words[i], words[j] = words[j], words[i]
+      else:
+        words[i] = rng.choice(words_elsewhere)
+      if ' '.join(words) == s:
         continue
-      words[i], words[j] = words[j], words[i]
       rows.append((' '.join(words), 0))
     else:
       rows.append((s, 1))
@@ -160,8 +174,8 @@ def run(args) -> dict:
     vocab_lib.train_wordpiece(vocab_lib.read_lines([train_txt]), vocab, args.vocab_size)
   data = dict(train=train_txt, heldout=heldout_txt, vocab=vocab,
               cache=os.path.join(args.workdir, 'compilation_cache'),
-              task=word_order_task(heldout_txt, os.path.join(args.workdir, 'task'),
-                                   args.task_examples))
+              task=sentence_task(heldout_txt, os.path.join(args.workdir, f'task_{args.task}'),
+                                 args.task_examples, args.task))
   flops = {r: step_flops(pretrain_config(r, args, data, 100, 0)) for r in RECIPES}
   budget = flops['paper'] * args.paper_steps
   steps = {'paper': args.paper_steps, 'modern': int(budget // flops['modern'])}
@@ -176,9 +190,9 @@ def run(args) -> dict:
       held_out = train.evaluate_checkpoint(eval_config(args, data), workdir)
       start = time.time()
       tuned = finetune.finetune(finetune_config(args, data, workdir, seed),
-                                os.path.join(args.workdir, f'{recipe}_seed{seed}_task'))
+                                os.path.join(args.workdir, f'{recipe}_seed{seed}_{args.task}'))
       runs.append(dict(
-          recipe=recipe, seed=seed, steps=steps[recipe],
+          recipe=recipe, seed=seed, steps=steps[recipe], task=args.task,
           train_flops=steps[recipe] * flops[recipe], pretrain_seconds=pretrain_seconds,
           finetune_seconds=time.time() - start,
           own_eval=summary,
@@ -193,7 +207,8 @@ def run(args) -> dict:
                              std=float(np.std([r[k] for r in mine])))
                      for k in ('heldout_mlm_accuracy', 'finetune_accuracy')}
     table[recipe].update(steps=steps[recipe], train_flops=steps[recipe] * flops[recipe])
-  return dict(size=args.size, seq_len=args.seq_len, batch_size=args.batch_size,
+  return dict(size=args.size, seq_len=args.seq_len, batch_size=args.batch_size, task=args.task,
+              finetune_epochs=args.finetune_epochs, finetune_lr=args.finetune_lr,
               paper_steps=args.paper_steps, seeds=args.seeds, step_flops=flops,
               budget_flops=budget, table=table, runs=runs)
 
@@ -202,16 +217,17 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
   parser.add_argument('--size', default='tiny')
   parser.add_argument('--seq_len', type=int, default=64)
-  parser.add_argument('--batch_size', type=int, default=32)
+  parser.add_argument('--batch_size', type=int, default=16)
   parser.add_argument('--paper_steps', type=int, default=600)
   parser.add_argument('--paper_lr', type=float, default=1e-3)
   parser.add_argument('--modern_lr', type=float, default=2e-3)
   parser.add_argument('--seeds', type=lambda s: [int(x) for x in s.split(',')], default=[0, 1])
   parser.add_argument('--vocab_size', type=int, default=8000)
   parser.add_argument('--eval_steps', type=int, default=20)
-  parser.add_argument('--task_examples', type=int, default=3000)
+  parser.add_argument('--task_examples', type=int, default=2000)
+  parser.add_argument('--task', choices=TASKS, default='word_order')
   parser.add_argument('--finetune_epochs', type=int, default=3)
-  parser.add_argument('--finetune_lr', type=float, default=1e-4)
+  parser.add_argument('--finetune_lr', type=float, default=2e-4)
   parser.add_argument('--workdir', default='/tmp/bert_jax_recipes')
   args = parser.parse_args(argv)
   print(json.dumps(run(args)))

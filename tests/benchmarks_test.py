@@ -323,7 +323,7 @@ def test_recipes_benchmark_builds_its_task_and_spends_the_same_flops(tmp_path):
   docs = lambda p: [d for d in open(p, encoding='utf-8').read().split('\n\n') if d.strip()]
   train_docs, heldout_docs = docs(train_txt), docs(heldout_txt)
   assert 8 < len(train_docs) / len(heldout_docs) < 10  # Every 10th document held out.
-  task = recipes.word_order_task(heldout_txt, str(tmp_path / 'task'), 400)
+  task = recipes.sentence_task(heldout_txt, str(tmp_path / 'task'), 400)
   originals = set(open(heldout_txt, encoding='utf-8').read().splitlines())
   rows = []
   for name in ('train.tsv', 'dev.tsv'):

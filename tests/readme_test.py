@@ -65,6 +65,9 @@ _COMPILE = ('compiles BERT-large/base ahead of time: minutes of 2 cores per comm
 _BENCHMARK = ('a benchmark (the figure\'s own command, minutes to hours); '
               'tests/benchmarks_test.py runs the script at tiny sizes')
 
+_RECIPES = ('the benchmark itself (an hour or more of this loaded 2-core machine); '
+            'tests/benchmarks_test.py checks its task, configs and FLOPs budget')
+
 COMMANDS: dict[str, Run | NotHere] = {
     # ---- README.md: the two commands, quickstart --------------------------------------------
     'python3 -m pip install -e .': NotHere(_INSTALLS),
@@ -115,10 +118,9 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax compile --config=configs/modern.py --topology=h100 --config.train.batch_size=1 '
     '--config.train.phases=1:8192:2464 --config.model.attention_impl=cudnn '
     '--config.model.layer_norm_impl=pallas': NotHere(_COMPILE + ' (with the gpu_aot packages)'),
-    'nice python benchmarks/recipes.py --size=tiny --seq_len=64 --batch_size=16 '
-    '--paper_steps=200 --seeds=0,1': NotHere(
-        'the benchmark itself (about an hour of this loaded 2-core machine); '
-        'tests/benchmarks_test.py checks its task, configs and FLOPs budget'),
+    'nice python benchmarks/recipes.py --paper_steps=600 --seeds=0,1': NotHere(_RECIPES),
+    'nice python benchmarks/recipes.py --paper_steps=200 --seeds=0,1 --finetune_epochs=2 '
+    '--finetune_lr=1e-4': NotHere(_RECIPES),
     'bert-jax convert --input=path/to/hf_dir --output=out/ --format=bert_jax':
         Run('pretrain', '--input={tmp}/smoke'),
     'bert-jax finetune --config=configs/finetune_glue.py:mrpc '
