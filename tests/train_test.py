@@ -535,6 +535,7 @@ MODERN = {
     'model.type_vocab_size': 0, 'model.max_position_embeddings': 32,
     'model.hidden_dropout_prob': 0.0, 'model.attention_probs_dropout_prob': 0.0,
     'data.objective': 'none', 'data.masked_lm_prob': 0.3, 'data.packing': True,
+    'data.packing_max_sequences': 64,  # Rows of 1,024 tokens hold many sample documents.
     'data.max_predictions_per_seq': 10, 'train.phases': '0.02:32:10,0.98:1024:300',
 }
 
@@ -550,8 +551,9 @@ def test_modern_architecture_trains_long_packed_rows_and_resumes_exactly(tmp_pat
   train_rows, eval_rows = _rows(full)
   lengths = [round(r['tokens_per_second'] / r['steps_per_second'] / 8) for r in train_rows]
   assert lengths == [32] * 4 + [1024] * 2
-  # Packed: nearly every slot of a 1,024-token row is a real token.
-  assert train_rows[-1]['real_tokens_per_second'] > 0.9 * train_rows[-1]['tokens_per_second']
+  # Packed: most slots of a 1,024-token row are real tokens (unpacked, a row would hold one
+  # document of the sample corpus: mostly padding).
+  assert train_rows[-1]['real_tokens_per_second'] > 0.8 * train_rows[-1]['tokens_per_second']
   assert eval_rows and 'mlm_accuracy' in eval_rows[-1] and 'nsp_accuracy' not in eval_rows[-1]
   params = _params(full)
   assert 'position_embeddings' not in params['bert']['embeddings']
