@@ -63,7 +63,7 @@ def prepare(features, buckets, args, model, tx, mesh, rules):
                                window_batches=args.length_sort_window))
   params = model_lib.init_params(model.config, jax.random.key(0), type(model), num_labels=2)
   with sharding_lib.activate(mesh, rules):
-    holder = [state_lib.state_from_params(params, tx, shardings, abstract)]
+    holder = [state_lib.state_from_params(params, tx, abstract)]
 
   def run(batches):
     with sharding_lib.activate(mesh, rules):

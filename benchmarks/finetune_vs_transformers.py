@@ -295,7 +295,7 @@ def main():
   parser.add_argument('--max_seq_length', type=int, default=128)
   parser.add_argument('--threads', type=int, default=2, help='PyTorch intra-op threads')
   parser.add_argument('--bert_jax_flags', nargs='*', default=[],
-                      help='extra flags for bert-jax finetune, e.g. --config.buckets="()"')
+                      help='extra flags for bert-jax finetune, e.g. --config.data.buckets="()"')
   args = parser.parse_args()
 
   sides = args.sides.split(',')

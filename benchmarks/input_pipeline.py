@@ -20,6 +20,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from bert_jax import documents  # pylint: disable=g-import-not-at-top
+from bert_jax import fileio
 from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
 from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
 from bert_jax import defaults  # pylint: disable=g-import-not-at-top
@@ -87,7 +88,7 @@ def main():
   parser.add_argument('--what', default='full,tokenize')
   args = parser.parse_args()
 
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   data = defaults.pretrain().data
   data.input = args.input
   data.vocab_file = args.vocab_file

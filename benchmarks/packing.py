@@ -28,13 +28,13 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from bert_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-from bert_jax import config_files
+from bert_jax import config_files  # pylint: disable=g-import-not-at-top
 from bert_jax import fileio
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import pretraining
+from bert_jax import run_files
 from bert_jax import sharding as sharding_lib
 from bert_jax import train as train_lib
 
@@ -156,7 +156,7 @@ def learning(args):
     out[f'{name}_sequences_seen'] = round(sum(
         r['sequences_per_second'] / r['steps_per_second'] * config.log.every_steps
         for r in rows))
-    params[packing] = ckpt_lib.load_pretrained_from_workdir(workdir)[1]
+    params[packing] = run_files.load_pretrained_from_workdir(workdir)[1]
   # The same held-out, padded batches for both models.
   config = _config(args, seq_len, preds, batch, False)
   bert_config = model_lib.config_from(
@@ -197,7 +197,7 @@ def main():
   unknown = sorted(set(args.seq_lens) - set(SETTINGS))
   if unknown:
     parser.error(f'--seq_lens: {unknown} not in {sorted(SETTINGS)}')
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   dict(padding=padding, speed=speed, learning=learning)[args.what](args)
 
 

@@ -59,7 +59,7 @@ def setup_jax(args, config):
   bsh = sharding_lib.batch_sharding(mesh)
   if args.real_data:
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
-    input_pipeline.hide_accelerators_from_tf()
+    fileio.hide_accelerators_from_tf()
     vocab = input_pipeline.resolve_vocab(config.data, fileio.default_workdir('bench'))
     ds = input_pipeline.make_pretraining_dataset(
         config.data, batch_size=args.batch_size, seq_len=args.seq_len,

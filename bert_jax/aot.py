@@ -158,11 +158,13 @@ def _compile(config: ml_collections.ConfigDict, vocab_size: int, devices, seq_le
   mesh = sharding_lib.make_mesh(config.mesh, devices)
   rules = sharding_lib.rules_from_config(config.mesh)
   pretraining.check_batch(config, mesh)
-  built = pretraining.build_step(config, mesh, vocab_size)
   batch = _abstract_batch(config, seq_len, preds, sharding_lib.batch_sharding(mesh))
   platform = 'gpu' if devices[0].platform in ('gpu', 'cuda') else devices[0].platform
-  with sharding_lib.activate(mesh, rules), attention.lowering_for(platform, compute_capability):
-    lowered = built.train_step.jitted.lower(built.abstract, batch)
+  with attention.lowering_for(platform, compute_capability):
+    # Built for the target: the model config's 'auto' resolves for it (`model.resolve`).
+    built = pretraining.build_step(config, mesh, vocab_size)
+    with sharding_lib.activate(mesh, rules):
+      lowered = built.train_step.jitted.lower(built.abstract, batch)
   with _without_persistent_cache():
     compiled = lowered.compile()
   return compiled, model_lib.count_params(built.abstract.params)
@@ -275,13 +277,12 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     chips = len({tuple(getattr(d, 'coords', (i,))) for i, d in enumerate(devices)})
     per_chip = len(devices) // max(chips, 1)
     hw = {k: v / per_chip for k, v in flops_lib.TPU_CHIPS[chip].items()}
-  dtype = 'bfloat16' if config.model.dtype == 'auto' else config.model.dtype
-  # The accelerator's dtype, not this host's ('auto' resolves by the backend that runs it).
-  config = copy.deepcopy(config)
-  config.model.dtype = dtype
   vocab_size = config.model.vocab_size or vocab_size
+  # 'auto' resolved for the accelerator, not this host (`_compile` builds the step for it too).
   bert_config = model_lib.config_from(config.model, vocab_size=vocab_size,
-                                     max_packed_sequences=pretraining.packed_sequences(config))
+                                     max_packed_sequences=pretraining.packed_sequences(config),
+                                     platform=target.platform)
+  dtype = bert_config.dtype
   capability = (tuple(flops_lib.GPU_CHIPS[chip]['compute_capability'])
                 if target.platform == 'gpu' else None)
   reports = []
@@ -292,7 +293,8 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                   devices=len(devices), chip=chip,
                   model=config.model.size, dtype=dtype, batch_size=config.train.batch_size,
                   seq_len=phase.seq_len, max_predictions=phase.max_predictions,
-                  mesh=mesh_sizes, attention_impl=bert_config.attention_impl)
+                  mesh=mesh_sizes, attention_impl=bert_config.attention_impl,
+                  layer_norm_impl=bert_config.layer_norm_impl)
     try:
       compiled, n_params = _compile(config, vocab_size, devices, phase.seq_len,
                                     phase.max_predictions, capability)
@@ -385,7 +387,7 @@ def format_report(report: dict[str, Any]) -> str:
            f"{report['chips']} chips, {report['devices']} devices")
   title = (f"{report['model']} on {report['topology']} ({where}), batch {report['batch_size']} x "
            f"{report['seq_len']} tokens, {report['dtype']}, mesh {report['mesh']}, "
-           f"{report['attention_impl']} attention")
+           f"{report['attention_impl']} attention, {report['layer_norm_impl']} LayerNorm")
   if 'error' in m:
     return '\n'.join([
         title, f"  DOES NOT FIT in {m['hbm_gib']:.0f} GiB HBM per device: {m['error']}",

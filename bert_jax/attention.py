@@ -60,11 +60,12 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
+from bert_jax import config_checks
 from bert_jax.errors import UserError
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ('xla', 'cudnn', 'cudnn_varlen', 'splash')
+IMPLEMENTATIONS = config_checks.CHOICES['model.attention_impl']
 # The backend each fused kernel runs on (jax.default_backend() names).
 _BACKENDS = {'cudnn': 'gpu', 'cudnn_varlen': 'gpu', 'splash': 'tpu'}
 # cuDNN's packed layout runs on Hopper (compute capability 9.0) and later.
@@ -157,8 +158,7 @@ def check_config(impl: str, attention_dropout: float, platform: str,
   sequence lengths it will see (every phase or bucket); `local_window` the local layers'
   window (0: none); `scanned_kinds` whether scanned layers mix local and global attention.
   """
-  if impl not in IMPLEMENTATIONS:
-    raise UserError(f'model.attention_impl={impl!r} is not one of {IMPLEMENTATIONS}')
+  config_checks.check_choice('model.attention_impl', impl)  # For a direct caller.
   check_local(impl, local_window, scanned_kinds)
   if impl == 'xla':
     return
@@ -235,8 +235,7 @@ def dot_product_attention(q: Array, k: Array, v: Array, sequence_ids: Array, *, 
   mask = block_diagonal_mask(sequence_ids, local_window, local)
   if impl == 'cudnn':
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
-  if impl != 'xla':
-    raise UserError(f'model.attention_impl={impl!r} is not one of {IMPLEMENTATIONS}')
+  assert impl == 'xla', impl
   if probs_dropout is not None:
     # jax.nn.dot_product_attention has no dropout: the same numerics, written out.
     logits = jnp.einsum('btnh,bsnh->bnts', q, k, preferred_element_type=jnp.float32)

@@ -32,14 +32,15 @@ def encode_in_chunks(tok, texts: Sequence[str], chunk_size: int = 50_000) -> lis
 
 
 def parse_buckets(values: Sequence[Any]) -> tuple[int, ...]:
-  """config.buckets as ints (`--config.buckets=` arrives as ('',): an error, not 'none')."""
+  """config.data.buckets as ints (`--config.data.buckets=` arrives as ('',): an error, not
+  'none')."""
   try:
     buckets = tuple(int(b) for b in values)
   except (TypeError, ValueError):
     buckets = None
   if buckets is None or any(b < 1 for b in buckets):
-    raise UserError(f'config.buckets={tuple(values)!r}: expected positive sequence lengths, '
-                    "e.g. --config.buckets=32,64,128, or --config.buckets='()' for none")
+    raise UserError(f'config.data.buckets={tuple(values)!r}: expected positive sequence lengths, '
+                    "e.g. --config.data.buckets=32,64,128, or --config.data.buckets='()' for none")
   return buckets
 
 

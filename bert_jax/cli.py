@@ -527,8 +527,9 @@ def _run_command(name: str, args: list[str]) -> None:
       # the output. After the flags: --help and flag mistakes do not wait for it. With
       # --traceback the notes stay, for a bug report.
       with _native_stderr_held_back():
-        from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
-        input_pipeline.hide_accelerators_from_tf()
+        # The pipeline's import loads TensorFlow Text too, whose notes are held back with it.
+        from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top,unused-import
+        fileio.hide_accelerators_from_tf()
     run(argv)
   app.run(run_after_tensorflow, argv=list(_ARGV), flags_parser=_parse_flags)
 

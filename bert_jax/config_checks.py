@@ -6,7 +6,10 @@ have (pre-training versus fine-tuning, a task's own keys) is skipped, so one tab
 job. A value out of range is a UserError naming the key as the user sets it
 (`--config.train.learning_rate=-0.001: must be > 0`), before any data or model is built;
 adding a key is one more row here and one more row in tests/inputs_test.py. `CHOICES` does the
-same for every categorical key (`--config.model.dtype='fp16': expected one of auto, ...`).
+same for every categorical key (`--config.model.dtype='fp16': expected one of auto, ...`), and is
+where each key's values are defined: the modules that branch on one import its values from here
+(`attention.IMPLEMENTATIONS` is `CHOICES['model.attention_impl']`), and check a direct caller's
+value with `check_choice`, the same one line.
 
 Every check needs config.kind ('pretrain' or 'finetune', set by defaults.pretrain() and
 defaults.finetune()): which job the config is for, never guessed from the keys it has.
@@ -126,14 +129,27 @@ RANGES: dict[str, Check] = {
 }
 
 
-# The values of every categorical key, written out here (the modules that use them import JAX,
-# seconds of start-up; tests/config_files_test.py checks that the lists agree with theirs), so
-# that a misspelt value fails where the config loads, not 10-30 s in or after the workdir is
-# written.
-_SIZES = ('tiny', 'mini', 'small', 'medium', 'base', 'large') + tuple(
-    f'L{layers}_H{hidden}' for layers in (2, 4, 6, 8, 10, 12) for hidden in (128, 256, 512, 768))
+# The values of every categorical key, defined here once. The modules that branch on them import
+# them from here: this module imports no JAX (seconds of start-up), so a misspelt value fails
+# where the config loads, not 10-30 s in or after the workdir is written.
+
+# Named model sizes (model.size): (layers, hidden, heads); the intermediate size is always
+# 4 x hidden. `model.config_for_size` decodes them.
+MODEL_SIZES: dict[str, tuple[int, int, int]] = {
+    f'L{layers}_H{hidden}': (layers, hidden, hidden // 64)
+    for layers in (2, 4, 6, 8, 10, 12) for hidden in (128, 256, 512, 768)}
+MODEL_SIZES.update({
+    'tiny': MODEL_SIZES['L2_H128'],     # Turc et al.'s BERT-Tiny; what the tests run.
+    'mini': MODEL_SIZES['L4_H256'],
+    'small': MODEL_SIZES['L4_H512'],
+    'medium': MODEL_SIZES['L8_H512'],
+    'base': (12, 768, 12),
+    'large': (24, 1024, 16),
+})
 CHOICES: dict[str, tuple[str, ...]] = {
-    'model.size': _SIZES,
+    'model.size': tuple(MODEL_SIZES),
+    # 'auto' (this key and layer_norm_impl): for the platform a step runs on, or is compiled
+    # for (`model.resolve`, the one place that resolves it).
     'model.dtype': ('auto', 'float32', 'bfloat16', 'float16'),
     'model.remat_policy': ('none', 'full', 'dots'),
     'model.attention_impl': ('xla', 'cudnn', 'cudnn_varlen', 'splash'),
@@ -147,6 +163,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     'train.rng_impl': ('threefry2x32', 'rbg', 'unsafe_rbg'),
     'task.data_source': ('tsv', 'tfds'),
 }
+
+
+def check_choice(key: str, value: Any) -> None:
+  """The UserError of `key`'s check where a config loads, for a value `key` does not take: for
+  the libraries that branch on `key`, on a direct caller's value."""
+  if value not in CHOICES[key]:
+    raise _choice_error(key, value)
 
 
 def _choice_error(key: str, value: Any) -> UserError:
@@ -325,7 +348,7 @@ def check_config(config: ml_collections.ConfigDict, kind: str | None = None) -> 
       raise UserError(f'--config.{key}={value!r}: {wording}')
   for key in CHOICES:
     present, value = _lookup(config, key)
-    if present and value not in CHOICES[key]:
-      raise _choice_error(key, value)
+    if present:
+      check_choice(key, value)
   for check in CROSS_CHECKS:
     check(config)

@@ -10,7 +10,7 @@
                 given as its directory or its prefix. Optimizer slots are skipped.
   bert_jax      bert_jax.json + bert_config.json + vocab.txt + params/ (Orbax, unscanned,
                 float32), written by `export_bert_jax`.
-  workdir       a training directory with checkpoints/: `checkpoint.load_pretrained_from_workdir`.
+  workdir       a training directory with checkpoints/: `run_files.load_pretrained_from_workdir`.
 
 Loading is strict. The config fixes every shape (`jax.eval_shape` of the model) and a missing,
 unexpected or misshapen tensor is an error naming it and its file. Heads (`mlm`, `nsp`,
@@ -519,9 +519,9 @@ def load_pretrained(path: str, *, dtype: str = 'float32',
   """
   fmt, where = _detect(path)
   if fmt == 'workdir':
-    # Lazy: the checkpoint module brings in the training stack.
-    from bert_jax import checkpoint  # pylint: disable=g-import-not-at-top
-    config, params = checkpoint.load_pretrained_from_workdir(path)
+    # Lazy: reading a workdir brings in Orbax.
+    from bert_jax import run_files  # pylint: disable=g-import-not-at-top
+    config, params = run_files.load_pretrained_from_workdir(path)
   elif fmt == 'modernbert':
     config = modernbert.config_from_hf(_read_json(os.path.join(where, 'config.json')),
                                        os.path.join(where, 'config.json'))

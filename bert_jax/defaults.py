@@ -34,6 +34,32 @@ def _adamw_terms(train: ml_collections.ConfigDict) -> None:
   train.max_grad_norm = 1.0
 
 
+def _mesh() -> ml_collections.ConfigDict:
+  """The `mesh` block, the same for pre-training and fine-tuning."""
+  mesh = ml_collections.ConfigDict()
+  # Device mesh axis sizes; -1 means "all remaining devices".
+  mesh.data = -1
+  mesh.fsdp = 1
+  mesh.tensor = 1
+  # Logical axis -> mesh axes. Parameters: vocab, embed, mlp, heads, kv, layers.
+  # Activations: batch, length, act_embed, act_mlp, act_heads, act_vocab.
+  mesh.rules = (
+      ('batch', ('data', 'fsdp')),
+      ('vocab', 'tensor'),
+      ('embed', 'fsdp'),
+      ('mlp', 'tensor'),
+      ('heads', 'tensor'),
+      ('kv', None),
+      ('layers', None),
+      ('length', None),
+      ('act_embed', None),
+      ('act_mlp', 'tensor'),
+      ('act_heads', 'tensor'),
+      ('act_vocab', 'tensor'),
+  )
+  return mesh
+
+
 def _model(from_scratch: bool) -> ml_collections.ConfigDict:
   """The `model` block (model.config_from decodes it). Pre-training from scratch also says what
   the model is; fine-tuning takes that from its checkpoint, so its block lacks those keys."""
@@ -193,27 +219,7 @@ def pretrain() -> ml_collections.ConfigDict:
   config.train.init_checkpoint = ''
 
   # ---- Mesh and sharding -----------------------------------------------------------------
-  config.mesh = ml_collections.ConfigDict()
-  # Device mesh axis sizes; -1 means "all remaining devices".
-  config.mesh.data = -1
-  config.mesh.fsdp = 1
-  config.mesh.tensor = 1
-  # Logical axis -> mesh axes. Parameters: vocab, embed, mlp, heads, kv, layers.
-  # Activations: batch, length, act_embed, act_mlp, act_heads, act_vocab.
-  config.mesh.rules = (
-      ('batch', ('data', 'fsdp')),
-      ('vocab', 'tensor'),
-      ('embed', 'fsdp'),
-      ('mlp', 'tensor'),
-      ('heads', 'tensor'),
-      ('kv', None),
-      ('layers', None),
-      ('length', None),
-      ('act_embed', None),
-      ('act_mlp', 'tensor'),
-      ('act_heads', 'tensor'),
-      ('act_vocab', 'tensor'),
-  )
+  config.mesh = _mesh()
 
   # ---- Checkpoints, evaluation, logging ----------------------------------------------------
   config.checkpoint = ml_collections.ConfigDict()
@@ -259,11 +265,6 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   config.task.name = task
   # Directory of the task's files (see each config's docstring).
   config.task.data_dir = ''
-  # Sequence-length buckets: each batch is cut to the smallest one that holds its longest
-  # example (one compiled step per bucket). () = every batch padded to data.max_seq_length
-  # (on the command line: --config.buckets=16,32,64,128 or --config.buckets='()').
-  config.buckets = (32, 64, 128)
-
   config.data = ml_collections.ConfigDict()
   # WordPiece vocab.txt; '' = the checkpoint's own vocab.txt (which it must then have).
   config.data.vocab_file = ''
@@ -272,6 +273,10 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # when 1% or more of those with letters change under lower-casing).
   config.data.lower_case = ml_collections.config_dict.placeholder(bool)
   config.data.max_seq_length = 128
+  # Sequence-length buckets: each batch is cut to the smallest one that holds its longest
+  # example (one compiled step per bucket). () = every batch padded to data.max_seq_length
+  # (on the command line: --config.data.buckets=16,32,64,128 or --config.data.buckets='()').
+  config.data.buckets = (32, 64, 128)
 
   # How to run the checkpoint's encoder; its architecture is the checkpoint's own.
   config.model = _model(from_scratch=False)
@@ -323,13 +328,12 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # The metric that picks the best epoch; '' = the task's headline metric (MRPC/QQP: f1,
   # STS-B: spearman, CoLA: mcc, SQuAD and NER: f1, others: accuracy; each module says its own).
   config.eval.main_metric = ''
-
   # Also predict the test set(s) with the best epoch's weights (GLUE: the leaderboard's TSV
   # files, MNLI also AX.tsv when diagnostic/diagnostic.tsv exists; tasks with labelled test
   # files: scored).
-  config.predict_test = False
+  config.eval.predict_test = False
 
-  config.mesh = pretrain().mesh
+  config.mesh = _mesh()
 
   config.log = ml_collections.ConfigDict()
   config.log.every_steps = 50
@@ -339,8 +343,9 @@ def finetune(task: str) -> ml_collections.ConfigDict:
 
 
 # Keys that fine-tuning configs had at the top level before they took the places pre-training
-# has them, or their task's group: a config or override that still sets one is an error naming
-# the new key (a config file written for an earlier bert_jax would otherwise lose the setting).
+# has them, their task's group, or the group they belong to: a config or override that still
+# sets one is an error naming the new key (a config file written for an earlier bert_jax would
+# otherwise lose the setting).
 MOVED_KEYS = {
     # Where pre-training has them.
     'init_checkpoint': 'train.init_checkpoint', 'vocab_file': 'data.vocab_file',
@@ -353,7 +358,12 @@ MOVED_KEYS = {
     'max_query_length': 'task.max_query_length', 'n_best_size': 'task.n_best_size',
     'max_answer_length': 'task.max_answer_length',
     'null_score_diff_threshold': 'task.null_score_diff_threshold',
+    # The group they belong to.
+    'buckets': 'data.buckets', 'predict_test': 'eval.predict_test',
 }
+# Why a key of MOVED_KEYS is where it is now, when not where pre-training has it.
+_MOVED_TO_GROUP = {'task': "with the task's other keys", 'buckets': "with the input's other keys",
+                   'predict_test': "with evaluation's other keys"}
 
 KINDS = ('pretrain', 'finetune')
 
@@ -361,8 +371,8 @@ KINDS = ('pretrain', 'finetune')
 def moved_key_message(old: str) -> str:
   """'config.OLD is now config.NEW (why there): set ...' for a key of MOVED_KEYS."""
   new = MOVED_KEYS[old]
-  where = ("with the task's other keys" if new.startswith('task.') else
-           'where pre-training has it')
+  where = _MOVED_TO_GROUP.get(old, _MOVED_TO_GROUP['task'] if new.startswith('task.') else
+                              'where pre-training has it')
   return (f'config.{old} is now config.{new} ({where}): set config.{new} instead '
           f'(--config.{new}=... on the command line)')
 
@@ -389,8 +399,8 @@ def kind(config: ml_collections.ConfigDict) -> str:
 
 def saved_config(record: dict[str, Any]) -> dict[str, Any]:
   """A run's saved config.json as today's keys say it: records written before config.kind and
-  the task group (no 'kind'; 'task' a name, its keys at the top level) get both; today's are
-  returned as they are."""
+  the task group (no 'kind'; 'task' a name, its keys at the top level) get both, and
+  `buckets` / `predict_test` go to their groups; today's are returned as they are."""
   record = dict(record)
   if 'kind' not in record:
     record['kind'] = 'finetune' if 'task' in record else 'pretrain'
@@ -400,4 +410,8 @@ def saved_config(record: dict[str, Any]) -> dict[str, Any]:
       if new.startswith('task.') and old in record and old != 'task':
         task[new[len('task.'):]] = record.pop(old)
     record['task'] = task
+  for old in ('buckets', 'predict_test'):
+    if record['kind'] == 'finetune' and old in record:
+      group, key = MOVED_KEYS[old].split('.')
+      record[group] = dict(record.get(group) or {}, **{key: record.pop(old)})
   return record

@@ -149,8 +149,6 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
 
   Returns: {'lines', 'truncated', 'output', 'layers'} (the layers written).
   """
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-
   suffix = os.path.splitext(output)[1]
   if suffix not in ('.jsonl', '.npz', '.npy'):
     raise UserError(f'--output={output}: the name must end in .jsonl, .npz or .npy')
@@ -163,7 +161,7 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
   lines = read_input(input_file)  # Before the (slow) checkpoint: a wrong path fails at once.
   fileio.check_not_an_input(output, '--output', {'--input': input_file,
                                                  '--vocab_file': vocab_file})
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   config, params, tok, _, _ = convert.load_checkpoint(init_checkpoint, vocab_file, lower_case,
                                                       flag='--init_checkpoint')
   if not 2 < max_seq_length <= (config.max_length or max_seq_length):  # Rotary: no ceiling.

@@ -34,6 +34,13 @@ def tensorflow():
   return tf
 
 
+def hide_accelerators_from_tf() -> None:
+  """Keeps TensorFlow (tf.data, tf.io.gfile) off GPUs and TPUs, so it never takes device memory
+  from JAX: done once, as TensorFlow is imported here. Call it before TensorFlow first touches
+  a device (a module that imports TensorFlow itself does not hide them)."""
+  tensorflow()
+
+
 def gfile():
   """`tf.io.gfile`: local paths and gs:// alike."""
   return tensorflow().io.gfile
@@ -82,12 +89,6 @@ def escape_glob(path: str) -> str:
 def glob(pattern: str) -> list[str]:
   """Sorted matches of `pattern`."""
   return sorted(gfile().glob(pattern) if is_remote(pattern) else glob_lib.glob(pattern))
-
-
-def read_text(path: str, encoding: str = 'utf-8') -> str:
-  """The whole file, decoded (`utf-8-sig` drops a byte-order mark); newlines kept as they are."""
-  with (gfile().GFile(path, 'rb') if is_remote(path) else open(path, 'rb')) as f:
-    return f.read().decode(encoding)
 
 
 def missing(path: str) -> str:

@@ -13,6 +13,7 @@ import numpy as np
 
 from bert_jax import convert
 from bert_jax import errors
+from bert_jax import fileio
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
 
@@ -47,8 +48,7 @@ def fill_mask(checkpoint: str, texts: Sequence[str], top_k: int = 5, vocab_file:
   Probabilities are the softmax of the MLM head's logits over the whole vocabulary (as
   transformers' BertForMaskedLM / fill-mask pipeline), computed in float32.
   """
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   if not texts:
     raise UserError('fill-mask: no text given')
   if top_k < 1:

@@ -1,9 +1,11 @@
 """Fine-tuning on the tasks of task_table.py (GLUE, SQuAD v1.1/v2.0, NER, ...), the paper's recipe.
 
-`finetune(config, workdir)` is setup, then loop. `_setup`: mesh -> pre-trained encoder and
-tokenizer -> task data -> model & optimizer -> abstract init & shardings -> init (pre-trained
-encoder, fresh head) -> steps, compiled; it returns one `_Run`. `_train`, the loop: epochs (train,
-evaluate on dev, keep the best) -> test predictions; `monitor.Preemption` decides where it stops.
+`finetune(config, workdir)` is setup, then loop, inside the frame both drivers share
+(`run_frame`). `_setup`: mesh -> pre-trained encoder and tokenizer -> task data -> model &
+optimizer -> abstract init & shardings -> init (pre-trained encoder, fresh head) -> steps,
+compiled; it returns one `_Run`, which holds what the loop reads of the config. `_train`, the
+loop: epochs (train, evaluate on dev, keep the best) -> test predictions; `monitor.Preemption`
+decides where it stops.
 `sweep` repeats it over the paper's learning rates.
 
 Batches are cut to length buckets (`batching.bucket_batches`): short GLUE sentences do not pay
@@ -22,8 +24,9 @@ Workdir:
                        finished
   predictions/         the best epoch's dev predictions: SQuAD predictions.json (+ null_odds.json),
                        NER CoNLL files, SWAG dev.jsonl, GLUE dev.tsv (MNLI: dev_matched.tsv,
-                       dev_mismatched.tsv) in the leaderboard's layout; with config.predict_test,
-                       the test sets' (GLUE: the leaderboard's CoLA.tsv, ...)
+                       dev_mismatched.tsv) in the leaderboard's layout; with
+                       config.eval.predict_test, the test sets' (GLUE: the leaderboard's
+                       CoLA.tsv, ...)
 Resume: rerunning the same call continues from the latest checkpoint that reads back whole
 (saved every checkpoint.every_steps, after each epoch's evaluation and on SIGTERM;
 `checkpoint.restore_or_init`, pre-training's resume order) at its step inside its epoch, and
@@ -51,15 +54,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from bert_jax import attention
 from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
-from bert_jax import config_checks
 from bert_jax import convert
 from bert_jax import fileio
-from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import optim
-from bert_jax import run_lock
+from bert_jax import run_files
+from bert_jax import run_frame
 from bert_jax import sharding as sharding_lib
+from bert_jax import state_extras
 from bert_jax import task_table
 from bert_jax import tasks
 from bert_jax import train_state as state_lib
@@ -120,17 +123,17 @@ def _scalars(d: dict) -> dict[str, float]:
           if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
 
 
-def _run_files(workdir, config, bert_config, vocab_file, lower_case, task) -> None:
-  """Makes the workdir a loadable checkpoint folder (with its vocab and casing) + the config."""
-  ckpt_lib.write_run_files(
-      workdir, config.to_json_best_effort(indent=2), bert_config, vocab_file, extra={
+def _run_files(workdir: str, config_json: str, bert_config: model_lib.BertConfig,
+               vocab_file: str, lower_case: bool, task: tasks.Task, **task_record) -> None:
+  """Makes the workdir a loadable checkpoint folder (with its vocab and casing) + the config
+  (`config_json`) + task.json (the task's info and `task_record`)."""
+  run_files.write_run_files(
+      workdir, config_json, bert_config, vocab_file, extra={
           'tokenizer_config.json': {'do_lower_case': lower_case,
                                     'tokenizer_class': 'BertTokenizer'},
+          # The head's module is named after the transformers class it exports as.
           'task.json': dict(task.info, kind=task.kind, main_metric=task.main_metric,
-                            max_seq_length=config.data.max_seq_length,
-                            init_checkpoint=config.train.init_checkpoint,
-                            # What dev was evaluated in: `predict` reproduces it.
-                            compute_dtype=model_lib.resolve_dtype(config.model.dtype))})
+                            hf_architecture=type(task.model).__name__, **task_record)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,31 +152,47 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
   step, with nothing new to save, at once). One run at a time per workdir, as in pre-training: a
   second one is refused while this one holds the workdir's lock.
   """
-  # As where it was loaded: a config changed in Python since (a notebook) is refused the same way.
-  config_checks.check_config(config, kind='finetune')
-  task_table.kind_of(config.task.name)  # A misspelt task fails before the workdir and checkpoint.
-  workdir = fileio.workdir_path(workdir)
-  if fileio.exists(os.path.join(workdir, 'sweep.json')):
-    raise UserError(f'--workdir={workdir} holds a --sweep (its sweep.json): fine-tune into '
-                    'another --workdir, or rerun the sweep with --sweep')
-  # From the start, before the lock: SIGTERM during start-up is heard too.
-  with monitor.Preemption() as preemption, run_lock.hold(workdir):
-    preemption.check()
-    return _finetune(config, workdir, preemption)
+
+  def refuse(workdir: str) -> None:
+    task_table.kind_of(config.task.name)  # A misspelt task fails before the checkpoint.
+    if fileio.exists(os.path.join(workdir, 'sweep.json')):
+      raise UserError(f'--workdir={workdir} holds a --sweep (its sweep.json): fine-tune into '
+                      'another --workdir, or rerun the sweep with --sweep')
+
+  with run_frame.entered(config, workdir, 'finetune', before_lock=refuse) as (workdir,
+                                                                             preemption):
+    metrics_path = os.path.join(workdir, 'metrics.json')
+    if fileio.exists(metrics_path):
+      return _finished(workdir, metrics_path)
+    fileio.gfile().makedirs(workdir)
+    run = _setup(config, workdir, preemption)
+    if not _train(run, preemption):
+      return None
+    # metrics.json marks the run finished; then only the best epoch's checkpoint is kept.
+    if run.is_main:
+      fileio.write_json(metrics_path, run.best)
+    return _finished(workdir, metrics_path, fresh=True)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class _Run:
-  """One fine-tuning run as `_setup` makes it, ready for its first step; the loop advances
-  `state`, `step`, `best` and `eval_pending`."""
-  config: ml_collections.ConfigDict
+  """One fine-tuning run as `_setup` makes it, ready for its first step, with what the loop
+  reads of the config decoded; the loop advances `state`, `step`, `best` and `eval_pending`."""
   workdir: str
+  task_name: str  # task.name
   task: tasks.Task
   mesh: jax.sharding.Mesh
   rules: Any
   batch_sharding: NamedSharding
   buckets: tuple[int, ...]
   sort_window: int
+  batch_size: int  # train.batch_size
+  eval_batch_size: int  # eval.batch_size
+  seed: int  # train.seed: each epoch's batch plan (`_epoch_seed`), kept in the checkpoints.
+  learning_rate: float  # train.learning_rate, the peak.
+  log_every: int  # log.every_steps
+  checkpoint_every: int  # checkpoint.every_steps (0: at the epochs' ends only)
+  progress: bool  # log.progress: a progress bar (process 0).
   steps_per_epoch: int
   total_steps: int
   stop_at: int
@@ -200,43 +219,33 @@ class _Run:
     return os.path.join(self.workdir, PREDICTIONS_DIR)
 
 
-def _finetune(config: ml_collections.ConfigDict, workdir: str,
-              preemption: monitor.Preemption) -> dict[str, Any] | None:
-  input_pipeline.hide_accelerators_from_tf()
-  ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
-  ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
-  metrics_path = os.path.join(workdir, 'metrics.json')
-  if fileio.exists(metrics_path):
-    return _finished(workdir, metrics_path)
-  fileio.gfile().makedirs(workdir)
-  run = _setup(config, workdir, preemption)
-  if not _train(run, preemption):
-    return None
-  # metrics.json marks the run finished; then only the best epoch's checkpoint is kept.
-  if run.is_main:
-    fileio.write_json(metrics_path, run.best)
-  return _finished(workdir, metrics_path, fresh=True)
-
-
 def _setup(config: ml_collections.ConfigDict, workdir: str,
            preemption: monitor.Preemption) -> _Run:
   """Mesh, pre-trained encoder, task data, optimizer, state (restored, or the encoder with a
   fresh head), steps compiled for every shape the run meets, run files and metrics log."""
+  batch_size, eval_batch_size = int(config.train.batch_size), int(config.eval.batch_size)
+  seed, init_checkpoint = int(config.train.seed), config.train.init_checkpoint
+  max_seq_length = int(config.data.max_seq_length)
+
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
-  batch_size, eval_batch_size = int(config.train.batch_size), int(config.eval.batch_size)
   sharding_lib.check_batch_size(batch_size, mesh)
   sharding_lib.check_batch_size(eval_batch_size, mesh, 'eval.batch_size')
   state_lib.check_accumulation(batch_size, config.train.grad_accum_steps, mesh)
 
   # ---- Pre-trained encoder, tokenizer and task data ------------------------------------------
   pre_config, pretrained, tok, vocab_file, lower_case = convert.load_checkpoint(
-      config.train.init_checkpoint, config.data.vocab_file, config.data.lower_case,
+      init_checkpoint, config.data.vocab_file, config.data.lower_case,
       config.model.scan_layers, flag='config.train.init_checkpoint')
-  bert_config = _model_config(config, pre_config)
+  bert_config = _model_config(config.model, max_seq_length, pre_config)
   task = task_table.make_task(config, tok, bert_config, lower_case)
-  buckets, sort_window = _batch_settings(config, task.train, batch_size)
+  buckets = batching.parse_buckets(config.data.buckets)
+  sort_window = int(config.train.length_sort_window)  # >= 1 (config_checks).
+  attention.check_config(config.model.attention_impl,
+                         config.model.attention_probs_dropout_prob, jax.default_backend(),
+                         tuple(buckets or ()) + (max_seq_length,))
+  _log_padding(config.task.name, task.train, batch_size, buckets, sort_window, max_seq_length)
   preemption.check()
 
   # ---- Model and optimizer -------------------------------------------------------------------
@@ -253,25 +262,23 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   # ---- Abstract init and shardings -----------------------------------------------------------
   abstract, shardings, _ = state_lib.abstract_state(tasks.init_fn(task.model), tx, mesh,
                                                     rules)
-  _check_same_tree(pretrained['bert'], abstract.params['bert'],
-                   config.train.init_checkpoint)
+  _check_same_tree(pretrained['bert'], abstract.params['bert'], init_checkpoint)
 
   # ---- Restore, or init: pre-trained encoder, fresh head --------------------------------------
   # Every save keeps the train state (for resume) and, in `meta`, the best epoch so far, whose
   # step is kept too; once the run ends only the best epoch's checkpoint stays.
-  manager = ckpt_lib.make_manager(workdir, keep=None, async_save=False, replica_parallel=False)
+  manager = ckpt_lib.make_manager(workdir, keep=None, async_save=False, replica_parallel=False,
+                                  extras=state_extras.saved_names())
 
   def init() -> state_lib.TrainState:
-    params = init_head(abstract.params, shardings.params, bert_config.initializer_range,
-                       config.train.seed)
+    params = init_head(abstract.params, shardings.params, bert_config.initializer_range, seed)
     params['bert'] = state_lib.put_sharded(pretrained['bert'], shardings.params['bert'])
     ignored = sorted(set(pretrained) - {'bert'})
-    logging.info('Encoder from %s; fresh head %s%s', config.train.init_checkpoint,
+    logging.info('Encoder from %s; fresh head %s%s', init_checkpoint,
                  sorted(set(params) - {'bert'}),
                  f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')
     with sharding_lib.activate(mesh, rules):
-      return state_lib.state_from_params(params, tx, shardings, abstract,
-                                         model_lib.initial_fp8_meta(abstract.fp8_meta))
+      return state_lib.state_from_params(params, tx, abstract)
 
   # A fresh head compiles its initializers: SIGTERM does not wait for them.
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
@@ -279,7 +286,10 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   preemption.check()
   # Only now, with the checkpoint found to match: a refused run leaves the workdir's record as
   # it was.
-  _run_files(workdir, config, pre_config, vocab_file, lower_case, task)
+  _run_files(workdir, config.to_json_best_effort(indent=2), pre_config, vocab_file, lower_case,
+             task, max_seq_length=config.data.max_seq_length, init_checkpoint=init_checkpoint,
+             # What dev was evaluated in: `predict` reproduces it.
+             compute_dtype=model_lib.resolve_dtype(config.model.dtype))
   step = int(state.step)
 
   # ---- Steps, and every shape the run trains and predicts compiled before its first step -----
@@ -293,8 +303,9 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
                          in_shardings=(shardings.params, batch_sharding),
                          out_shardings=NamedSharding(mesh, P()))
   train_shapes, predict_shapes = _batch_shapes(
-      task, config, range(step // steps_per_epoch + 1, math.ceil(stop_at / steps_per_epoch) + 1),
-      buckets, sort_window, with_test=stop_at == total_steps)
+      task, range(step // steps_per_epoch + 1, math.ceil(stop_at / steps_per_epoch) + 1),
+      batch_size=batch_size, eval_batch_size=eval_batch_size, seed=seed, buckets=buckets,
+      sort_window=sort_window, with_test=stop_at == total_steps)
   spec = lambda shape: {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
                         for k, v in shape.items()}
   preemption.wait(lambda: state_lib.compile_ahead(
@@ -309,10 +320,17 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   logging.info('%s: %d epochs x %d steps of %d sequences, peak lr %g, %d warmup steps',
                config.task.name, config.train.epochs, steps_per_epoch, batch_size,
                config.train.learning_rate, warmup_steps)
-  return _Run(config, workdir, task, mesh, rules, batch_sharding, buckets, sort_window,
-              steps_per_epoch, total_steps, stop_at, schedule, manager, abstract, train_step,
-              predict_step, monitor.MetricsLog(workdir), state, step, meta.get('best'),
-              bool(meta.get('eval_pending')))
+  return _Run(workdir=workdir, task_name=config.task.name, task=task, mesh=mesh, rules=rules,
+              batch_sharding=batch_sharding, buckets=buckets, sort_window=sort_window,
+              batch_size=batch_size, eval_batch_size=eval_batch_size, seed=seed,
+              learning_rate=float(config.train.learning_rate),
+              log_every=int(config.log.every_steps),
+              checkpoint_every=int(config.checkpoint.every_steps),
+              progress=bool(config.log.progress), steps_per_epoch=steps_per_epoch,
+              total_steps=total_steps, stop_at=stop_at, schedule=schedule, manager=manager,
+              abstract=abstract, train_step=train_step, predict_step=predict_step,
+              log=monitor.MetricsLog(workdir), state=state, step=step, best=meta.get('best'),
+              eval_pending=bool(meta.get('eval_pending')))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,10 +341,9 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
 def _train(run: _Run, preemption: monitor.Preemption) -> bool:
   """Epochs of steps, each ended by its evaluation on dev (the best epoch is kept), then the
   test predictions; whether the run finished (False: stopped at train.stop_at_step)."""
-  config = run.config
-  steps = monitor.Steps(run.step, run.total_steps, run.is_main and config.log.progress)
+  steps = monitor.Steps(run.step, run.total_steps, run.is_main and run.progress)
   state_lib.wait_for_processes('the first step')
-  try:
+  with run_frame.closing(steps, run.manager, run.workdir, run.log):
     if run.eval_pending:  # Stopped inside the evaluation of the epoch that ends here.
       # Its checkpoint stays as it is: later saves carry the new best.
       _end_epoch(run, steps, preemption, run.step // run.steps_per_epoch, saved=True)
@@ -343,7 +360,7 @@ def _train(run: _Run, preemption: monitor.Preemption) -> bool:
       logging.warning('Stopped at step %d of %d; rerun the same command to resume.', run.step,
                       run.total_steps)
       if run.is_main:
-        print(f'\nbert_jax finetune {config.task.name}: stopped at step {run.step} of '
+        print(f'\nbert_jax finetune {run.task_name}: stopped at step {run.step} of '
               f'{run.total_steps} (epoch {run.step // run.steps_per_epoch + 1}); rerun the '
               f'same command to resume from {run.workdir}', flush=True)
       if preemption.requested:
@@ -351,11 +368,6 @@ def _train(run: _Run, preemption: monitor.Preemption) -> bool:
       return False
     if run.task.test and not _predict_test(run, preemption):
       raise preemption.stopped(run.step)
-  finally:
-    steps.close()
-    ckpt_lib.wait_for_saves(run.manager, run.workdir)  # A failed save as one line.
-    run.manager.close()
-    run.log.close()
   return True
 
 
@@ -363,30 +375,26 @@ def _train_epoch(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption
                  epoch: int) -> None:
   """Trains `epoch` from `run.step` to its end, train.stop_at_step or a stop (`stop_now`),
   with a checkpoint every checkpoint.every_steps and a log row every log.every_steps."""
-  config = run.config
   epoch_end = epoch * run.steps_per_epoch
-  every = int(config.checkpoint.every_steps)
   # The epoch's batches are planned from its seed alone, so a resumed run skips exactly the
   # ones it had trained on.
-  plan = batching.batches(run.task.train, int(config.train.batch_size), run.buckets,
-                          shuffle=True, seed=_epoch_seed(config, epoch),
-                          window_batches=run.sort_window)
+  plan = batching.batches(run.task.train, run.batch_size, run.buckets, shuffle=True,
+                          seed=_epoch_seed(run.seed, epoch), window_batches=run.sort_window)
   for batch in itertools.islice(plan, run.step - (epoch - 1) * run.steps_per_epoch, None):
     run.state, metrics = run.train_step(run.state, _to_device(run, batch))
     run.step += 1
     steps.add(metrics)
-    if (run.step % config.log.every_steps == 0 or run.step == epoch_end
-        or run.step == run.stop_at):
+    if run_frame.itstime(run.step, run.log_every, epoch_end, run.stop_at):
       summary = steps.summary(run.step, 'lower config.train.learning_rate')
       summary.update(epoch=epoch, learning_rate=float(run.schedule(run.step - 1)))
       summary = monitor.with_rates(summary, steps.chrono.report(run.step)['steps_per_second'],
-                                   int(config.train.batch_size))
+                                   run.batch_size)
       run.log.train(run.step, summary)
       steps.bar.set_postfix(loss=f'{summary["loss"]:.4f}')
     if (preemption.stop_now(run.step, run.manager) or run.step == epoch_end
         or run.step == run.stop_at):
       return
-    if every and run.step % every == 0:
+    if run_frame.itstime(run.step, run.checkpoint_every):
       _save(run, steps)
 
 
@@ -419,9 +427,8 @@ def _end_epoch(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption, 
     steps.bar.set_postfix(**{task.main_metric: f'{score:.4f}'})
     # A NaN score (e.g. the correlation of constant predictions) never counts as best.
     if run.best is None or score > run.best['score'] or math.isnan(run.best['score']):
-      run.best = dict(task=run.config.task.name, main_metric=task.main_metric, score=score,
-                      epoch=epoch, step=run.step,
-                      learning_rate=float(run.config.train.learning_rate), **results)
+      run.best = dict(task=run.task_name, main_metric=task.main_metric, score=score,
+                      epoch=epoch, step=run.step, learning_rate=run.learning_rate, **results)
       if run.is_main:
         for write in writers.values():
           if write:
@@ -439,7 +446,7 @@ def _save(run: _Run, steps: monitor.Steps) -> None:
   # diverged step's weights are never kept.
   steps.check(run.step, 'lower config.train.learning_rate', saving=True)
   ckpt_lib.save(run.manager, run.workdir, run.step, run.state,
-                dict(best=run.best, seed=run.config.train.seed, eval_pending=run.eval_pending))
+                dict(best=run.best, seed=run.seed, eval_pending=run.eval_pending))
   kept = run.manager.all_steps()
   committed = max((old for old in kept if old != run.step), default=None)
   for old in kept:
@@ -467,8 +474,8 @@ def _predict(run: _Run, preemption: monitor.Preemption, params: Any,
 
   try:
     with sharding_lib.activate(run.mesh, run.rules):
-      return batching.predict_rows(predict_batch, eval_set.features,
-                                   int(run.config.eval.batch_size), run.buckets)
+      return batching.predict_rows(predict_batch, eval_set.features, run.eval_batch_size,
+                                   run.buckets)
   except CutShort:
     return None
 
@@ -496,51 +503,47 @@ def _predict_test(run: _Run, preemption: monitor.Preemption) -> bool:
   return True
 
 
-def _epoch_seed(config: ml_collections.ConfigDict, epoch: int) -> int:
-  """The seed of an epoch's batch plan: a resumed run plans the same batches."""
-  return config.train.seed * 1_000_003 + epoch
+def _epoch_seed(seed: int, epoch: int) -> int:
+  """The seed of an epoch's batch plan (from train.seed): a resumed run plans the same
+  batches."""
+  return seed * 1_000_003 + epoch
 
 
-def _batch_shapes(task: tasks.Task, config: ml_collections.ConfigDict, epochs: range,
-                  buckets: tuple[int, ...], sort_window: int, with_test: bool
+def _batch_shapes(task: tasks.Task, epochs: range, *, batch_size: int, eval_batch_size: int,
+                  seed: int, buckets: tuple[int, ...], sort_window: int, with_test: bool
                   ) -> tuple[list[dict], list[dict]]:
   """Every batch shape the train step meets in `epochs`, and every one the prediction step
   meets on dev (and test, `with_test`): each compiles before the first step."""
   train_shapes = batching.batch_shapes(
-      task.train, int(config.train.batch_size), buckets, window_batches=sort_window,
-      seeds=[_epoch_seed(config, e) for e in epochs])
+      task.train, batch_size, buckets, window_batches=sort_window,
+      seeds=[_epoch_seed(seed, e) for e in epochs])
   predict_shapes = {}
   for eval_set in task.dev + (task.test if with_test else []):
-    for shape in batching.batch_shapes(eval_set.features, int(config.eval.batch_size), buckets):
+    for shape in batching.batch_shapes(eval_set.features, eval_batch_size, buckets):
       predict_shapes[str(shape)] = shape
   return train_shapes, list(predict_shapes.values())
 
 
-def _model_config(config: ml_collections.ConfigDict, pre_config: model_lib.BertConfig
-                  ) -> model_lib.BertConfig:
-  """The checkpoint's BertConfig, run as config.model says (dtype, dropout, layout, kernel)."""
-  if pre_config.max_length and config.data.max_seq_length > pre_config.max_length:
-    raise UserError(f'config.data.max_seq_length={config.data.max_seq_length} exceeds the '
+def _model_config(model: ml_collections.ConfigDict, max_seq_length: int,
+                  pre_config: model_lib.BertConfig) -> model_lib.BertConfig:
+  """The checkpoint's BertConfig, run as `model` (config.model) says (dtype, dropout, layout,
+  kernel)."""
+  if pre_config.max_length and max_seq_length > pre_config.max_length:
+    raise UserError(f'config.data.max_seq_length={max_seq_length} exceeds the '
                     'checkpoint\'s max_position_embeddings='
                     f'{pre_config.max_position_embeddings}')
-  return model_lib.config_from(config.model, checkpoint=pre_config)
+  return model_lib.config_from(model, checkpoint=pre_config)
 
 
-def _batch_settings(config: ml_collections.ConfigDict, train_features: dict[str, np.ndarray],
-                    batch_size: int) -> tuple[tuple[int, ...], int]:
-  """(length buckets, length_sort_window), checked, with what the buckets save logged."""
-  buckets = batching.parse_buckets(config.buckets)
-  sort_window = int(config.train.length_sort_window)  # >= 1 (config_checks).
-  attention.check_config(config.model.attention_impl,
-                         config.model.attention_probs_dropout_prob, jax.default_backend(),
-                         tuple(buckets or ()) + (config.data.max_seq_length,))
+def _log_padding(task_name: str, train_features: dict[str, np.ndarray], batch_size: int,
+                 buckets: tuple[int, ...] | None, sort_window: int,
+                 max_seq_length: int) -> None:
+  """Logs what the length buckets save of the tokens of fixed-length batches."""
   savings = batching.padding_savings(train_features, batch_size,
-                                     buckets or (config.data.max_seq_length,),
-                                     window_batches=sort_window)
+                                     buckets or (max_seq_length,), window_batches=sort_window)
   logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '
-               'fixed %d-token batches', config.task.name, len(train_features['input_ids']),
-               buckets, 100 * (1 - savings['tokens_saved_share']), config.data.max_seq_length)
-  return buckets, sort_window
+               'fixed %d-token batches', task_name, len(train_features['input_ids']),
+               buckets, 100 * (1 - savings['tokens_saved_share']), max_seq_length)
 
 
 def _finished(workdir: str, metrics_path: str, fresh: bool = False) -> dict[str, Any]:
@@ -574,12 +577,12 @@ def sweep(config: ml_collections.ConfigDict, workdir: str,
   workdir = fileio.workdir_path(workdir)
   # Every check before the first run: a refusal at the second rate would leave the first run's
   # folder, and sweep.json, in a workdir that was never a sweep's.
-  ckpt_lib.check_workdir_kind(workdir, fine_tuning=True)
-  if ckpt_lib.read_run_config(workdir) is not None:
+  run_files.check_workdir_kind(workdir, fine_tuning=True)
+  if run_files.read_run_config(workdir) is not None:
     raise UserError(f'--workdir={workdir} holds a single fine-tuning run (its config.json): '
                     'sweep into another --workdir, which gets one lr_<rate> run folder a rate')
   for lr in learning_rates:
-    ckpt_lib.check_workdir_kind(os.path.join(workdir, f'lr_{lr:g}'), fine_tuning=True)
+    run_files.check_workdir_kind(os.path.join(workdir, f'lr_{lr:g}'), fine_tuning=True)
   runs = {}
   for lr in learning_rates:
     run_config = copy.deepcopy(config)

@@ -17,9 +17,7 @@ STORAGE_EMULATOR_HOST for a test server).
 
 import contextlib
 import functools
-import random
 import re
-import time
 import urllib.parse
 import uuid
 
@@ -114,13 +112,6 @@ _sizes: dict[str, int] = {}
 COMPOSE_DEADLINE_S = 120.0
 
 
-def _transient(error: BaseException) -> bool:
-  """Whether google-cloud-storage would retry `error` (its own rule: 408, 429, 5xx, dropped
-  connections)."""
-  from google.cloud.storage import retry as storage_retry  # pylint: disable=g-import-not-at-top
-  return storage_retry._should_retry(error)  # pylint: disable=protected-access
-
-
 def append(path: str, data: bytes) -> None:
   """Appends `data` to the object (creating it): a small upload composed onto its end, so the
   cost does not grow with the object (3 requests). Not atomic against another writer: one
@@ -128,7 +119,8 @@ def append(path: str, data: bytes) -> None:
 
   google-cloud-storage retries (429, 5xx, dropped connections) only requests that are safe to
   repeat: the part is uploaded if absent (a new name), and the compose, which is not, is retried
-  here: after a failure the object's size says whether it landed (its answer lost) or not.
+  with its retry policy here: before each repeat, the object's size says whether the one before
+  landed (its answer lost) or not.
   """
   size = _sizes.get(path)
   if size is None:
@@ -155,30 +147,38 @@ def _stat_size(path: str) -> int:
 
 
 def _compose_once(path: str, part, size: int, added: int) -> int:
-  """Composes `part` onto the object of `size` bytes, exactly once; its new size."""
-  deadline, delay = time.monotonic() + COMPOSE_DEADLINE_S, 1.0
-  while True:
+  """Composes `part` onto the object of `size` bytes, exactly once, under google-cloud-storage's
+  own retry policy (`DEFAULT_RETRY`, its deadline COMPOSE_DEADLINE_S); the object's new size.
+
+  (A compose conditional on the object's generation would make the library's conditional retry
+  safe by itself; fake-gcs-server, the tests' server, neither changes an object's generation on
+  a compose nor checks the condition, so a lost answer's repeat could not be tested.)
+  """
+  from google.cloud.storage import retry as storage_retry  # pylint: disable=g-import-not-at-top
+  tried = []
+
+  def attempt() -> int:
+    if tried:  # A repeat: did the last try land, its answer lost?
+      now = _stat_size(path)
+      if now == size + added:
+        return now
+      if now != size:
+        raise RuntimeError(f'{path}: {now} bytes after appending {added} to {size}: another '
+                           'process writes to it')
+    tried.append(True)
     target = _blob(path)
-    try:
-      target.compose([target, part], retry=None)
-      return target.size
-    except Exception as e:  # pylint: disable=broad-except
-      if not _transient(e) or time.monotonic() + delay > deadline:
-        raise
-    time.sleep(delay * (0.5 + random.random() / 2))
-    delay = min(2 * delay, 60.0)
-    now = _stat_size(path)  # Retried itself by google-cloud-storage.
-    if now == size + added:
-      return now  # The compose landed; its answer was lost.
-    if now != size:
-      raise RuntimeError(f'{path}: {now} bytes after appending {added} to {size}: another '
-                         'process writes to it')
+    target.compose([target, part], retry=None)
+    return target.size
+
+  return storage_retry.DEFAULT_RETRY.with_timeout(COMPOSE_DEADLINE_S)(attempt)()
 
 
 def _reason(error: BaseException) -> str:
   """Cloud Storage's own words for a refusal: the "message" of its JSON error (which
   google-cloud-storage keeps in `errors`, and TensorFlow quotes in its text), else the first
   line of the error."""
+  if isinstance(getattr(error, 'cause', None), BaseException):
+    return _reason(error.cause)  # google-api-core's RetryError: the last attempt's error.
   for detail in getattr(error, 'errors', None) or []:
     if isinstance(detail, dict) and detail.get('message'):
       return detail['message']

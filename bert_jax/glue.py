@@ -425,18 +425,16 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
     name = 'mnli'
   if name == 'ax':
     raise UserError("config.task.name='ax' is test-only: fine-tune 'mnli' with "
-                    'config.predict_test=True, which also writes AX.tsv')
+                    'config.eval.predict_test=True, which also writes AX.tsv')
   label_list, metric_names = task_info(name)
+  # task.data_source: 'tsv' or 'tfds' (config_checks.CHOICES, checked where the config loads).
   if config.task.data_source == 'tsv':
     if not config.task.data_dir:
       raise UserError('config.task.data_dir is empty: the GLUE root (holding CoLA/, MRPC/, ...)')
     fileio.check_input_dir(config.task.data_dir, 'config.task.data_dir')
     read = lambda task, split: read_task(task, config.task.data_dir, split)
-  elif config.task.data_source == 'tfds':
-    read = lambda task, split: read_tfds(task, split, config.data.tfds_data_dir or None)
   else:
-    raise UserError(f'config.task.data_source={config.task.data_source!r}: expected '
-                    "'tsv' or 'tfds'")
+    read = lambda task, split: read_tfds(task, split, config.data.tfds_data_dir or None)
 
   def convert_split(task, split):
     return convert_examples(read(task, split), tok, config.data.max_seq_length,
@@ -478,7 +476,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
   else:
     dev = [dev_set('dev', name)]
   test = []
-  if config.predict_test:
+  if config.eval.predict_test:
     splits = ['test_matched', 'test_mismatched'] if name == 'mnli' else ['test']
     test = [test_set(name, s) for s in splits]
     diagnostic = os.path.join(config.task.data_dir, 'diagnostic', 'diagnostic.tsv')
@@ -493,8 +491,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       label_keys=('label',),
       train=tasks.subset(train, tasks.INPUTS + ('label',)), dev=dev, test=test,
       main_metric=MAIN_METRIC.get(name, 'accuracy'), metric_names=metric_names,
-      info={'task': name, 'labels': label_list,
-            'hf_architecture': 'BertForSequenceClassification'})
+      info={'task': name, 'labels': label_list})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,15 +52,6 @@ FEATURES = tuple(objectives.RECORD_FEATURES)
 _VOCAB_TRAINING_CHARS = 200_000_000
 
 
-def hide_accelerators_from_tf() -> None:
-  """Keeps tf.data off GPUs and TPUs so it never takes device memory from JAX."""
-  for kind in ('GPU', 'TPU'):
-    try:
-      tf.config.set_visible_devices([], kind)
-    except (RuntimeError, ValueError):
-      pass  # Devices already initialized, or no such kind: nothing to hide.
-
-
 # ---------------------------------------------------------------------------------------------
 # Examples from documents
 # ---------------------------------------------------------------------------------------------
@@ -455,18 +446,12 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
     next_sentence_positions, next_sentence_labels (int32) and next_sentence_weights (float32)
     [B, data.packing_max_sequences].
   """
-  hide_accelerators_from_tf()
-  if seq_len < 8:
-    raise UserError(f'seq_len={seq_len} is too short for [CLS] A [SEP] B [SEP]: use >= 8')
-  if not 1 <= max_predictions <= seq_len:
-    raise UserError(f'max_predictions={max_predictions} must lie in [1, seq_len={seq_len}]')
-  if batch_size < 1:
-    raise UserError(f'batch_size={batch_size} must be positive')
+  fileio.hide_accelerators_from_tf()
+  # The config's keys and phases are checked where it loads (config_checks).
+  assert seq_len >= 8 and 1 <= max_predictions <= seq_len and batch_size >= 1, (
+      seq_len, max_predictions, batch_size)
   if not 0 <= process_index < process_count:
     raise ValueError(f'process_index={process_index} is not in [0, {process_count})')
-  objectives.get(data.objective)  # A clear error for an unknown one.
-  if data.packing:
-    check_packing(data)
   seed = int(data.seed if seed is None else seed)
   common = dict(batch_size=batch_size, seq_len=seq_len, max_predictions=max_predictions,
                 train=train, process_index=process_index, process_count=process_count,
@@ -479,8 +464,6 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
                       'mix TFRecords and text')
     ds = _tfrecord_dataset(data, **common)
   else:
-    if not 0.0 < data.masked_lm_prob < 1.0:
-      raise UserError(f'data.masked_lm_prob={data.masked_lm_prob} must lie in (0, 1)')
     ds = _text_dataset(data, vocab_file=vocab_file or resolve_vocab(data, None),
                        docs_per_batch=int(data.docs_per_batch),
                        **common)
@@ -491,16 +474,6 @@ def make_pretraining_dataset(data: ml_collections.ConfigDict, *, batch_size: int
   # tf.data (randomness is stateless), which the save/restore test checks.
   options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
   return ds.prefetch(tf.data.AUTOTUNE).with_options(options)
-
-
-def check_packing(data: ml_collections.ConfigDict) -> None:
-  """Raises UserError naming the packing key (data.packing_window, ...) that cannot work."""
-  if int(data.packing_max_sequences) < 1:
-    raise UserError(f'data.packing_max_sequences={data.packing_max_sequences}: a packed '
-                           'row must hold at least one sequence (16 is the default)')
-  if int(data.packing_window) < 1:
-    raise UserError(f'data.packing_window={data.packing_window}: the packer needs a '
-                           'window of at least one sequence (1000 is the default)')
 
 
 def make_iterator(ds: tf.data.Dataset):

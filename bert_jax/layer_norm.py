@@ -16,8 +16,9 @@ function with one forward and one backward pass:
 Implementations (`model.layer_norm_impl`):
   xla     the formula in jnp (every backend, the reference in tests);
   pallas  one Pallas kernel each way, lowered through Triton on NVIDIA GPUs (in interpret mode
-          elsewhere, which is for tests only: slow);
-  auto    pallas when lowering for a GPU, xla otherwise.
+          elsewhere, which is for tests only: slow).
+A config's 'auto' is pallas for GPUs, xla elsewhere: `model.resolve` decides, for the platform a
+step runs on or is compiled for.
 Both compute in float32 (statistics, affine and the dropout scale) and return the compute
 dtype, so they agree to float32 rounding.
 
@@ -39,10 +40,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from bert_jax import attention
+from bert_jax import config_checks
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ('auto', 'pallas', 'xla')
+# model.layer_norm_impl's values but 'auto', which `model.resolve` turns into one of them.
+IMPLEMENTATIONS = tuple(i for i in config_checks.CHOICES['model.layer_norm_impl'] if i != 'auto')
 # Rows one kernel program handles (a loop over them). The backward writes one partial sum of
 # dbias, dscale and dbeta per program: more rows per program, fewer partials to add up.
 _FWD_ROWS = 4
@@ -59,11 +62,6 @@ def keep_threshold(rate: float) -> int:
   if not 0.0 <= rate < 1.0:
     raise ValueError(f'dropout rate {rate} is not in [0, 1)')
   return min(int(round(256 * rate)), 255)
-
-
-def effective_rate(rate: float) -> float:
-  """The dropout rate applied for `rate`: keep_threshold(rate) / 256 (0.1 -> 0.1015625)."""
-  return keep_threshold(rate) / 256
 
 
 def dropout_bits(rng: Array, shape: tuple[int, ...]) -> Array:
@@ -367,11 +365,10 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
   """LayerNorm(residual + dropout(x + bias)) over the last axis, statistics in float32.
 
   x, residual: [..., H] (the same shape); bias, scale, beta: [H] (bias may be None); bits: the
-  uint8 `dropout_bits` of x's shape, or None for no dropout (evaluation, rate 0). impl: 'xla',
-  'pallas' or 'auto' (module docstring). Returns out_dtype (default: x's dtype).
+  uint8 `dropout_bits` of x's shape, or None for no dropout (evaluation, rate 0). impl: 'xla'
+  or 'pallas' (module docstring). Returns out_dtype (default: x's dtype).
   """
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f'layer norm impl {impl!r} is not one of {IMPLEMENTATIONS}')
+  assert impl in IMPLEMENTATIONS, impl
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   if x.shape != residual.shape or (bits is not None and bits.shape != x.shape):
     raise ValueError(f'x {x.shape}, residual {residual.shape} and bits '
@@ -379,7 +376,7 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
   if bits is not None and keep_threshold(rate) == 0:
     bits = None
   gpu = attention.target_platform() == 'gpu'
-  if impl == 'xla' or (impl == 'auto' and not gpu):
+  if impl == 'xla':
     return _xla(x, residual, bias, scale, beta, bits, rate=rate, eps=eps, out_dtype=out_dtype)
   return _fused(x, residual, bias, scale, beta, bits, float(rate), float(eps), out_dtype,
                 not gpu)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from bert_jax import activations
 from bert_jax import attention
+from bert_jax import config_checks
 from bert_jax import layer_norm
 from bert_jax import rotary
 from bert_jax.errors import UserError
@@ -35,7 +36,7 @@ Array = jax.Array
 #   recipe): inputs and kernels in float8_e4m3fn, output gradients in float8_e5m2, each scaled
 #   by the largest magnitude of the last FP8_AMAX_HISTORY steps. The scales and amax histories
 #   live in the FP8_COLLECTION variable collection: the "gradient" a step computes for them is
-#   their new value, which replaces them (`train_state.TrainState.fp8_meta`), never an
+#   their new value, which replaces them (`state_extras.FP8_SCALES`), never an
 #   optimizer update. Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them
 #   (correct, slower).
 # The embeddings (exact one-hot lookups), the pooler, the MLM transform and the tied decoder,
@@ -43,7 +44,7 @@ Array = jax.Array
 # logits feed the loss directly, where FP8's 3-bit mantissa would cost the most accuracy.
 # Evaluation and prediction (`deterministic=True`) run every matmul in the compute dtype,
 # with the parameters alone: the numbers a user of the exported weights gets.
-MATMUL_PRECISIONS = ('default', 'fp8')
+MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
 FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
 FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
 
@@ -66,6 +67,7 @@ REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+assert tuple(REMAT_POLICIES) == config_checks.CHOICES['model.remat_policy']
 
 
 def normal_init(config: BertConfig, axes: tuple[str | None, ...]):
@@ -129,8 +131,9 @@ class ResidualLayerNorm(nn.Module):
     c = self.config
     scale, bias = _norm_params(self, c, x.shape[-1])
     rate = c.hidden_dropout_prob if bits is not None else 0.0
-    # Initialization traces a dummy batch for the parameters' shapes only: plain jnp.
-    impl = 'xla' if self.is_initializing() else c.layer_norm_impl
+    # Initialization traces a dummy batch for the parameters' shapes only: plain jnp. A
+    # BertConfig built in code may say 'auto': for the platform being lowered for.
+    impl = 'xla' if self.is_initializing() else c.resolved('layer_norm_impl')
     return layer_norm.residual_layer_norm(
         x, residual, x_bias, scale, bias, bits, rate=rate, eps=c.layer_norm_eps, impl=impl,
         out_dtype=c.compute_dtype)

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bert_jax import attention
-from bert_jax import layer_norm
+from bert_jax import config_checks
 from bert_jax import layers
 from bert_jax.errors import UserError
 # The layers' names that users of the model reach for, here too (layers.py defines them).
@@ -93,7 +93,7 @@ class BertConfig:
   attention_impl: str = 'xla'   # 'xla', 'cudnn', 'cudnn_varlen' or 'splash': see attention.py.
   # The most sequences in one row (data.packing_max_sequences): cudnn_varlen's segment tables.
   max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
-  layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto': see layer_norm.py.
+  layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see layer_norm.py.
   # 'default' (matmuls in `dtype`) or 'fp8': see MATMUL_PRECISIONS.
   matmul_precision: str = 'default'
   # Architecture after the paper (ARCHITECTURE_OPTIONS; written to bert_config.json when set).
@@ -114,25 +114,16 @@ class BertConfig:
                       f'num_attention_heads {self.num_attention_heads}')
     if self.hidden_act not in layers.ACTIVATIONS:
       raise UserError(f'hidden_act {self.hidden_act!r} is not one of {sorted(layers.ACTIVATIONS)}')
-    if self.remat_policy not in layers.REMAT_POLICIES:
-      raise UserError(f'remat_policy {self.remat_policy!r} is not one of '
-                      f'{sorted(layers.REMAT_POLICIES)}')
-    if self.attention_impl not in attention.IMPLEMENTATIONS:
-      raise UserError(f'attention_impl {self.attention_impl!r} is not one of '
-                      f'{attention.IMPLEMENTATIONS}')
+    # The run fields and the position type, for a BertConfig built in code (config_from's are
+    # checked where the config loads): config_checks' own check and line.
+    for key in ('remat_policy', 'attention_impl', 'layer_norm_impl', 'matmul_precision',
+                'position_embedding_type'):
+      config_checks.check_choice(f'model.{key}', getattr(self, key))
     if self.max_packed_sequences < 1:
       raise UserError(f'max_packed_sequences={self.max_packed_sequences}: a row holds at least '
                       'one sequence (data.packing_max_sequences)')
-    if self.layer_norm_impl not in layer_norm.IMPLEMENTATIONS:
-      raise UserError(f'layer_norm_impl {self.layer_norm_impl!r} is not one of '
-                      f'{layer_norm.IMPLEMENTATIONS}')
-    if self.matmul_precision not in MATMUL_PRECISIONS:
-      raise UserError(f'matmul_precision {self.matmul_precision!r} is not one of '
-                      f'{MATMUL_PRECISIONS}')
-    for key, allowed in (('position_embedding_type', POSITION_EMBEDDINGS),
-                         ('mlp_type', MLP_TYPES)):
-      if getattr(self, key) not in allowed:
-        raise UserError(f'{key} {getattr(self, key)!r} is not one of {allowed}')
+    if self.mlp_type not in MLP_TYPES:  # Not a config key: model.mlp decodes to it (MLPS).
+      raise UserError(f'mlp_type {self.mlp_type!r} is not one of {MLP_TYPES}')
     if self.rotary and self.head_dim % 2:
       raise UserError(f'rotary position embeddings need an even head size, got {self.head_dim} '
                       '(hidden_size / num_attention_heads)')
@@ -140,6 +131,11 @@ class BertConfig:
     if self.global_attention_every < 0 or self.type_vocab_size < 0:
       raise UserError('global_attention_every and type_vocab_size must be >= 0')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
+
+  def resolved(self, key: str) -> str:
+    """Field `key` ('dtype', 'layer_norm_impl') with 'auto' resolved for the platform being
+    lowered for (`resolve`): for a BertConfig built in code, which may say 'auto'."""
+    return resolve(key, getattr(self, key))
 
   @property
   def rotary(self) -> bool:
@@ -194,15 +190,6 @@ class BertConfig:
         ARCHITECTURE_OPTIONS) if k in d}
     return cls(**kwargs)
 
-  @classmethod
-  def from_json_file(cls, path: str) -> 'BertConfig':
-    with open(path) as f:
-      try:
-        d = json.load(f)
-      except json.JSONDecodeError as e:
-        raise UserError(f'{path}: not valid JSON: {e}') from e
-    return cls.from_dict(d, source=path)
-
   def to_original_dict(self) -> dict[str, Any]:
     """The fields of the original bert_config.json (plus layer_norm_eps if not default)."""
     d = {k: getattr(self, k) for k in _ORIGINAL_FIELDS}
@@ -234,7 +221,7 @@ class BertConfig:
       f.write(self.to_json_string(hf))
 
 
-POSITION_EMBEDDINGS = ('absolute', 'rotary')
+POSITION_EMBEDDINGS = config_checks.CHOICES['model.position_embedding_type']
 MLP_TYPES = ('dense', 'gated')
 # The architecture options after the paper, with their defaults (the paper's BERT).
 ARCHITECTURE_OPTIONS = {
@@ -243,26 +230,13 @@ ARCHITECTURE_OPTIONS = {
                   'pre_layer_norm', 'use_bias', 'local_attention_window',
                   'global_attention_every')}
 
-# Named sizes: (layers, hidden, heads). Intermediate size is always 4 x hidden.
-_COMPACT_LAYERS = (2, 4, 6, 8, 10, 12)
-_COMPACT_HIDDEN = (128, 256, 512, 768)
-SIZES: dict[str, tuple[int, int, int]] = {
-    f'L{l}_H{h}': (l, h, h // 64) for l in _COMPACT_LAYERS for h in _COMPACT_HIDDEN}
-SIZES.update({
-    'tiny': SIZES['L2_H128'],     # Turc et al.'s BERT-Tiny; what the tests run.
-    'mini': SIZES['L4_H256'],
-    'small': SIZES['L4_H512'],
-    'medium': SIZES['L8_H512'],
-    'base': (12, 768, 12),
-    'large': (24, 1024, 16),
-})
+# Named sizes: (layers, hidden, heads), defined where a config's model.size is checked.
+SIZES = config_checks.MODEL_SIZES
 
 
 def config_for_size(size: str, **overrides) -> BertConfig:
   """`BertConfig` of a named size (see `SIZES`), with any field overridden."""
-  if size not in SIZES:
-    raise UserError(f'model.size={size!r} is not a known size; known: tiny, mini, small, medium, '
-                    f'base, large and L{{2..12}}_H{{128,256,512,768}}')
+  config_checks.check_choice('model.size', size)
   layers, hidden, heads = SIZES[size]
   overrides.setdefault('intermediate_size', 4 * hidden)
   return BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -272,6 +246,7 @@ def config_for_size(size: str, **overrides) -> BertConfig:
 # model.mlp -> (BertConfig.mlp_type, hidden_act): the paper's GELU MLP, or a gated one with
 # GELU (GeGLU: Shazeer 2020; MosaicBERT, ModernBERT) or SiLU (SwiGLU).
 MLPS = {'dense': ('dense', 'gelu'), 'geglu': ('gated', 'gelu'), 'swiglu': ('gated', 'silu')}
+assert tuple(MLPS) == config_checks.CHOICES['model.mlp']
 
 
 def _architecture(model: Any) -> dict[str, Any]:
@@ -288,7 +263,8 @@ def _architecture(model: Any) -> dict[str, Any]:
 
 
 def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | None = None,
-                max_packed_sequences: int | None = None) -> BertConfig:
+                max_packed_sequences: int | None = None,
+                platform: str | None = None) -> BertConfig:
   """The BertConfig of a config's `model` block: the one place that decodes it.
 
   The architecture is `checkpoint`'s when given (fine-tuning or evaluating a checkpoint: its
@@ -296,15 +272,18 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
   model.max_position_embeddings, model.type_vocab_size, model.intermediate_size and the
   options after the paper (position_embedding_type, rope thetas, mlp, pre_layer_norm,
   use_bias, local_attention_window, global_attention_every) (pre-training from scratch). Either
-  way the block says how to run it: dtype ('auto' resolved for this backend), dropout, layer
-  stacking, rematerialization, the attention and LayerNorm kernels, the encoder matmuls'
-  precision. `max_packed_sequences` is the most sequences one row holds
+  way the block says how to run it: dtype, dropout, layer stacking, rematerialization, the
+  attention and LayerNorm kernels, the encoder matmuls' precision; 'auto' resolved for
+  `platform` (`resolve`: None is the platform being lowered for, else this process's
+  backend). `max_packed_sequences` is the most sequences one row holds
   (data.packing_max_sequences); None keeps BertConfig's.
   """
-  run = dict(dtype=resolve_dtype(model.dtype), hidden_dropout_prob=model.hidden_dropout_prob,
+  run = dict(dtype=resolve('dtype', model.dtype, platform),
+             hidden_dropout_prob=model.hidden_dropout_prob,
              attention_probs_dropout_prob=model.attention_probs_dropout_prob,
              scan_layers=model.scan_layers, remat_policy=model.remat_policy,
-             attention_impl=model.attention_impl, layer_norm_impl=model.layer_norm_impl,
+             attention_impl=model.attention_impl,
+             layer_norm_impl=resolve('layer_norm_impl', model.layer_norm_impl, platform),
              matmul_precision=model.matmul_precision)
   if max_packed_sequences is not None:
     run['max_packed_sequences'] = max_packed_sequences
@@ -318,11 +297,30 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
                          type_vocab_size=model.type_vocab_size, **_architecture(model), **run)
 
 
-def resolve_dtype(name: str) -> str:
-  """A config's `model.dtype`: 'auto' is bfloat16 on GPUs and TPUs, float32 on CPUs."""
-  if name == 'auto':
-    return 'bfloat16' if jax.default_backend() in ('gpu', 'tpu') else 'float32'
-  return name
+# What 'auto' means for each model key that takes it, by platform: the one place that says.
+_AUTO: dict[str, Callable[[str], str]] = {
+    # Accelerators compute in bfloat16 (parameters stay float32); CPUs in float32.
+    'dtype': lambda platform: 'bfloat16' if platform in ('gpu', 'tpu') else 'float32',
+    # The fused Pallas kernel where it lowers through Triton (NVIDIA GPUs); elsewhere it would
+    # run in interpret mode, for tests only.
+    'layer_norm_impl': lambda platform: 'pallas' if platform == 'gpu' else 'xla',
+}
+
+
+def resolve(key: str, value: str, platform: str | None = None) -> str:
+  """`value` of model.`key` ('dtype', 'layer_norm_impl'), with 'auto' resolved for `platform`
+  ('cpu', 'gpu', 'tpu': what the model runs on or is compiled for; None: the platform being
+  lowered for, `attention.target_platform`: `attention.lowering_for`'s, else this process's
+  backend)."""
+  if value != 'auto':
+    return value
+  return _AUTO[key](platform or attention.target_platform())
+
+
+def resolve_dtype(name: str, platform: str | None = None) -> str:
+  """A config's `model.dtype` (`resolve`): 'auto' is bfloat16 on GPUs and TPUs, float32 on
+  CPUs."""
+  return resolve('dtype', name, platform)
 
 
 class BertModel(nn.Module):
@@ -530,14 +528,6 @@ def with_nsp_head(params: dict, hidden_size: int) -> dict:
                            'bias': np.zeros(2, np.float32)})
 
 
-def split_variables(variables: dict) -> Any:
-  """A model's initial variables as `train_state.abstract_state` takes them: the parameters,
-  or (parameters, FP8 scales and histories) when it has those (matmul_precision='fp8')."""
-  if FP8_COLLECTION in variables:
-    return variables['params'], variables[FP8_COLLECTION]
-  return variables['params']
-
-
 def initial_fp8_meta(abstract: Any) -> Any:
   """The FP8 scales and amax histories a model starts with (flax's: scales 1, histories 0),
   shaped as the abstract tree `abstract` (ShapeDtypeStructs or arrays); None for None."""
@@ -549,13 +539,6 @@ def initial_fp8_meta(abstract: Any) -> Any:
       return jnp.zeros(leaf.shape, leaf.dtype)
     raise ValueError(f'unknown FP8 variable {jax.tree_util.keystr(path)}')
   return None if abstract is None else jax.tree_util.tree_map_with_path(initial, abstract)
-
-
-def variables(params: Any, fp8_meta: Any = None) -> dict:
-  """The variables `Module.apply` takes: `params`, plus the FP8 scales and histories."""
-  if fp8_meta is None:
-    return {'params': params}
-  return {'params': params, FP8_COLLECTION: fp8_meta}
 
 
 def count_params(params) -> int:

@@ -111,11 +111,6 @@ def iob1_to_iob2(tags: Sequence[str]) -> list[str]:
   return out
 
 
-def is_iob1(sentences: Sequence[Sentence]) -> bool:
-  """Whether some chunk opens with I- (IOB1; in IOB2 every chunk opens with B-)."""
-  return any(s.tags and iob1_to_iob2(s.tags) != list(s.tags) for s in sentences)
-
-
 def label_list_from_data(sentences: Sequence[Sentence]) -> list[str]:
   """'O' then the data's tags sorted by type, B- before I- (a stable id order)."""
   tags = {t for s in sentences for t in (s.tags or ())} - {'O'}
@@ -358,7 +353,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
 
   dev = [eval_set('dev', _conll_file(config.task.data_dir, ['valid.txt', 'dev.txt'], 'dev'))]
   test = []
-  if config.predict_test:
+  if config.eval.predict_test:
     test = [eval_set('test', _conll_file(config.task.data_dir, ['test.txt'], 'test'))]
   train = convert_sentences(train_sentences, tok, config.data.max_seq_length, label_list)
   return tasks.Task(
@@ -367,7 +362,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
       loss_fn=tasks.token_loss, label_keys=('labels',),
       train=tasks.subset(train, tasks.INPUTS + ('labels',)), dev=dev, test=test,
       main_metric='f1', metric_names=('precision', 'recall', 'f1', 'accuracy'),
-      info={'task': 'ner', 'labels': label_list, 'hf_architecture': 'BertForTokenClassification'})
+      info={'task': 'ner', 'labels': label_list})
 
 
 def prediction(input_path: str, input_format: str, tok, bert_config: model_lib.BertConfig,

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from bert_jax.errors import UserError
+from bert_jax import config_checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,8 @@ OBJECTIVES = {
     'sop': Objective('sop', head='nsp', label_names=('in order', 'swapped')),
     'none': Objective('none', head=None, label_names=None),
 }
+# data.objective's values are defined where a config is checked; this table covers them all.
+assert tuple(OBJECTIVES) == config_checks.CHOICES['data.objective']
 
 # Heads of pre-training: our parameter group -> its (Hugging Face, Google) module names.
 HEAD_NAMES = {
@@ -79,8 +81,7 @@ RECORD_FEATURES = {
 
 def get(name: str) -> Objective:
   """The objective `data.objective` names."""
-  if name not in OBJECTIVES:
-    raise UserError(f'data.objective={name!r} is not one of {tuple(OBJECTIVES)}')
+  config_checks.check_choice('data.objective', name)  # For a direct caller.
   return OBJECTIVES[name]
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from bert_jax.errors import UserError
+from bert_jax import config_checks
 
 # Parameters that are never weight-decayed: LayerNorm scale/bias and every bias, as in BERT.
 _NO_DECAY = ('bias', 'scale', 'output_bias')
@@ -22,14 +22,12 @@ def make_schedule(train: ml_collections.ConfigDict, total_steps: int | None = No
   total = int(total_steps or train.steps)
   warmup = int(train.warmup_steps if warmup_steps is None else warmup_steps)
   peak = float(train.learning_rate)
-  if warmup < 0 or warmup > total:
-    raise UserError(f'train.warmup_steps={warmup} must lie in [0, train.steps={total}]')
+  assert 0 <= warmup <= total, (warmup, total)  # config_checks: train.warmup_steps.
+  config_checks.check_choice('train.decay', train.decay)  # For a direct caller.
   if train.decay == 'linear':
     after = optax.linear_schedule(peak, 0.0, max(total - warmup, 1))
-  elif train.decay == 'constant':
+  else:  # 'constant'
     after = optax.constant_schedule(peak)
-  else:
-    raise UserError(f"train.decay={train.decay!r}: expected 'linear' or 'constant'")
   if warmup == 0:
     return after
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
@@ -83,10 +81,11 @@ def make_optimizer(train: ml_collections.ConfigDict, total_steps: int | None = N
   (`make_schedule`'s). Its `update` takes the gradients' norm as `global_grad_norm=` (as
   `train_state.step` passes it), else computes it."""
   schedule = make_schedule(train, total_steps, warmup_steps)
+  config_checks.check_choice('train.optimizer', train.optimizer)  # For a direct caller.
   if train.optimizer == 'adamw':
     opt = optax.adamw(schedule, b1=train.beta1, b2=train.beta2, eps=train.eps,
                       weight_decay=train.weight_decay, mask=decay_mask)
-  elif train.optimizer == 'lamb':
+  else:  # 'lamb'
     # optax.lamb, except that biases and LayerNorm parameters get no trust ratio either: as in
     # the LAMB BERT recipes (layer adaptation excluded where weight decay is).
     opt = optax.chain(
@@ -94,8 +93,6 @@ def make_optimizer(train: ml_collections.ConfigDict, total_steps: int | None = N
         optax.add_decayed_weights(train.weight_decay, mask=decay_mask),
         _trust_ratio_where(decay_mask),
         optax.scale_by_learning_rate(schedule))
-  else:
-    raise UserError(f"train.optimizer={train.optimizer!r}: expected 'adamw' or 'lamb'")
   parts = []
   if train.max_grad_norm and train.max_grad_norm > 0:
     parts.append(clip_by_global_norm(train.max_grad_norm))

@@ -43,9 +43,8 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
     {'task', 'input_format' (as read), 'examples', 'output'} (+ 'files': the other files
     written), and 'metrics' for an input with labels.
   """
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   from bert_jax import task_table  # pylint: disable=g-import-not-at-top
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   task_path = f'{workdir}/task.json'
   if fileio.isdir(workdir):
     fileio.check_readable_dir(workdir, '--workdir')  # Else its files would look missing.
@@ -95,7 +94,7 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
                                    head=prediction.head))
   params = jax.device_put(params)
   rows = batching.predict_rows(lambda batch: step(params, batch), prediction.features,
-                               batch_size, batching.parse_buckets(run.buckets))
+                               batch_size, batching.parse_buckets(run.data.buckets))
   result: dict[str, Any] = {'task': info['task'], 'input_format': prediction.input_format,
                             'examples': prediction.examples, 'output': output_path}
   scores, files = prediction.finish(rows, output_path)

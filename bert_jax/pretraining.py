@@ -28,12 +28,16 @@ from bert_jax import train_state as state_lib
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-  """Steps [start, end) run at one sequence length and number of predictions."""
+  """Steps [start, end) run at one sequence length and number of predictions, on `data`."""
   index: int
   start: int
   end: int
   seq_len: int
   max_predictions: int
+  # config.data with the phase's own inputs, where data.phase_inputs / phase_eval_inputs name
+  # them (TFRecords of create_pretraining_data.py hold one sequence length each).
+  data: ml_collections.ConfigDict = dataclasses.field(compare=False, hash=False, repr=False,
+                                                      default=None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,43 +51,39 @@ def packed_sequences(config: ml_collections.ConfigDict) -> int:
 
 
 def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
-  """`train.phases` ('0.9:128:20,0.1:512:80') -> Phases covering [0, train.steps)."""
+  """`train.phases` ('0.9:128:20,0.1:512:80') -> Phases covering [0, train.steps), each with
+  its data block."""
   steps = int(config.train.steps)
   parts = config_checks.phase_specs(config)  # Checked where the config was loaded, too.
   if not parts:
     # train.phases is empty: the run uses data.max_seq_length (checked against the model's
     # positions with the config, config_checks._lengths).
-    return [Phase(0, 0, steps, config.data.max_seq_length, config.data.max_predictions_per_seq)]
+    parts = [(1.0, config.data.max_seq_length, config.data.max_predictions_per_seq)]
+  inputs = _per_phase(config.data.phase_inputs, len(parts))
+  eval_inputs = _per_phase(config.data.phase_eval_inputs, len(parts))
   phases, start, cumulative = [], 0, 0.0
   for i, (frac, seq_len, preds) in enumerate(parts):
     cumulative += frac
     # Rounded where each phase ends, not by length, so that no phase overshoots the schedule.
     end = steps if i == len(parts) - 1 else max(start, int(round(cumulative * steps)))
-    phases.append(Phase(i, start, end, seq_len, preds))
+    data = config.data.copy_and_resolve_references()
+    if inputs[i]:
+      data.input = inputs[i]
+    if eval_inputs[i]:
+      data.eval_input = eval_inputs[i]
+    phases.append(Phase(i, start, end, seq_len, preds, data))
     start = end
   return [p for p in phases if p.end > p.start]
 
 
-def _per_phase(config: ml_collections.ConfigDict, key: str) -> list[str]:
-  """data.<key> ('a;b', one entry per train.phases entry; '' entries = the default input)."""
-  spec = config.data[key].strip()
+def _per_phase(spec: str, phases: int) -> list[str]:
+  """data.phase_inputs or phase_eval_inputs ('a;b', one entry per train.phases entry; ''
+  entries = the default input) as one entry per phase."""
+  spec = spec.strip()
   if not spec:
-    return [''] * max(1, len(config_checks.phase_specs(config)))
+    return [''] * phases
   # One entry per phase: checked with the config (config_checks._phases).
   return [e.strip() for e in spec.split(';')]
-
-
-def phase_data(config: ml_collections.ConfigDict, phase: Phase) -> ml_collections.ConfigDict:
-  """config.data with the phase's own inputs, when data.phase_inputs / phase_eval_inputs name
-  them (TFRecords of create_pretraining_data.py hold one sequence length each)."""
-  train_input = _per_phase(config, 'phase_inputs')[phase.index]
-  eval_input = _per_phase(config, 'phase_eval_inputs')[phase.index]
-  data = config.data.copy_and_resolve_references()
-  if train_input:
-    data.input = train_input
-  if eval_input:
-    data.eval_input = eval_input
-  return data
 
 
 def phase_at(phases: list[Phase], step: int) -> Phase:
@@ -102,20 +102,19 @@ def phase_at(phases: list[Phase], step: int) -> Phase:
 PACKED_INPUTS = ('position_ids', 'sequence_ids', 'next_sentence_positions')
 
 
-def apply_model(model: nn.Module, params: Any, batch: dict[str, jax.Array], fp8_meta: Any = None,
+def apply_model(model: nn.Module, variables: dict[str, Any], batch: dict[str, jax.Array],
                 **kwargs):
-  """BertForPreTraining on a batch of rows, packed or not (with FP8 scales and histories,
-  `fp8_meta`, when model.matmul_precision='fp8' trains)."""
+  """BertForPreTraining on a batch of rows, packed or not: applied to `variables` (a training
+  step's `train_state.model_variables`, or {'params': params})."""
   packed = {k: batch[k] for k in PACKED_INPUTS if k in batch}
-  return model.apply(model_lib.variables(params, fp8_meta), batch['input_ids'],
-                     batch['input_mask'], batch['segment_ids'], batch['masked_lm_positions'],
-                     **packed, **kwargs)
+  return model.apply(variables, batch['input_ids'], batch['input_mask'], batch['segment_ids'],
+                     batch['masked_lm_positions'], **packed, **kwargs)
 
 
 def pretraining_apply(model: nn.Module) -> state_lib.Apply:
   """BertForPreTraining in training mode (dropout on): (MLM logits, sentence logits)."""
-  return lambda params, batch, rng, fp8_meta=None: apply_model(
-      model, params, batch, fp8_meta, deterministic=False, rngs={'dropout': rng})
+  return lambda variables, batch, rng: apply_model(model, variables, batch,
+                                                   deterministic=False, rngs={'dropout': rng})
 
 
 def pretraining_loss(objective: objectives.Objective) -> state_lib.Loss:
@@ -155,7 +154,7 @@ def build_train_step(model, tx, mesh, rules, state_shardings, base_rng, accum_st
 def eval_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
               objective: str) -> dict[str, Any]:
   """The objective's metrics ((sum, count) pairs) of a held-out batch, dropout off."""
-  outputs = apply_model(model, params, batch, deterministic=True)
+  outputs = apply_model(model, {'params': params}, batch, deterministic=True)
   _, _, metrics = objectives.loss(objectives.get(objective), outputs, batch)
   return metrics
 
@@ -170,9 +169,8 @@ def abstract_state_and_shardings(model: nn.Module, tx: optax.GradientTransformat
   """(abstract TrainState, its NamedShardings, init function) without allocating anything."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
   return state_lib.abstract_state(
-      lambda rng: model_lib.split_variables(model.init(
-          {'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32), deterministic=True)),
-      tx, mesh, rules)
+      lambda rng: model.init({'params': rng}, ids, ids, ids, jnp.zeros((1, 1), jnp.int32),
+                             deterministic=True), tx, mesh, rules)
 
 
 def check_attention(config: ml_collections.ConfigDict, platform: str) -> None:

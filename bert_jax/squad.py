@@ -556,8 +556,7 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
                          evaluate)],
       test=[],
       main_metric='f1', metric_names=names,
-      info={'task': f'squad_{suffix}', 'version_2': version_2,
-            'hf_architecture': 'BertForQuestionAnswering'})
+      info={'task': f'squad_{suffix}', 'version_2': version_2})
 
 
 def beside_output(output_path: str, name: str) -> str:

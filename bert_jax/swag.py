@@ -256,15 +256,14 @@ def make_task(config: ml_collections.ConfigDict, tok, bert_config: model_lib.Ber
 
   train_examples = read('train', labelled=True)
   dev = [eval_set('dev', labelled=True)]  # Its accuracy picks the best epoch.
-  test = [eval_set('test', labelled=False)] if config.predict_test else []
+  test = [eval_set('test', labelled=False)] if config.eval.predict_test else []
   train = convert_examples(train_examples, tok, max_seq_length)
   return tasks.Task(
       kind='swag', head='sequence', model=BertForMultipleChoice(bert_config),
       loss_fn=tasks.classification_loss, label_keys=('label',),
       train=tasks.subset(train, tasks.INPUTS + ('label',)), dev=dev, test=test,
       main_metric='accuracy', metric_names=('accuracy',),
-      info={'task': config.task.name, 'choices': len(train_examples[0].endings),
-            'hf_architecture': 'BertForMultipleChoice'})
+      info={'task': config.task.name, 'choices': len(train_examples[0].endings)})
 
 
 def prediction(input_path: str, input_format: str, tok, bert_config: model_lib.BertConfig,

@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
-from flax.linen import fp8_ops
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +52,7 @@ class Prediction:
 class Task:
   kind: str  # A key of task_table.KINDS, the task's module.
   head: str  # 'sequence', 'token', 'span': what the prediction step returns per row.
+  # Named after the transformers class of the same head, which a Hugging Face export names.
   model: nn.Module
   loss_fn: Callable
   label_keys: tuple[str, ...]
@@ -64,41 +64,31 @@ class Task:
   info: dict
 
 
-def apply(model: nn.Module, params: Any, batch: dict[str, jax.Array], deterministic: bool,
-          rngs: dict[str, jax.Array] | None = None, fp8_meta: Any = None):
-  """A task model on a batch's `INPUTS` (with FP8 scales and histories, `fp8_meta`, when
-  model.matmul_precision='fp8' trains: `model.variables`, which this layer cannot import)."""
-  variables = {'params': params}
-  if fp8_meta is not None:
-    variables[fp8_ops.OVERWRITE_WITH_GRADIENT] = fp8_meta
+def apply(model: nn.Module, variables: dict[str, Any], batch: dict[str, jax.Array],
+          deterministic: bool, rngs: dict[str, jax.Array] | None = None):
+  """A task model on a batch's `INPUTS`, applied to `variables` (a training step's
+  `train_state.model_variables`, or {'params': params})."""
   return model.apply(variables, *(batch[k] for k in INPUTS), deterministic=deterministic,
                      rngs=rngs)
 
 
-def init_fn(model: nn.Module) -> Callable[[jax.Array], Any]:
-  """rng -> the (boxed) parameters of a task model, or (parameters, FP8 scales) when it has
-  those (`model.split_variables`, which this layer cannot import), for
-  `train_state.abstract_state`."""
+def init_fn(model: nn.Module) -> Callable[[jax.Array], dict[str, Any]]:
+  """rng -> the variables of a task model (boxed parameters, and FP8 scales when it has
+  them), for `train_state.abstract_state`."""
   ids = jnp.zeros((1, 8), jnp.int32)
-
-  def init(rng):
-    variables = model.init({'params': rng}, ids, ids, ids, deterministic=True)
-    fp8_meta = variables.get(fp8_ops.OVERWRITE_WITH_GRADIENT)
-    return variables['params'] if fp8_meta is None else (variables['params'], fp8_meta)
-  return init
+  return lambda rng: model.init({'params': rng}, ids, ids, ids, deterministic=True)
 
 
 def train_apply(model: nn.Module):
   """A task model in training mode (dropout on), as `train_state.step` applies it."""
-  return lambda params, batch, rng, fp8_meta=None: apply(model, params, batch, False,
-                                                         {'dropout': rng}, fp8_meta)
+  return lambda variables, batch, rng: apply(model, variables, batch, False, {'dropout': rng})
 
 
 def predict_step(params: Any, batch: dict[str, jax.Array], *, model: nn.Module,
                  head: str) -> dict[str, jax.Array]:
   """Outputs per row: logits [B, C] ('sequence'), tag ids [B, L] ('token'), or start and end
   logits [B, 2, L] ('span'); with the row's index and weight."""
-  outputs = apply(model, params, batch, True)
+  outputs = apply(model, {'params': params}, batch, True)
   if head == 'span':
     outputs = jnp.stack(outputs, axis=1)
   elif head == 'token':

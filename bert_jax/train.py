@@ -1,10 +1,12 @@
 """BERT pre-training: one straight path from a config to a trained, checkpointed model.
 
-`train_and_evaluate` is setup, then loop. `_setup` runs, in order: mesh -> data -> model,
-optimizer, abstract init, shardings and steps (`pretraining.build_step`, which `aot.py` and the
-benchmarks use too) -> init or restore -> compiles, and returns one `_Run`; `_train` is the loop
-(log, checkpoint, evaluate, stop for preemption), which `monitor.Preemption` decides. The step
-functions are pure and live in `pretraining.py`.
+`train_and_evaluate` is setup, then loop, inside the frame both drivers share (`run_frame`:
+checks, lock, preemption, compilation cache; the loop's close). `_setup` runs, in order: mesh ->
+data (each phase with its data block) -> model, optimizer, abstract init, shardings and steps
+(`pretraining.build_step`, which `aot.py` and the benchmarks use too) -> init or restore ->
+compiles, and returns one `_Run`, which holds what the loop reads of the config; `_train` is
+the loop (log, checkpoint, evaluate on `run_frame.itstime`, stop for preemption), which
+`monitor.Preemption` decides. The step functions are pure and live in `pretraining.py`.
 """
 
 import dataclasses
@@ -22,15 +24,16 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from bert_jax import checkpoint as ckpt_lib
-from bert_jax import config_checks
 from bert_jax import fileio
 from bert_jax import flops as flops_lib
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import objectives
 from bert_jax import pretraining
-from bert_jax import run_lock
+from bert_jax import run_files
+from bert_jax import run_frame
 from bert_jax import sharding as sharding_lib
+from bert_jax import state_extras
 from bert_jax import train_state as state_lib
 from bert_jax.errors import UserError
 
@@ -58,29 +61,28 @@ def _max_over_processes(n: int) -> int:
   return int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
 
 
-def evaluate_params(config: ml_collections.ConfigDict, phase: pretraining.Phase, params: Any,
-                    p_eval_step: Callable, mesh: jax.sharding.Mesh, rules, vocab_file: str,
-                    check_nsp_share: bool = False,
+def evaluate_params(phase: pretraining.Phase, params: Any, p_eval_step: Callable,
+                    mesh: jax.sharding.Mesh, rules, vocab_file: str, *, batch_size: int,
+                    steps: int, check_nsp_share: bool = False,
                     stop: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
-  """MLM (and NSP) metrics of `params` on eval.steps batches of the phase's held-out data;
-  None when `stop()` turns true between batches (SIGTERM: the notice is too short to finish).
+  """MLM (and NSP) metrics of `params` on `steps` batches of `batch_size` (eval.*) of the
+  phase's held-out data; None when `stop()` turns true between batches (SIGTERM: the notice is
+  too short to finish).
 
   With check_nsp_share, NSP/SOP metrics of labels far from half NotNext are refused
   (`check_label_share`)."""
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  eval_local = config.eval.batch_size // jax.process_count()
-  sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
+  sharding_lib.check_batch_size(batch_size, mesh, 'eval.batch_size')
   ds = input_pipeline.make_pretraining_dataset(
-      pretraining.phase_data(config, phase), batch_size=eval_local, seq_len=phase.seq_len,
+      phase.data, batch_size=batch_size // jax.process_count(), seq_len=phase.seq_len,
       max_predictions=phase.max_predictions, train=False, process_index=jax.process_index(),
       process_count=jax.process_count(), vocab_file=vocab_file)
-  batches = eval_batches(ds.as_numpy_iterator(), config.eval.steps,
-                         _empty_batch(ds.element_spec))
+  batches = eval_batches(ds.as_numpy_iterator(), steps, _empty_batch(ds.element_spec))
   if not batches:
     raise UserError('the evaluation data gave no batch: data.eval_input (or the held-out '
                     'share of data.input) is smaller than eval.batch_size')
   if check_nsp_share:
-    check_label_share(batches, config.data)
+    check_label_share(batches, phase.data)
   batch_sharding = sharding_lib.batch_sharding(mesh)
   results, in_flight = [], monitor.InFlight()  # So that `stop()` is not answered batches late.
   with sharding_lib.activate(mesh, rules):
@@ -125,7 +127,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   """
   from bert_jax import convert  # pylint: disable=g-import-not-at-top
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  input_pipeline.hide_accelerators_from_tf()
+  fileio.hide_accelerators_from_tf()
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   convert.check_casing(checkpoint, config.data.lower_case, '--checkpoint')
@@ -157,7 +159,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   p_eval_step = jax.jit(functools.partial(pretraining.eval_step, model=model,
                                           objective=objective),
                         in_shardings=(shardings.params, sharding_lib.batch_sharding(mesh)))
-  metrics = evaluate_params(config, phase, params, p_eval_step, mesh, rules, vocab_file,
+  metrics = evaluate_params(phase, params, p_eval_step, mesh, rules, vocab_file,
+                            batch_size=config.eval.batch_size, steps=config.eval.steps,
                             check_nsp_share=objective != 'none')
   return dict(metrics, checkpoint=checkpoint, step=steps[-1] if steps else None,
               seq_len=phase.seq_len)
@@ -211,20 +214,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   SIGTERM or Ctrl-C stops the run with `errors.Preempted`: after the first step, once it has
   saved where it is; before it (nothing new to save), at once.
   """
-  # As where it was loaded: a config changed in Python since (a notebook) is refused the same way.
-  config_checks.check_config(config, kind='pretrain')
-  workdir = fileio.workdir_path(workdir)
-  # From the start, before the lock: SIGTERM during start-up is heard too.
-  with monitor.Preemption() as preemption, run_lock.hold(workdir):
-    preemption.check()
-    return _train_and_evaluate(config, workdir, preemption)
+  with run_frame.entered(config, workdir, 'pretrain') as (workdir, preemption):
+    return _train(_setup(config, workdir, preemption), preemption)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class _Run:
-  """One pre-training run as `_setup` makes it, ready for its first step; the loop advances
-  `state`, `step` and `last_saved`."""
-  config: ml_collections.ConfigDict
+  """One pre-training run as `_setup` makes it, ready for its first step, with what the loop
+  reads of the config decoded; the loop advances `state`, `step` and `last_saved`."""
   workdir: str
   phases: list[pretraining.Phase]
   mesh: jax.sharding.Mesh
@@ -236,7 +233,16 @@ class _Run:
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
   manager: Any  # Orbax's CheckpointManager.
   log: monitor.MetricsLog
-  stop_at: int
+  batch_size: int  # train.batch_size, the global batch.
+  seed: int  # train.seed, kept in every checkpoint's meta.
+  steps: int  # train.steps, where the schedule ends.
+  stop_at: int  # train.stop_at_step, else train.steps.
+  log_every: int  # log.every_steps
+  checkpoint_every: int  # checkpoint.every_steps
+  eval_every: int  # eval.every_steps
+  eval_batch_size: int  # eval.batch_size
+  eval_steps: int  # eval.steps
+  progress: bool  # log.progress: a progress bar (process 0).
   start: int | None  # The step restored from; None for a fresh run.
   meta: dict[str, Any]  # The restored checkpoint's.
   state: state_lib.TrainState
@@ -248,43 +254,35 @@ class _Run:
     return jax.process_index() == 0
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                        preemption: monitor.Preemption) -> dict[str, float]:
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  input_pipeline.hide_accelerators_from_tf()
-  ckpt_lib.check_workdir_kind(workdir, fine_tuning=False)
-  ckpt_lib.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
-  stop_at = int(config.train.stop_at_step) or int(config.train.steps)  # In range (config_checks).
-  return _train(_setup(config, workdir, stop_at, preemption), preemption)
-
-
-def _dataset(config: ml_collections.ConfigDict, vocab_file: str, phase: pretraining.Phase,
-             train: bool, batch_size: int | None = None, seed: int | None = None):
+def _dataset(vocab_file: str, train_batch_size: int, phase: pretraining.Phase, train: bool,
+             batch_size: int | None = None, seed: int | None = None):
   """This process's share of the phase's training or held-out data, in batches of
-  `batch_size` (default: its share of train.batch_size)."""
+  `batch_size` (default: its share of `train_batch_size`, train.batch_size)."""
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   return input_pipeline.make_pretraining_dataset(
-      pretraining.phase_data(config, phase),
-      batch_size=batch_size or config.train.batch_size // jax.process_count(),
+      phase.data, batch_size=batch_size or train_batch_size // jax.process_count(),
       seq_len=phase.seq_len, max_predictions=phase.max_predictions, train=train,
       process_index=jax.process_index(), process_count=jax.process_count(), seed=seed,
       vocab_file=vocab_file)
 
 
-def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
+def _setup(config: ml_collections.ConfigDict, workdir: str,
            preemption: monitor.Preemption) -> _Run:
   """Mesh, data (checked for every phase), model and steps, state (restored or initialized),
   every phase's steps compiled, run files and metrics log."""
   from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
+  stop_at = int(config.train.stop_at_step) or int(config.train.steps)  # In range (config_checks).
+  batch_size, eval_batch_size = int(config.train.batch_size), int(config.eval.batch_size)
+  seed, init_checkpoint = int(config.train.seed), config.train.init_checkpoint
 
   # ---- Mesh ----------------------------------------------------------------------------------
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   pretraining.check_batch(config, mesh)
   # Evaluation runs thousands of steps in: its settings are checked now.
-  sharding_lib.check_batch_size(config.eval.batch_size, mesh, 'eval.batch_size')
+  sharding_lib.check_batch_size(eval_batch_size, mesh, 'eval.batch_size')
   logging.info('Mesh %s on %d devices, %d processes', dict(mesh.shape), jax.device_count(),
                jax.process_count())
 
@@ -292,29 +290,25 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
   phases = pretraining.parse_phases(config)
   pretraining.check_attention(config, jax.default_backend())
   for phase in phases:
-    input_pipeline.check_vocab_given(pretraining.phase_data(config, phase),
-                                     f'phase {phase.index + 1} reads ')
-  written = [os.path.join(workdir, name) for name in ckpt_lib.RUN_FILES]
+    input_pipeline.check_vocab_given(phase.data, f'phase {phase.index + 1} reads ')
+  written = [os.path.join(workdir, name) for name in run_files.RUN_FILES]
   for phase in phases:
-    data = pretraining.phase_data(config, phase)
     for key in ('input', 'eval_input'):
-      if data[key]:
-        documents.check_not_matched(data[key], f'data.{key}', written)
+      if phase.data[key]:
+        documents.check_not_matched(phase.data[key], f'data.{key}', written)
   # A vocab trained here comes from the first phase's input.
-  fileio.check_bucket(config.train.init_checkpoint, 'train.init_checkpoint')  # Not at init.
-  if config.train.init_checkpoint:
+  fileio.check_bucket(init_checkpoint, 'train.init_checkpoint')  # Not at init.
+  if init_checkpoint:
     from bert_jax import convert  # pylint: disable=g-import-not-at-top
-    if fileio.same_path(config.train.init_checkpoint, workdir):
-      raise UserError(f'train.init_checkpoint={config.train.init_checkpoint} is the --workdir '
-                      'itself: a run resumes from its own workdir anyway; start from it in '
-                      'another --workdir')
-    convert.check_casing(config.train.init_checkpoint, config.data.lower_case,
-                         'train.init_checkpoint')
-  vocab_file = input_pipeline.resolve_vocab(pretraining.phase_data(config, phases[0]), workdir)
+    if fileio.same_path(init_checkpoint, workdir):
+      raise UserError(f'train.init_checkpoint={init_checkpoint} is the --workdir itself: a run '
+                      'resumes from its own workdir anyway; start from it in another --workdir')
+    convert.check_casing(init_checkpoint, config.data.lower_case, 'train.init_checkpoint')
+  vocab_file = input_pipeline.resolve_vocab(phases[0].data, workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
-  dataset_for = functools.partial(_dataset, config, vocab_file)
+  dataset_for = functools.partial(_dataset, vocab_file, batch_size)
   logging.info('Checking the input of %d phase(s)', len(phases))
-  _check_phase_data(config, phases, dataset_for)
+  _check_phase_data(phases, dataset_for, eval_batch_size // jax.process_count())
   preemption.check()
 
   # ---- Model, optimizer, abstract init and shardings, steps (nothing allocated yet) ----------
@@ -324,19 +318,21 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
                built.bert_config.dtype)
 
   # ---- Init or restore -----------------------------------------------------------------------
-  manager = ckpt_lib.make_manager(workdir, config.checkpoint.keep)
+  manager = ckpt_lib.make_manager(workdir, config.checkpoint.keep,
+                                  extras=state_extras.saved_names())
   # A fresh init compiles (minutes for a large model on a pod): SIGTERM does not wait for it.
   start, state, meta = ckpt_lib.restore_or_init(
-      manager, workdir, built.abstract, lambda: preemption.wait(lambda: _init(config, built)))
+      manager, workdir, built.abstract,
+      lambda: preemption.wait(lambda: _init(built, seed, init_checkpoint)))
   preemption.check()
   # Only now, with the checkpoint found to match: a refused resume (another model size) leaves
   # the record of the run it refused to touch as it was.
-  ckpt_lib.write_run_files(workdir, config.to_json_best_effort(indent=2), built.bert_config,
-                           vocab_file)
+  run_files.write_run_files(workdir, config.to_json_best_effort(indent=2), built.bert_config,
+                            vocab_file)
   # Rows past the checkpoint are from a run that died after it: they are logged again.
   monitor.truncate_metrics(workdir, start)
-  if start is not None and meta.get('seed') != config.train.seed:
-    logging.warning('Resuming with train.seed=%s, the checkpoint used %s', config.train.seed,
+  if start is not None and meta.get('seed') != seed:
+    logging.warning('Resuming with train.seed=%s, the checkpoint used %s', seed,
                     meta.get('seed'))
   step = int(state.step)
 
@@ -344,7 +340,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
   # A compile of the next phase thousands of steps in would not stop for SIGTERM (the notice
   # is about 30 s).
   batch_sharding = sharding_lib.batch_sharding(mesh)
-  eval_local = config.eval.batch_size // jax.process_count()
+  eval_local = eval_batch_size // jax.process_count()
   remaining = [p for p in phases if p.end > step and p.start < stop_at]
 
   def steps_to_compile():  # Lazy: the datasets are made on the compiling thread too.
@@ -356,25 +352,31 @@ def _setup(config: ml_collections.ConfigDict, workdir: str, stop_at: int,
 
   preemption.wait(lambda: state_lib.compile_ahead(
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
-  return _Run(config, workdir, phases, mesh, rules, batch_sharding, vocab_file, dataset_for,
-              built, manager, monitor.MetricsLog(workdir), stop_at, start, meta, state, step,
-              last_saved=start)
+  return _Run(workdir=workdir, phases=phases, mesh=mesh, rules=rules,
+              batch_sharding=batch_sharding, vocab_file=vocab_file, dataset_for=dataset_for,
+              built=built, manager=manager, log=monitor.MetricsLog(workdir),
+              batch_size=batch_size, seed=seed, steps=int(config.train.steps), stop_at=stop_at,
+              log_every=int(config.log.every_steps),
+              checkpoint_every=int(config.checkpoint.every_steps),
+              eval_every=int(config.eval.every_steps), eval_batch_size=eval_batch_size,
+              eval_steps=int(config.eval.steps), progress=bool(config.log.progress),
+              start=start, meta=meta, state=state, step=step, last_saved=start)
 
 
-def _init(config: ml_collections.ConfigDict, built: pretraining.Step) -> state_lib.TrainState:
-  """A fresh state; with train.init_checkpoint, its weights (and fresh heads it lacks)."""
-  state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(config.train.seed))
-  if not config.train.init_checkpoint:
+def _init(built: pretraining.Step, seed: int, init_checkpoint: str) -> state_lib.TrainState:
+  """A fresh state; with `init_checkpoint` (train.init_checkpoint), its weights (and fresh
+  heads it lacks)."""
+  state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(seed))
+  if not init_checkpoint:
     return state
   # Host copies of the fresh parameters (heads the checkpoint lacks come from them); with
   # fsdp or tensor axes across hosts no process holds every shard, so gather them.
   fresh = (multihost_utils.process_allgather(state.params, tiled=True)
            if jax.process_count() > 1 else jax.tree.map(np.asarray, state.params))
-  params = _init_from_checkpoint(config.train.init_checkpoint, built.bert_config, fresh)
-  logging.info('Initialized from %s', config.train.init_checkpoint)
+  params = _init_from_checkpoint(init_checkpoint, built.bert_config, fresh)
+  logging.info('Initialized from %s', init_checkpoint)
   return state_lib.state_from_params(state_lib.put_sharded(params, built.shardings.params),
-                                     built.tx, built.shardings, built.abstract,
-                                     state.fp8_meta)
+                                     built.tx, built.abstract)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,11 +387,10 @@ def _init(config: ml_collections.ConfigDict, built: pretraining.Step) -> state_l
 def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
   """Phases of steps; log, checkpoint, evaluate, stop for preemption. The last evaluation's
   metrics."""
-  config = run.config
-  steps = monitor.Steps(run.step, run.stop_at, run.is_main and config.log.progress)
+  steps = monitor.Steps(run.step, run.stop_at, run.is_main and run.progress)
   eval_metrics: dict[str, float] = {}
   first_step = run.step
-  try:
+  with run_frame.closing(steps, run.manager, run.workdir, run.log):
     while run.step < run.stop_at and not preemption.stopping:
       phase = pretraining.phase_at(run.phases, run.step)
       data_it = _training_input(run, phase)
@@ -423,34 +424,27 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
         run.step += 1
         steps.add(metrics)
 
-        if run.step % config.log.every_steps == 0 or run.step == run.stop_at:
+        if run_frame.itstime(run.step, run.log_every, run.stop_at):
           summary = _with_rates(steps.summary(run.step, _divergence_advice(run)),
-                                steps.chrono.report(run.step), config, flops_per_token,
+                                steps.chrono.report(run.step), run.batch_size, flops_per_token,
                                 learning_rate=float(run.built.schedule(run.step - 1)))
           run.log.train(run.step, summary)
           steps.bar.set_postfix(loss=f'{summary["loss"]:.3f}',
                                 mlm_acc=f'{summary["mlm_accuracy"]:.3f}')
         preemption.stop_now(run.step, run.manager)
-        if (run.step % config.checkpoint.every_steps == 0 or run.step == run.stop_at
-            or preemption.stopping):
+        if run_frame.itstime(run.step, run.checkpoint_every, run.stop_at) or preemption.stopping:
           steps.drain()
           jax.block_until_ready(run.state)
           with steps.chrono.excluded():
             _save(run, steps, phase, data_it)
         # After the save: a failing or killed evaluation never costs the steps before it.
-        if ((run.step % config.eval.every_steps == 0 or run.step == run.stop_at)
-            and not preemption.stopping):
+        if run_frame.itstime(run.step, run.eval_every, run.stop_at) and not preemption.stopping:
           eval_metrics = _evaluate(run, steps, preemption, phase, data_it) or eval_metrics
     if preemption.stopping:
       logging.warning('Stopped for preemption at step %d; rerun to resume.', run.step)
-  finally:
-    steps.close()
-    ckpt_lib.wait_for_saves(run.manager, run.workdir)
-    run.manager.close()
-    run.log.close()
 
   if run.is_main:
-    _print_summary(config, run.workdir, run.step, run.stop_at, run.start, eval_metrics)
+    _print_summary(run, eval_metrics)
   if preemption.stopping:
     raise preemption.stopped(run.step)
   return eval_metrics
@@ -460,13 +454,11 @@ def _training_input(run: _Run, phase: pretraining.Phase):
   """The phase's training input (`input_pipeline.TrainingInput`) from `run.step`; a saved
   position is restored only where it fits."""
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  data = pretraining.phase_data(run.config, phase)
   fingerprint = input_pipeline.input_fingerprint(
-      data, batch_size=run.config.train.batch_size // jax.process_count(),
-      seq_len=phase.seq_len, max_predictions=phase.max_predictions,
-      process_count=jax.process_count())
+      phase.data, batch_size=run.batch_size // jax.process_count(), seq_len=phase.seq_len,
+      max_predictions=phase.max_predictions, process_count=jax.process_count())
   return input_pipeline.TrainingInput(lambda seed: run.dataset_for(phase, True, seed=seed),
-                                      fingerprint, run.step, int(data.seed))
+                                      fingerprint, run.step, int(phase.data.seed))
 
 
 def _save(run: _Run, steps: monitor.Steps, phase: pretraining.Phase, data_it) -> None:
@@ -475,7 +467,7 @@ def _save(run: _Run, steps: monitor.Steps, phase: pretraining.Phase, data_it) ->
   # step's weights never become the last good checkpoint.
   steps.check(run.step, _divergence_advice(run), saving=True)
   ckpt_lib.save(run.manager, run.workdir, run.step, run.state,
-                dict(seed=run.config.train.seed, data_phase=phase.index), data_it)
+                dict(seed=run.seed, data_phase=phase.index), data_it)
   run.last_saved = run.step
 
 
@@ -487,8 +479,9 @@ def _evaluate(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,
   jax.block_until_ready(run.state)
   with steps.chrono.excluded():
     ckpt_lib.wait_for_saves(run.manager, run.workdir)
-    evaluated = evaluate_params(run.config, phase, run.state.params, run.built.eval_step,
-                                run.mesh, run.rules, run.vocab_file, stop=preemption.cut_short)
+    evaluated = evaluate_params(phase, run.state.params, run.built.eval_step, run.mesh,
+                                run.rules, run.vocab_file, batch_size=run.eval_batch_size,
+                                steps=run.eval_steps, stop=preemption.cut_short)
   if evaluated is None:
     if run.last_saved != run.step:
       _save(run, steps, phase, data_it)
@@ -507,37 +500,36 @@ def _divergence_advice(run: _Run) -> str:
   return f'{kept}. Lower train.learning_rate or raise train.warmup_steps.'
 
 
-def _print_summary(config: ml_collections.ConfigDict, workdir: str, step: int, stop_at: int,
-                   start: int | None, eval_metrics: dict[str, float]) -> None:
+def _print_summary(run: _Run, eval_metrics: dict[str, float]) -> None:
   """Where the run's files are, and its last evaluation."""
   if eval_metrics:
     last_eval = json.dumps({k: round(v, 4) for k, v in eval_metrics.items()})
-  elif start is not None and start >= stop_at:  # Resumed a run that had already finished.
-    last_eval = (f'none in this run: the workdir was already at step {step} (see '
+  elif run.start is not None and run.start >= run.stop_at:  # Resumed a finished run.
+    last_eval = (f'none in this run: the workdir was already at step {run.step} (see '
                  'metrics.jsonl; use another --workdir or raise train.steps to go on)')
   else:
-    last_eval = f'none: stopped at step {step} before the first evaluation'
-  print(f'\nbert_jax: step {step}/{config.train.steps} in {workdir}\n'
-        f'  checkpoints:  {os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)}\n'
-        f'  metrics:      {os.path.join(workdir, "metrics.jsonl")}\n'
-        f'  TensorBoard:  tensorboard --logdir {workdir}\n'
+    last_eval = f'none: stopped at step {run.step} before the first evaluation'
+  print(f'\nbert_jax: step {run.step}/{run.steps} in {run.workdir}\n'
+        f'  checkpoints:  {os.path.join(run.workdir, ckpt_lib.CHECKPOINT_DIR)}\n'
+        f'  metrics:      {os.path.join(run.workdir, "metrics.jsonl")}\n'
+        f'  TensorBoard:  tensorboard --logdir {run.workdir}\n'
         f'  last eval:    {last_eval}', flush=True)
 
 
-def _check_phase_data(config: ml_collections.ConfigDict, phases: list[pretraining.Phase],
-                      dataset_for: Callable) -> None:
-  """Every phase's training and held-out data, checked before the first step: not when phase
-  2 starts 900,000 steps in (TFRecords fix the sequence length) or at the first evaluation (the
-  held-out set must give a batch)."""
+def _check_phase_data(phases: list[pretraining.Phase], dataset_for: Callable,
+                      eval_local: int) -> None:
+  """Every phase's training and held-out data (in batches of `eval_local`, this process's
+  share of eval.batch_size), checked before the first step: not when phase 2 starts 900,000
+  steps in (TFRecords fix the sequence length) or at the first evaluation (the held-out set
+  must give a batch)."""
   from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  eval_local = config.eval.batch_size // jax.process_count()
   for phase in phases:
-    data = pretraining.phase_data(config, phase)
     for train in (True, False):
       try:
         ds = dataset_for(phase, train) if train else dataset_for(phase, train, eval_local)
         if not train and not any(True for _ in ds.take(1)):
-          source = 'data.eval_input' if data.eval_input else 'the held-out share of data.input'
+          source = ('data.eval_input' if phase.data.eval_input
+                    else 'the held-out share of data.input')
           raise UserError(f'{source} gives no evaluation batch')
       except ValueError as e:
         raise UserError(
@@ -545,16 +537,16 @@ def _check_phase_data(config: ml_collections.ConfigDict, phases: list[pretrainin
             f'{phase.max_predictions} predictions) cannot read its {"" if train else "eval "}'
             f'data: {e}' + ('. Give each phase records of its length with data.phase_inputs '
                             '(and data.phase_eval_inputs), separated by ";".'
-                            if documents.input_kind(data.input) == 'tfrecord' else '')) from e
+                            if documents.input_kind(phase.data.input) == 'tfrecord' else '')
+        ) from e
 
 
-def _with_rates(summary: dict[str, float], timing: dict[str, float],
-                config: ml_collections.ConfigDict, flops_per_token: float,
-                learning_rate: float) -> dict[str, float]:
+def _with_rates(summary: dict[str, float], timing: dict[str, float], batch_size: int,
+                flops_per_token: float, learning_rate: float) -> dict[str, float]:
   """A log row: the steps' metrics, the learning rate, the rates of every run
-  (`monitor.with_rates`), the input wait and MFU."""
+  (`monitor.with_rates`, of global batches of `batch_size`), the input wait and MFU."""
   summary['learning_rate'] = learning_rate
-  summary = monitor.with_rates(summary, timing['steps_per_second'], config.train.batch_size)
+  summary = monitor.with_rates(summary, timing['steps_per_second'], batch_size)
   peak = flops_lib.peak_flops_per_device()
   summary.update(
       input_wait_fraction=timing['input_wait_fraction'],

@@ -1,11 +1,14 @@
 """The train state of every run (pre-training and fine-tuning) and its one jitted step.
 
+- `TrainState`: the step, the parameters, the optimizer state and the extras the model has,
+  which `state_extras.py` declares (the bfloat16 compute copy, FP8 scales, ...); this module,
+  `checkpoint.py` and the drivers loop over them and never name one.
 - `abstract_state`: the sharded abstract `TrainState` of a model, built with `jax.eval_shape`,
   so nothing is ever allocated whole on one device.
 - `put_sharded` / `state_from_params`: a state from host parameters (pre-trained weights).
+- `model_variables`: the one variables mapping the step applies the model to.
 - `step` / `jit_step`: one optimizer step over the global batch, optionally as micro-batches
-  whose gradients are accumulated, jitted with explicit shardings and the state donated (FP8
-  scales, `TrainState.fp8_meta`, replaced by the values the backward pass returns). The
+  whose gradients are accumulated, jitted with explicit shardings and the state donated. The
   model and the loss come from the caller (a pre-training objective's, a fine-tuning task's),
   and every loss is normalized the same way (`Loss`, `normalize`).
 - `compile_ahead`: every shape a run will use, compiled before its first step.
@@ -22,15 +25,16 @@ import flax
 import flax.linen as nn
 from flax import traverse_util
 import jax
-import jax.extend.core as jax_core
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from bert_jax import config_checks
 from bert_jax import errors
 from bert_jax import sharding as sharding_lib
+from bert_jax import state_extras
 
 
 @flax.struct.dataclass
@@ -38,21 +42,36 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
-  # The parameters the model reads only cast to its compute dtype (bfloat16 on accelerators),
-  # kept in that dtype: a subset of `params` (`compute_copy`), {} for a float32 model. The
-  # step's update writes it with the float32 master, in the same kernels, so that the forward
-  # converts nothing. Derived from `params`: never saved, never exported.
-  compute_params: Any = flax.struct.field(default_factory=dict)
-  # model.matmul_precision='fp8': the FP8 scales and amax histories (the model's
-  # `model.FP8_COLLECTION` variables), which each step replaces with the values its backward
-  # pass returns for them, outside the optimizer; None otherwise.
-  fp8_meta: Any = None
+  # The declared extras (`state_extras.EXTRAS`) this model has, by name; each step updates
+  # them (`Extra.update`), checkpoints hold the saved ones.
+  extras: dict[str, Any] = flax.struct.field(default_factory=dict)
 
-  def restored(self, step: Any, params: Any, opt_state: Any) -> 'TrainState':
-    """This abstract state (ShapeDtypeStructs with shardings) with the parts a checkpoint
-    holds, restored, and the compute copy derived from them."""
+  def saved_extras(self) -> dict[str, Any]:
+    """The extras a checkpoint holds, each its own item (by name)."""
+    return {name: value for name, value in self.extras.items()
+            if state_extras.get(name).saved}
+
+  def restored(self, step: int, params: Any, opt_state: Any,
+               saved: dict[str, Any]) -> 'TrainState':
+    """This abstract state (ShapeDtypeStructs with shardings) with what checkpoint `step`
+    holds: parameters, optimizer state and `saved` (the saved extras it has); the other extras
+    computed on the devices by their `init`: the derived ones from the parameters, a saved one
+    that the checkpoint lacks afresh (with a warning)."""
+    to_compute = {}
+    for name in self.extras:
+      extra = state_extras.get(name)
+      if extra.saved and name in saved:
+        continue
+      if extra.saved:
+        logging.warning('Checkpoint %d %s', step, extra.absent())
+      to_compute[name] = extra
+    computed = jax.jit(
+        lambda p: {name: e.init(p, self.extras[name]) for name, e in to_compute.items()},
+        out_shardings={name: jax.tree.map(lambda a: a.sharding, self.extras[name])
+                       for name in to_compute})(params) if to_compute else {}
     return self.replace(step=step, params=params, opt_state=opt_state,
-                        compute_params=placed_compute_copy(params, self.compute_params))
+                        extras={name: saved[name] if name in saved else computed[name]
+                                for name in self.extras})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,162 +79,69 @@ class TrainState:
 # ---------------------------------------------------------------------------------------------
 
 
-def abstract_state(init_params: Callable[[jax.Array], Any], tx: optax.GradientTransformation,
-                   mesh: jax.sharding.Mesh, rules):
-  """(abstract TrainState, its NamedShardings, init function) of the model whose (boxed)
-  parameters `init_params(rng)` makes, without allocating anything. Its `compute_params` are
-  the parameters that the model's forward (traced by `init_params`) reads only cast to a
-  narrower dtype (`cast_only_params`). `init_params` may instead return (params, fp8_meta),
-  the model's FP8 scales and histories (`TrainState.fp8_meta`)."""
+def abstract_state(init_variables: Callable[[jax.Array], dict[str, Any]],
+                   tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, rules):
+  """(abstract TrainState, its NamedShardings, init function) of the model whose variables
+  `init_variables(rng)` makes (its `init`'s: boxed parameters, and any other collections),
+  without allocating anything. Its extras are the declared ones (`state_extras.EXTRAS`) whose
+  shapes the traced init gives."""
 
   def boxed_variables(rng):
     # Traced without rules, so without any constraint, whatever the caller's context: the
     # `out_shardings` of the jitted init place the parameters.
     with nn.logical_axis_rules(()):
-      out = init_params(rng)
-    return out if isinstance(out, tuple) else (out, None)
+      return init_variables(rng)
 
   rng = jax.random.key(0)
-  traced, (abstract_boxed, _) = jax.make_jaxpr(boxed_variables, return_shape=True)(rng)
+  traced, boxed = jax.make_jaxpr(boxed_variables, return_shape=True)(rng)
   # A clear error here instead of XLA's about an output sharding that does not divide.
-  sharding_lib.check_divisible(abstract_boxed, mesh, rules)
-  # The jaxpr's outputs: the parameters' leaves first, then the FP8 variables'.
-  param_leaves = len(jax.tree.leaves(nn.unbox(abstract_boxed)))
-  compute_like = cast_only_params(traced.jaxpr, nn.unbox(abstract_boxed),
-                                  traced.jaxpr.outvars[:param_leaves])
+  sharding_lib.check_divisible(boxed['params'], mesh, rules)
+  variables = nn.unbox(boxed)
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0]]
+  init_trace = state_extras.Traced(
+      variables, traced.jaxpr, [var for path, var in zip(paths, traced.jaxpr.outvars,
+                                                          strict=True)
+                                if path[0].key == 'params'])
+  shapes = {}
+  for extra in state_extras.EXTRAS:
+    if (extra_shapes := extra.shapes(init_trace)) is not None:
+      shapes[extra.name] = extra_shapes
 
   def init(rng):
-    boxed, fp8_meta = boxed_variables(rng)
-    params = nn.unbox(boxed)
+    params = nn.unbox(boxed_variables(rng)['params'])
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      compute_params=compute_copy(params, compute_like), fp8_meta=fp8_meta)
+                      extras=_fresh_extras(params, shapes))
 
-  param_specs = sharding_lib.logical_specs(abstract_boxed)
+  param_specs = sharding_lib.logical_specs(boxed['params'])
   abstract = jax.eval_shape(init, rng)
   opt_specs = sharding_lib.opt_state_specs(tx, abstract.opt_state, param_specs)
-  # FP8 scalars and short histories: replicated, and every device updates them alike (the amax
-  # of a sharded tensor is a global max).
   specs = TrainState(step=P(), params=param_specs, opt_state=opt_specs,
-                     compute_params=_like(param_specs, compute_like),
-                     fp8_meta=jax.tree.map(lambda _: P(), abstract.fp8_meta))
+                     extras={name: state_extras.get(name).specs(s, param_specs)
+                             for name, s in shapes.items()})
   shardings = sharding_lib.to_mesh_shardings(specs, mesh, rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
   return abstract, shardings, init
 
 
-# ---------------------------------------------------------------------------------------------
-# The compute copy of the parameters
-# ---------------------------------------------------------------------------------------------
-# In bfloat16 the model reads most weights as `promote_dtype(x, kernel)`: a float32 -> bfloat16
-# convert of every weight at the start of every step, one small kernel each on a GPU (66 for
-# BERT-base), reading 4 bytes a parameter and writing 2, and the bfloat16 copies live through
-# the backward anyway. The state keeps those copies instead (`TrainState.compute_params`),
-# written by the optimizer's update in the kernels that write the float32 master. Only a
-# parameter whose single use is that one cast qualifies: its forward reads the same values and
-# its gradient is the same bfloat16 cotangent cast to float32, so the step is bit-identical
-# (with rematerialized layers, up to a bfloat16 rounding of a gradient that XLA's excess
-# precision may skip in one program and keep in the other; tests/train_state_test.py). A
-# parameter read twice (the tied word embeddings: the lookup and the MLM decoder) keeps its
-# float32 read, so that its two cotangents still add up in float32; one read in float32
-# (LayerNorm, the biases the fused LayerNorm adds) or in a loop's carry is left as it is.
-
-# Primitives whose operands map one to one onto the inputs of their `jaxpr` parameter.
-_CALLS = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'checkpoint', 'remat', 'remat2',
-                    'scan'})
+def _fresh_extras(params: Any, shapes: dict[str, Any]) -> dict[str, Any]:
+  """Every extra of `shapes` ({name: its shapes}) as its `init` makes it from `params`."""
+  return {name: state_extras.get(name).init(params, s) for name, s in shapes.items()}
 
 
-def _narrowing_casts(jaxpr: Any, var: Any) -> list[Any] | None:
-  """The dtypes of the casts to a narrower float that read `var` in `jaxpr` (calls followed),
-  or None if anything else reads it."""
-  casts = []
-  for eqn in jaxpr.eqns:
-    for i, v in enumerate(eqn.invars):
-      if v is not var:
-        continue
-      name = eqn.primitive.name
-      if name == 'convert_element_type':
-        new = jnp.dtype(eqn.params['new_dtype'])
-        if not (jnp.issubdtype(new, jnp.floating) and new.itemsize < var.aval.dtype.itemsize):
-          return None
-        casts.append(new)
-        continue
-      sub = eqn.params.get('jaxpr') if name in _CALLS else None
-      sub = getattr(sub, 'jaxpr', sub)
-      if sub is None or len(sub.invars) != len(eqn.invars):
-        return None
-      inner = _narrowing_casts(sub, sub.invars[i])
-      if inner is None or any(v is sub.invars[i] for v in sub.outvars):
-        return None
-      casts.extend(inner)
-  return casts
-
-
-def _param_casts(jaxpr: Any, var: Any) -> list[Any] | None:
-  """`_narrowing_casts` of `var` in `jaxpr` and, where a call made it (an initializer run
-  inside a rematerialized or scanned layer), of the call's own output inside it."""
-  casts = _narrowing_casts(jaxpr, var)
-  for eqn in jaxpr.eqns:
-    if casts is None:
-      break
-    for j, out in enumerate(eqn.outvars):
-      if out is not var:
-        continue
-      sub = eqn.params.get('jaxpr') if eqn.primitive.name in _CALLS else None
-      sub = getattr(sub, 'jaxpr', sub)
-      if sub is None or len(sub.outvars) != len(eqn.outvars):
-        return casts
-      inner = _param_casts(sub, sub.outvars[j])
-      casts = None if inner is None else casts + inner
-  return casts
-
-
-def cast_only_params(jaxpr: Any, params: Any, variables: list[Any] | None = None) -> Any:
-  """The subtree of `params` (ShapeDtypeStructs or arrays) that `jaxpr` reads through exactly
-  one cast to a narrower float each, as ShapeDtypeStructs of that dtype: what
-  `TrainState.compute_params` holds. `variables`: the jaxpr's variables of params' leaves, in
-  order (by default its outputs: the jaxpr of an init that returns them)."""
-  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  picked = {}
-  for (path, leaf), var in zip(leaves, jaxpr.outvars if variables is None else variables,
-                               strict=True):
-    if isinstance(var, jax_core.Literal) or not jnp.issubdtype(leaf.dtype, jnp.floating):
-      continue
-    casts = _param_casts(jaxpr, var)
-    if casts is not None and len(casts) == 1:
-      picked[tuple(k.key for k in path)] = jax.ShapeDtypeStruct(leaf.shape, casts[0])
-  return traverse_util.unflatten_dict(picked)
-
-
-def _like(tree: Any, like: Any) -> Any:
-  """The leaves of `tree` (nested dicts) at the paths of `like`'s."""
-  flat = traverse_util.flatten_dict(tree)
-  return traverse_util.unflatten_dict({k: flat[k] for k in traverse_util.flatten_dict(like)})
-
-
-def compute_copy(params: Any, like: Any) -> Any:
-  """The compute copy of `params`: the leaves at the paths of `like` (a `compute_params` tree
-  of arrays or ShapeDtypeStructs) cast to their dtypes; {} when `like` is empty."""
-  flat_like = traverse_util.flatten_dict(like)
-  flat = traverse_util.flatten_dict(params)
-  return traverse_util.unflatten_dict({k: flat[k].astype(v.dtype) for k, v in flat_like.items()})
-
-
-def placed_compute_copy(params: Any, abstract: Any) -> Any:
-  """`compute_copy` of (sharded) `params`, placed as the abstract `compute_params` say (the
-  copy of a restored or given state)."""
-  if not traverse_util.flatten_dict(abstract):
-    return {}
-  return jax.jit(lambda p: compute_copy(p, abstract),
-                 out_shardings=jax.tree.map(lambda a: a.sharding, abstract))(params)
-
-
-def model_inputs(state: TrainState) -> Any:
-  """The parameters the step applies the model to: `params`, with those of the compute copy
-  replaced by it."""
+def model_variables(state: TrainState) -> dict[str, Any]:
+  """The variables the step applies the model to, built here alone: 'params', with the leaves
+  of the extras applied as 'params' (the compute copy) instead of theirs, and each extra applied
+  as a collection of its own (the FP8 scales) under that collection's name."""
   flat = traverse_util.flatten_dict(state.params)
-  flat.update(traverse_util.flatten_dict(state.compute_params))
-  return traverse_util.unflatten_dict(flat)
+  collections = {}
+  for name, value in state.extras.items():
+    collection = state_extras.get(name).collection
+    if collection == 'params':
+      flat.update(traverse_util.flatten_dict(value))
+    elif collection is not None:
+      collections[collection] = value
+  return {'params': traverse_util.unflatten_dict(flat), **collections}
 
 
 def put_sharded(tree: Any, shardings: Any) -> Any:
@@ -226,31 +152,28 @@ def put_sharded(tree: Any, shardings: Any) -> Any:
       tree, shardings)
 
 
-def state_from_params(params: Any, tx: optax.GradientTransformation, shardings: TrainState,
-                      abstract: TrainState | None = None, fp8_meta: Any = None) -> TrainState:
-  """Step 0 and a fresh optimizer state around (sharded) `params`; with the compute copy that
-  `abstract` (`abstract_state`'s) describes, which a model with one needs, and `fp8_meta` (FP8
-  scales and histories, e.g. `model.initial_fp8_meta`'s) when the model has them."""
-  like = {} if abstract is None else abstract.compute_params
-  if traverse_util.flatten_dict(shardings.compute_params) and abstract is None:
-    raise ValueError('the state has a compute copy of its parameters: pass `abstract`')
-  return jax.jit(lambda p, m: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p),
-                                         compute_copy(p, like), m),
-                 out_shardings=shardings)(params, fp8_meta)
+def state_from_params(params: Any, tx: optax.GradientTransformation,
+                      abstract: TrainState) -> TrainState:
+  """Step 0, a fresh optimizer state and fresh extras (their `init`: the compute copy of
+  `params`, initial FP8 scales, ...) around (sharded) `params`, placed as `abstract`
+  (`abstract_state`'s) says."""
+  shapes = abstract.extras
+  return jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p),
+                                      _fresh_extras(p, shapes)),
+                 out_shardings=jax.tree.map(lambda a: a.sharding, abstract))(params)
 
 
 # ---------------------------------------------------------------------------------------------
 # The step
 # ---------------------------------------------------------------------------------------------
 
-RNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
+RNG_IMPLS = config_checks.CHOICES['train.rng_impl']
 
 
 def dropout_rng(train_config: ml_collections.ConfigDict) -> jax.Array:
   """The key that every step folds its step number into, for dropout."""
   impl = train_config.rng_impl
-  if impl not in RNG_IMPLS:
-    raise errors.UserError(f'config.train.rng_impl={impl!r}: expected one of {RNG_IMPLS}')
+  config_checks.check_choice('train.rng_impl', impl)  # For a config changed after loading.
   return jax.random.fold_in(jax.random.key(train_config.seed, impl=impl), 1)
 
 
@@ -275,9 +198,9 @@ def split_micro(x: jax.Array, k: int) -> jax.Array:
 # batch: k accumulated micro-batches give exactly the gradient of one big batch, and padded
 # rows (weight 0) count for nothing.
 Loss = Callable[[Any, dict], tuple[dict, dict, dict]]
-# apply(params, batch, rng) -> the outputs a Loss takes (the model in training mode: dropout);
-# a state with FP8 scales calls apply(params, batch, rng, fp8_meta).
-Apply = Callable[..., Any]
+# apply(variables, batch, rng) -> the outputs a Loss takes: the model in training mode (dropout)
+# applied to `model_variables`.
+Apply = Callable[[dict[str, Any], dict, jax.Array], Any]
 
 
 def normalize(sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> jax.Array:
@@ -307,10 +230,11 @@ def with_rate_counts(loss: Loss, rate_counts: Callable[[dict], tuple[jax.Array, 
   return counted
 
 
-def _counts(apply: Apply, loss: Loss, params: Any, batch: dict, rng: jax.Array) -> dict:
+def _counts(apply: Apply, loss: Loss, variables: dict[str, Any], batch: dict,
+            rng: jax.Array) -> dict:
   """The counts of `loss` over `batch`. Counts do not depend on the outputs: the loss runs on
   zeros of the outputs' shapes, and all but the counts is dead code to XLA."""
-  shapes = jax.eval_shape(apply, params, batch, rng)
+  shapes = jax.eval_shape(apply, variables, batch, rng)
   _, counts, _ = loss(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), batch)
   return counts
 
@@ -321,64 +245,66 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
   """One optimizer step over the global batch (optionally as `accum_steps` micro-batches).
 
   Metrics: the loss's, 'loss' (the normalized training loss, what the gradient is of) and
-  'grad_norm'. A state with `fp8_meta` gets the values its backward pass returns for them
-  (micro-batches: in turn, each one's feeding the next), not an optimizer update.
+  'grad_norm'. The model is applied to `model_variables(state)`; each extra is then updated
+  by its `Extra.update`, in the optimizer's update, from the new parameters and, for one the
+  model reads as a collection of its own (FP8 scales), the value the backward pass returns for
+  it (micro-batches: in turn, each one's feeding the next), not an optimizer update.
   """
   rng = jax.random.fold_in(base_rng, state.step)
-  inputs = model_inputs(state)
-
-  def apply_with(params, micro, micro_rng, fp8_meta):
-    # Without FP8 scales (None), the model's apply takes three arguments, as ever.
-    return (apply(params, micro, micro_rng) if fp8_meta is None
-            else apply(params, micro, micro_rng, fp8_meta))
+  variables = model_variables(state)
+  # The collections besides 'params': their "gradient" is their new value (flax's
+  # overwrite-with-gradient collections, such as the FP8 scales).
+  returned = {k: v for k, v in variables.items() if k != 'params'}
 
   # One batch: the counts come with its loss. Micro-batches: each is normalized by the whole
   # batch's counts, so their gradients add up to the batch's.
-  counts = (_counts(functools.partial(apply_with, fp8_meta=state.fp8_meta), loss, inputs,
-                    batch, rng) if accum_steps > 1 else None)
+  counts = _counts(apply, loss, variables, batch, rng) if accum_steps > 1 else None
 
-  def micro_loss(params, fp8_meta, micro, micro_rng):
-    sums, micro_counts, metrics = loss(apply_with(params, micro, micro_rng, fp8_meta), micro)
+  def micro_loss(micro_variables, micro, micro_rng):
+    sums, micro_counts, metrics = loss(apply(micro_variables, micro, micro_rng), micro)
     total = normalize(sums, micro_counts if counts is None else counts)
     return total, dict({'loss': total}, **metrics)
 
-  def grad_fn(fp8_meta, micro, micro_rng):
-    # The "gradient" of the FP8 scales and histories is their new value (flax's fp8_ops).
-    (_, metrics), (grads, new_meta) = jax.value_and_grad(
-        micro_loss, argnums=(0, 1), has_aux=True)(inputs, fp8_meta, micro, micro_rng)
+  def grad_fn(collections, micro, micro_rng):
+    (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(
+        dict(variables, **collections), micro, micro_rng)
     # The compute copy's gradients (bfloat16) in the master's dtype: what the gradient of the
     # master's cast is, and what micro-batches add up in.
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-    return metrics, grads, new_meta
+    params_grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads.pop('params'),
+                                state.params)
+    return metrics, params_grads, grads
 
   if accum_steps == 1:
-    metrics, grads, fp8_meta = grad_fn(state.fp8_meta, batch, rng)
+    metrics, grads, returned = grad_fn(returned, batch, rng)
   else:
     micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
 
     def body(carry, xs):
       i, mb = xs
-      summed, meta = carry
-      m, g, new_meta = grad_fn(meta, mb, jax.random.fold_in(rng, i))
-      return (jax.tree.map(jnp.add, summed, (g, m)), new_meta), None
+      summed, collections = carry
+      m, g, new_collections = grad_fn(collections, mb, jax.random.fold_in(rng, i))
+      return (jax.tree.map(jnp.add, summed, (g, m)), new_collections), None
 
-    m_shape, g_shape, _ = jax.eval_shape(grad_fn, state.fp8_meta,
+    m_shape, g_shape, _ = jax.eval_shape(grad_fn, returned,
                                          jax.tree.map(lambda x: x[0], micro), rng)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g_shape, m_shape))
-    ((grads, metrics), fp8_meta), _ = jax.lax.scan(body, (zeros, state.fp8_meta),
+    ((grads, metrics), returned), _ = jax.lax.scan(body, (zeros, returned),
                                                    (jnp.arange(accum_steps), micro))
   # The scope names the optimizer's operations in the compiled program's metadata, where
   # profiles and the kernel budget (hlo_kernels.py) find them.
   with jax.named_scope('optimizer'):
     grad_norm = global_norm(grads)
     # Computed once: the logged metric is the norm that optim.clip_by_global_norm clips with.
-    extra = (dict(global_grad_norm=grad_norm)
-             if isinstance(tx, optax.GradientTransformationExtraArgs) else {})
-    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
+    extra_args = (dict(global_grad_norm=grad_norm)
+                  if isinstance(tx, optax.GradientTransformationExtraArgs) else {})
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra_args)
     params = optax.apply_updates(state.params, updates)
-    compute_params = compute_copy(params, state.compute_params)
+    extras = {}
+    for name, value in state.extras.items():
+      extra = state_extras.get(name)
+      extras[name] = extra.update(value, params, returned.get(extra.collection))
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                            compute_params=compute_params, fp8_meta=fp8_meta)
+                            extras=extras)
   return new_state, dict(metrics, grad_norm=grad_norm)
 
 

@@ -57,12 +57,8 @@ def expand_patterns(patterns: Sequence[str]) -> list[str]:
   return [f for p in patterns for f in documents.expand_files(p, flag='--input')]
 
 
-def read_lines(patterns: Sequence[str]) -> Iterator[str]:
-  """Lines (without line ends) of the text files matching `patterns`."""
-  return _read_files(expand_patterns(patterns))
-
-
-def _read_files(paths: Sequence[str]) -> Iterator[str]:
+def read_files(paths: Sequence[str]) -> Iterator[str]:
+  """Lines (without line ends) of the text files `paths` (gzip for *.gz)."""
   for path in paths:
     with tf.io.gfile.GFile(path, 'rb') as raw:
       f = gzip.GzipFile(fileobj=raw) if path.endswith('.gz') else raw
@@ -225,7 +221,7 @@ def train_wordpiece(texts: Iterable[str], output_path: str, vocab_size: int,
   """Learns a WordPiece vocab.txt of `vocab_size` tokens from lines of text.
 
   Args:
-    texts: lines of text (see `read_lines` for files).
+    texts: lines of text (`read_files` reads them from files).
     output_path: where vocab.txt goes.
     vocab_size: tokens in the file, the reserved ones included; a corpus with
       too few distinct pieces gives fewer (logged).
@@ -342,7 +338,7 @@ def run(input_patterns: Sequence[str], output: str, vocab_size: int,
     fileio.check_not_an_input(written, '--output', {'--input': paths})
   data = ml_collections.ConfigDict({'tfds_text_key': tfds_text_key,
                                     'tfds_data_dir': tfds_data_dir})
-  texts = itertools.chain(_read_files(paths),
+  texts = itertools.chain(read_files(paths),
                           *(documents.text_lines(spec, data, setting='--') for spec in tfds_specs))
   try:
     if kind == 'wordpiece':

@@ -4,7 +4,7 @@
       --config.train.init_checkpoint=/ckpt/cased_L-12_H-768_A-12 \
       --config.task.data_dir=/data/conll2003 --workdir=/tmp/ner
 
-task.data_dir holds train.txt, valid.txt (or dev.txt) and, for --config.predict_test, test.txt:
+task.data_dir holds train.txt, valid.txt (or dev.txt) and, for --config.eval.predict_test, test.txt:
 one word per line with its NER tag in the last column, blank lines between sentences. Each word is
 labelled on its first WordPiece; the paper uses a cased model for NER. Entity-level precision,
 recall and F1 (seqeval's rules, IOB1 or IOB2) are computed on dev after each epoch, and on

@@ -33,7 +33,7 @@ def get_config(version: str = 'v1'):
   config.train.batch_size = batch
   config.eval.batch_size = 64
   config.data.max_seq_length = 384
-  config.buckets = (128, 256, 384)
+  config.data.buckets = (128, 256, 384)
   with config.unlocked():  # SQuAD's own keys.
     # Official JSON files; '' = <data_dir>/train-v1.1.json, dev-v1.1.json (v2: -v2.0).
     config.task.train_file = ''

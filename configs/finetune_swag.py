@@ -4,7 +4,7 @@
       --config.train.init_checkpoint=/ckpt/uncased_L-24_H-1024_A-16 \
       --config.task.data_dir=/data/swag --workdir=/tmp/swag
 
-task.data_dir holds SWAG's train.csv, val.csv and, for --config.predict_test, test.csv (columns
+task.data_dir holds SWAG's train.csv, val.csv and, for --config.eval.predict_test, test.csv (columns
 sent1, sent2, ending0..ending3, label), or any n-way choice set as train.jsonl, dev.jsonl,
 test.jsonl ({"context", "start", "endings", "label"} per line; --config.task.name=multiple_choice
 names it so).

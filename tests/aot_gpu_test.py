@@ -32,7 +32,7 @@ if importlib.util.find_spec('jax_plugins.xla_cuda12') is None and not os.environ
 # bias + GELU became one custom_vjp: 1,479 kernels, 64.45 GB, 12.54 GiB; after issue 30's items
 # 3, 4 and 5 (one QKV matmul, no MLM zeros scatter, 8-bit dropout masks multiplied; LayerNorm
 # `xla`, the default): 1,247 kernels, 58.38 GB, 12.03 GiB; after item 6's bf16 compute copy of
-# the parameters (train_state.TrainState.compute_params): 1,195 kernels, 58.10 GB, 12.07 GiB;
+# the parameters (state_extras.COMPUTE_COPY): 1,195 kernels, 58.10 GB, 12.07 GiB;
 # and the gradients' global norm summed by groups of like leaves (train_state.global_norm):
 # 1,022 kernels, 58.20 GB, 12.07 GiB.
 # Regenerate (then set the budget to
@@ -150,6 +150,7 @@ def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
     (r,) = aot.compile_for_topology(
         _config(**{'model.attention_impl': impl, 'model.layer_norm_impl': 'auto'}), 'h100')
     assert r['platform'] == 'gpu' and r['chips'] == 1 and r['dtype'] == 'bfloat16'
+    assert r['layer_norm_impl'] == 'pallas'  # 'auto', resolved for the H100, not this CPU.
     assert r['memory']['fits'] and 0 < r['memory']['total_gib'] < 1
     assert r['memory']['aliased_gib'] > 0  # The train state is donated.
     assert 1.0 <= r['flops']['xla_over_analytic'] < 1.5

@@ -29,10 +29,13 @@ def unrolled():
 
 
 def test_compile_reports_memory_flops_and_a_roofline_bound(unrolled):
-  scanned = aot.compile_for_topology(_config(**{'model.scan_layers': True}), 'v5e:2x2')
+  scanned = aot.compile_for_topology(
+      _config(**{'model.scan_layers': True, 'model.layer_norm_impl': 'auto'}), 'v5e:2x2')
   assert [r['seq_len'] for r in scanned] == [64]
   for r in scanned:
+    # model.dtype and layer_norm_impl 'auto', resolved for the TPU compiled for, not this CPU.
     assert r['chips'] == r['devices'] == 4 and r['dtype'] == 'bfloat16'
+    assert r['layer_norm_impl'] == 'xla' and 'xla LayerNorm' in aot.format_report(r)
     assert r['memory']['fits'] and 0 < r['memory']['total_gib'] < 16
     assert r['memory']['aliased_gib'] > 0  # The train state is donated.
     # XLA counts every op, the analytic count only the matmuls: never below it. For this tiny

@@ -180,7 +180,7 @@ def test_fused_kernels_refuse_attention_dropout_and_the_wrong_backend():
     attention.dot_product_attention(*_qkv(), jnp.asarray(_packed_ids()), impl='cudnn')
   with pytest.raises(UserError, match=r'multiple of 128; got \[64, 200\]'):
     attention.check_config('splash', 0.0, 'tpu', [128, 64, 200, 512])
-  with pytest.raises(UserError, match="not one of"):
+  with pytest.raises(UserError, match=r"model\.attention_impl='flash': expected one of xla, "):
     attention.check_config('flash', 0.0, 'gpu')
   attention.check_config('xla', 0.1, 'cpu', [7])
 

@@ -97,7 +97,7 @@ def glue_dir(tmp_path_factory):
 
 def _glue_config(init_checkpoint, data_dir, **overrides):
   values = {'train.init_checkpoint': init_checkpoint, 'task.data_dir': data_dir,
-            'data.max_seq_length': 32, 'buckets': (16, 32), 'train.batch_size': 16,
+            'data.max_seq_length': 32, 'data.buckets': (16, 32), 'train.batch_size': 16,
             'eval.batch_size': 32, 'log.progress': False}
   values.update(overrides)
   return config_files.load_config('finetune_glue.py:sst2', values)
@@ -107,8 +107,9 @@ def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints
                                                                      tmp_path, monkeypatch):
   data_dir, gold = glue_dir
   workdir = str(tmp_path / 'sst2')
-  config = _glue_config(checkpoints['hf'], data_dir, predict_test=True,
-                        **{'train.learning_rate': 3e-3, 'train.epochs': 4})
+  config = _glue_config(checkpoints['hf'], data_dir,
+                        **{'eval.predict_test': True, 'train.learning_rate': 3e-3,
+                           'train.epochs': 4})
   planned = []
   bucket_batches = batching.bucket_batches
 
@@ -211,7 +212,7 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   # 4 steps an epoch; a checkpoint every 3 steps as well as after each epoch. One length (no
   # buckets): one compiled step per run.
   settings = {'train.learning_rate': 3e-3, 'train.epochs': 2, 'checkpoint.every_steps': 3,
-              'log.every_steps': 1, 'buckets': ()}
+              'log.every_steps': 1, 'data.buckets': ()}
   full = finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
                            str(tmp_path / 'full'))
   full_dev, full_steps = _dev_rows(str(tmp_path / 'full'))
@@ -296,14 +297,14 @@ def test_fp8_finetuning_resumes_exactly_and_keeps_scales_out_of_the_weights(chec
     _write_lines(os.path.join(data_dir, 'SST-2', f'{split}.tsv'), ['sentence\tlabel'] + [
         f'{_sentence(rng, l)}\t{l}' for l in (rng.randint(0, 1) for _ in range(n))])
   settings = {'train.learning_rate': 3e-3, 'train.epochs': 1, 'checkpoint.every_steps': 3,
-              'log.every_steps': 1, 'buckets': (), 'model.matmul_precision': 'fp8'}
+              'log.every_steps': 1, 'data.buckets': (), 'model.matmul_precision': 'fp8'}
   full = finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
                            str(tmp_path / 'full'))
   stopped = str(tmp_path / 'stopped')
   finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir,
                                  **settings, **{'train.stop_at_step': 3}), stopped)
   step_dir = os.path.join(stopped, ckpt_lib.CHECKPOINT_DIR, '3')
-  assert {ckpt_lib.FP8_META, 'meta', 'opt_state', 'params'} <= set(os.listdir(step_dir))
+  assert {'fp8_meta', 'meta', 'opt_state', 'params'} <= set(os.listdir(step_dir))
   assert finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
                            stopped) == full
   assert _losses(stopped) == _losses(str(tmp_path / 'full'))
@@ -433,12 +434,12 @@ def test_two_processes_match_one_and_resume(checkpoints, tmp_path):
   data_dir = _write_sst2(str(tmp_path / 'glue'), seed=4)
   # 4 steps an epoch, 2 epochs; one length (no buckets): one compiled train step.
   settings = {'train.init_checkpoint': checkpoints['bert_jax'], 'task.data_dir': data_dir,
-              'data.max_seq_length': 32, 'buckets': '()', 'train.batch_size': 16,
+              'data.max_seq_length': 32, 'data.buckets': '()', 'train.batch_size': 16,
               'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
               'checkpoint.every_steps': 3, 'log.every_steps': 1, 'log.progress': False}
   one = str(tmp_path / 'one')
   expected = finetune.finetune(config_files.load_config(
-      'finetune_glue.py:sst2', dict(settings, buckets=())), one)
+      'finetune_glue.py:sst2', dict(settings, **{'data.buckets': ()})), one)
 
   two, cache = str(tmp_path / 'two'), str(tmp_path / 'jax_cache')
   outputs = _finetune_processes(two, settings, cache, sigterm_last=True)
@@ -480,7 +481,7 @@ def test_squad_runs_end_to_end(checkpoints, tmp_path):
   config = config_files.load_config('finetune_squad.py:v1', {
       'train.init_checkpoint': checkpoints['bert_jax'], 'task.data_dir': data_dir,
       'data.max_seq_length': 64,
-      'buckets': (), 'task.doc_stride': 32, 'task.max_query_length': 16, 'train.epochs': 1,
+      'data.buckets': (), 'task.doc_stride': 32, 'task.max_query_length': 16, 'train.epochs': 1,
       'train.batch_size': 8, 'eval.batch_size': 8, 'log.progress': False,
       # No dropout: its random bits double the step's compile time, and this run only has to
       # run (the GLUE test trains with dropout).
@@ -533,6 +534,9 @@ def test_squad_runs_end_to_end(checkpoints, tmp_path):
   assert predict.predict(old, dev_file, str(tmp_path / 'old.json'))['metrics'] == result['dev']
   assert finetune.finetune(config, old)['score'] == result['score']
 
+  # The transformers class of the head (what `convert --format=hf` names), from its module.
+  assert fileio.read_json(os.path.join(workdir, 'task.json'))['hf_architecture'] == (
+      'BertForQuestionAnswering')
   # The same weights read as a SQuAD 2.0 model: no-answer odds beside the answers, 2.0 metrics.
   v2 = str(tmp_path / 'run_v2')
   shutil.copytree(workdir, v2)
@@ -568,7 +572,8 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
          f'--config.train.init_checkpoint={checkpoints["bert_jax"]}',
          f'--config.task.data_dir={data_dir}', '--config.train.epochs=1',
          '--config.train.batch_size=8', '--config.data.max_seq_length=16',
-         '--config.buckets=()', '--config.predict_test=True', '--config.log.progress=False',
+         '--config.data.buckets=()', '--config.eval.predict_test=True',
+         '--config.log.progress=False',
          '--config.model.hidden_dropout_prob=0', '--config.model.attention_probs_dropout_prob=0',
          f'--workdir={workdir}', '--sweep', '--learning_rates=1e-3,5e-4']
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -25,6 +25,7 @@ from bert_jax import fileio
 from bert_jax import gcs as gcs_lib
 from bert_jax import monitor
 from bert_jax import run_lock
+from bert_jax import run_files
 from bert_jax import sample_corpus
 from bert_jax import train
 from bert_jax import vocab as vocab_lib
@@ -103,12 +104,18 @@ def _communicate(proc, timeout):
     pytest.fail(f'subprocess timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err[-5000:]}')
 
 
+def _read_text(path):
+  """The whole object, read through tf.io.gfile."""
+  with fileio.gfile().GFile(path, 'rb') as f:
+    return f.read().decode('utf-8')
+
+
 def _rows(workdir):
   """(train rows, held-out rows) of a workdir's metrics.jsonl."""
   path = os.path.join(workdir, monitor.METRICS_FILE)
   if not fileio.exists(path):
     return [], []
-  rows = [json.loads(line) for line in fileio.read_text(path).splitlines() if line.strip()]
+  rows = [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]
   held_out = [r.get('eval') or 'split' in r for r in rows]  # Pre-training's, fine-tuning's.
   return ([r for r, h in zip(rows, held_out) if not h], [r for r, h in zip(rows, held_out) if h])
 
@@ -145,7 +152,7 @@ def test_pretrain_writes_its_workdir_to_the_bucket(reference):
   for name in ('bert_config.json', 'vocab.txt'):
     assert fileio.exists(os.path.join(workdir, name)), name
   assert not fileio.exists(os.path.join(workdir, run_lock.LOCK_FILE))  # Released at the end.
-  config, params = ckpt_lib.load_pretrained_from_workdir(workdir)
+  config, params = run_files.load_pretrained_from_workdir(workdir)
   assert config.num_hidden_layers == 2
 
 
@@ -423,11 +430,12 @@ def test_a_logged_step_costs_the_same_however_long_the_run(gcs, monkeypatch):
 _READ_AFTER_APPEND = """
 import sys
 from bert_jax import fileio, gcs
+read_text = lambda path: fileio.gfile().GFile(path, 'rb').read().decode('utf-8')
 path = sys.argv[1]
 gcs.append(path, b'row 1\\n')
-assert fileio.exists(path) and fileio.read_text(path) == 'row 1\\n'
+assert fileio.exists(path) and read_text(path) == 'row 1\\n'
 gcs.append(path, b'row 2\\n')
-print(repr(fileio.read_text(path)))
+print(repr(read_text(path)))
 """
 
 
@@ -464,8 +472,21 @@ def test_appends_survive_429_503_a_reset_and_a_lost_answer(gcs):
   faults = [q['status'] for q in gcs.requests() if q['status'] in (0, 429, 503) or
             q['status'] < 0]
   assert {0, 429, 503, -200} <= set(faults), faults
-  assert fileio.read_text(path) == ''.join(f'row {row}\n' for row in range(8))
+  assert _read_text(path) == ''.join(f'row {row}\n' for row in range(8))
   assert [os.path.basename(p) for p in fileio.glob(gcs.url('faulty/*'))] == ['metrics.jsonl']
+
+
+def test_an_append_after_the_object_was_cut_back_goes_onto_what_is_there(gcs):
+  """A resumed run cuts metrics.jsonl back through TensorFlow between two appends of this
+  process: the next rows go onto the cut-back file, once each."""
+  path = gcs.url('cut/metrics.jsonl')
+  for row in range(3):
+    gcs_lib.append(path, f'row {row}\n'.encode())
+  with fileio.gfile().GFile(path, 'w') as f:
+    f.write('row 0\n')
+  gcs_lib.append(path, b'row 1 again\n')
+  gcs_lib.append(path, b'row 2 again\n')
+  assert _read_text(path) == 'row 0\nrow 1 again\nrow 2 again\n'
 
 
 def test_an_outage_past_the_retries_is_one_line_naming_the_object(gcs, monkeypatch):
@@ -487,7 +508,7 @@ def test_an_outage_past_the_retries_is_one_line_naming_the_object(gcs, monkeypat
       f'{path}: Cloud Storage kept failing (Backend Error) past the retries (README: Cloud '
       'Storage); the last committed checkpoint is intact: rerun the same command to resume '
       'once Cloud Storage answers')
-  assert fileio.read_text(path) == 'row 1\nrow 2\n'
+  assert _read_text(path) == 'row 1\nrow 2\n'
   assert [os.path.basename(p) for p in fileio.glob(gcs.url('outage/*'))] == ['metrics.jsonl']
   # TensorFlow's file system past its retries (GCS_RETRY_CONFIG_MAX_RETRIES), as Orbax's
   # mkdir of a step met it: an AbortedError, not an UnavailableError.
@@ -517,7 +538,7 @@ def test_a_lock_heartbeat_on_gs_is_one_conditional_upload(gcs, monkeypatch):
     gcs.reset_log()
     time.sleep(1.6)
     beats = [q for q in gcs.requests() if run_lock.LOCK_FILE in q['object']]
-    holder = json.loads(fileio.read_text(os.path.join(workdir, run_lock.LOCK_FILE)))
+    holder = json.loads(_read_text(os.path.join(workdir, run_lock.LOCK_FILE)))
   assert len(beats) >= 3 and {q['method'] for q in beats} == {'POST'}, beats
   assert all('ifGenerationMatch=' in q['query'] for q in beats), beats
   assert time.time() - holder['heartbeat'] < 1
@@ -551,7 +572,7 @@ def test_init_checkpoint_on_gs_and_tfrecords_on_gs(gcs, data, reference):
         masked_lm_weights=np.ones(5)) for _ in range(n)])
   google = gcs.url('google_ckpt')
   convert.convert(reference[0], google, 'google')
-  reference_params = ckpt_lib.load_pretrained_from_workdir(reference[0])[1]
+  reference_params = run_files.load_pretrained_from_workdir(reference[0])[1]
   for name, init in (('from_workdir', reference[0]), ('from_google', google)):
     workdir = gcs.url(name)
     config = config_files.load_config('smoke', _overrides(
@@ -559,7 +580,7 @@ def test_init_checkpoint_on_gs_and_tfrecords_on_gs(gcs, data, reference):
         train__learning_rate=1e-30, train__init_checkpoint=init))
     train.train_and_evaluate(config, workdir)
     assert [r['step'] for r in _rows(workdir)[0]] == [1]
-    _same_params(ckpt_lib.load_pretrained_from_workdir(workdir)[1], reference_params, 1e-28)
+    _same_params(run_files.load_pretrained_from_workdir(workdir)[1], reference_params, 1e-28)
 
 
 def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monkeypatch,
@@ -570,7 +591,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
   their checkpoints and inputs from gs:// (predict and convert write there too)."""
   from bert_jax import convert, features, fill_mask, finetune, predict  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(1)
-  words = fileio.read_text(data['input']).split()[:400]
+  words = _read_text(data['input']).split()[:400]
   data_dir = gcs.url('glue')
   for split, n in (('train', 32), ('dev', 16)):
     rows = [f'{" ".join(rng.choice(words, 6))}\t{rng.randint(0, 2)}' for _ in range(n)]
@@ -578,7 +599,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
                       '\n')
   config = config_files.load_config('finetune_glue.py:sst2', {
       'train.init_checkpoint': reference[0], 'task.data_dir': data_dir,
-      'data.max_seq_length': 32, 'buckets': (), 'train.batch_size': 8, 'eval.batch_size': 16, 'train.epochs': 1,
+      'data.max_seq_length': 32, 'data.buckets': (), 'train.batch_size': 8, 'eval.batch_size': 16, 'train.epochs': 1,
       'checkpoint.every_steps': 2, 'log.every_steps': 1, 'log.progress': False})
   full = finetune.finetune(config, gcs.url('sst2_full'))
 
@@ -614,7 +635,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
   fileio.write_text(gcs.url('use/predict.jsonl'),
                     '{"text_a": "the module returns a list"}\n{"text_a": "an object"}\n')
   predict.predict(workdir, gcs.url('use/predict.jsonl'), gcs.url('use/predictions.jsonl'))
-  assert len(fileio.read_text(gcs.url('use/predictions.jsonl')).splitlines()) == 2
+  assert len(_read_text(gcs.url('use/predictions.jsonl')).splitlines()) == 2
 
   evaluated = train.evaluate_checkpoint(
       config_files.load_config('smoke', _overrides(data, train__stop_at_step=REFERENCE_STEPS)),
@@ -625,7 +646,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
 
   out = str(tmp_path / 'features.jsonl')  # Its outputs are local files.
   features.extract_features(reference[0], texts, out, layers=(-1,))
-  assert len(fileio.read_text(out).splitlines()) == 2
+  assert len(_read_text(out).splitlines()) == 2
 
   filled = fill_mask.fill_mask(reference[0], ['the [MASK] returns a list'], top_k=3)
   assert len(filled[0]['masks'][0]['predictions']) == 3
@@ -708,7 +729,7 @@ def test_a_refusal_no_check_named_is_still_one_line_naming_the_path(gcs, monkeyp
   from bert_jax import cli  # pylint: disable=g-import-not-at-top
   forbidden = f'gs://{gcs_server.FORBIDDEN_BUCKET}'
   with pytest.raises(Exception) as tf_error:
-    fileio.read_text(f'{forbidden}/data/train.tsv')
+    _read_text(f'{forbidden}/data/train.tsv')
   with pytest.raises(Exception) as client_error:
     gcs_lib.read(f'{forbidden}/run/run.lock')
   with pytest.raises(Exception) as upload_error:
@@ -784,12 +805,12 @@ def test_launch_watch_recovers_a_preempted_finetuning_run_on_gs(gcs, tmp_path):
     with open(local) as f:
       fileio.write_text(gcs.url(f'watch/glue/SST-2/{split}.tsv'), f.read())
   overrides = {'train.init_checkpoint': gcs.url('watch/tiny'),
-               'task.data_dir': gcs.url('watch/glue'), 'data.max_seq_length': 16, 'buckets': '()', 'train.batch_size': 8,
+               'task.data_dir': gcs.url('watch/glue'), 'data.max_seq_length': 16, 'data.buckets': '()', 'train.batch_size': 8,
                'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
                'log.every_steps': 1, 'log.progress': False}
   reference = str(tmp_path / 'reference')
   expected = finetune.finetune(config_files.load_config(
-      'finetune_glue.py:sst2', dict(overrides, buckets=())), reference)
+      'finetune_glue.py:sst2', dict(overrides, **{'data.buckets': ()})), reference)
 
   state, calls = tmp_path / 'state', tmp_path / 'calls'
   gcloud = launch_test._write_exe(tmp_path / 'gcloud', fake_vm.format(  # pylint: disable=protected-access

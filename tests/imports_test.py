@@ -20,9 +20,10 @@ LAYERS = (
     ('commands that use a model', {'predict', 'features', 'fill_mask'}),
     # The task modules are the table's (task_table.py imports none of them).
     ('fine-tuning tasks', {'task_table', 'metrics', *task_table.KINDS}),
-    ('training', {'pretraining', 'train_state', 'optim', 'sharding', 'monitor'}),
+    ('training', {'pretraining', 'train_state', 'state_extras', 'optim', 'sharding',
+                  'monitor', 'run_frame'}),
     ('weights and checkpoints', {'convert', 'modernbert', 'tensor_files', 'checkpoint',
-                                 'run_lock'}),
+                                 'orbax_hooks', 'run_files', 'run_lock'}),
     ('model', {'model', 'layers', 'attention', 'rotary', 'activations', 'layer_norm',
                'flops'}),
     ('data', {'input_pipeline', 'documents', 'pairing', 'masking', 'packing', 'tokenization',

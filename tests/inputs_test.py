@@ -147,7 +147,7 @@ def _corpus_files(path):
 
 
 def _read_corpus_lines(path):
-  return list(vocab_lib.read_lines([path]))
+  return list(vocab_lib.read_files(vocab_lib.expand_patterns([path])))
 
 
 # (kind, expected): 'ok' or a fragment of the UserError, which must also name the path.

@@ -542,12 +542,12 @@ def test_watch_recovers_a_preempted_finetuning_run(tmp_path):
   _sst2(str(gcs / 'bucket' / 'glue' / 'SST-2' / 'dev.tsv'), 32, rng)
   # 8 steps an epoch, 2 epochs; one sequence length: one compiled train step.
   overrides = {'train.init_checkpoint': 'gs://bucket/tiny', 'task.data_dir': 'gs://bucket/glue',
-               'data.max_seq_length': 16, 'buckets': '()', 'train.batch_size': 8,
+               'data.max_seq_length': 16, 'data.buckets': '()', 'train.batch_size': 8,
                'eval.batch_size': 32, 'train.learning_rate': 3e-3, 'train.epochs': 2,
                'log.every_steps': 1, 'log.progress': False}
   reference = str(tmp_path / 'reference')
   local = {k: v.replace('gs://', f'{gcs}/') if isinstance(v, str) else v
-           for k, v in dict(overrides, buckets=()).items()}
+           for k, v in dict(overrides, **{'data.buckets': ()}).items()}
   expected = finetune.finetune(config_files.load_config('finetune_glue.py:sst2', local), reference)
 
   state, calls = tmp_path / 'state', tmp_path / 'calls'

@@ -48,7 +48,8 @@ def test_named_sizes():
   c = model_lib.config_for_size('L6_H512')
   assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
           c.intermediate_size) == (6, 512, 8, 2048)
-  with pytest.raises(ValueError, match='is not a known size'):
+  with pytest.raises(model_lib.UserError, match=r"--config\.model\.size='huge': expected one of "
+                     r'tiny, mini, small, medium, base, large or L\{2\.\.12\}'):
     model_lib.config_for_size('huge')
 
 
@@ -167,10 +168,12 @@ def test_config_json_round_trips(tmp_path):
   c.write_json(tmp_path / 'config.json', hf=True)
   original = json.loads((tmp_path / 'bert_config.json').read_text())
   assert 'layer_norm_eps' not in original and original['hidden_act'] == 'gelu'
-  assert model_lib.BertConfig.from_json_file(tmp_path / 'bert_config.json') == c
+  read = lambda name: model_lib.BertConfig.from_dict(
+      json.loads((tmp_path / name).read_text()), source=name)
+  assert read('bert_config.json') == c
   hf = json.loads((tmp_path / 'config.json').read_text())
   assert hf['model_type'] == 'bert' and hf['architectures'] == ['BertForPreTraining']
-  assert model_lib.BertConfig.from_json_file(tmp_path / 'config.json') == c
+  assert read('config.json') == c
   with pytest.raises(ValueError, match='missing BERT config fields'):
     model_lib.BertConfig.from_dict({'vocab_size': 3}, source='x.json')
   with pytest.raises(ValueError, match='not a multiple'):
@@ -337,8 +340,42 @@ def test_pallas_layer_norm_matches_xla_in_training_with_dropout():
       {'params': params}, ids, mask, seg, pos, deterministic=False, rngs=rngs)[0])
 
 
+def test_auto_resolves_for_the_platform_in_one_place():
+  """model.dtype and model.layer_norm_impl 'auto' mean what the platform a step runs on, or is
+  compiled for, takes (`model.resolve`): config_from resolves them for the platform it is given
+  (`bert-jax compile --topology=h100` gives the GPU's), else for the one being lowered for,
+  else for this process's backend. A BertConfig built in code with 'auto' gets XLA's LayerNorm
+  here and the fused kernel when lowered for a GPU."""
+  from bert_jax import defaults  # pylint: disable=g-import-not-at-top
+  block = defaults.pretrain().model
+  block.update(dict(size='tiny', dtype='auto', layer_norm_impl='auto'))
+  wanted = {'cpu': ('float32', 'xla'), 'gpu': ('bfloat16', 'pallas'),
+            'tpu': ('bfloat16', 'xla')}
+  for platform, values in wanted.items():
+    config = model_lib.config_from(block, vocab_size=99, platform=platform)
+    assert (config.dtype, config.layer_norm_impl) == values, platform
+    with attention.lowering_for(platform):
+      config = model_lib.config_from(block, vocab_size=99)
+    assert (config.dtype, config.layer_norm_impl) == values, platform
+  config = model_lib.config_from(block, vocab_size=99)
+  assert (config.dtype, config.layer_norm_impl) == wanted[jax.default_backend()]
+  block.update(dict(dtype='bfloat16', layer_norm_impl='xla'))  # Not 'auto': as given.
+  config = model_lib.config_from(block, vocab_size=99, platform='gpu')
+  assert (config.dtype, config.layer_norm_impl) == ('bfloat16', 'xla')
+
+  model = model_lib.BertForPreTraining(TINY.replace(layer_norm_impl='auto'))
+  ids = jnp.ones((2, 8), jnp.int32)
+  params = model.init(jax.random.key(0), ids, ids, ids, ids)['params']
+  traced = lambda: str(jax.make_jaxpr(lambda p: model.apply(
+      {'params': p}, ids, ids, ids, ids))(params))
+  assert 'pallas_call' not in traced()
+  with attention.lowering_for('gpu'):
+    assert 'pallas_call' in traced()
+
+
 def test_bad_layer_norm_impl_is_one_line():
-  with pytest.raises(model_lib.UserError, match="layer_norm_impl 'triton' is not one of"):
+  with pytest.raises(model_lib.UserError,
+                     match=r"model\.layer_norm_impl='triton': expected one of auto, pallas"):
     TINY.replace(layer_norm_impl='triton')
 
 
@@ -360,12 +397,16 @@ def test_one_mapping_from_the_model_block_for_both_drivers():
   assert model_lib.config_from(finetune.model, checkpoint=checkpoint,
                                max_packed_sequences=3) == scratch
   for key in run_keys:
-    assert getattr(scratch, key) == finetune.model[key], key
+    # 'auto' arrives resolved for this platform (`model.resolve`).
+    wanted = (model_lib.resolve(key, finetune.model[key]) if key in ('dtype', 'layer_norm_impl')
+              else finetune.model[key])
+    assert getattr(scratch, key) == wanted, key
   with pytest.raises(model_lib.UserError, match=r'model\.vocab_size=50 is smaller'):
     pretrain.model.vocab_size = 50
     model_lib.config_from(pretrain.model, vocab_size=99)
 def test_bad_matmul_precision_is_one_line():
-  with pytest.raises(model_lib.UserError, match="matmul_precision 'fp4' is not one of"):
+  with pytest.raises(model_lib.UserError,
+                     match=r"model\.matmul_precision='fp4': expected one of default, fp8"):
     TINY.replace(matmul_precision='fp4')
 
 
@@ -373,8 +414,10 @@ def _fp8_variables(config, seed=4, abstract=False):
   """(parameters, FP8 scales and histories) of BertForPreTraining under `config` (shapes only
   with `abstract`)."""
   ids, mask, seg, pos = _batch()
-  init = lambda: model_lib.split_variables(nn.unbox(model_lib.BertForPreTraining(config).init(
-      jax.random.key(seed), ids, mask, seg, pos)))
+  def init():
+    variables = nn.unbox(model_lib.BertForPreTraining(config).init(jax.random.key(seed), ids,
+                                                                  mask, seg, pos))
+    return variables['params'], variables.get(model_lib.FP8_COLLECTION)
   shapes = jax.eval_shape(init)
   if abstract:
     return shapes
@@ -390,7 +433,9 @@ def test_fp8_keeps_the_parameters_and_adds_scales_only_to_encoder_matmuls():
   embeddings, pooler or heads; and no FP8 collection at all by default."""
   fp8 = TINY.replace(matmul_precision='fp8')
   params, meta = _fp8_variables(fp8, abstract=True)
-  assert jax.tree.structure(params) == jax.tree.structure(_fp8_variables(TINY, abstract=True))
+  default_params, default_meta = _fp8_variables(TINY, abstract=True)
+  assert jax.tree.structure(params) == jax.tree.structure(default_params)
+  assert default_meta is None
   assert set(meta) == {'bert'} and set(meta['bert']) == {'encoder'}
   for i in range(TINY.num_hidden_layers):
     layer = meta['bert']['encoder'][f'layer_{i}']
@@ -425,7 +470,7 @@ def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dty
   @jax.jit
   def train_forward(p, m):
     return model_lib.BertForPreTraining(fp8).apply(
-        model_lib.variables(p, m), ids, mask, seg, pos, deterministic=False,
+        {'params': p, model_lib.FP8_COLLECTION: m}, ids, mask, seg, pos, deterministic=False,
         rngs={'dropout': jax.random.key(0)})[0]
 
   # The "gradient" of the scales and histories is their value after this step (delayed

@@ -194,8 +194,10 @@ def test_packed_sequences_give_the_same_losses_per_sequence():
   config = model_lib.BertConfig(**MODEL)
   model = model_lib.BertForPreTraining(config)
   params = model_lib.init_params(config, jax.random.key(0))
-  mlm_u, nsp_u = pretraining.apply_model(model, params, features, deterministic=True)
-  mlm_p, nsp_p = pretraining.apply_model(model, params, rows, deterministic=True)
+  mlm_u, nsp_u = pretraining.apply_model(model, {'params': params}, features,
+                                          deterministic=True)
+  mlm_p, nsp_p = pretraining.apply_model(model, {'params': params}, rows,
+                                          deterministic=True)
   assert nsp_p.shape == rows['next_sentence_weights'].shape + (2,)
   logp_u = np.asarray(jax.nn.log_softmax(mlm_u))
   logp_p = np.asarray(jax.nn.log_softmax(mlm_p))

@@ -216,8 +216,8 @@ def test_swag_finetunes_and_predicts_the_chosen_ending(tok, tmp_path):
   _write(os.path.join(data_dir, 'test.csv'), '\n'.join([HEADER] + _rows(rng, 8, False)))
   config = config_files.load_config('finetune_swag.py', {
       'train.init_checkpoint': init, 'task.data_dir': data_dir, 'data.max_seq_length': 24,
-      'buckets': (16, 24), 'train.learning_rate': 2e-3, 'train.epochs': 3,
-      'eval.batch_size': 32, 'predict_test': True, 'log.progress': False,
+      'data.buckets': (16, 24), 'train.learning_rate': 2e-3, 'train.epochs': 3,
+      'eval.batch_size': 32, 'eval.predict_test': True, 'log.progress': False,
       # No dropout: its random bits double the step's compile time (GLUE's test trains with it).
       'model.hidden_dropout_prob': 0.0, 'model.attention_probs_dropout_prob': 0.0})
   assert (config.train.batch_size, config.data.max_seq_length) == (16, 24)

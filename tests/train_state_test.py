@@ -1,9 +1,13 @@
-"""The train state (train_state.py): its compute copy of the parameters (which parameters it
-holds, a step with it bit-identical to one without, a restore that derives it), and its FP8
-scales (model.matmul_precision='fp8'), which the values the backward pass returns replace,
-outside the optimizer, one batch or micro-batches in turn. (The step's other properties are
-tested through the drivers: exact resume and training parity in train_test, finetune_test and
-parity_test.)"""
+"""The train state (train_state.py) and its extras (state_extras.py): one declared extra alone
+is initialized, stepped, saved, restored and never exported; the compute copy of the
+parameters (which parameters it holds, a step with it bit-identical to one without, a restore
+that derives it); the FP8 scales (model.matmul_precision='fp8'), which the values the backward
+pass returns replace, outside the optimizer, one batch or micro-batches in turn. (The step's
+other properties are tested through the drivers: exact resume and training parity in
+train_test, finetune_test and parity_test.)"""
+
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +19,9 @@ from bert_jax import checkpoint
 from bert_jax import config_files
 from bert_jax import objectives
 from bert_jax import pretraining
+from bert_jax import run_files
 from bert_jax import sharding as sharding_lib
+from bert_jax import state_extras
 from bert_jax import train_state as state_lib
 
 VOCAB, SEQ, PREDS, BATCH = 512, 16, 4, 8
@@ -51,12 +57,15 @@ def _paths(tree):
   return set(traverse_util.flatten_dict(tree))
 
 
+COPY, FP8 = state_extras.COMPUTE_COPY.name, state_extras.FP8_SCALES.name
+
+
 def test_the_copy_holds_what_the_model_reads_by_one_cast():
   """bfloat16: the weights of the matmuls and the biases they cast; not LayerNorm, not the
   biases the fused LayerNorm adds in float32, not the tied word embeddings (read twice, by the
   lookup and the MLM decoder). float32: no copy."""
   _, _, _, built = _built()
-  copy = _paths(built.abstract.compute_params)
+  copy = _paths(built.abstract.extras[COPY])
   params = _paths(built.abstract.params)
   layer = ('bert', 'encoder', 'layer_0')
   for name in ('query', 'key', 'value'):
@@ -67,10 +76,10 @@ def test_the_copy_holds_what_the_model_reads_by_one_cast():
           layer + ('attention', 'output', 'bias'), layer + ('mlp', 'output', 'bias')}
   kept |= {p for p in params if 'layer_norm' in p[-2]}
   assert kept <= params and not kept & copy
-  for path, leaf in traverse_util.flatten_dict(built.abstract.compute_params).items():
+  for path, leaf in traverse_util.flatten_dict(built.abstract.extras[COPY]).items():
     assert leaf.dtype == jnp.bfloat16 and leaf.shape == dict(
         traverse_util.flatten_dict(built.abstract.params))[path].shape
-  assert _built('float32')[3].abstract.compute_params == {}
+  assert COPY not in _built('float32')[3].abstract.extras
 
 
 REMAT_SCAN = [{}, dict(remat_policy='dots'), dict(scan_layers=True),
@@ -84,17 +93,17 @@ def test_the_training_forward_reads_every_copied_parameter_by_one_cast(model):
   the copy would change its numerics. Rematerialized and scanned layers have theirs too."""
   _, mesh, rules, built = _built(model=model)
   assert {('bert', 'pooler', 'kernel'), ('mlm', 'transform', 'kernel')} <= _paths(
-      built.abstract.compute_params)
-  assert len(_paths(built.abstract.compute_params)) == (17 if model.get('scan_layers') else 27)
+      built.abstract.extras[COPY])
+  assert len(_paths(built.abstract.extras[COPY])) == (17 if model.get('scan_layers') else 27)
   apply = pretraining.pretraining_apply(built.model)
   batch = _batch(0)
   with sharding_lib.activate(mesh, rules):
-    traced = jax.make_jaxpr(lambda p: apply(p, batch, jax.random.key(1)))(
+    traced = jax.make_jaxpr(lambda p: apply({'params': p}, batch, jax.random.key(1)))(
         built.abstract.params)
-  read_by_one_cast = state_lib.cast_only_params(traced.jaxpr, built.abstract.params,
-                                                traced.jaxpr.invars[:len(jax.tree.leaves(
-                                                    built.abstract.params))])
-  assert _paths(built.abstract.compute_params) <= _paths(read_by_one_cast)
+  read_by_one_cast = state_extras.cast_only_params(traced.jaxpr, built.abstract.params,
+                                                   traced.jaxpr.invars[:len(jax.tree.leaves(
+                                                       built.abstract.params))])
+  assert _paths(built.abstract.extras[COPY]) <= _paths(read_by_one_cast)
 
 
 @pytest.mark.parametrize('accum_steps,mesh,model', [
@@ -114,13 +123,13 @@ def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps, mesh,
         s, b, apply=pretraining.pretraining_apply(built.model),
         loss=pretraining.pretraining_loss(objectives.get(config.data.objective)), tx=built.tx,
         base_rng=state_lib.dropout_rng(config.train), accum_steps=accum_steps))
-    states = {'copy': state, 'none': state.replace(compute_params={})}
+    states = {'copy': state, 'none': state.replace(extras={})}
     metrics = {}
     for name in states:
       for i in range(2):
         states[name], metrics[name] = step(states[name], _batch(i))
-  assert traverse_util.flatten_dict(states['copy'].compute_params)
-  assert states['none'].compute_params == {}
+  assert traverse_util.flatten_dict(states['copy'].extras[COPY])
+  assert states['none'].extras == {}
   for a, b in zip(jax.tree.leaves((states['copy'].params, states['copy'].opt_state,
                                    metrics['copy'])),
                   jax.tree.leaves((states['none'].params, states['none'].opt_state,
@@ -129,13 +138,13 @@ def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps, mesh,
       np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     else:
       np.testing.assert_array_equal(a, b)
-  expected = state_lib.compute_copy(states['copy'].params, built.abstract.compute_params)
-  for a, b in zip(jax.tree.leaves(states['copy'].compute_params), jax.tree.leaves(expected),
+  expected = state_extras.compute_copy(states['copy'].params, built.abstract.extras[COPY])
+  for a, b in zip(jax.tree.leaves(states['copy'].extras[COPY]), jax.tree.leaves(expected),
                   strict=True):
     assert a.dtype == jnp.bfloat16
     np.testing.assert_array_equal(a, b)
   params = traverse_util.flatten_dict(built.shardings.params)
-  for path, s in traverse_util.flatten_dict(built.shardings.compute_params).items():
+  for path, s in traverse_util.flatten_dict(built.shardings.extras[COPY]).items():
     assert s == params[path]
   assert any(s.spec != jax.sharding.PartitionSpec() for s in params.values())
 
@@ -146,23 +155,92 @@ def test_a_restored_state_derives_its_copy_and_the_checkpoint_has_none(tmp_path)
     state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(0))
   workdir = str(tmp_path)
   manager = checkpoint.make_manager(workdir, keep=None, async_save=False,
-                                    replica_parallel=False)
+                                    replica_parallel=False, extras=state_extras.saved_names())
   checkpoint.save(manager, workdir, 3, state, {})
   restored, _ = checkpoint.restore(manager, 3, built.abstract)
   manager.close()
   assert sorted(p.name for p in (tmp_path / 'checkpoints' / '3').iterdir()
                 if p.is_dir()) == ['meta', 'opt_state', 'params']
-  parts = lambda s: (s.params, s.opt_state, s.compute_params)
-  assert traverse_util.flatten_dict(restored.compute_params)
+  parts = lambda s: (s.params, s.opt_state, s.extras[COPY])
+  assert traverse_util.flatten_dict(restored.extras[COPY])
   for a, b in zip(jax.tree.leaves(parts(restored)), jax.tree.leaves(parts(state)), strict=True):
     assert a.sharding == b.sharding
     np.testing.assert_array_equal(a, b)
-  fresh = state_lib.state_from_params(state.params, built.tx, built.shardings, built.abstract)
-  for a, b in zip(jax.tree.leaves(fresh.compute_params), jax.tree.leaves(state.compute_params),
+  fresh = state_lib.state_from_params(state.params, built.tx, built.abstract)
+  for a, b in zip(jax.tree.leaves(fresh.extras[COPY]), jax.tree.leaves(state.extras[COPY]),
                   strict=True):
+    assert a.sharding == b.sharding
     np.testing.assert_array_equal(a, b)
-  with pytest.raises(ValueError, match='compute copy'):
-    state_lib.state_from_params(state.params, built.tx, built.shardings)
+
+
+def test_an_extra_needs_nothing_but_its_declaration(tmp_path, monkeypatch, caplog):
+  """An extra added to state_extras.EXTRAS and nowhere else (here a moving average of the
+  parameters, saved, beside the derived compute copy) is initialized with its shardings,
+  updated by every step, saved as its own checkpoint item and restored exactly (afresh, with a
+  warning, from a checkpoint without it), and never exported: init, the step, save, restore and
+  export loop over the declarations."""
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  average = state_extras.Extra(
+      name='average', shapes=lambda traced: traced.variables['params'],
+      init=lambda params, shapes: jax.tree.map(jnp.zeros_like, params),
+      specs=lambda shapes, param_specs: param_specs, saved=True, collection=None,
+      update=lambda average, params, _: jax.tree.map(lambda a, p: a * 0.5 + p * 0.5, average,
+                                                     params))
+  monkeypatch.setattr(state_extras, 'EXTRAS', state_extras.EXTRAS + (average,))
+  _, mesh, rules, built = _built(data=4, fsdp=2)
+  assert set(built.abstract.extras) == {COPY, 'average'}
+  assert built.shardings.extras['average'] == built.shardings.params
+  with sharding_lib.activate(mesh, rules):
+    state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(0))
+  assert not any(np.any(np.asarray(a)) for a in jax.tree.leaves(state.extras['average']))
+  expected = jax.tree.map(np.zeros_like, jax.device_get(state.params))
+  for i in range(2):
+    state, _ = built.train_step(state, sharding_lib.make_global_batch(
+        _batch(i), sharding_lib.batch_sharding(mesh)))
+    expected = jax.tree.map(lambda a, p: a * np.float32(0.5) + p * np.float32(0.5), expected,
+                            jax.device_get(state.params))
+  for a, b in zip(jax.tree.leaves(state.extras['average']), jax.tree.leaves(expected),
+                  strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+  assert any(np.any(np.asarray(a)) for a in jax.tree.leaves(state.extras['average']))
+
+  workdir = str(tmp_path / 'run')
+  manager = checkpoint.make_manager(workdir, keep=None, async_save=False,
+                                    replica_parallel=False, extras=state_extras.saved_names())
+  checkpoint.save(manager, workdir, 2, state, {})
+  step_dir = tmp_path / 'run' / 'checkpoints' / '2'
+  assert sorted(p.name for p in step_dir.iterdir() if p.is_dir()) == [
+      'average', 'meta', 'opt_state', 'params']
+  restored, _ = checkpoint.restore(manager, 2, built.abstract)
+  assert restored.step == 2 and set(restored.extras) == {COPY, 'average'}
+  parts = lambda s: (s.params, s.opt_state, s.extras)
+  for a, b in zip(jax.tree.leaves(parts(restored)), jax.tree.leaves(parts(state)), strict=True):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(a, b)
+  # A checkpoint without it (saved before it was declared): it starts afresh.
+  checkpoint.save(manager, workdir, 3, state, {})
+  manager.close()
+  shutil.rmtree(tmp_path / 'run' / 'checkpoints' / '3' / 'average')
+  manager = checkpoint.make_manager(workdir, keep=None, async_save=False,
+                                    replica_parallel=False, extras=state_extras.saved_names())
+  with caplog.at_level('WARNING'):
+    restored, _ = checkpoint.restore(manager, 3, built.abstract)
+  manager.close()
+  assert 'Checkpoint 3 has no average: it starts afresh' in caplog.text
+  assert not any(np.any(np.asarray(a)) for a in jax.tree.leaves(restored.extras['average']))
+  np.testing.assert_array_equal(restored.params['nsp']['kernel'], state.params['nsp']['kernel'])
+
+  # What loads a workdir's weights, and so every export, holds the parameters alone.
+  run_files.write_run_files(workdir, '{}', built.bert_config, None)
+  out = str(tmp_path / 'export')
+  convert.convert(workdir, out, 'bert_jax')
+  _, exported = convert.load_pretrained(out)
+  assert set(exported) == set(state.params) == {'bert', 'mlm', 'nsp'}
+  for head in ('mlm', 'nsp'):
+    for a, b in zip(jax.tree.leaves(exported[head]), jax.tree.leaves(state.params[head]),
+                    strict=True):
+      np.testing.assert_array_equal(a, b)
+  assert not [f for _, _, files in os.walk(out) for f in files if 'average' in f]
 
 
 def test_the_global_norm_is_optaxs_with_one_reduction_per_group():
@@ -230,10 +308,10 @@ def test_fp8_scales_are_replaced_by_the_step_not_optimized():
   elsewhere; the optimizer state holds no FP8 leaf."""
   _, fp8 = _run(2, **{'model.matmul_precision': 'fp8'})
   default, _ = _run(0)
-  assert default.fp8_meta is None
+  assert FP8 not in default.extras and FP8 in fp8[0].extras
   assert jax.tree.structure(fp8[0].opt_state) == jax.tree.structure(default.opt_state)
   assert jax.tree.structure(fp8[0].params) == jax.tree.structure(default.params)
-  start, first, second = (_ops(s.fp8_meta) for s in fp8)
+  start, first, second = (_ops(s.extras[FP8]) for s in fp8)
   assert len(first) == 4 * 2  # Four matmuls in each of BERT-tiny's two layers.
   for name, op in first.items():
     for kind in ('input', 'kernel', 'output_grad'):
@@ -260,7 +338,7 @@ def test_fp8_micro_batches_update_the_scales_in_turn():
   rematerialized layers (the backward pass recomputes the forward's FP8 casts)."""
   _, (_, state) = _run(1, **{'model.matmul_precision': 'fp8', 'train.grad_accum_steps': 2,
                              'model.scan_layers': True, 'model.remat_policy': 'full'})
-  ops = _ops(state.fp8_meta)
+  ops = _ops(state.extras[FP8])
   assert len(ops) == 4
   for name, op in ops.items():
     for kind in ('input', 'kernel', 'output_grad'):

@@ -32,6 +32,7 @@ from bert_jax import input_pipeline
 from bert_jax import monitor
 from bert_jax import pretraining
 from bert_jax import run_lock
+from bert_jax import run_files
 from bert_jax import train
 from bert_jax import train_state
 from bert_jax.errors import EXIT_PREEMPTED
@@ -125,7 +126,7 @@ def _losses(workdir, skip=0):
 
 
 def _params(workdir):
-  return ckpt_lib.load_pretrained_from_workdir(workdir)[1]
+  return run_files.load_pretrained_from_workdir(workdir)[1]
 
 
 def _assert_same_params(a, b):
@@ -208,7 +209,7 @@ def test_pretrain_command_runs_end_to_end(cli_run):
     assert {'mlm_loss', 'mlm_accuracy', 'nsp_loss', 'nsp_accuracy'} <= set(row)
   assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
   assert ckpt_lib.checkpoint_steps(workdir) == [2, 4]
-  config, params = ckpt_lib.load_pretrained_from_workdir(workdir)
+  config, params = run_files.load_pretrained_from_workdir(workdir)
   assert config.num_hidden_layers == 2 and config.hidden_size == 128
   with open(os.path.join(workdir, 'vocab.txt')) as f:
     vocab_size = len(f.read().splitlines())
@@ -378,7 +379,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, vocab_fil
   assert f'at step {last_good + 1}' in message and 'loss is ' in message, message
   assert f'last good checkpoint (step {last_good})' in message and workdir in message, message
   assert ckpt_lib.checkpoint_steps(workdir)[-1] == last_good
-  _, params = ckpt_lib.load_pretrained_from_workdir(workdir, step=last_good)
+  _, params = run_files.load_pretrained_from_workdir(workdir, step=last_good)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
   # The same divergence before the first checkpoint.
@@ -969,7 +970,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_last_one_resumes(
   assert ckpt_lib.checkpoint_steps(workdir) == [4]
   assert not glob.glob(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '*.orbax-checkpoint-tmp*'))
   assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
-  _assert_same_params(_params(workdir), ckpt_lib.load_pretrained_from_workdir(reference, 4)[1])
+  _assert_same_params(_params(workdir), run_files.load_pretrained_from_workdir(reference, 4)[1])
 
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
   assert _losses(workdir) == _losses(reference)
@@ -1064,7 +1065,7 @@ def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, v
   """With no cache set outside the config, a run keeps its compiled train and eval steps in
   <workdir>/compilation_cache (checkpoint.compilation_cache_dir); the rerun loads them from
   there and compiles nothing new. A cache set outside the config (this module's) is kept."""
-  assert ckpt_lib.use_compilation_cache(str(tmp_path), 'compilation_cache') == compilation_cache
+  assert run_files.use_compilation_cache(str(tmp_path), 'compilation_cache') == compilation_cache
   workdir = str(tmp_path / 'run')
   cache = os.path.join(workdir, 'compilation_cache')
   env = processes.env(compilation_cache)
@@ -1090,11 +1091,16 @@ def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, v
     assert f"Persistent compilation cache hit for '{name}'" in logs[1], logs[1][-5000:]
 
 
+# The checkpoint item of FP8 runs' scales, named so since they exist: checkpoints written then
+# restore now.
+FP8_ITEM = 'fp8_meta'
+
+
 def _fp8_meta(workdir, step):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   with ocp.StandardCheckpointer() as checkpointer:
     return checkpointer.restore(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, str(step),
-                                             ckpt_lib.FP8_META))
+                                             FP8_ITEM))
 
 
 def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_file, caplog):
@@ -1142,7 +1148,7 @@ def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_fi
   fresh = str(tmp_path / 'fresh')
   shutil.copytree(full, fresh)
   shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '8'))
-  shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '4', ckpt_lib.FP8_META))
+  shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '4', FP8_ITEM))
   with caplog.at_level('WARNING'):
     train.train_and_evaluate(_config(vocab_file, **fp8), fresh)
   assert 'Checkpoint 4 has no FP8 scales' in caplog.text
@@ -1155,7 +1161,7 @@ def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_fi
   shutil.rmtree(os.path.join(off, ckpt_lib.CHECKPOINT_DIR, '8'))
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=8), off)
   assert sorted(_losses(off)) == list(range(1, 9))
-  assert not os.path.exists(os.path.join(off, ckpt_lib.CHECKPOINT_DIR, '8', ckpt_lib.FP8_META))
+  assert not os.path.exists(os.path.join(off, ckpt_lib.CHECKPOINT_DIR, '8', FP8_ITEM))
 
 
 def test_smoke_run_in_bf16_stays_within_the_noise_of_the_step_before_issue_30(tmp_path):

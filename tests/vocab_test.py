@@ -124,8 +124,8 @@ def test_read_lines_files_gz_and_chunks(tmp_path, monkeypatch):
   _write(tmp_path / 'a.txt', lines)
   _write(tmp_path / 'b.txt.gz', lines, compress=True)
   monkeypatch.setattr(vocab, '_CHUNK_BYTES', 7)  # Splits inside 'é', '中'.
-  got = list(vocab.read_lines([str(tmp_path / '*.txt'),
-                               str(tmp_path / '*.gz')]))
+  got = list(vocab.read_files(vocab.expand_patterns([str(tmp_path / '*.txt'),
+                                                     str(tmp_path / '*.gz')])))
   assert got == lines + lines
 
 

@@ -1,0 +1,371 @@
+"""Where bert_jax reaches inside Orbax, asyncio and logging: one outcome per save across
+processes, event loops that end their tasks, Orbax's error lines held back until a save's outcome
+is known.
+
+Every hook into another library's internals lives here, each with the reason no public API does
+its job; `tests/orbax_hooks_test.py` fails when an internal one relies on is renamed or gone (an
+Orbax upgrade would otherwise disable it silently):
+  - `CommitOutcome.hook` wraps the commit callbacks that Orbax's asynchronous checkpointer makes
+    per save (`CheckpointManager._checkpointer._make_on_commit_callback`). Orbax's public hooks
+    see only part of process 0's commit: `AsyncOptions.post_finalization_callback` runs after
+    the step metadata and the handlers' finalize (the OCDBT merge) but before commit_success.txt
+    or the rename, and not at all when an earlier part fails; `AsyncOptions.barrier_sync_fn`
+    is called after a commit that succeeded only. Neither can tell the other processes that a
+    commit failed, and with what error.
+  - `CommitOutcome.barrier` (Orbax's public `AsyncOptions.barrier_sync_fn`) knows the barrier
+    after the commit by its key, `_AFTER_COMMIT_BARRIER`, a name inside Orbax's background save.
+  - `agreeing` replaces a handler's `async_save` (a public method of the handler interface) on
+    the instance. A subclass would be the documented way, but Orbax pairs a handler with its
+    CheckpointArgs by exact class (`checkpoint_args.get_registered_args_cls`): a subclass needs
+    args classes of its own, registered process-wide (`ocp.args.register_with_handler`).
+  - `reads_end_their_tasks` and `ORBAX_ERRORS` swap the process-wide asyncio event-loop policy
+    (public asyncio API) because Orbax makes its own event loops (`asyncio_utils.run_sync`) and
+    offers no way to give it one.
+  - `ORBAX_ERRORS` filters the records Orbax logs through absl's logger, told apart by the path
+    of the file that logs them: Orbax has no option to keep a failed save's tracebacks quiet.
+  - The key-value store is jax.distributed's, reached through Orbax's
+    `multihost.get_jax_distributed_client` (JAX has no public accessor).
+"""
+
+import asyncio
+import contextlib
+import errno
+import itertools
+import json
+import logging as std_logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import orbax.checkpoint as ocp
+
+from bert_jax import gcs
+
+# ---- Several processes: one outcome per save ------------------------------------------------
+#
+# Each process writes its own shards of a save (and process 0 the metadata). When one process's
+# writes fail (Cloud Storage past the retries, a full disk), the processes part ways inside
+# Orbax: that one waits in the barrier of its clean-up, the others in the barrier after the
+# writes, each up to Orbax's timeout (20 min), and they end with statuses that need not agree:
+# a scheduler would not read the job as "rerun to resume" (launch/ reruns it when every process
+# exits 143). So every process, once its writes (its input position, then its part of each
+# item) are done or failed, publishes the outcome in jax.distributed's key-value store and
+# reads every other process's before going on to Orbax's barriers: all continue, or all fail
+# (the others with `SaveFailedElsewhere`) at the same point and leave the save together.
+# After the barrier that follows the writes, process 0 alone commits the save (the step's
+# metadata, the merge of the processes' OCDBT files, commit_success.txt) while the others go
+# to Orbax's last barrier, which process 0 never reaches if its commit fails: it publishes the
+# commit's outcome, and the others read it before that barrier (`CommitOutcome`). Not
+# covered: the step folders, which process 0 creates at the start of a save (with Orbax's
+# default, in the background) while the others' writes wait for them; a failure there still
+# stops process 0 alone.
+
+# The key-value store's prefix; the input positions and each item of each save are one exchange
+# each, numbered in the order every process makes them (the same in every process).
+_OUTCOME_KEY = 'bert_jax/checkpoint_outcome'
+_exchanges = itertools.count()
+# How long a process waits for another's outcome: Orbax's own bound on a save's background
+# work (AsyncOptions.timeout_secs), which a slow process's writes (tensorstore retrying a
+# request for up to ~15 min) must fit in anyway.
+OUTCOME_TIMEOUT_S = 1200
+
+
+class SaveFailedElsewhere(Exception):
+  """Another process's `part` of this save failed (`report`: what `report` says of its
+  error); this process stops with it (`checkpoint._save_failed` says which process and why)."""
+
+  def __init__(self, process: int, report: dict[str, Any],
+               part: str = 'part of the checkpoint save'):
+    super().__init__(f'process {process}\'s {part} failed: {report["line"]}')
+    self.process = process
+    self.report = report
+    self.part = part
+
+
+def report(error: BaseException) -> dict[str, Any]:
+  """What the other processes need to stop with the same status and line as this one."""
+  if isinstance(error, SaveFailedElsewhere):
+    return error.report
+  return dict(outage=gcs.failing_object(error), disk=_disk_error(error),
+              line=(str(error).strip().splitlines() or [type(error).__name__])[0][:500])
+
+
+def agree(error: BaseException | None) -> None:
+  """This process's outcome of its part of a save that is not Orbax's (its input position),
+  exchanged with every other process's: raises `error`, else a `SaveFailedElsewhere` for the
+  first other process whose part failed."""
+  _exchange(next(_exchanges), error, OUTCOME_TIMEOUT_S)
+
+
+def failed_elsewhere(error: BaseException | None) -> SaveFailedElsewhere | None:
+  """The `SaveFailedElsewhere` in `error`'s chain (its causes and contexts), or None."""
+  seen = []
+  while error is not None and error not in seen:
+    if isinstance(error, SaveFailedElsewhere):
+      return error
+    seen.append(error)
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _exchange(number: int, error: BaseException | None, timeout_s: float) -> None:
+  """Publishes this process's outcome of exchange `number` and reads the others'; raises this
+  process's `error`, else a `SaveFailedElsewhere` for the first other process that failed."""
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+  client = multihost.get_jax_distributed_client()
+  me, key = jax.process_index(), f'{_OUTCOME_KEY}/{number}'
+  client.key_value_set(f'{key}/{me}', json.dumps(None if error is None else report(error)))
+  if error is not None:
+    raise error
+  for other in range(jax.process_count()):
+    if other != me:
+      _read_outcome(client, f'{key}/{other}', other, 'part of the checkpoint save', timeout_s)
+  if number:
+    # Every process has read it: none posts exchange `number` before reading all of the one
+    # before.
+    client.key_value_delete(f'{_OUTCOME_KEY}/{number - 1}/{me}')
+
+
+def _read_outcome(client: Any, key: str, process: int, part: str, timeout_s: float) -> None:
+  """Waits for `process`'s outcome of its `part` of a save under `key`; raises a
+  `SaveFailedElsewhere` if it failed."""
+  try:
+    value = client.blocking_key_value_get(key, max(int(timeout_s * 1000), 1))
+  except Exception as e:  # pylint: disable=broad-except  (jax's DEADLINE_EXCEEDED)
+    raise TimeoutError(f'process {process} did not finish its {part} in {timeout_s:.0f} '
+                       's') from e
+  if (outcome := json.loads(value)) is not None:
+    raise SaveFailedElsewhere(process, outcome, part)
+
+
+# The key-value store's prefix of process 0's commits, numbered like the saves (of every
+# manager, in the order every process makes them).
+_COMMIT_KEY = 'bert_jax/checkpoint_commit'
+_commits = itertools.count()
+_COMMIT_PART = 'commit of the checkpoint save'
+# What Orbax's asynchronous checkpointer calls the barrier after process 0's commit.
+_AFTER_COMMIT_BARRIER = 'async_commit_complete'
+
+
+class CommitOutcome:
+  """Process 0's commit of a save, agreed on by every process.
+
+  Orbax's background thread of a save, in every process: its writes (`_Agreed`), a barrier,
+  then (process 0 alone) the commit callback, then a barrier (`_AFTER_COMMIT_BARRIER`). Process
+  0's callback publishes its outcome (`hook`) and the others read it before that last barrier
+  (`barrier`, Orbax's `barrier_sync_fn`), so that a commit that fails stops them all with
+  `SaveFailedElsewhere` where their save's failures surface, instead of leaving them in a
+  barrier that process 0 never reaches.
+  """
+
+  def __init__(self):
+    self._pending: int | None = None  # The save whose commit is under way (one at a time).
+    self._barrier: Callable[..., None] | None = None
+
+  def hook(self, manager: ocp.CheckpointManager) -> None:
+    """Wraps the commit callbacks of `manager`'s checkpointer (made once per save, in every
+    process, on the main thread before the save's writes; run by process 0 alone)."""
+    checkpointer = manager._checkpointer  # pylint: disable=protected-access
+    make = checkpointer._make_on_commit_callback  # pylint: disable=protected-access
+
+    def make_agreed(*args, **kwargs) -> Callable[[], None]:
+      callback = make(*args, **kwargs)
+      number = self._pending = next(_commits)
+
+      def agreed() -> None:
+        error = None
+        try:
+          callback()
+        except Exception as e:  # pylint: disable=broad-except  (raised below, after publishing)
+          error = e
+        self.publish(number, error)
+        if error is not None:
+          raise error
+
+      return agreed
+
+    checkpointer._make_on_commit_callback = make_agreed  # pylint: disable=protected-access
+
+  def publish(self, number: int, error: BaseException | None) -> None:
+    """Process 0: publishes the outcome of commit `number` (and drops the one before, which
+    every process read before the barrier that ended it)."""
+    from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+    client = multihost.get_jax_distributed_client()
+    client.key_value_set(f'{_COMMIT_KEY}/{number}',
+                         json.dumps(None if error is None else report(error)))
+    if number:
+      client.key_value_delete(f'{_COMMIT_KEY}/{number - 1}')
+
+  def barrier(self, *, key: str, timeout_ms: int) -> None:
+    """Orbax's barrier `key`; before the one after the commit, the others than process 0 read
+    the commit's outcome (within the barrier's own time)."""
+    if (_AFTER_COMMIT_BARRIER in key and jax.process_index() != 0
+        and self._pending is not None):
+      from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+      _read_outcome(multihost.get_jax_distributed_client(), f'{_COMMIT_KEY}/{self._pending}',
+                    0, _COMMIT_PART, timeout_ms / 1000)
+    if self._barrier is None:
+      from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+      self._barrier = multihost.get_barrier_sync_fn()
+    self._barrier(key=key, timeout_ms=timeout_ms)
+
+
+class _Agreed:
+  """An Orbax commit future for this process's writes of one item, whose result is every
+  process's (`_exchange`). `error`: the item's save failed before it had futures."""
+
+  def __init__(self, number: int, futures: list[Any], error: BaseException | None = None):
+    self._number, self._futures, self._error = number, futures, error
+
+  def result(self, timeout: float | None = None) -> None:
+    start, error = time.time(), self._error
+    if error is None:
+      try:
+        for f in self._futures:
+          f.result(timeout=None if timeout is None else max(timeout - time.time() + start, 0))
+      except Exception as e:  # pylint: disable=broad-except  (given to the other processes)
+        error = e
+    waited = time.time() - start
+    _exchange(self._number, error, max(OUTCOME_TIMEOUT_S - waited, 1) if timeout is None
+              else max(timeout - waited, 1))
+
+  def cancel(self) -> None:
+    for f in self._futures:
+      f.cancel()
+
+
+def agreeing(handler: Any) -> Any:
+  """Orbax's `handler`, whose saves end with every process's outcome when there are several
+  (`_Agreed`). (Its class stays Orbax's: Orbax finds handlers by class.)"""
+  save = handler.async_save
+
+  async def async_save(*args, **kwargs):
+    if jax.process_count() == 1:
+      return await save(*args, **kwargs)
+    # Numbered before the first await: Orbax saves the items concurrently.
+    number = next(_exchanges)
+    try:
+      futures = await save(*args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except  (raised by its future, everywhere)
+      return [_Agreed(number, [], e)]
+    return [_Agreed(number, list(futures or []))]
+
+  handler.async_save = async_save
+  return handler
+
+
+class _HeldBackOrbaxErrors(std_logging.Filter):
+  """Holds back the error lines Orbax logs while a save of ours is under way, until its outcome
+  is known.
+
+  A save that fails logs its error's traceback from three of Orbax's threads, and once more as
+  `wait_until_finished` re-raises it: about 350 lines above the message. A storage problem (a
+  full disk) is the user's to fix and ends as one line (`checkpoint._save_failed`'s UserError),
+  so they are dropped; with any other outcome they are logged as they were. Meanwhile Orbax's
+  event loops end their tasks when closed (`_TaskEndingLoop`): the writes still under way when
+  one fails would otherwise each print an uncatchable "Event loop is closed" traceback as they
+  finish.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self._held: list[std_logging.LogRecord] = []
+    self._lock = threading.Lock()
+    self._logger = std_logging.getLogger('absl')  # Orbax logs through absl.
+    self._policy: asyncio.AbstractEventLoopPolicy | None = None
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.levelno < std_logging.ERROR or f'{os.sep}orbax{os.sep}' not in record.pathname:
+      return True
+    with self._lock:
+      self._held.append(record)
+    return False
+
+  def hold(self) -> None:
+    if self not in self._logger.filters:
+      self._logger.addFilter(self)
+      self._policy = asyncio.get_event_loop_policy()
+      asyncio.set_event_loop_policy(_TaskEndingPolicy())
+
+  def release(self, show: bool) -> None:
+    """Stops holding back; logs what was held if `show`."""
+    self._logger.removeFilter(self)
+    if self._policy is not None:
+      asyncio.set_event_loop_policy(self._policy)
+      self._policy = None
+    with self._lock:
+      held, self._held = self._held, []
+    for record in held if show else []:
+      self._logger.handle(record)
+
+
+ORBAX_ERRORS = _HeldBackOrbaxErrors()
+
+
+_DISK_ERRORS = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded',
+                errno.EROFS: 'Read-only file system', errno.EACCES: 'Permission denied',
+                errno.EFBIG: 'File too large'}
+
+
+def _disk_error(error: BaseException) -> str | None:
+  """The cause of a save failure that the user must fix on the storage side, else None."""
+  while error is not None:
+    if isinstance(error, OSError) and error.errno in _DISK_ERRORS:
+      return _DISK_ERRORS[error.errno]
+    # TensorStore and TensorFlow report OS errors in their message ("... No space left on
+    # device [os_error_code='28']").
+    for text in _DISK_ERRORS.values():
+      if text in str(error):
+        return text
+    error = error.__cause__ or error.__context__
+  return None
+
+
+class _TaskEndingLoop(asyncio.SelectorEventLoop):
+  """An event loop that ends the tasks still pending when it is closed, as asyncio.run does.
+
+  Orbax runs a restore in a new event loop (`asyncio_utils.run_sync`) and closes it without
+  ending its tasks: when one array of a checkpoint cannot be read, the reads of the others are
+  left suspended, and whenever the garbage collector later closes them, Orbax's reader turns
+  that into an exception nobody can catch ("Exception ignored in: <coroutine object
+  _read_array_index_and_device_put>"). Cancelled here instead, they end inside their loop. A
+  read that tensorstore finishes after that still hands its result to the loop from its own
+  thread; with nothing left to wait for it, the result is dropped rather than raised there
+  ("Event loop is closed", which no one could catch either). The same holds for the writes of a
+  save that fails (a full disk), whose loops are made here too (`_HeldBackOrbaxErrors`).
+  """
+
+  def call_soon_threadsafe(self, callback, *args, context=None):
+    try:
+      return super().call_soon_threadsafe(callback, *args, context=context)
+    except RuntimeError:
+      if self.is_closed():
+        return None
+      raise
+
+  def close(self) -> None:
+    pending = [task for task in asyncio.all_tasks(self) if not task.done()]
+    for task in pending:
+      task.cancel()
+    if pending and not self.is_running():
+      self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    super().close()
+
+
+class _TaskEndingPolicy(asyncio.DefaultEventLoopPolicy):
+
+  def new_event_loop(self) -> asyncio.AbstractEventLoop:
+    return _TaskEndingLoop()
+
+
+@contextlib.contextmanager
+def reads_end_their_tasks() -> Iterator[None]:
+  """Event loops created inside (Orbax's, for a restore) end their tasks when closed."""
+  previous = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_TaskEndingPolicy())
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(previous)
