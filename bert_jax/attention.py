@@ -159,7 +159,7 @@ def check_config(impl: str, attention_dropout: float, platform: str,
   window (0: none); `scanned_kinds` whether scanned layers mix local and global attention.
   """
   config_checks.check_choice('model.attention_impl', impl)  # For a direct caller.
-  check_local(impl, local_window, scanned_kinds)
+  config_checks.check_local_attention(impl, local_window, scanned_kinds)
   if impl == 'xla':
     return
   if platform != _BACKENDS[impl]:
@@ -175,24 +175,6 @@ def check_config(impl: str, attention_dropout: float, platform: str,
                       f'{SPLASH_BLOCK} tokens, so every sequence length must be a multiple of '
                       f'{SPLASH_BLOCK}; got {bad} (data.max_seq_length, train.phases or '
                       'buckets)')
-
-
-def check_local(impl: str, local_window: int, scanned_kinds: bool = False) -> None:
-  """UserErrors for local attention that `impl` cannot compute (module docstring)."""
-  if local_window < 0 or local_window % 2:
-    raise UserError(f'model.local_attention_window={local_window}: must be 0 (off) or an even '
-                    'number of tokens (W / 2 on each side of a query)')
-  if not local_window:
-    return
-  if impl == 'cudnn_varlen':
-    raise UserError("model.attention_impl='cudnn_varlen' with model.local_attention_window="
-                    f"{local_window}: JAX's packed cuDNN call takes only a causal (left-only) "
-                    "window, not a bidirectional one: use model.attention_impl='cudnn'")
-  if impl == 'splash' and scanned_kinds:
-    raise UserError("model.attention_impl='splash' with model.scan_layers=True and layers of "
-                    'both kinds (model.local_attention_window, model.global_attention_every): '
-                    'a splash kernel is built for one mask when traced, and scanned layers '
-                    'share one trace; use model.scan_layers=False')
 
 
 def block_diagonal_mask(sequence_ids: Array, local_window: int = 0,
@@ -225,7 +207,7 @@ def dot_product_attention(q: Array, k: Array, v: Array, sequence_ids: Array, *, 
                     'model.attention_probs_dropout_prob > 0: ' + _NO_DROPOUT.format(impl=impl))
   if local is False:
     local_window = 0
-  check_local(impl, local_window, not isinstance(local, bool))
+  config_checks.check_local_attention(impl, local_window, not isinstance(local, bool))
   if impl == 'splash':
     return splash_attention(q, k, v, sequence_ids, local_window=local_window)
   if impl in ('cudnn', 'cudnn_varlen'):

@@ -258,28 +258,35 @@ def _phases(config):
                       f'multiples of 128; data.max_seq_length / train.phases give {bad}')
 
 
-def _architecture(config):
-  """The options after the paper against the kernels (attention.check_local says the same when
-  a checkpoint's architecture meets them, in fine-tuning)."""
-  values = _get(config, 'model.local_attention_window', 'model.global_attention_every',
-                'model.attention_impl', 'model.scan_layers')
-  if not values or not values[0]:
-    return
-  window, every, impl, scan = values
-  if window % 2:
+def check_local_attention(impl: str, window: int, scanned_kinds: bool = False) -> None:
+  """The UserError for local attention (model.local_attention_window `window`) that attention
+  kernel `impl` cannot compute; `scanned_kinds`: scanned layers mix local and global attention.
+  Where a config loads (`_architecture`), and in `attention.check_config` and
+  `dot_product_attention` for a checkpoint's architecture (fine-tuning) or a direct caller."""
+  if window < 0 or window % 2:
     raise UserError(f'model.local_attention_window={window}: must be even (W / 2 keys on each '
                     'side of a query), or 0 for global attention everywhere')
+  if not window:
+    return
   if impl == 'cudnn_varlen':
     raise UserError("model.attention_impl='cudnn_varlen' with model.local_attention_window="
                     f"{window}: JAX's packed cuDNN call takes only a causal (left-only) window, "
                     "not a bidirectional one: use model.attention_impl='cudnn'")
-  # Every named size has 2 layers or more: N >= 2 makes layer 0 global and layer 1 local.
-  if impl == 'splash' and scan and every >= 2:
+  if impl == 'splash' and scanned_kinds:
     raise UserError("model.attention_impl='splash' with model.scan_layers=True and layers of "
                     f'both kinds (model.local_attention_window={window}, '
-                    f'model.global_attention_every={every}): a splash kernel is built for one '
-                    'mask when traced, and scanned layers share one trace; use '
-                    'model.scan_layers=False')
+                    'model.global_attention_every): a splash kernel is built for one mask when '
+                    'traced, and scanned layers share one trace; use model.scan_layers=False')
+
+
+def _architecture(config):
+  """The options after the paper against the kernels."""
+  values = _get(config, 'model.local_attention_window', 'model.global_attention_every',
+                'model.attention_impl', 'model.scan_layers')
+  if values:
+    window, every, impl, scan = values
+    # Every named size has 2 layers or more: N >= 2 makes layer 0 global and layer 1 local.
+    check_local_attention(impl, window, bool(scan) and every >= 2)
 
 
 def _schedule(config):

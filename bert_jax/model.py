@@ -127,7 +127,7 @@ class BertConfig:
     if self.rotary and self.head_dim % 2:
       raise UserError(f'rotary position embeddings need an even head size, got {self.head_dim} '
                       '(hidden_size / num_attention_heads)')
-    attention.check_local('xla', self.local_attention_window)
+    config_checks.check_local_attention('xla', self.local_attention_window)
     if self.global_attention_every < 0 or self.type_vocab_size < 0:
       raise UserError('global_attention_every and type_vocab_size must be >= 0')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.

@@ -177,10 +177,7 @@ def check_attention(config: ml_collections.ConfigDict, platform: str) -> None:
   """Clear errors for a model.attention_impl that cannot train on `platform` as configured."""
   attention.check_config(config.model.attention_impl,
                          config.model.attention_probs_dropout_prob, platform,
-                         [p.seq_len for p in parse_phases(config)],
-                         local_window=config.model.local_attention_window,
-                         scanned_kinds=(config.model.scan_layers and
-                                        config.model.global_attention_every >= 2))
+                         [p.seq_len for p in parse_phases(config)])
 
 
 def check_batch(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
