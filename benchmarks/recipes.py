@@ -171,7 +171,7 @@ def run(args) -> dict:
   train_txt, heldout_txt = split_corpus(args.workdir)
   vocab = os.path.join(args.workdir, 'vocab.txt')
   if not os.path.exists(vocab):
-    vocab_lib.train_wordpiece(vocab_lib.read_lines([train_txt]), vocab, args.vocab_size)
+    vocab_lib.train_wordpiece(vocab_lib.read_files([train_txt]), vocab, args.vocab_size)
   data = dict(train=train_txt, heldout=heldout_txt, vocab=vocab,
               cache=os.path.join(args.workdir, 'compilation_cache'),
               task=sentence_task(heldout_txt, os.path.join(args.workdir, f'task_{args.task}'),
