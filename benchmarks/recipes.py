@@ -156,7 +156,7 @@ def finetune_config(args, data: dict, checkpoint: str, seed: int):
   return config_files.load_config('finetune_glue:sst2', {
       'task.data_dir': data['task'], 'train.init_checkpoint': checkpoint,
       'data.vocab_file': data['vocab'], 'data.lower_case': True,
-      'data.max_seq_length': args.seq_len, 'buckets': (args.seq_len,),
+      'data.max_seq_length': args.seq_len, 'data.buckets': (args.seq_len,),
       'train.epochs': args.finetune_epochs, 'train.learning_rate': args.finetune_lr,
       'train.seed': seed, 'checkpoint.every_steps': 0, 'log.progress': False,
       'checkpoint.compilation_cache_dir': data['cache']})

@@ -348,3 +348,8 @@ def test_recipes_benchmark_builds_its_task_and_spends_the_same_flops(tmp_path):
   # Same size, nearly the same FLOPs per row: the modern recipe's 30% masking costs more in
   # the decoder, its local layers less in attention.
   assert 0.8 < flops['modern'] / flops['paper'] < 1.5
+  # The evaluation's and fine-tuning's configs load as today's keys name them.
+  args.finetune_epochs, args.finetune_lr = 1, 1e-4
+  tune = recipes.finetune_config(args, dict(data, task=task), str(tmp_path / 'paper'), 0)
+  assert (tune.data.buckets, tune.data.max_seq_length) == ((64,), 64)
+  assert recipes.eval_config(args, data).data.objective == 'none'
