@@ -121,6 +121,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     'nice python benchmarks/recipes.py --paper_steps=600 --seeds=0,1': NotHere(_RECIPES),
     'nice python benchmarks/recipes.py --paper_steps=200 --seeds=0,1 --finetune_epochs=2 '
     '--finetune_lr=1e-4': NotHere(_RECIPES),
+    'nice python benchmarks/recipes.py --paper_steps=600 --seeds=0,1 --task=replaced_word '
+    '--finetune_epochs=5 --finetune_lr=1e-4': NotHere(_RECIPES),
     'bert-jax convert --input=path/to/hf_dir --output=out/ --format=bert_jax':
         Run('pretrain', '--input={tmp}/smoke'),
     'bert-jax finetune --config=configs/finetune_glue.py:mrpc '
