@@ -38,6 +38,7 @@ How the numbers are made:
   depend on the data (the shapes are fixed), so `at_first_fit_fill` gives the same step's
   real tokens/s and MFU over the rows before that adjustment.
 - LayerNorm: --layernorm=xla,pallas runs every bert_jax case with each `model.layer_norm_impl`
+  (and the same `model.gelu_impl`: the fused Pallas kernels or XLA's)
   (README "LayerNorm and dropout"), before and after the fused kernel in one run.
 - FP8: --matmul_precision=default,fp8 runs every bert_jax case with each
   `model.matmul_precision` (README "FP8"): the encoder's matmuls in bf16, then in FP8 with
@@ -386,6 +387,8 @@ def _bert_jax_config(args, size: str, seq_len: int, rows: int, preds: int, packi
   config.model.attention_impl = impl
   config.model.attention_probs_dropout_prob = attention_dropout
   config.model.layer_norm_impl = layer_norm_impl
+  # The fused Pallas kernels go together: the GELU follows the LayerNorm's choice.
+  config.model.gelu_impl = layer_norm_impl
   config.model.matmul_precision = matmul_precision
   config.data.max_seq_length = seq_len
   config.data.max_predictions_per_seq = preds

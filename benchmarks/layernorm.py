@@ -6,10 +6,11 @@
 Times forward and forward+backward (dx, d residual, d bias, d scale, d beta) of
 `layer_norm.residual_layer_norm` with dropout 0.1 for impl='xla' and impl='pallas', each jitted,
 the median of --iters runs after a warm-up, and reports ms, GB/s (the bytes the fused kernels
-must move: forward reads x, residual, the 1-byte mask and writes y; backward reads x, residual,
-mask, dy and writes dx, d residual) and the largest absolute difference of every output from
-the xla path. --rows_per_program sweeps the kernels' rows per program (e.g. 4:32,1:16,8:64);
-one JSON line per (hidden, impl, rows per program), then a summary line with the best.
+must move: forward reads x, residual and writes y; backward reads x, residual, dy and writes
+dx, d residual; the dropout mask is hashed from a seed in the kernels) and the largest absolute
+difference of every output from the xla path. --rows_per_program sweeps the kernels' tiling, FWD:BWD[:TILE] (forward rows per
+program, backward rows per program, backward rows per loop step; e.g. 4:64:4,2:32:2,8:128:8);
+one JSON line per (hidden, impl, tiling), then a summary line with the best.
 Needs no TensorFlow.
 Off a GPU the Pallas kernel runs in interpret mode: the differences are checked, timings mean
 nothing.
@@ -37,9 +38,11 @@ def parse_args(argv=None):
   parser.add_argument('--rate', type=float, default=0.1, help='dropout rate')
   parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
   parser.add_argument('--iters', type=int, default=50, help='timed runs (median reported)')
-  parser.add_argument('--rows_per_program', default='4:32',
-                      help='FWD:BWD rows each Pallas program handles, comma-separated to sweep '
-                           '(the first is the module default, layer_norm._FWD_ROWS/_BWD_ROWS)')
+  parser.add_argument('--rows_per_program', default='8:128:8',
+                      help='FWD:BWD[:TILE] rows each Pallas forward and backward program '
+                           'handles (and the backward rows per loop step), comma-separated to '
+                           'sweep (the module default: layer_norm._FWD_ROWS, _BWD_ROWS, '
+                           '_BWD_TILE)')
   return parser.parse_args(argv)
 
 
@@ -60,19 +63,22 @@ def run_case(rows, hidden, rate, dtype, iters, tilings):
   bias = 0.1 * jax.random.normal(keys[2], (hidden,), jnp.float32)
   scale = 1.0 + 0.1 * jax.random.normal(keys[3], (hidden,), jnp.float32)
   beta = 0.1 * jax.random.normal(keys[4], (hidden,), jnp.float32)
-  bits = layer_norm.dropout_bits(keys[5], x.shape)
+  seed = layer_norm.dropout_seed(keys[5])
   dy = jax.random.normal(jax.random.key(1), x.shape, dtype)
   size = jnp.dtype(dtype).itemsize * rows * hidden
-  fwd_bytes = 3 * size + rows * hidden
-  bwd_bytes = 5 * size + rows * hidden + fwd_bytes  # fwd+bwd moves both.
+  fwd_bytes = 3 * size
+  bwd_bytes = 5 * size + fwd_bytes  # fwd+bwd moves both.
   results, outputs = [], {}
-  defaults = layer_norm._FWD_ROWS, layer_norm._BWD_ROWS  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  defaults = layer_norm._FWD_ROWS, layer_norm._BWD_ROWS, layer_norm._BWD_TILE
   runs = [('xla', None)] + [('pallas', t) for t in tilings]
   for impl, tiling in runs:
     if tiling:
-      layer_norm._FWD_ROWS, layer_norm._BWD_ROWS = tiling  # pylint: disable=protected-access
+      # pylint: disable-next=protected-access
+      layer_norm._FWD_ROWS, layer_norm._BWD_ROWS, layer_norm._BWD_TILE = (
+          tiling + defaults[len(tiling):])
     def f(x, residual, bias, scale, beta, impl=impl):
-      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=rate,
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, seed, rate=rate,
                                             impl=impl)
 
     fwd = jax.jit(f)
@@ -86,13 +92,14 @@ def run_case(rows, hidden, rate, dtype, iters, tilings):
     if impl == 'xla':
       outputs = out
     else:
-      r['rows_per_program'] = f'{tiling[0]}:{tiling[1]}'
+      r['rows_per_program'] = ':'.join(str(v) for v in tiling)
       names = ('dx', 'dresidual', 'dbias', 'dscale', 'dbeta', 'y')
       r['max_abs_diff_vs_xla'] = {
           n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
           for n, a, b in zip(names, outputs, out)}
     results.append(r)
-  layer_norm._FWD_ROWS, layer_norm._BWD_ROWS = defaults  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  layer_norm._FWD_ROWS, layer_norm._BWD_ROWS, layer_norm._BWD_TILE = defaults
   return results
 
 

@@ -50,9 +50,10 @@ def _config(args, seq_len: int, preds: int, batch: int, packing: bool):
 
 
 def _vocab(args) -> str:
-  # The vocabulary `bert-jax data` trains for the smoke config (or --vocab_file).
-  return input_pipeline.resolve_vocab(_config(args, 128, 20, 32, False).data,
-                                      fileio.default_workdir('smoke'))
+  # --vocab_file, or the smoke config's 8k vocabulary trained on --input, cached by the input and
+  # the vocabulary's settings: the same for every run on the same corpus (not the vocab.txt of
+  # whatever run last used the default smoke workdir).
+  return input_pipeline.resolve_vocab(_config(args, 128, 20, 32, False).data, None)
 
 
 def padding(args):

@@ -103,12 +103,23 @@ def _gpu_target(chip: str) -> str:
   ])
 
 
-def _devices(target: Target) -> list:
+def target_devices(target: Target) -> list:
+  """The devices of a target's topology description (loads libtpu or JAX's CUDA plugin)."""
   if target.platform == 'tpu':
     # Only compiling, never running: other processes with libtpu loaded (tests, a second
     # compile) are no contention, so skip libtpu's one-process lock.
     os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
-    return topologies.get_topology_desc(platform='tpu', topology_name=target.topology).devices
+    try:
+      return topologies.get_topology_desc(platform='tpu',
+                                          topology_name=target.topology).devices
+    except jax.errors.JaxRuntimeError as e:
+      if 'INVALID_ARGUMENT' not in str(e):
+        raise
+      # A shape libtpu has no slice of ("v5e:3x5": not a whole number of hosts).
+      reason = str(e).split('INVALID_ARGUMENT:', 1)[1].strip().splitlines()[0][:300]
+      raise UserError(f'--topology={target.topology}: not a TPU slice libtpu knows ({reason}); '
+                      'name a slice such as v5e:2x2, v5e:4x4, v5e:16x16, v4:2x2x4 or '
+                      'v5p:4x4x4') from None
   try:
     return topologies.get_topology_desc(platform='cuda', target_config=_gpu_target(target.chip),
                                         topology=target.topology).devices
@@ -226,10 +237,66 @@ def _arrays(shape: str) -> list[tuple[int, bool]]:
   return out
 
 
+_FUSED = re.compile(r'^%?([\w.\-]+) \(')  # The first line of a (fused) computation.
+_CALLS = re.compile(r'\bcalls=%?([\w.\-]+)')
+
+
+def _roots(hlo_text: str) -> dict[str, str]:
+  """{computation: the opcode of its root} of every computation of an HLO module."""
+  out, name = {}, None
+  for line in hlo_text.split('\n'):
+    if name is None:
+      found = _FUSED.match(line)
+      if found and line.rstrip().endswith('{'):
+        name = found.group(1)
+      continue
+    if line.startswith('}'):
+      name = None
+    elif line.lstrip().startswith('ROOT ') and (match := _INSTRUCTION.match(line)):
+      out[name] = match.group(3)
+  return out
+
+
+def _in_place_updates(hlo_text: str) -> dict[str, tuple[int, int]]:
+  """{fused computation: (operand updated in place, bytes of the update)} of the fused
+  computations whose root is a dynamic-update-slice of one of their parameters.
+
+  Such a fusion writes its update into that operand's buffer: XLA's copy insertion gives the
+  result the operand's buffer (the buffer assignment shows one allocation for both) or adds a
+  `copy` of its own, counted where it stands. It moves the update, not the whole buffer: the
+  grouped gradient norm's `optimizer/stack` writes each layer's gradient into an f32[24, ...]
+  stack so, and counting the whole stack read and written by each of the 24 took BERT-large's
+  count at one sequence per v5e chip from about 16 to 54 GB."""
+  out, name, params, shapes = {}, None, {}, {}
+  for line in hlo_text.split('\n'):
+    if name is None:
+      found = _FUSED.match(line)
+      if found and line.rstrip().endswith('{'):
+        name, params, shapes = found.group(1), {}, {}
+      continue
+    if line.startswith('}'):
+      name = None
+      continue
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    inst, shape, op, operands = match.groups()
+    shapes[inst] = shape
+    if op == 'parameter':
+      params[inst] = int(operands)
+    elif op == 'dynamic-update-slice' and line.lstrip().startswith('ROOT '):
+      target, update = [o.strip().lstrip('%') for o in operands.split(',')[:2]]
+      if target in params:
+        out[name] = (params[target], sum(size for size, _ in _arrays(shapes.get(update, ''))))
+  return out
+
+
 def hbm_bytes(hlo_text: str) -> float:
   """Bytes the entry computation of an optimized HLO module moves to and from HBM: each
-  operation's operands and results that live in HBM, an async copy's HBM side once, and an
-  async slice's HBM read of the slice (not of its whole source)."""
+  operation's operands and results that live in HBM, an async copy's HBM side once, an async
+  slice's HBM read of the slice (not of its whole source), and a dynamic-update-slice (alone
+  or as the root of a fusion: `_in_place_updates`) its update read and written in place (not
+  its whole operand and result)."""
   entry, lines = False, []
   for line in hlo_text.split('\n'):
     if line.startswith('ENTRY '):
@@ -238,6 +305,7 @@ def hbm_bytes(hlo_text: str) -> float:
       break
     elif entry:
       lines.append(line)
+  in_place, roots = _in_place_updates(hlo_text), _roots(hlo_text)
   shapes, total = {}, 0
   for line in lines:
     match = _INSTRUCTION.match(line)
@@ -252,9 +320,26 @@ def hbm_bytes(hlo_text: str) -> float:
       continue
     operand_arrays = [a for o in operands.split(',') if o.strip().startswith('%')
                       for a in _arrays(shapes.get(o.strip()[1:], ''))]
-    if op == 'slice-start':  # ((source), slice, context): the slice is what is read.
+    called = _CALLS.search(line)
+    if op == 'async-done':
+      continue  # What it holds moved at its async-start.
+    if op == 'slice-start' or (op == 'async-start' and called and
+                               roots.get(called.group(1)) == 'slice'):
+      # ((source), slice, context): the slice is what is read. (libtpu 0.0.42 prints an async
+      # slice as an `async-start` of a computation whose root is the slice.)
       size, slice_in_hbm = _arrays(shape)[-2]
       total += size * (all(hbm for _, hbm in operand_arrays) + slice_in_hbm)
+      continue
+    names = [o.strip()[1:] for o in operands.split(',') if o.strip().startswith('%')]
+    if op == 'dynamic-update-slice' or (op == 'fusion' and called and
+                                        called.group(1) in in_place):
+      # In place: the other operands read, the update written into the buffer it updates.
+      target, update = ((0, sum(s for s, _ in _arrays(shapes.get(names[1], ''))))
+                        if op == 'dynamic-update-slice' else in_place[called.group(1)])
+      result_in_hbm = all(hbm for _, hbm in _arrays(shape))
+      total += update * result_in_hbm + sum(
+          size for i, o in enumerate(names) if i != target
+          for size, hbm in _arrays(shapes.get(o, '')) if hbm)
       continue
     total += sum(size for size, hbm in operand_arrays + _arrays(shape) if hbm)
   return float(total)
@@ -267,7 +352,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
   target = parse_topology(topology)
   chip = target.chip
   pretraining.check_attention(config, target.platform)
-  devices = _devices(target)
+  devices = target_devices(target)
   if target.platform == 'gpu':
     hw = {k: flops_lib.GPU_CHIPS[chip][k] for k in ('peak_flops', 'hbm_bytes', 'hbm_bandwidth')}
     chips = len(devices)
@@ -316,6 +401,9 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     cost = _cost(costed, target.platform)
     n = len(devices)
     xla_flops = float(cost['flops'])  # The partitioned program of one device.
+    # Gradient accumulation runs the micro-batches in a loop whose body the cost analysis
+    # counts once (as a scan's): its count is one micro-batch's, scaled here to the step's.
+    accum = int(config.train.grad_accum_steps)
     xla_bytes = float(cost.get('bytes accessed', 0.0))
     # The step reads each of its arguments and writes each of its results at least once.
     min_bytes = float(mem.argument_size_in_bytes + mem.output_size_in_bytes)
@@ -340,7 +428,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     if cudnn_calls['forward']:
       xla_flops += flops_lib.attention_flops_per_sequence(
           bert_config, phase.seq_len) * config.train.batch_size / n
-    t_compute = max(xla_flops, analytic / n) / hw['peak_flops']
+    t_compute = max(xla_flops * accum, analytic / n) / hw['peak_flops']
     t_memory = max(hbm, min_bytes) / hw['hbm_bandwidth']
     t_bound = max(t_compute, t_memory)
     tokens_per_chip = config.train.batch_size * phase.seq_len / t_bound / chips
@@ -361,7 +449,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                     total_gib=per_chip_bytes / 2**30, hbm_gib=hw['hbm_bytes'] / 2**30,
                     fits=per_chip_bytes <= hw['hbm_bytes']),
         flops=dict(xla_per_chip=xla_flops, xla_total=xla_flops * n, analytic_total=analytic,
-                   xla_over_analytic=xla_flops * n / analytic,
+                   micro_batches=accum, xla_over_analytic=xla_flops * n * accum / analytic,
                    counted_unrolled=bert_config.scan_layers, pallas_kernel_calls=pallas_calls,
                    cudnn_attention_calls=cudnn_calls,
                    cudnn_attention_flops_added=bool(cudnn_calls['forward'])),
@@ -407,8 +495,11 @@ def format_report(report: dict[str, Any]) -> str:
       + f"): arguments {m['arguments_gib']:.2f}, "
       f"outputs {m['outputs_gib']:.2f}, temporaries {m['temporaries_gib']:.2f}, "
       f"donated {m['aliased_gib']:.2f}",
-      f"  FLOPs per step: XLA {f['xla_total']:.4g}, analytic {f['analytic_total']:.4g} "
-      f"(ratio {f['xla_over_analytic']:.3f}"
+      f"  FLOPs per step: XLA {f['xla_total']:.4g}"
+      + (f" for one of the {f['micro_batches']} micro-batches (the accumulation loop's body, "
+         f"which XLA counts once; x{f['micro_batches']}: "
+         f"{f['xla_total'] * f['micro_batches']:.4g})" if f.get('micro_batches', 1) > 1 else '')
+      + f", analytic {f['analytic_total']:.4g} (ratio {f['xla_over_analytic']:.3f}"
       + (f"; {f['pallas_kernel_calls']} Pallas kernel calls XLA cannot count inside"
          if f['pallas_kernel_calls'] else '')
       + ("; cuDNN attention: {forward} forward and {backward} backward calls, their analytic "

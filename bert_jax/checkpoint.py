@@ -54,13 +54,15 @@ _GCS_COMMIT_FILE = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
 
 
 def _registry(replica_parallel: bool):
-  """Orbax's type handlers; without replica-parallel saving when not `replica_parallel`: that
+  """Orbax's type handlers, whose tensorstore requests to Cloud Storage retry on the run's
+  budget (`orbax_hooks.bounded_retries`); without replica-parallel saving when not `replica_parallel`: that
   compiles a slicing program per distinct parameter shape on the first save (tens of seconds on
   CPU) and gains nothing for a few saves of a small model. The files are the same either way."""
-  scalar = ocp.type_handlers.ScalarHandler()
+  scalar = orbax_hooks.bounded_retries(ocp.type_handlers.ScalarHandler)()
   return ocp.type_handlers.create_type_handler_registry(
-      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)),
-      (np.ndarray, ocp.type_handlers.NumpyHandler()),
+      (jax.Array, orbax_hooks.bounded_retries(ocp.type_handlers.ArrayHandler)(
+          use_replica_parallel=replica_parallel)),
+      (np.ndarray, orbax_hooks.bounded_retries(ocp.type_handlers.NumpyHandler)()),
       (int, scalar), (float, scalar), (np.number, scalar))
 
 
@@ -96,6 +98,7 @@ class _Manager(ocp.CheckpointManager):
   items of the saved extras it has handlers for."""
 
   waits = False
+  committed: int | None = None  # The latest step known committed when a save began.
   extras = frozenset()
 
   def save(self, *args, **kwargs) -> bool:
@@ -118,6 +121,9 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   (`orbax_hooks.agree`).
   """
   wait_for_saves(manager, workdir)
+  # Every save before this one is committed now: the step an outage's message names as intact
+  # (`_save_failed` asks the failing store nothing more).
+  manager.committed = manager.latest_step()
   orbax_hooks.ORBAX_ERRORS.hold()
   try:
     if data_iterator is not None:
@@ -148,6 +154,26 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   _clean_data_states(manager, workdir, keep_step=step)
 
 
+def check_saves(manager: ocp.CheckpointManager, workdir: str) -> None:
+  """Raises as `wait_for_saves` if the pending (asynchronous) save has failed meanwhile, and
+  returns at once otherwise: the loop checks at each log step, so that a save Cloud Storage
+  fails ends the run within its retries, not at the next save (`checkpoint.every_steps` steps
+  later). With several processes every process learns whether any failed, so that all stop at
+  the same step."""
+  error = None
+  try:
+    manager.check_for_errors()
+  except Exception as e:  # pylint: disable=broad-except  (raised below)
+    error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    failed = multihost_utils.process_allgather(np.int32(error is not None))
+    if error is None and np.any(failed):
+      wait_for_saves(manager, workdir)  # Its save failed too (`orbax_hooks`): raised there.
+  if error is not None:
+    _save_failed(manager, workdir, error)
+
+
 def wait_for_saves(manager: ocp.CheckpointManager, workdir: str) -> None:
   """Blocks until the pending save is committed; a failed one is removed and raised (a full
   disk as a UserError that names it and the checkpoint to resume from)."""
@@ -161,6 +187,19 @@ def wait_for_saves(manager: ocp.CheckpointManager, workdir: str) -> None:
 def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception) -> None:
   """Removes what failed saves left behind, then raises (a UserError for a storage problem)."""
   ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
+  elsewhere = orbax_hooks.failed_elsewhere(error)
+  report = elsewhere.report if elsewhere else orbax_hooks.report(error)
+  if report['outage'] is not None:
+    # Cloud Storage past the retries: nothing to clean up there (a step folder without
+    # commit_success.txt is never resumed from), and every request to it would wait out the
+    # retries again before the run could end.
+    orbax_hooks.ORBAX_ERRORS.release(show=False)
+    kept = getattr(manager, 'committed', None)
+    intact = (f'the last complete checkpoint, step {kept},' if kept is not None
+              else 'the last committed checkpoint')
+    prefix = (f'stopped because process {elsewhere.process}\'s {elsewhere.part} failed: '
+              if elsewhere else '')
+    raise Outage(prefix + gcs.outage_message(*report['outage'], intact)) from error
   partial = []
   if jax.process_index() == 0 and fileio.gfile().isdir(ckpt_dir):
     for name in fileio.gfile().listdir(ckpt_dir):
@@ -177,16 +216,10 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
             else 'every file written before')
   # Another process's part failed (`orbax_hooks`): this one stops with the same status, saying
   # which process and why.
-  elsewhere = orbax_hooks.failed_elsewhere(error)
-  report = elsewhere.report if elsewhere else orbax_hooks.report(error)
   prefix = (f'stopped because process {elsewhere.process}\'s {elsewhere.part} failed: '
             if elsewhere else '')
-  cause, failing = report['disk'], report['outage']
-  orbax_hooks.ORBAX_ERRORS.release(show=cause is None and failing is None and not elsewhere)
-  if failing is not None:
-    # Cloud Storage past the retries: Orbax's step folder there has no commit_success.txt, so
-    # it is never resumed from; the rerun writes it again.
-    raise Outage(prefix + gcs.outage_message(*failing, intact)) from error
+  cause = report['disk']
+  orbax_hooks.ORBAX_ERRORS.release(show=cause is None and not elsewhere)
   if cause is None:
     if elsewhere:
       raise RuntimeError(f'{prefix}{report["line"]} (its log has the traceback)') from error

@@ -137,8 +137,6 @@ def _pretrain_flags():
   def run(argv):
     del argv
     from bert_jax import train  # pylint: disable=g-import-not-at-top
-    initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                           FLAGS.distributed)
     workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
     train.train_and_evaluate(FLAGS.config, workdir)
   return run
@@ -171,8 +169,9 @@ def _convert_flags():
 @_command('data', 'Show decoded pre-training examples, or statistics with --stats=N.')
 def _data_flags():
   _define_config_flag(os.path.join(configs_dir(), 'smoke.py'))
-  flags.DEFINE_integer('stats', 0, 'Print one JSON object of statistics over N batches.')
-  flags.DEFINE_integer('num_examples', 3, 'Examples to show.')
+  flags.DEFINE_integer('stats', 0, 'Print one JSON object of statistics over N batches.',
+                       lower_bound=0)
+  flags.DEFINE_integer('num_examples', 3, 'Examples to show.', lower_bound=0)
   flags.DEFINE_string('workdir', '', 'Where a trained vocab is cached (empty data.vocab_file).')
 
   def run(argv):
@@ -253,8 +252,6 @@ def _finetune_flags():
     del argv
     import json  # pylint: disable=g-import-not-at-top
     from bert_jax import finetune  # pylint: disable=g-import-not-at-top
-    initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                           FLAGS.distributed)
     workdir = FLAGS.workdir or fileio.default_workdir(f'finetune_{FLAGS.config.task.name}')
     if not FLAGS.sweep:
       finetune.finetune(FLAGS.config, workdir)
@@ -353,6 +350,24 @@ def _predict_flags():
     from bert_jax import predict  # pylint: disable=g-import-not-at-top
     print(json.dumps(predict.predict(FLAGS.workdir, FLAGS.input, FLAGS.output,
                                      FLAGS.batch_size, FLAGS.input_format)), flush=True)
+  return run
+
+
+@_command('export', 'A finished run as a model a serving stack loads: a TensorFlow SavedModel '
+          'that takes strings and answers as predict (README, "Serving").')
+def _export_flags():
+  flags.DEFINE_string('workdir', None, 'A finished `bert-jax finetune` workdir (GLUE, SQuAD, '
+                      'NER, SWAG) or `pretrain` workdir (features and fill-mask).')
+  flags.DEFINE_string('output', None, 'The export\'s folder: new, empty, or an earlier export '
+                      '(replaced).')
+  flags.DEFINE_string('format', 'savedmodel', 'savedmodel: a TensorFlow SavedModel.')
+  flags.mark_flags_as_required(['workdir', 'output'])
+
+  def run(argv):
+    del argv
+    import json  # pylint: disable=g-import-not-at-top
+    from bert_jax import export  # pylint: disable=g-import-not-at-top
+    print(json.dumps(export.export(FLAGS.workdir, FLAGS.output, FLAGS.format)), flush=True)
   return run
 
 
@@ -456,6 +471,9 @@ def user_error_message(error: BaseException) -> str | None:
     return str(failing)
   if isinstance(error, (flags.Error, app.UsageError)):
     return str(error)
+  backend = errors.no_backend(error)  # JAX_PLATFORMS=gpu or tpu on a machine without one.
+  if backend is not None:
+    return backend
   if isinstance(error, SyntaxError) and error.filename and not os.path.realpath(
       error.filename).startswith(os.path.dirname(os.path.realpath(__file__))):
     # A config file that is not valid Python (ours are).
@@ -519,24 +537,49 @@ def _run_command(name: str, args: list[str]) -> None:
     print(command_help(name))
     sys.exit(0)
 
-  def run_after_tensorflow(argv):
+  def run_after_start_up(argv):
     _check_before_imports(name)
-    if name not in _WITHOUT_TENSORFLOW and not _traceback_wanted(args):
-      # The other commands read files through TensorFlow; loading it (and hiding the
-      # accelerators from it, which starts its device platforms) here keeps its notes out of
-      # the output. After the flags: --help and flag mistakes do not wait for it. With
-      # --traceback the notes stay, for a bug report.
-      with _native_stderr_held_back():
-        # The pipeline's import loads TensorFlow Text too, whose notes are held back with it.
-        from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top,unused-import
-        fileio.hide_accelerators_from_tf()
+    _start_up(name, quiet=not _traceback_wanted(args) and logging.get_verbosity() <= 0)
     run(argv)
-  app.run(run_after_tensorflow, argv=list(_ARGV), flags_parser=_parse_flags)
+  app.run(run_after_start_up, argv=list(_ARGV), flags_parser=_parse_flags)
 
 
 # Commands that never load TensorFlow: `compile` reads only its config (a Python file) and
-# compiles through JAX; loading TensorFlow would cost it about 4 s of CPU for nothing.
+# compiles through JAX (packed rows excepted); loading TensorFlow would cost it about 4 s of CPU
+# for nothing. `vocab` and `data` never start JAX.
 _WITHOUT_TENSORFLOW = ('compile',)
+_WITHOUT_JAX = ('vocab', 'data')
+
+
+def _start_up(name: str, quiet: bool) -> None:
+  """Starts what the command runs on, in this order: TensorFlow (hiding the accelerators from it
+  starts its device platforms), jax.distributed (multi-host: before JAX's backends), then JAX's
+  backends, or for `compile` the target's platform (libtpu or JAX's CUDA plugin).
+
+  Their native start-up lines (TensorFlow's oneDNN and cuInit notes; libtpu's block about the
+  TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES it cannot find on a machine without a TPU, one
+  line at error level) are held back when `quiet`, and shown if starting fails. Not quiet
+  (--traceback, --verbosity=1 and up) they all show, for a bug report. After the flags: --help
+  and flag mistakes do not wait for any of it.
+  """
+  hold = _native_stderr_held_back if quiet else contextlib.nullcontext
+  packed_compile = name == 'compile' and FLAGS.config.data.packing  # packing.py: TensorFlow.
+  if name not in _WITHOUT_TENSORFLOW or packed_compile:
+    with hold():
+      # The pipeline's import loads TensorFlow Text too, whose notes are held back with it.
+      from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top,unused-import
+      fileio.hide_accelerators_from_tf()
+  if 'distributed' in FLAGS:
+    initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                           FLAGS.distributed)
+  if name == 'compile':
+    from bert_jax import aot  # pylint: disable=g-import-not-at-top
+    with hold():
+      aot.target_devices(aot.parse_topology(FLAGS.topology))
+  elif name not in _WITHOUT_JAX:
+    import jax  # pylint: disable=g-import-not-at-top
+    with hold():
+      jax.devices()
 
 
 def _check_before_imports(name: str) -> None:
@@ -557,12 +600,13 @@ def _check_before_imports(name: str) -> None:
 @contextlib.contextmanager
 def _native_stderr_held_back():
   """Holds back what native code writes to stderr (file descriptor 2) inside the block, and
-  writes it out only if the block fails.
+  writes it out only if the block fails. Python's own writes (logging, warnings) go to the
+  console meanwhile, through the log filter as always (_ours_or_a_warning).
 
-  TensorFlow's start-up notes (no CUDA driver, oneDNN, cuInit) come from C++ before its log level
-  applies; they would stand above every message of the command, a user's one-line error too.
-  A native crash inside the block (an illegal instruction, an abort) loses what it wrote:
-  --traceback runs without holding anything back.
+  TensorFlow's and libtpu's start-up notes come from C++ before any log level applies; they
+  would stand above every message of the command, a user's one-line error too. A native crash
+  inside the block (an illegal instruction, an abort) loses what it wrote: --traceback runs
+  without holding anything back.
   """
   sys.stderr.flush()
   try:
@@ -570,18 +614,45 @@ def _native_stderr_held_back():
   except OSError:  # No stderr to hold back (closed by a daemonizing parent).
     yield
     return
+  # Python's stderr, on a copy of the console's file descriptor: sys.stderr and the log
+  # handlers that write to it (absl's, and any on the root logger) are pointed at it for the
+  # block. Left open if a handler made inside the block writes to it (JAX makes its own as it
+  # is imported, and adds it to its logger with JAX_LOGGING_LEVEL set).
+  console = open(os.dup(saved), 'w', buffering=1, encoding=getattr(sys.stderr, 'encoding', None),
+                 errors='backslashreplace')
+  python_stderr = sys.stderr
+  handlers = [h for h in [logging.get_absl_handler().python_handler, *std_logging.root.handlers]
+              if isinstance(h, std_logging.StreamHandler) and h.stream is python_stderr]
   with tempfile.TemporaryFile() as held:
     os.dup2(held.fileno(), 2)
+    sys.stderr = console
+    for handler in handlers:
+      handler.setStream(console)
     try:
       yield
     except BaseException:
+      console.flush()
       os.dup2(saved, 2)
       held.seek(0)
-      sys.stderr.write(held.read().decode('utf-8', 'replace'))
+      python_stderr.write(held.read().decode('utf-8', 'replace'))
       raise
     finally:
+      for handler in handlers:
+        handler.setStream(python_stderr)
+      sys.stderr = python_stderr
+      console.flush()
+      if console not in _handler_streams():
+        console.close()
       os.dup2(saved, 2)
       os.close(saved)
+
+
+def _handler_streams() -> list:
+  """The streams the log handlers of every logger write to."""
+  loggers = [std_logging.root] + [logger for logger in
+                                  std_logging.Logger.manager.loggerDict.values()
+                                  if isinstance(logger, std_logging.Logger)]
+  return [getattr(h, 'stream', None) for logger in loggers for h in logger.handlers]
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))

@@ -148,12 +148,13 @@ MODEL_SIZES.update({
 })
 CHOICES: dict[str, tuple[str, ...]] = {
     'model.size': tuple(MODEL_SIZES),
-    # 'auto' (this key and layer_norm_impl): for the platform a step runs on, or is compiled
-    # for (`model.resolve`, the one place that resolves it).
+    # 'auto' (this key, layer_norm_impl and gelu_impl): for the platform a step runs on, or is
+    # compiled for (`model.resolve`, the one place that resolves it).
     'model.dtype': ('auto', 'float32', 'bfloat16', 'float16'),
     'model.remat_policy': ('none', 'full', 'dots'),
     'model.attention_impl': ('xla', 'cudnn', 'cudnn_varlen', 'splash'),
     'model.layer_norm_impl': ('auto', 'pallas', 'xla'),
+    'model.gelu_impl': ('auto', 'pallas', 'xla'),
     'model.matmul_precision': ('default', 'fp8'),
     'model.position_embedding_type': ('absolute', 'rotary'),
     'model.mlp': ('dense', 'geglu', 'swiglu'),
@@ -279,6 +280,19 @@ def check_local_attention(impl: str, window: int, scanned_kinds: bool = False) -
                     'traced, and scanned layers share one trace; use model.scan_layers=False')
 
 
+def check_gelu_impl(impl: str, mlp: str) -> None:
+  """The UserError for model.gelu_impl `impl` with feed-forward `mlp` (model.mlp's values):
+  the Pallas kernel fuses a dense layer's bias add and GELU (the paper's MLP, the MLM
+  transform), where a gated MLP multiplies the GELU by its gate after a stacked matmul that
+  added the biases. Where a config loads (`_architecture`) and in `model.BertConfig` (a
+  checkpoint's architecture)."""
+  if impl == 'pallas' and mlp != 'dense':
+    raise UserError(f"model.gelu_impl='pallas' with a gated MLP (model.mlp={mlp!r}): the "
+                    "Pallas kernel fuses a dense layer's bias add and GELU, and a gated MLP's "
+                    "GELU runs in XLA after its gate's stacked matmul; use "
+                    "model.gelu_impl='xla' or 'auto'")
+
+
 def _architecture(config):
   """The options after the paper against the kernels."""
   values = _get(config, 'model.local_attention_window', 'model.global_attention_every',
@@ -287,6 +301,9 @@ def _architecture(config):
     window, every, impl, scan = values
     # Every named size has 2 layers or more: N >= 2 makes layer 0 global and layer 1 local.
     check_local_attention(impl, window, bool(scan) and every >= 2)
+  values = _get(config, 'model.gelu_impl', 'model.mlp')
+  if values:
+    check_gelu_impl(*values)
 
 
 def _schedule(config):

@@ -21,6 +21,7 @@ The three layouts' names come from one table (`_names`); kernels are [in, out] h
 [out, in] in PyTorch and in the original's `output_weights`.
 """
 
+import contextlib
 import functools
 import json
 import math
@@ -28,7 +29,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from absl import logging
 import jax
@@ -158,7 +159,7 @@ def _unflatten(flat: dict[str, object]) -> dict:
 def expected_shapes(config: model.BertConfig, num_labels: int | None = None) -> dict:
   """{path: shape} of every parameter BERT with all heads has under `config` (unscanned)."""
   config = config.replace(scan_layers=False, remat_policy='none', dtype='float32',
-                          attention_impl='xla', layer_norm_impl='xla',
+                          attention_impl='xla', layer_norm_impl='xla', gelu_impl='xla',
                           matmul_precision='default')
 
   def shapes(model_cls, **kwargs):
@@ -332,7 +333,7 @@ def _read_config(path: str) -> model.BertConfig:
     raise UserError(f'{path}: expected a JSON object of BERT config fields')
   # HF configs carry their own `dtype` (and could carry others): how to run is ours to say.
   run_fields = ('dtype', 'scan_layers', 'remat_policy', 'attention_impl', 'layer_norm_impl',
-                'matmul_precision')
+                'gelu_impl', 'matmul_precision')
   return model.BertConfig.from_dict({k: v for k, v in d.items() if k not in run_fields},
                                     source=path)
 
@@ -548,15 +549,66 @@ def load_pretrained(path: str, *, dtype: str = 'float32',
   return config, model.match_layout(config, params)
 
 
+def check_vocab(path: str, vocab_file: str, tokens: list[str], config: model.BertConfig,
+                flag: str, vocab_flag: str) -> None:
+  """Refuses a vocabulary `vocab_file` (its `tokens`, as the tokenizer reads them) that does not
+  belong to the checkpoint `path`: one with more tokens than the word embedding has rows (ids
+  the model cannot embed), or other tokens than the checkpoint's own vocab.txt (each id would
+  fetch another word's vector: wrong features, scores of garbage, without a word). A vocabulary
+  smaller than the embedding, for a checkpoint with no vocab.txt to compare with, is a warning
+  (an embedding padded to a round size is one too)."""
+  if len(tokens) > config.vocab_size:
+    raise UserError(
+        f'{vocab_file} has {len(tokens)} tokens but {flag}={path} has vocab_size '
+        f'{config.vocab_size} (bert/embeddings/word_embeddings/embedding is '
+        f'[{config.vocab_size}, {config.hidden_size}]): use the vocabulary the '
+        'checkpoint was trained with')
+  own = find_vocab(path)
+  if own is None:
+    if len(tokens) < config.vocab_size:
+      logging.warning('%s has %d tokens, %s=%s has vocab_size %d and no vocab.txt to compare '
+                      'with: make sure it is the vocabulary the checkpoint was trained with',
+                      vocab_file, len(tokens), flag, path, config.vocab_size)
+    return
+  differs = vocab_differs(own, vocab_file, tokens)
+  if differs is not None:
+    raise UserError(f'{vocab_flag}={vocab_file} is not the vocabulary of {flag}={path} '
+                    f'({differs}): each id would look up another word\'s vector; leave '
+                    f'{vocab_flag} empty to use the checkpoint\'s')
+
+
+def vocab_differs(own: str, vocab_file: str, tokens: list[str]) -> str | None:
+  """None if `vocab_file` (its `tokens` as the tokenizer reads them) is the vocabulary `own` (a
+  checkpoint's or a workdir's vocab.txt): the same file, a copy, or the same tokens in the same
+  order; else where they differ, for a message."""
+  if fileio.same_path(own, vocab_file):
+    return None
+  read = lambda p: (fileio.gfile().GFile(p, 'rb') if fileio.is_remote(p) else open(p, 'rb'))
+  with read(own) as a, read(vocab_file) as b:
+    if a.read() == b.read():
+      return None  # A copy (of a SentencePiece model too, which a run copies as vocab.txt).
+  try:
+    own_tokens = _read_vocab(own)
+  except UserError:
+    own_tokens = []  # Not text: not a WordPiece vocabulary, so not the one given either.
+  while own_tokens and not own_tokens[-1]:
+    own_tokens.pop()
+  if tokens == own_tokens:
+    return None
+  for i, (x, y) in enumerate(zip(tokens, own_tokens)):
+    if x != y:
+      return f'its token {i} is {x!r}, {own}\'s is {y!r}'
+  return f'{len(tokens):,} tokens, {own} has {len(own_tokens):,}'
+
+
 def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = None,
                     scan_layers: bool = False, flag: str = 'init_checkpoint'):
   """(BertConfig, params, tokenizer, vocab file, lower_case) of any checkpoint format: what a
   command that feeds text to a checkpoint needs.
 
   The vocabulary is `vocab_file` or the checkpoint's vocab.txt; casing is `lower_case` or what
-  the checkpoint records. A vocabulary with more tokens than the embedding matrix has rows is
-  an error: the tokenizer would produce ids the model cannot embed. `flag` is how the user named
-  `path` (the key or flag errors mention).
+  the checkpoint records. A vocabulary that does not belong to the checkpoint is an error
+  (`check_vocab`). `flag` is how the user named `path` (the key or flag errors mention).
   """
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top  (TensorFlow)
   if not path:
@@ -576,12 +628,8 @@ def load_checkpoint(path: str, vocab_file: str = '', lower_case: bool | None = N
     if lower_case is None:
       raise UserError(f'{flag}={path} does not say whether it is cased; set lower_case')
   tok = tokenization.load_tokenizer(vocab, lower_case=lower_case)
-  if tok.vocab_size > bert_config.vocab_size:
-    raise UserError(
-        f'{vocab} has {tok.vocab_size} tokens but {flag}={path} has vocab_size '
-        f'{bert_config.vocab_size} (bert/embeddings/word_embeddings/embedding is '
-        f'[{bert_config.vocab_size}, {bert_config.hidden_size}]): use the vocabulary the '
-        'checkpoint was trained with')
+  check_vocab(path, vocab, tok.vocab, bert_config, flag,
+              '--vocab_file' if flag.startswith('--') else 'data.vocab_file')
   logging.info('Checkpoint %s: %d layers, hidden %d, vocab %s (%d tokens, %s: %s)', path,
                bert_config.num_hidden_layers, bert_config.hidden_size, vocab, tok.vocab_size,
                'uncased' if lower_case else 'cased', casing_from)
@@ -780,17 +828,51 @@ def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax') -> None:
   config, params = load_pretrained(input_path)
   vocab = find_vocab(input_path)
   lower_case = read_metadata(input_path).get('lower_case')
-  if fmt == 'bert_jax':
-    export_bert_jax(config, params, output_dir, vocab, lower_case=lower_case, source=input_path)
-  elif fmt == 'hf':
-    # A fine-tuning workdir's task.json names the transformers class of its head.
-    task_json = os.path.join(input_path, 'task.json')
-    architecture = (fileio.read_json(task_json).get('hf_architecture')
-                    if fileio.isfile(task_json) else None)
-    export_hf(config, params, output_dir, vocab, lower_case=lower_case,
-              architecture=architecture)
-  elif fmt == 'modernbert':
-    export_modernbert(config, params, output_dir, vocab, lower_case=lower_case)
-  else:
-    export_google(config, params, output_dir, vocab)
+  with _staged(output_dir) as staging:
+    if fmt == 'bert_jax':
+      export_bert_jax(config, params, staging, vocab, lower_case=lower_case, source=input_path)
+    elif fmt == 'hf':
+      # A fine-tuning workdir's task.json names the transformers class of its head.
+      task_json = os.path.join(input_path, 'task.json')
+      architecture = (fileio.read_json(task_json).get('hf_architecture')
+                      if fileio.isfile(task_json) else None)
+      export_hf(config, params, staging, vocab, lower_case=lower_case,
+                architecture=architecture)
+    elif fmt == 'modernbert':
+      export_modernbert(config, params, staging, vocab, lower_case=lower_case)
+    else:
+      export_google(config, params, staging, vocab)
   logging.info('Wrote %s (%s format)', output_dir, fmt)
+
+
+@contextlib.contextmanager
+def _staged(output_dir: str) -> Iterator[str]:
+  """A folder to export into that becomes `output_dir` only once complete.
+
+  Locally a hidden folder beside `output_dir`, renamed to it at the end: a conversion stopped
+  part-way (Ctrl-C, a full disk) leaves `output_dir` as it was, so its rerun is not refused for
+  a half-written folder; what a stopped one left in the hidden folder is removed by the next.
+  A storage failure (a full disk) is one line naming the folder and the cause. Remote folders
+  are filled from a local copy (`_to_any_folder`) and staged as they are.
+  """
+  if fileio.is_remote(output_dir):
+    staging = output_dir
+  else:
+    output_dir = os.path.abspath(output_dir)
+    staging = os.path.join(os.path.dirname(output_dir),
+                           f'.{os.path.basename(output_dir)}.bert-jax-partial')
+    shutil.rmtree(staging, ignore_errors=True)
+  try:
+    yield staging
+    if staging != output_dir:
+      if os.path.isdir(output_dir):
+        os.rmdir(output_dir)  # Empty (checked before): replaced by the complete one.
+      os.rename(staging, output_dir)
+  except BaseException as e:
+    if staging != output_dir:
+      shutil.rmtree(staging, ignore_errors=True)
+    cause = fileio.disk_error(e) if isinstance(e, Exception) else None
+    if cause is None:
+      raise
+    raise UserError(f'--output={output_dir}: cannot be written ({cause}); nothing was left '
+                    'there: free space (or fix its permissions) and rerun') from e

@@ -119,6 +119,11 @@ def _model(from_scratch: bool) -> ml_collections.ConfigDict:
   # fused Pallas kernel each way, NVIDIA GPUs), 'xla' (plain jnp, any backend) or 'auto'
   # (pallas on GPUs, xla elsewhere). Same float32 numerics (README, "LayerNorm").
   model.layer_norm_impl = 'xla'
+  # Bias + exact GELU of the MLP and the MLM transform: 'pallas' (one Pallas kernel each way at
+  # the memory floor, the bias gradient's partial sums in the backward's), 'xla' (jnp's erf,
+  # any backend) or 'auto' (pallas on GPUs, xla elsewhere); within 7e-7 of the exact GELU
+  # both (README, "LayerNorm and dropout").
+  model.gelu_impl = 'xla'
   # The encoder's dense matmuls (QKV, attention output, the two MLP projections) in training
   # steps: 'default' (in model.dtype) or 'fp8' (FP8 with delayed scaling, for Hopper GPUs and
   # later; elsewhere emulated, slowly). The embeddings, heads, evaluation and prediction stay in

@@ -62,7 +62,9 @@ def input_kind(spec: str) -> str:
 
 
 def _split_spec(spec: str) -> list[str]:
-  return [p.strip() for p in spec.split(',') if p.strip()]
+  """The paths or globs of a comma-separated spec, with a leading ~ expanded as --workdir's is
+  (the shell leaves `--config.data.input=~/x` as it is)."""
+  return [os.path.expanduser(p.strip()) for p in spec.split(',') if p.strip()]
 
 
 def check_not_matched(spec: str, flag: str, written: list[str]) -> None:
@@ -500,6 +502,8 @@ def require_element(ds: tf.data.Dataset, message: str) -> None:
 
 # How many pieces (`PIECE_BYTES` of text each) `count_documents` reads at most: 16 MB.
 LOOK_PIECES = 2048
+# How much text `summarize` reads: the first 16 MB of an input (all of the sample corpus).
+LOOK_BYTES = 16 << 20
 
 
 def count_documents(ds: tf.data.Dataset, at_most: int = 2) -> tuple[int, bool]:
@@ -515,16 +519,21 @@ def count_documents(ds: tf.data.Dataset, at_most: int = 2) -> tuple[int, bool]:
   return len(seen), read < LOOK_PIECES
 
 
-def summarize(ds: tf.data.Dataset) -> dict[str, int]:
-  """Counts over the first LOOK_PIECES pieces of a document stream: pieces, documents, the
-  documents longer than a piece (streamed in several) and the lines cut (over LINE_BYTES)."""
+def summarize(ds: tf.data.Dataset, at_most_bytes: int = LOOK_BYTES) -> dict[str, int]:
+  """Counts over the first `at_most_bytes` of text of a document stream (whole pieces: the one
+  that reaches it is the last): pieces, documents, the documents longer than a piece (streamed
+  in several), the lines cut (over LINE_BYTES) and the bytes read."""
   pieces_of: dict[int, int] = {}
   cut = size = 0
-  for batch in ds.take(LOOK_PIECES).batch(256).as_numpy_iterator():
-    for i in batch['id'].tolist():
+  for batch in ds.batch(256).as_numpy_iterator():
+    for i, text, piece_cut in zip(batch['id'].tolist(), batch['text'], batch['cut'].tolist()):
+      if size >= at_most_bytes:
+        break
       pieces_of[i] = pieces_of.get(i, 0) + 1
-    cut += int(batch['cut'].sum())
-    size += sum(len(t) for t in batch['text'])
+      cut += int(piece_cut)
+      size += len(text)
+    if size >= at_most_bytes:
+      break
   return {'pieces': sum(pieces_of.values()), 'documents': len(pieces_of),
           'documents_in_pieces': sum(n > 1 for n in pieces_of.values()), 'lines_cut': cut,
           'bytes': size}

@@ -8,6 +8,7 @@ neither: a run stopped by SIGTERM or Ctrl-C (status 143), after saving what it h
 mistake nor a bug either: one line and status 143 too, since a rerun resumes.
 """
 
+import os
 import re
 
 # The exit statuses of `bert-jax`, the same in every command and every phase of a run, for
@@ -114,6 +115,27 @@ def out_of_memory(error: BaseException) -> str | None:
         size /= 1024
       return (f'out of memory: the device could not allocate {size:.1f} {unit} '
               f'({int(found.group(1)):,} bytes)')
+    seen.append(error)
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def no_backend(error: BaseException) -> str | None:
+  """The one line for JAX failing to start the backend JAX_PLATFORMS names (`gpu` or `tpu` on a
+  machine without one: JAX's RuntimeError "Unable to initialize backend ...", whose cause may
+  be libtpu's advice to delete a lock file), else None: a setting to change, not a bug."""
+  seen = []
+  while error is not None and error not in seen:
+    found = re.match(r"Unable to initialize backend '(\w+)'", str(error))
+    if found and isinstance(error, RuntimeError):
+      platforms = os.environ.get('JAX_PLATFORMS', '')
+      setting = f'JAX_PLATFORMS={platforms}' if platforms else 'jax_platforms'
+      # JAX_PLATFORMS=gpu tries CUDA, then ROCm: the one it names last is not the user's word.
+      kind = {'cuda': 'GPU', 'rocm': 'GPU', 'gpu': 'GPU'}.get(found.group(1),
+                                                              found.group(1).upper())
+      return (f'{setting}: JAX could not start a {kind} backend: this machine has no usable '
+              f'{kind} (or another process holds it); unset JAX_PLATFORMS to run on what this '
+              'machine has, or set JAX_PLATFORMS=cpu')
     seen.append(error)
     error = error.__cause__ or error.__context__
   return None

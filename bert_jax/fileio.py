@@ -57,9 +57,23 @@ def default_workdir(name: str) -> str:
   return os.path.join(DEFAULT_WORKDIR_ROOT, name)
 
 
+# The URL schemes a path may have (besides none: a local path), each read and written through
+# tf.io.gfile: Cloud Storage, and TensorFlow's in-memory filesystem (tests). The one place that
+# lists them: any other (s3://, http://) is refused by `is_remote`, which every path meets.
+SCHEMES = ('gs', 'ram')
+
+
 def is_remote(path: str) -> bool:
-  """Whether `path` names another filesystem (gs://, ram://, ...) than the local one."""
-  return '://' in path
+  """Whether `path` names another filesystem (gs://, ram://) than the local one; a UserError
+  naming `path` for a scheme not in SCHEMES, which TensorFlow would meet with a traceback."""
+  if '://' not in path:
+    return False
+  scheme = path.split('://', 1)[0]
+  if scheme not in SCHEMES:
+    raise UserError(f'{path}: paths starting {scheme}:// are not supported; use a local path '
+                    f'or {", ".join(s + "://" for s in SCHEMES if s != "ram")} (copy the files '
+                    'there first)')
+  return True
 
 
 def workdir_path(path: str) -> str:
@@ -256,21 +270,71 @@ def _check_parents(path: str, flag: str) -> None:
     raise UserError(f'{flag}={path}: {parent} is not writable by this user')
 
 
-def write_text(path: str, text: str) -> None:
-  """Writes `text` (UTF-8), making the folder first."""
+# Errors of a write that the user fixes on the storage side, and how they read.
+DISK_ERRORS = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded',
+               errno.EROFS: 'Read-only file system', errno.EACCES: 'Permission denied',
+               errno.EFBIG: 'File too large'}
+
+
+def disk_error(error: BaseException | None) -> str | None:
+  """The cause of a failed write that the user must fix on the storage side (a full disk, a
+  read-only one), anywhere in `error`'s chain, else None."""
+  while error is not None:
+    if isinstance(error, OSError) and error.errno in DISK_ERRORS:
+      return DISK_ERRORS[error.errno]
+    # TensorStore and TensorFlow report OS errors in their message ("... No space left on
+    # device [os_error_code='28']").
+    for text in DISK_ERRORS.values():
+      if text in str(error):
+        return text
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  """Writes `data` to `path` whole or not at all, making the folder first.
+
+  Locally (and on other filesystems with a rename) into a temporary file beside it, renamed
+  over `path` once complete: a full disk leaves no truncated file that a later run would take
+  for a whole one. A Cloud Storage object appears only once its upload completes. A write that
+  fails for a storage reason (`disk_error`) is a UserError naming the file and the cause.
+  """
   folder = path.rsplit('/', 1)[0] if '/' in path else ''
-  if folder:
-    gfile().makedirs(folder)
-  with gfile().GFile(path, 'wb') as f:
-    f.write(text.encode('utf-8'))
+  tmp = path if gcs.is_gcs(path) else f'{path}.tmp-{os.getpid()}'
+  try:
+    if folder:
+      gfile().makedirs(folder)
+    if is_remote(path):
+      with gfile().GFile(tmp, 'wb') as f:
+        f.write(data)
+      if tmp != path:
+        gfile().rename(tmp, path, overwrite=True)
+    else:
+      with open(tmp, 'wb') as f:
+        f.write(data)
+      os.replace(tmp, path)
+  except Exception as e:
+    cause = disk_error(e)
+    if tmp != path:
+      try:
+        if exists(tmp):
+          gfile().remove(tmp) if is_remote(tmp) else os.remove(tmp)
+      except Exception:  # pylint: disable=broad-except  (the error below matters more)
+        pass
+    if cause is None:
+      raise
+    raise UserError(f'{path}: cannot be written ({cause}); nothing was written there: free '
+                    'space (or fix its permissions) and rerun') from e
+
+
+def write_text(path: str, text: str) -> None:
+  """Writes `text` (UTF-8) whole or not at all (`write_bytes`)."""
+  write_bytes(path, text.encode('utf-8'))
 
 
 def write_json(path: str, value: Any) -> None:
   """`value` as indented JSON, replacing `path` whole (a reader never sees half a file)."""
-  tmp = path + '.tmp'
-  with gfile().GFile(tmp, 'w') as f:
-    f.write(json.dumps(value, indent=2) + '\n')
-  gfile().rename(tmp, path, overwrite=True)
+  write_text(path, json.dumps(value, indent=2) + '\n')
 
 
 def read_json(path: str) -> Any:

@@ -73,8 +73,10 @@ def fill_mask(checkpoint: str, texts: Sequence[str], top_k: int = 5, vocab_file:
   model = model_lib.BertForPreTraining(config)
   mlm_logits, _ = jax.jit(model.apply)({'params': params}, input_ids, input_mask,
                                        np.zeros_like(input_ids), positions)
-  k = min(top_k, config.vocab_size)
-  top_probs, top_ids = jax.device_get(jax.lax.top_k(jax.nn.softmax(mlm_logits, axis=-1), k))
+  # Rows past the vocabulary (an embedding padded to a round size) are no token to show.
+  k = min(top_k, tok.vocab_size)
+  probs = jax.nn.softmax(mlm_logits, axis=-1)[..., :tok.vocab_size]
+  top_probs, top_ids = jax.device_get(jax.lax.top_k(probs, k))
   results = []
   for row, (text, (_, pos)) in enumerate(zip(texts, packed)):
     masks = []

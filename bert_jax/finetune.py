@@ -55,6 +55,7 @@ from bert_jax import attention
 from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
 from bert_jax import convert
+from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import model as model_lib
 from bert_jax import monitor
@@ -161,8 +162,11 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] 
 
   with run_frame.entered(config, workdir, 'finetune', before_lock=refuse) as (workdir,
                                                                              preemption):
+    recorded = _recorded_run(workdir, config)
     metrics_path = os.path.join(workdir, 'metrics.json')
     if fileio.exists(metrics_path):
+      _warn_changed_length(recorded, config, 'The run in this workdir had finished',
+                           'its result stands; this config\'s is not used')
       return _finished(workdir, metrics_path)
     fileio.gfile().makedirs(workdir)
     run = _setup(config, workdir, preemption)
@@ -287,9 +291,13 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
       return state_lib.state_from_params(params, tx, abstract)
 
   # A fresh head compiles its initializers: SIGTERM does not wait for them.
+  recorded = _recorded_run(workdir, config)  # Before _run_files replaces it.
   start, state, meta = ckpt_lib.restore_or_init(manager, workdir, abstract,
                                                 lambda: preemption.wait(init))
   preemption.check()
+  if start is not None:
+    _warn_changed_length(recorded, config, f'Resuming at step {start}',
+                         'the rest of the run trains and evaluates at the new length')
   # Only now, with the checkpoint found to match: a refused run leaves the workdir's record as
   # it was.
   _run_files(workdir, config.to_json_best_effort(indent=2), pre_config, vocab_file, lower_case,
@@ -550,6 +558,31 @@ def _log_padding(task_name: str, train_features: dict[str, np.ndarray], batch_si
   logging.info('%s: %d training sequences; length buckets %s process %.0f%% of the tokens of '
                'fixed %d-token batches', task_name, len(train_features['input_ids']),
                buckets, 100 * (1 - savings['tokens_saved_share']), max_seq_length)
+
+
+def _recorded_run(workdir: str, config: ml_collections.ConfigDict) -> dict[str, Any] | None:
+  """The workdir's config.json (in today's keys), after refusing one of another task: its
+  checkpoints hold another head, and a finished one would report the other task's score."""
+  record = run_files.read_run_config(workdir)
+  if not isinstance(record, dict):
+    return None
+  record = defaults.saved_config(record)
+  task = record.get('task', {}).get('name')
+  if task and task != config.task.name:
+    raise UserError(f'--workdir={workdir} holds a fine-tuning run of task {task} (its '
+                    f'config.json), not {config.task.name}: fine-tune {config.task.name} into '
+                    'another --workdir')
+  return record
+
+
+def _warn_changed_length(record: dict[str, Any] | None, config: ml_collections.ConfigDict,
+                         when: str, consequence: str) -> None:
+  """Warns, as pre-training does, when the run in the workdir was made with another
+  data.max_seq_length than `config` (its examples were cut to another length)."""
+  saved = (record or {}).get('data', {}).get('max_seq_length')
+  if saved is not None and int(saved) != int(config.data.max_seq_length):
+    logging.warning('%s with data.max_seq_length changed (%s -> %s) since its checkpoint was '
+                    'saved: %s', when, saved, config.data.max_seq_length, consequence)
 
 
 def _finished(workdir: str, metrics_path: str, fresh: bool = False) -> dict[str, Any]:

@@ -17,8 +17,10 @@ STORAGE_EMULATOR_HOST for a test server).
 
 import contextlib
 import functools
+import os
 import re
 import urllib.parse
+from typing import Any
 import uuid
 
 from bert_jax.errors import Outage
@@ -56,11 +58,12 @@ def _precondition_failed(error: BaseException) -> bool:
 
 def read(path: str) -> tuple[bytes, int] | None:
   """(contents, generation) of an object, or None if there is none."""
-  blob = client().bucket(split(path)[0]).get_blob(split(path)[1])
+  blob = client().bucket(split(path)[0]).get_blob(split(path)[1], retry=_retry())
   if blob is None:
     return None
   try:
-    return blob.download_as_bytes(if_generation_match=blob.generation), blob.generation
+    return (blob.download_as_bytes(if_generation_match=blob.generation, retry=_retry()),
+            blob.generation)
   except Exception as e:  # pylint: disable=broad-except
     if _precondition_failed(e):
       return None  # Replaced or deleted between the two requests: as if absent now.
@@ -71,7 +74,7 @@ def create_if_absent(path: str, data: bytes) -> int | None:
   """Writes a new object; its generation, or None if the object exists (atomic)."""
   blob = _blob(path)
   try:
-    blob.upload_from_string(data, if_generation_match=0)
+    blob.upload_from_string(data, if_generation_match=0, retry=_retry())
   except Exception as e:  # pylint: disable=broad-except
     if _precondition_failed(e):
       return None
@@ -83,7 +86,7 @@ def replace_if_generation(path: str, data: bytes, generation: int) -> int | None
   """Replaces the object if it is still at `generation`; the new generation, or None."""
   blob = _blob(path)
   try:
-    blob.upload_from_string(data, if_generation_match=generation)
+    blob.upload_from_string(data, if_generation_match=generation, retry=_retry())
   except Exception as e:  # pylint: disable=broad-except
     if _precondition_failed(e):
       return None
@@ -95,7 +98,7 @@ def delete_if_generation(path: str, generation: int) -> bool:
   """Deletes the object if it is still at `generation` (fake-gcs-server, the tests' server,
   ignores this precondition; Cloud Storage honours it)."""
   try:
-    _blob(path).delete(if_generation_match=generation)
+    _blob(path).delete(if_generation_match=generation, retry=_retry())
   except Exception as e:  # pylint: disable=broad-except
     if _precondition_failed(e):
       return False
@@ -106,10 +109,15 @@ def delete_if_generation(path: str, generation: int) -> bool:
 # Objects this process has appended to, and their size after its last append.
 _sizes: dict[str, int] = {}
 
-# How long an append retries a compose that met a 429, a 5xx or a dropped connection: the budget
-# google-cloud-storage gives the requests it retries itself (DEFAULT_RETRY: 1 s doubling to 60 s,
-# for 120 s).
-COMPOSE_DEADLINE_S = 120.0
+
+def _retry():
+  """google-cloud-storage's retry rule (429, 5xx, dropped connections) on the run's budget
+  (`retry_seconds`, TensorFlow's) instead of its own (1 s doubling to 60 s, for 120 s): the
+  requests bert_jax makes itself (the lock, appends) are each safe to repeat."""
+  from google.cloud.storage import retry as storage_retry  # pylint: disable=g-import-not-at-top
+  _, first, longest = retry_budget()
+  return storage_retry.DEFAULT_RETRY.with_delay(initial=first, maximum=longest).with_timeout(
+      retry_seconds())
 
 
 def append(path: str, data: bytes) -> None:
@@ -130,17 +138,17 @@ def append(path: str, data: bytes) -> None:
     size = _stat_size(path)
   bucket = client().bucket(split(path)[0])
   part = bucket.blob(f'{split(path)[1]}.part-{uuid.uuid4().hex}')
-  part.upload_from_string(data, if_generation_match=0)
+  part.upload_from_string(data, if_generation_match=0, retry=_retry())
   try:
     _sizes[path] = _compose_once(path, part, size, len(data))
   finally:
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
     with contextlib.suppress(exceptions.NotFound):  # A retried delete whose first try landed.
-      part.delete()
+      part.delete(retry=_retry())
 
 
 def _stat_size(path: str) -> int:
-  blob = client().bucket(split(path)[0]).get_blob(split(path)[1])
+  blob = client().bucket(split(path)[0]).get_blob(split(path)[1], retry=_retry())
   if blob is None:
     raise FileNotFoundError(f'{path}: deleted while this process appends to it')
   return blob.size
@@ -148,13 +156,12 @@ def _stat_size(path: str) -> int:
 
 def _compose_once(path: str, part, size: int, added: int) -> int:
   """Composes `part` onto the object of `size` bytes, exactly once, under google-cloud-storage's
-  own retry policy (`DEFAULT_RETRY`, its deadline COMPOSE_DEADLINE_S); the object's new size.
+  own retry policy (`DEFAULT_RETRY`) on the run's budget (`_retry`); the object's new size.
 
   (A compose conditional on the object's generation would make the library's conditional retry
   safe by itself; fake-gcs-server, the tests' server, neither changes an object's generation on
   a compose nor checks the condition, so a lost answer's repeat could not be tested.)
   """
-  from google.cloud.storage import retry as storage_retry  # pylint: disable=g-import-not-at-top
   tried = []
 
   def attempt() -> int:
@@ -170,7 +177,7 @@ def _compose_once(path: str, part, size: int, added: int) -> int:
     target.compose([target, part], retry=None)
     return target.size
 
-  return storage_retry.DEFAULT_RETRY.with_timeout(COMPOSE_DEADLINE_S)(attempt)()
+  return _retry()(attempt)()
 
 
 def _reason(error: BaseException) -> str:
@@ -229,6 +236,42 @@ def denied(error: BaseException) -> UserError | None:
                              write=bool(re.search(r'\b(POST|PUT|PATCH|DELETE) https?://', text)))
     error = error.__cause__ or error.__context__
   return None
+
+
+# TensorFlow's Cloud Storage retries (its RetryConfig defaults, read from the environment by
+# its file system) and the variables that change them: 10 retries, 1 s doubling to 32 s.
+_TF_RETRY_DEFAULTS = {'GCS_RETRY_CONFIG_MAX_RETRIES': 10,
+                      'GCS_RETRY_CONFIG_INIT_DELAY_TIME_US': 1_000_000,
+                      'GCS_RETRY_CONFIG_MAX_DELAY_TIME_US': 32_000_000}
+
+
+def retry_budget() -> tuple[int, float, float]:
+  """(retries, first delay s, longest delay s) of a request to Cloud Storage: TensorFlow's
+  GCS_RETRY_CONFIG_* variables, or its defaults. tensorstore (a checkpoint's arrays) is given
+  the same (`tensorstore_retries`), so that one setting bounds how long a run waits on a store
+  that keeps failing."""
+  values = []
+  for name, default in _TF_RETRY_DEFAULTS.items():
+    try:
+      values.append(int(os.environ.get(name) or default))
+    except ValueError:
+      raise UserError(f'{name}={os.environ[name]!r}: not a whole number') from None
+  retries, first, longest = values
+  return retries, first / 1e6, longest / 1e6
+
+
+def retry_seconds() -> float:
+  """The longest a request waits between its retries in all (`retry_budget`): 1 + 2 + ... s,
+  each at most the longest delay; 191 s with TensorFlow's defaults."""
+  retries, first, longest = retry_budget()
+  return sum(min(first * 2**i, longest) for i in range(retries))
+
+
+def tensorstore_retries() -> dict[str, Any]:
+  """tensorstore's `gcs_request_retries` context resource for `retry_budget`: in place of its
+  own default (32 retries, 1 s doubling to 32 s: about 15 min for one request)."""
+  retries, first, longest = retry_budget()
+  return {'max_retries': retries, 'initial_delay': f'{first}s', 'max_delay': f'{longest}s'}
 
 
 def _unavailable(error: BaseException) -> bool:

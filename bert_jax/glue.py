@@ -119,6 +119,11 @@ def task_info(task: str) -> tuple[list[str] | None, tuple[str, ...]]:
   return (list(spec.labels) if spec.labels else None), metrics.glue_metric_names(task)
 
 
+def has_pairs(task: str) -> bool:
+  """Whether the task's examples are pairs of texts (MRPC, MNLI, ...) or single sentences."""
+  return _task(task)[1].text_b is not None
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading the TSV files
 # ---------------------------------------------------------------------------------------------

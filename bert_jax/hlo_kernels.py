@@ -199,9 +199,9 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
     cuBLAS call may launch two, a split-K reduction say, so a profile can count a few more);
     also by group.
   non_matmul_bytes: for every launching instruction but the matmuls (cuBLAS and Triton GEMM
-    kernels) and the library calls (cuDNN's fused attention), the bytes of its operands plus
-    those of its results, at their full shapes: what those kernels would move if each read
-    every operand once (more where a fusion reads part of an operand, less where it re-reads
+    kernels) and the library calls (cuDNN's fused attention; Pallas kernels count), the bytes
+    of its operands plus those of its results, at their full shapes: what those kernels
+    would move if each read every operand once (more where a fusion reads part of an operand, less where it re-reads
     one). On a profile of jax 0.11.2, the kernels also number more than the launching
     instructions (1,716 against 1,515 for BERT-base/128): cuBLAS launches several per call.
   erfc_ops: operations from an `erfc` (XLA's expansion of jax.nn.gelu's exact form).
@@ -212,6 +212,23 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
   fp8_matmuls: matmuls (dots in GEMM fusions, cuBLAS calls) whose two inputs are FP8
     (f8e4m3fn, f8e5m2): model.matmul_precision='fp8' makes three per encoder matmul (forward,
     input gradient, kernel gradient).
+
+  The passes issue 45 keeps out, counted over arrays of at least the hidden states' size
+  (`hidden_elements`: the largest array a LayerNorm kernel writes, tokens x hidden):
+  gelu_per_layer: GELU kernels of one encoder layer, the most over the layers (forward,
+    backward with the bias gradient's partial sums, their final sum: 3).
+  gelu_passes: GELU kernels that read or write an [tokens, intermediate] array (at least
+    twice the hidden states), all layers: 2 per layer at the memory floor (forward, backward).
+  gelu_erf_passes: of those, XLA fusions that evaluate `erf`: the float32 rational
+    polynomial with a divide, instruction-bound on a GPU.
+  qkv_copies: XLA kernels of the attention that slice, concatenate or pad an
+    activation-sized array: q, k and v cut out of the fused QKV projection's output, and
+    dq, dk, dv put back together.
+  residual_grad_adds: kernels that only add activation-sized arrays, between two LayerNorm
+    kernels (an input from one, the result read by another): the two gradients of a
+    LayerNorm output (the residual path's and the next sub-layer's) summed on their own.
+  vocab_pads: pads that widen the minor dimension of an activation-sized array to a multiple
+    of 64 (the MLM logits' gradient padded back to the decoder matmul's padded vocabulary).
   """
   computations, entry = parse(text)
   shapes = {i.name: i.shape for insts in computations.values() for i in insts}
@@ -223,7 +240,7 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
     counts[group] += 1
     size = _bytes(inst.shape) + sum(_bytes(shapes.get(o, '')) for o in inst.operands)
     moved[group] += size
-    if group != 'matmul' and inst.opcode != 'custom-call':
+    if group != 'matmul' and not _library_call(inst):
       non_matmul += size
   everything = [i for insts in computations.values() for i in insts]
   projections = {}
@@ -234,6 +251,7 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
   fp8 = [i for i in everything if _is_matmul(i) and len(i.operands) >= 2 and
          all(shapes.get(o, '').startswith('f8') for o in i.operands[:2])]
   return dict(
+      **_pass_counts(computations, entry, shapes),
       kernels=sum(counts.values()), kernels_by_group=counts,
       non_matmul_bytes=non_matmul,
       bytes_by_group=moved,
@@ -244,6 +262,112 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
       fp8_matmuls=len(fp8))
 
 
+def _library_call(i: Instruction) -> bool:
+  """A custom call into a library (cuDNN, cuBLAS), not a Pallas kernel (a Triton call)."""
+  target = _TARGET.search(i.attributes)
+  return i.opcode == 'custom-call' and not (target and 'xla.gpu.triton' in target.group(1))
+
+
 def _is_matmul(i: Instruction) -> bool:
   # A Triton GEMM fusion holds a `dot`; a cuBLAS call (jax 0.11+ on a GPU) is a custom call.
   return i.opcode == 'dot' or (i.opcode == 'custom-call' and 'gemm' in i.attributes)
+
+
+def _elements(shape: str) -> list[int]:
+  """The element count of each array of an HLO shape."""
+  out = []
+  for _, dims in _ARRAY.findall(shape):
+    n = 1
+    for d in filter(None, dims.split(',')):
+      n *= int(d)
+    out.append(n)
+  return out
+
+
+def _dims(shape: str) -> list[int]:
+  m = _ARRAY.search(shape)
+  return [int(d) for d in m.group(2).split(',') if d] if m else []
+
+
+# model.VOCAB_MULTIPLE (not imported: this module reads text only).
+_VOCAB_MULTIPLE = 64
+_LAYER = re.compile(r'/(layer_\d+)/')
+# Entry-computation instructions that pass a buffer on without a kernel of their own.
+_PASS_THROUGH = frozenset({'bitcast', 'get-tuple-element', 'reshape', 'copy', 'tuple'})
+
+
+def _pass_counts(computations, entry: str, shapes: dict[str, str]) -> dict:
+  """step_budget's issue-45 figures (see its docstring)."""
+  kernels = launches(computations, entry)
+  group = {i.name: classify(computations, i) for i in kernels}
+  layernorm = {i.name for i in kernels if group[i.name] == 'layernorm'}
+  hidden = max((n for i in kernels if i.name in layernorm for n in _elements(i.shape)),
+               default=0)
+  if not hidden:
+    return dict(gelu_per_layer=0, gelu_passes=0, gelu_erf_passes=0, qkv_copies=0,
+                residual_grad_adds=0, vocab_pads=0)
+  sizes = lambda i: _elements(i.shape) + [n for o in i.operands
+                                          for n in _elements(shapes.get(o, ''))]
+  by_name = {i.name: i for insts in computations.values() for i in insts}
+  users = {}
+  for i in computations.get(entry, []):
+    for o in i.operands:
+      users.setdefault(o, []).append(i)
+
+  def producers(inst):  # The kernels whose results `inst` reads, through pass-throughs.
+    out, todo, seen = set(), list(inst.operands), set()
+    while todo:
+      name = todo.pop()
+      if name in seen or name not in by_name:
+        continue
+      seen.add(name)
+      if name in group:
+        out.add(name)
+      elif by_name[name].opcode in _PASS_THROUGH:
+        todo.extend(by_name[name].operands)
+    return out
+
+  def consumers(inst):  # The kernels that read `inst`'s result, through pass-throughs.
+    out, todo, seen = set(), [inst.name], set()
+    while todo:
+      name = todo.pop()
+      for u in users.get(name, []):
+        if u.name in seen:
+          continue
+        seen.add(u.name)
+        if u.name in group:
+          out.add(u.name)
+        elif u.opcode in _PASS_THROUGH:
+          todo.append(u.name)
+    return out
+
+  per_layer, gelu_passes, erf_passes, qkv, adds, pads = {}, 0, 0, 0, 0, 0
+  for inst in kernels:
+    body = _fused(computations, inst) if inst.opcode == 'fusion' else []
+    opcodes = {i.opcode for i in body} or {inst.opcode}
+    big = max(sizes(inst), default=0)
+    if group[inst.name] == 'gelu':
+      layer = next((m.group(1) for i in [inst] + body for m in [_LAYER.search(i.op_name)] if m),
+                   None)
+      if layer:
+        per_layer[layer] = per_layer.get(layer, 0) + 1
+      if big >= 2 * hidden:
+        gelu_passes += 1
+        erf_passes += 'erf' in opcodes
+    if (group[inst.name] == 'attention' and inst.opcode == 'fusion' and big >= hidden and
+        opcodes & {'slice', 'concatenate', 'pad', 'dynamic-slice', 'dynamic-update-slice'}):
+      qkv += 1
+    computing = opcodes - _PLUMBING - {'parameter'}
+    if (inst.opcode == 'fusion' and computing == {'add'} and max(_elements(inst.shape)) >= hidden
+        and producers(inst) & layernorm and consumers(inst) & layernorm):
+      adds += 1
+    for i in body + ([inst] if inst.opcode == 'pad' else []):
+      if i.opcode == 'pad' and i.operands:
+        out_dims, in_dims = _dims(i.shape), _dims(shapes.get(i.operands[0], ''))
+        # (XLA's reductions pad their reduced dimension by a few elements: not a multiple.)
+        if (out_dims and len(in_dims) == len(out_dims) and out_dims[-1] > in_dims[-1] and
+            out_dims[-1] % _VOCAB_MULTIPLE == 0 and max(_elements(i.shape)) >= hidden):
+          pads += 1
+  return dict(gelu_per_layer=max(per_layer.values(), default=0), gelu_passes=gelu_passes,
+              gelu_erf_passes=erf_passes, qkv_copies=qkv, residual_grad_adds=adds,
+              vocab_pads=pads)

@@ -714,7 +714,7 @@ def compute_stats(data: ml_collections.ConfigDict, num_batches: int, batch_size:
   share of rows holding data.packing_max_sequences sequences (the packer never drops a
   sequence: a row at a cap is closed and the next sequence opens another); tokens_per_second
   counts non-padding tokens after the first batch (which pays for building the pipeline).
-  For text and TFDS inputs, `input` counts over the first documents.LOOK_PIECES pieces (16 MB)
+  For text and TFDS inputs, `input` counts over the first 16 MB of text (documents.LOOK_BYTES)
   of the input in file order: pieces, documents, documents_in_pieces (longer than
   documents.PIECE_BYTES, streamed in several), lines_cut (longer than documents.LINE_BYTES,
   cut into several lines before pairing) and bytes.

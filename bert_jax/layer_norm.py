@@ -13,6 +13,12 @@ function with one forward and one backward pass:
              h and its statistics are recomputed from x, residual and the mask, so nothing
              float32 of [tokens, hidden] is kept.
 
+With `residual_copy=True` the function returns y twice: once for the next sub-layer, once
+as the residual of the LayerNorm after it. Each copy then gets its own gradient, and the
+backward kernel reads both and adds them in registers, where autodiff would otherwise sum the
+two in a separate [tokens, hidden] kernel between every two LayerNorm backward kernels (0.8 ms
+of BERT-base's step on an H200, issue 45).
+
 Implementations (`model.layer_norm_impl`):
   xla     the formula in jnp (every backend, the reference in tests);
   pallas  one Pallas kernel each way, lowered through Triton on NVIDIA GPUs (in interpret mode
@@ -22,15 +28,18 @@ step runs on or is compiled for.
 Both compute in float32 (statistics, affine and the dropout scale) and return the compute
 dtype, so they agree to float32 rounding.
 
-Dropout masks (`dropout_bits`): 8 random bits per element, four elements from each 32-bit
-word of `jax.random.bits` (a quarter of the generator's work and a 1-byte mask instead of a
-32-bit draw and a bool per element). An element is kept iff its byte is >= round(256 * rate),
-so the rate applied is that threshold / 256: 0.1 becomes 26/256 = 0.1015625 (never off by more
-than 1/512), and kept values are scaled by 256 / (256 - threshold), the exact inverse of the
-keep probability, so the expectation is unchanged. Masks are multiplied in, never selected
-against a tensor of zeros. The bits come from the model's 'dropout' rng stream, which the train
-step folds with the step number, so a resumed run draws exactly the masks of an uninterrupted
-one.
+Dropout masks come from a seed, not from a tensor of random bits: `dropout_seed` takes two
+32-bit words from the model's 'dropout' rng (which the train step folds with the step number,
+so a resumed run draws exactly the masks of an uninterrupted one), and each element's byte is
+a hash of (seed, row, column) (`mask_bytes`: murmur3's 32-bit finalizer, twice; rows are the
+flattened leading axes, counted over the whole array also when a mesh splits it). The Pallas
+kernels compute it in registers, forward and backward; the jnp path computes the same bytes,
+which XLA fuses into its LayerNorm. No random-bits kernels, no 1-byte mask written, kept or read
+(issue 45: ~10 kernels per encoder layer before). An element is kept iff its byte is >=
+round(256 * rate), so the rate applied is that threshold / 256: 0.1 becomes 26/256 = 0.1015625
+(never off by more than 1/512), and kept values are scaled by 256 / (256 - threshold), the exact
+inverse of the keep probability, so the expectation is unchanged. Masks are multiplied in, never
+selected against a tensor of zeros.
 """
 
 import functools
@@ -46,10 +55,21 @@ Array = jax.Array
 
 # model.layer_norm_impl's values but 'auto', which `model.resolve` turns into one of them.
 IMPLEMENTATIONS = tuple(i for i in config_checks.CHOICES['model.layer_norm_impl'] if i != 'auto')
-# Rows one kernel program handles (a loop over them). The backward writes one partial sum of
-# dbias, dscale and dbeta per program: more rows per program, fewer partials to add up.
-_FWD_ROWS = 4
-_BWD_ROWS = 32
+# Tiling (benchmarks/layernorm.py --rows_per_program sweeps it on a GPU). The forward handles
+# _FWD_ROWS rows per program as one [rows, next_power_of_2(H)] tile: every load of a program
+# issued at once, no loop. The backward walks _BWD_ROWS rows per program in tiles of _BWD_TILE
+# rows, loads of the next tile in flight while one computes (num_stages=2), and writes one
+# partial sum of dbias, dscale and dbeta per program: more rows per program, fewer partials.
+# Measured (one H100, jax 0.11.2, 2026-11-28, `benchmarks/layernorm.py --iters=10
+# --rows_per_program=1:16:1,4:64:4,8:128:8,16:128:8`, benchmarks/results/
+# h100_2026-11-28_layernorm.jsonl), forward + backward of [32768, H] bf16 at dropout 0.1 in ms:
+#   H = 768:  1:16:1 0.453, 4:64:4 0.553, 8:128:8 0.417, 16:128:8 0.450 (xla 0.590);
+#   H = 1024: 1:16:1 0.516, 4:64:4 0.518, 8:128:8 0.464, 16:128:8 0.451 (xla 0.753).
+# 8:128:8 is the best at 768 and 3% off the best at 1024: the default for both (4:64:4,
+# chosen from bytes in flight before any GPU ran it, is what the step of that day ran).
+_FWD_ROWS = 8
+_BWD_ROWS = 128
+_BWD_TILE = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,24 +84,55 @@ def keep_threshold(rate: float) -> int:
   return min(int(round(256 * rate)), 255)
 
 
-def dropout_bits(rng: Array, shape: tuple[int, ...]) -> Array:
-  """uint8 random bytes of `shape`, four per 32-bit word of `jax.random.bits`."""
-  *lead, h = shape
-  words = jax.random.bits(rng, (*lead, -(-h // 4)), jnp.uint32)
-  return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*lead, -1)[..., :h]
+def dropout_seed(rng: Array) -> Array:
+  """uint32[2]: the words of a dropout mask's seed, from a JAX PRNG key (typed or raw; keys
+  of more than two words are folded into two)."""
+  data = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+  data = data.reshape(-1).astype(jnp.uint32)
+  if data.size % 2:
+    raise ValueError(f'a PRNG key of {data.size} words cannot seed dropout')
+  return jnp.bitwise_xor.reduce(data.reshape(-1, 2), axis=0)
 
 
-def _keep_multiplier(bits: Array, rate: float) -> Array:
-  """float32 keep / (1 - effective rate) from the bytes (0 where dropped)."""
-  t = keep_threshold(rate)
-  return (bits >= t).astype(jnp.float32) * (256.0 / (256 - t))
+def _fmix32(h: Array) -> Array:
+  """murmur3's 32-bit finalizer: every input bit flips each output bit with probability ~1/2."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
 
 
-def dropout(x: Array, bits: Array | None, rate: float) -> Array:
-  """x * keep / (1 - rate) with the masks of `dropout_bits`, in float32, returned in x.dtype."""
-  if bits is None or keep_threshold(rate) == 0:
+def mask_bytes(seed0: Array, seed1: Array, rows: Array, cols: Array) -> Array:
+  """The dropout byte (uint32 in [0, 256)) of each element at (rows, cols) (broadcasting
+  uint32 arrays; rows counted over the whole array): the Pallas kernels and the jnp path
+  evaluate this same function."""
+  per_row = _fmix32(rows ^ seed0)
+  return _fmix32((per_row + cols * jnp.uint32(0x9E3779B9)) ^ seed1) >> 24
+
+
+def _multiplier(byte: Array, t: int) -> Array:
+  """float32 keep / (1 - effective rate) (0 where dropped) for threshold t > 0."""
+  return jnp.where(byte >= t, 256.0 / (256 - t), 0.0).astype(jnp.float32)
+
+
+def _keep_multiplier(seed: Array, shape: tuple[int, ...], rate: float) -> Array:
+  """float32 [*shape] keep / (1 - effective rate) of the whole array's mask from `seed`."""
+  n_rows = 1
+  for d in shape[:-1]:
+    n_rows *= d
+  rows = jax.lax.broadcasted_iota(jnp.uint32, (n_rows, shape[-1]), 0)
+  cols = jax.lax.broadcasted_iota(jnp.uint32, (n_rows, shape[-1]), 1)
+  byte = mask_bytes(seed[0], seed[1], rows, cols)
+  return _multiplier(byte, keep_threshold(rate)).reshape(shape)
+
+
+def dropout(x: Array, seed: Array | None, rate: float) -> Array:
+  """x * keep / (1 - rate) with the mask of `seed` (`dropout_seed`), in float32, returned in
+  x.dtype."""
+  if seed is None or keep_threshold(rate) == 0:
     return x
-  return (x.astype(jnp.float32) * _keep_multiplier(bits, rate)).astype(x.dtype)
+  return (x.astype(jnp.float32) * _keep_multiplier(seed, x.shape, rate)).astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,32 +140,32 @@ def dropout(x: Array, bits: Array | None, rate: float) -> Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _pre_norm(x, residual, bias, bits, rate, dtype):
+def _pre_norm(x, residual, bias, seed, rate, dtype):
   """residual + dropout(x + bias), summed in `dtype`."""
   z = x.astype(dtype)
   if bias is not None:
     z = z + bias.astype(dtype)
-  if bits is not None and keep_threshold(rate):
-    z = z * _keep_multiplier(bits, rate).astype(dtype)
+  if seed is not None and keep_threshold(rate):
+    z = z * _keep_multiplier(seed, x.shape, rate).astype(dtype)
   return z + residual.astype(dtype)
 
 
-def residual_add(x: Array, residual: Array, bias: Array | None, bits: Array | None,
+def residual_add(x: Array, residual: Array, bias: Array | None, seed: Array | None,
                  rate: float) -> Array:
-  """residual + dropout(x + bias), the sum `residual_layer_norm` normalizes, in x's dtype: a
-  pre-LN layer's residual stream (its LayerNorm of the same sum is the fused op)."""
-  bits = bits if bits is not None and keep_threshold(rate) else None
-  return _pre_norm(x, residual, bias, bits, rate, x.dtype)
+  """residual + dropout(x + bias), the sum `residual_layer_norm` normalizes (the same mask for
+  the same `seed`), in x's dtype: a pre-LN layer's residual stream (its LayerNorm of the same
+  sum is the fused op)."""
+  return _pre_norm(x, residual, bias, seed, rate, x.dtype)
 
 
-def _xla(x, residual, bias, scale, beta, bits, *, rate, eps, out_dtype):
+def _xla(x, residual, bias, scale, beta, seed, *, rate, eps, out_dtype):
   # The sum in the compute dtype (bf16), statistics in float32, as flax's Dense, Dropout and
   # LayerNorm did: a float32 sum here makes XLA keep and move float32 [tokens, hidden]
   # tensors (BERT-base/128 on an H100, deviceless: 65.1 GB moved by non-matmul kernels and
   # 13.15 GiB, against 58.4 GB and 12.02 GiB this way). The Pallas kernel sums in float32
   # in registers, where it costs nothing.
   dtype = x.dtype if residual.dtype == x.dtype else jnp.float32
-  h = _pre_norm(x, residual, bias, bits, rate, dtype).astype(jnp.float32)
+  h = _pre_norm(x, residual, bias, seed, rate, dtype).astype(jnp.float32)
   mean = jnp.mean(h, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
   y = (h - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + beta.astype(
@@ -140,82 +191,104 @@ def _store(ref, idx, value, mask):
   plgpu.store(ref.at[idx], value.astype(ref.dtype), mask=mask)
 
 
+def _tile(first_row, rows, n_rows, n_cols, cols, cmask):
+  """Flat indices, mask and row numbers ([rows, 1]) of a [rows, block] tile from
+  `first_row`."""
+  r = first_row + jnp.arange(rows)
+  return (r[:, None] * n_cols + cols[None, :], (r[:, None] < n_rows) & cmask[None, :],
+          r[:, None])
+
+
 def _row_stats(h, cmask, n_cols, eps):
-  mean = jnp.sum(h) / n_cols
-  centered = jnp.where(cmask, h - mean, 0.0)
-  var = jnp.sum(centered * centered) / n_cols
-  return centered * jax.lax.rsqrt(var + eps), jax.lax.rsqrt(var + eps)
+  """Per row of a [rows, block] tile: (x hat, rsqrt(var + eps) as [rows, 1])."""
+  mean = jnp.sum(h, axis=1, keepdims=True) / n_cols
+  centered = jnp.where(cmask[None, :], h - mean, 0.0)
+  rstd = jax.lax.rsqrt(jnp.sum(centered * centered, axis=1, keepdims=True) / n_cols + eps)
+  return centered * rstd, rstd
 
 
-def _row_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t):
-  """One row's residual + dropout(x + bias) in float32 (0 outside the mask), and the dropout
+def _global_rows(seed_ref, local_rows, rows_per_shard_batch):
+  """The tile's rows as numbered over the whole (unsharded) array: seed_ref holds (seed0,
+  seed1, first batch row, first position, positions per batch row) of this shard, and each
+  local batch row holds rows_per_shard_batch positions (_run_rows)."""
+  batch_row = local_rows // rows_per_shard_batch
+  position = local_rows % rows_per_shard_batch
+  first_batch, first_position, positions = seed_ref[2], seed_ref[3], seed_ref[4]
+  return ((first_batch + batch_row.astype(jnp.uint32)) * positions + first_position +
+          position.astype(jnp.uint32))
+
+
+def _tile_sum(x_ref, r_ref, seed_ref, idx, mask, rows, cols, bias, t, rows_per_shard_batch):
+  """A tile's residual + dropout(x + bias) in float32 (0 outside the mask), and the dropout
   multiplier (None without dropout): what both kernels start from."""
   z = _load(x_ref, idx, mask)
   if bias is not None:
-    z = z + bias
+    z = z + bias[None, :]
   mult = None
-  if bits_ref is not None:
-    mult = jnp.where(_load(bits_ref, idx, mask) >= t, 256.0 / (256 - t), 0.0)
+  if seed_ref is not None:
+    byte = mask_bytes(seed_ref[0], seed_ref[1],
+                      _global_rows(seed_ref, rows, rows_per_shard_batch),
+                      cols[None, :].astype(jnp.uint32))
+    mult = _multiplier(byte, t)
     z = z * mult
   return jnp.where(mask, z + _load(r_ref, idx, mask), 0.0), mult
 
 
-def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bits):
+def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_seed,
+                rows_per_shard_batch):
   refs = list(refs)
   x_ref, r_ref = refs.pop(0), refs.pop(0)
   bias_ref = refs.pop(0) if has_bias else None
-  bits_ref = refs.pop(0) if has_bits else None
+  seed_ref = refs.pop(0) if has_seed else None
   scale_ref, beta_ref, y_ref = refs
   cols = jnp.arange(block)
   cmask = cols < n_cols
   scale, beta = _load(scale_ref, cols, cmask), _load(beta_ref, cols, cmask)
   bias = _load(bias_ref, cols, cmask) if has_bias else None
-  t = keep_threshold(rate)
-  first = pl.program_id(0) * rows
-
-  @pl.loop(0, rows)
-  def _(i):
-    row = first + i
-    mask = cmask & (row < n_rows)
-    idx = row * n_cols + cols
-    h, _ = _row_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t)
-    xhat, _ = _row_stats(h, cmask, n_cols, eps)
-    _store(y_ref, idx, xhat * scale + beta, mask)
+  idx, mask, tile_rows = _tile(pl.program_id(0) * rows, rows, n_rows, n_cols, cols, cmask)
+  h, _ = _tile_sum(x_ref, r_ref, seed_ref, idx, mask, tile_rows, cols, bias,
+                   keep_threshold(rate) if has_seed else 0, rows_per_shard_batch)
+  xhat, _ = _row_stats(h, cmask, n_cols, eps)
+  _store(y_ref, idx, xhat * scale[None, :] + beta[None, :], mask)
 
 
-def _bwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bits):
+def _bwd_kernel(*refs, n_rows, n_cols, block, rows, tile, rate, eps, has_bias, has_seed,
+                has_dy2, rows_per_shard_batch):
   refs = list(refs)
   x_ref, r_ref = refs.pop(0), refs.pop(0)
   bias_ref = refs.pop(0) if has_bias else None
-  bits_ref = refs.pop(0) if has_bits else None
-  scale_ref, dy_ref, dx_ref, dr_ref, dpart_ref = refs
+  seed_ref = refs.pop(0) if has_seed else None
+  scale_ref, dy_ref = refs.pop(0), refs.pop(0)
+  dy2_ref = refs.pop(0) if has_dy2 else None
+  dx_ref, dr_ref, dpart_ref = refs
   cols = jnp.arange(block)
   cmask = cols < n_cols
   scale = _load(scale_ref, cols, cmask)
   bias = _load(bias_ref, cols, cmask) if has_bias else None
-  t = keep_threshold(rate)
+  t = keep_threshold(rate) if has_seed else 0
   program = pl.program_id(0)
-  first = program * rows
 
   def body(i, acc):
     dbias, dscale, dbeta = acc
-    row = first + i
-    mask = cmask & (row < n_rows)
-    idx = row * n_cols + cols
-    h, mult = _row_sum(x_ref, r_ref, bits_ref, idx, mask, bias, t)
+    idx, mask, tile_rows = _tile(program * rows + i * tile, tile, n_rows, n_cols, cols, cmask)
+    h, mult = _tile_sum(x_ref, r_ref, seed_ref, idx, mask, tile_rows, cols, bias, t,
+                        rows_per_shard_batch)
     xhat, rstd = _row_stats(h, cmask, n_cols, eps)
     dy = _load(dy_ref, idx, mask)
-    g = dy * scale
-    c1 = jnp.sum(g * xhat) / n_cols
-    c2 = jnp.sum(g) / n_cols
+    if dy2_ref is not None:  # The residual copy's gradient (residual_copy=True).
+      dy = dy + _load(dy2_ref, idx, mask)
+    g = dy * scale[None, :]
+    c1 = jnp.sum(g * xhat, axis=1, keepdims=True) / n_cols
+    c2 = jnp.sum(g, axis=1, keepdims=True) / n_cols
     dh = jnp.where(mask, (g - xhat * c1 - c2) * rstd, 0.0)
     _store(dr_ref, idx, dh, mask)
     dz = dh if mult is None else dh * mult
     _store(dx_ref, idx, dz, mask)
-    return dbias + dz, dscale + dy * xhat, dbeta + dy
+    return (dbias + jnp.sum(dz, axis=0), dscale + jnp.sum(dy * xhat, axis=0),
+            dbeta + jnp.sum(dy, axis=0))
 
   zeros = jnp.zeros((block,), jnp.float32)
-  dbias, dscale, dbeta = jax.lax.fori_loop(0, rows, body, (zeros, zeros, zeros))
+  dbias, dscale, dbeta = jax.lax.fori_loop(0, rows // tile, body, (zeros, zeros, zeros))
   # Partials laid out [programs, 3, H]: dbias, dscale, dbeta of this program's rows.
   base = program * 3 * n_cols + cols
   _store(dpart_ref, base, dbias, cmask)
@@ -223,23 +296,27 @@ def _bwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_bit
   _store(dpart_ref, base + 2 * n_cols, dbeta, cmask)
 
 
-def _warps(block: int) -> int:
-  return min(max(block // 256, 1), 8)
+def _warps(elements: int) -> int:
+  """Warps for a tile of `elements`: 16 per thread or more, 1 to 8 warps."""
+  return min(max(elements // 512, 1), 8)
 
 
-def _call(kernel, inputs, out_shape, grid, block, interpret, name):
+def _call(kernel, inputs, out_shape, grid, warps, stages, interpret, name):
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid, interpret=interpret, name=name,
-      compiler_params=plgpu.CompilerParams(num_warps=_warps(block), num_stages=1))(*inputs)
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))(*inputs)
 
 
-def _flat_inputs(x, residual, bias, bits):
+def _flat_inputs(x, residual, bias, seed, shard):
+  """The kernels' leading inputs. `shard`: (first batch row, first position, positions per
+  batch row) of this shard in the whole array, for the dropout mask's row numbers."""
   ins = [x.reshape(-1), residual.reshape(-1)]
   if bias is not None:
     ins.append(bias.reshape(-1))
-  if bits is not None:
-    ins.append(bits.reshape(-1))
+  if seed is not None:
+    ins.append(jnp.concatenate([seed.astype(jnp.uint32),
+                                jnp.asarray(shard, jnp.uint32).reshape(3)]))
   return ins
 
 
@@ -251,34 +328,51 @@ def _check_index_range(x):
                      "use model.layer_norm_impl='xla' or a smaller per-device batch")
 
 
-def _pallas_forward(x, residual, bias, scale, beta, bits, *, rate, eps, out_dtype, interpret):
+def _rows_per_batch_row(x) -> int:
+  """Rows (positions) per batch row of x [..., T, H], for the dropout mask's row numbers."""
+  return x.shape[-2] if x.ndim >= 3 else 1
+
+
+def _pallas_forward(x, residual, bias, scale, beta, seed, *, rate, eps, out_dtype, interpret,
+                    shard=None):
   _check_index_range(x)
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   block = pl.next_power_of_2(n_cols)
   kernel = functools.partial(_fwd_kernel, n_rows=n_rows, n_cols=n_cols, block=block,
                              rows=_FWD_ROWS, rate=rate, eps=eps, has_bias=bias is not None,
-                             has_bits=bits is not None)
-  ins = _flat_inputs(x, residual, bias, bits) + [scale, beta]
+                             has_seed=seed is not None,
+                             rows_per_shard_batch=_rows_per_batch_row(x))
+  shard = shard or (0, 0, _rows_per_batch_row(x))
+  ins = _flat_inputs(x, residual, bias, seed, shard) + [scale, beta]
   y = _call(kernel, ins, jax.ShapeDtypeStruct((x.size,), out_dtype),
-            (pl.cdiv(n_rows, _FWD_ROWS),), block, interpret, 'residual_layer_norm_fwd')
+            (pl.cdiv(n_rows, _FWD_ROWS),), _warps(_FWD_ROWS * block), 1, interpret,
+            'residual_layer_norm_fwd')
   return y.reshape(x.shape)
 
 
-def _pallas_backward(x, residual, bias, scale, bits, dy, *, rate, eps, interpret):
+def _pallas_backward(x, residual, bias, scale, seed, dy, dy2, *, rate, eps, interpret,
+                     shard=None):
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   block = pl.next_power_of_2(n_cols)
-  programs = pl.cdiv(n_rows, _BWD_ROWS)
+  tile = min(_BWD_TILE, _BWD_ROWS)
+  rows = _BWD_ROWS // tile * tile
+  programs = pl.cdiv(n_rows, rows)
   kernel = functools.partial(_bwd_kernel, n_rows=n_rows, n_cols=n_cols, block=block,
-                             rows=_BWD_ROWS, rate=rate, eps=eps, has_bias=bias is not None,
-                             has_bits=bits is not None)
-  ins = _flat_inputs(x, residual, bias, bits) + [scale, dy.reshape(-1)]
+                             rows=rows, tile=tile, rate=rate, eps=eps,
+                             has_bias=bias is not None, has_seed=seed is not None,
+                             has_dy2=dy2 is not None,
+                             rows_per_shard_batch=_rows_per_batch_row(x))
+  shard = shard or (0, 0, _rows_per_batch_row(x))
+  ins = _flat_inputs(x, residual, bias, seed, shard) + [scale, dy.reshape(-1)]
+  if dy2 is not None:
+    ins.append(dy2.reshape(-1))
   out_shape = (jax.ShapeDtypeStruct((x.size,), x.dtype),
                jax.ShapeDtypeStruct((x.size,), residual.dtype),
                jax.ShapeDtypeStruct((programs * 3 * n_cols,), jnp.float32))
-  dx, dr, parts = _call(kernel, ins, out_shape, (programs,), block, interpret,
-                        'residual_layer_norm_bwd')
+  dx, dr, parts = _call(kernel, ins, out_shape, (programs,), _warps(tile * block), 2,
+                        interpret, 'residual_layer_norm_bwd')
   dbias, dscale, dbeta = parts.reshape(programs, 3, n_cols).sum(axis=0)
   return dx.reshape(x.shape), dr.reshape(residual.shape), dbias, dscale, dbeta
 
@@ -299,7 +393,12 @@ def _sharded(fn, n_out_rows: int):
                for a in ((part,) if isinstance(part, str) else part))
 
   def local(*args):
-    outs = fn(*args)
+    # Where this shard's rows sit in the whole array: the dropout mask numbers them so.
+    b, t = args[0].shape[:2]
+    index = lambda part: (jax.lax.axis_index(part) if part is not None else 0)
+    length_parts = 1 if length is None else jax.lax.psum(1, length)
+    shard = (index(batch) * b, index(length) * t, t * length_parts)
+    outs = fn(*args, shard=shard)
     if not n_out_rows:
       return outs
     return tuple(outs[:n_out_rows]) + tuple(
@@ -319,39 +418,66 @@ def _sharded(fn, n_out_rows: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _fused(x, residual, bias, scale, beta, bits, rate, eps, out_dtype, interpret):
-  return _fused_fwd(x, residual, bias, scale, beta, bits, rate, eps, out_dtype, interpret)[0]
+def _fused(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret):
+  return _fused_fwd(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret)[0]
 
 
-def _fused_fwd(x, residual, bias, scale, beta, bits, rate, eps, out_dtype, interpret):
+def _fused_fwd(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret):
   fwd = functools.partial(_pallas_forward, rate=rate, eps=eps, out_dtype=out_dtype,
                           interpret=interpret)
-  y = _run_rows(fwd, 0, x, residual, bias, scale, beta, bits)
-  return y, (x, residual, bias, scale, bits)
+  y = _run_rows(fwd, 0, x, residual, bias, scale, beta, seed)
+  return y, (x, residual, bias, scale, seed)
 
 
-def _fused_bwd(rate, eps, out_dtype, interpret, saved, dy):
+def _fused_bwd(rate, eps, out_dtype, interpret, saved, dy, dy2=None):
   del out_dtype
-  x, residual, bias, scale, bits = saved
+  x, residual, bias, scale, seed = saved
   bwd = functools.partial(_pallas_backward, rate=rate, eps=eps, interpret=interpret)
-  dx, dr, dbias, dscale, dbeta = _run_rows(bwd, 2, x, residual, bias, scale, bits, dy)
+  dx, dr, dbias, dscale, dbeta = _run_rows(bwd, 2, x, residual, bias, scale, seed, dy, dy2)
   dbias = None if bias is None else dbias.astype(bias.dtype)
-  dbits = None if bits is None else jnp.zeros(bits.shape, jax.dtypes.float0)
-  return dx, dr, dbias, dscale.astype(scale.dtype), dbeta.astype(scale.dtype), dbits
+  dseed = None if seed is None else jnp.zeros(seed.shape, jax.dtypes.float0)
+  return dx, dr, dbias, dscale.astype(scale.dtype), dbeta.astype(scale.dtype), dseed
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _fused_pair(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret):
+  """_fused's output twice (residual_copy=True): each copy's gradient reaches the backward
+  kernel as an input of its own."""
+  y = _fused(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret)
+  return y, y
+
+
+def _fused_pair_fwd(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret):
+  # symbolic_zeros=True: the primals come as CustomVJPPrimal(value, perturbed).
+  values = [None if a is None else a.value for a in (x, residual, bias, scale, beta, seed)]
+  y, saved = _fused_fwd(*values, rate, eps, out_dtype, interpret)
+  return (y, y), saved
+
+
+def _fused_pair_bwd(rate, eps, out_dtype, interpret, saved, cotangents):
+  # A copy nothing reads (the last layer's residual copy) has a symbolic zero gradient: the
+  # kernel then reads one dy, not a tensor of zeros.
+  given = [c for c in cotangents if not isinstance(c, jax.custom_derivatives.SymbolicZero)]
+  if not given:
+    given = [jnp.zeros(saved[0].shape, out_dtype)]
+  return _fused_bwd(rate, eps, out_dtype, interpret, saved, *given)
+
+
+_fused_pair.defvjp(_fused_pair_fwd, _fused_pair_bwd, symbolic_zeros=True)
 
 
 def _run_rows(fn, n_out_rows, *args):
   """Calls `fn` on the arguments (None ones passed through) per device under a mesh."""
   present = [i for i, a in enumerate(args) if a is not None]
 
-  def call(*given):
+  def call(*given, **kwargs):
     full = [None] * len(args)
     for i, a in zip(present, given):
       full[i] = a
-    return fn(*full)
+    return fn(*full, **kwargs)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or args[0].ndim != 3:
@@ -360,23 +486,30 @@ def _run_rows(fn, n_out_rows, *args):
 
 
 def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Array,
-                        beta: Array, bits: Array | None = None, *, rate: float = 0.0,
-                        eps: float = 1e-12, impl: str = 'xla', out_dtype=None) -> Array:
+                        beta: Array, seed: Array | None = None, *, rate: float = 0.0,
+                        eps: float = 1e-12, impl: str = 'xla', out_dtype=None,
+                        residual_copy: bool = False) -> Array | tuple[Array, Array]:
   """LayerNorm(residual + dropout(x + bias)) over the last axis, statistics in float32.
 
-  x, residual: [..., H] (the same shape); bias, scale, beta: [H] (bias may be None); bits: the
-  uint8 `dropout_bits` of x's shape, or None for no dropout (evaluation, rate 0). impl: 'xla'
-  or 'pallas' (module docstring). Returns out_dtype (default: x's dtype).
+  x, residual: [..., H] (the same shape); bias, scale, beta: [H] (bias may be None); seed: the
+  uint32[2] `dropout_seed` of the dropout mask, or None for no dropout (evaluation, rate 0).
+  impl: 'xla' or 'pallas' (module docstring). Returns out_dtype (default: x's dtype); with
+  residual_copy, the output twice (y, y): give the second to the next LayerNorm as its
+  residual, and the backward kernel adds the two gradients (module docstring).
   """
   assert impl in IMPLEMENTATIONS, impl
   out_dtype = jnp.dtype(out_dtype or x.dtype)
-  if x.shape != residual.shape or (bits is not None and bits.shape != x.shape):
-    raise ValueError(f'x {x.shape}, residual {residual.shape} and bits '
-                     f'{None if bits is None else bits.shape} must have one shape')
-  if bits is not None and keep_threshold(rate) == 0:
-    bits = None
+  if x.shape != residual.shape:
+    raise ValueError(f'x {x.shape} and residual {residual.shape} must have one shape')
+  if seed is not None and (seed.shape != (2,) or seed.dtype != jnp.uint32):
+    raise ValueError(f'the dropout seed is {seed.dtype}{list(seed.shape)}, not uint32[2] '
+                     '(dropout_seed)')
+  if seed is not None and keep_threshold(rate) == 0:
+    seed = None
   gpu = attention.target_platform() == 'gpu'
   if impl == 'xla':
-    return _xla(x, residual, bias, scale, beta, bits, rate=rate, eps=eps, out_dtype=out_dtype)
-  return _fused(x, residual, bias, scale, beta, bits, float(rate), float(eps), out_dtype,
-                not gpu)
+    y = _xla(x, residual, bias, scale, beta, seed, rate=rate, eps=eps, out_dtype=out_dtype)
+    return (y, y) if residual_copy else y
+  fused = _fused_pair if residual_copy else _fused
+  return fused(x, residual, bias, scale, beta, seed, float(rate), float(eps), out_dtype,
+               not gpu)

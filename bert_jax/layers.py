@@ -106,14 +106,14 @@ class LayerNorm(nn.Module):
     return y.astype(self.config.compute_dtype)
 
 
-def hidden_dropout_bits(module: nn.Module, config: BertConfig, deterministic: bool,
-                        shape: tuple[int, ...]) -> Array | None:
-  """The 8-bit hidden-dropout mask of `shape` from `module`'s 'dropout' rng, or None when no
-  dropout applies. Drawn by the caller, outside the LayerNorm's scope, so that profiles name
-  the generator's kernels dropout, not LayerNorm."""
+def hidden_dropout_seed(module: nn.Module, config: BertConfig,
+                        deterministic: bool) -> Array | None:
+  """The seed of a hidden-dropout mask (`layer_norm.dropout_seed`) from `module`'s 'dropout'
+  rng, or None when no dropout applies. Drawn by the caller, outside the LayerNorm's scope, so
+  that profiles name the rng's kernels dropout, not LayerNorm."""
   if deterministic or not layer_norm.keep_threshold(config.hidden_dropout_prob):
     return None
-  return layer_norm.dropout_bits(module.make_rng('dropout'), shape)
+  return layer_norm.dropout_seed(module.make_rng('dropout'))
 
 
 class ResidualLayerNorm(nn.Module):
@@ -121,22 +121,28 @@ class ResidualLayerNorm(nn.Module):
 
   The parameters are LayerNorm's (scale, bias). `x` is the sub-layer's projection without its
   bias, which is passed as `x_bias` (float32) so that the fused kernel adds it, and returns its
-  gradient, in the same pass. `bits`: `hidden_dropout_bits`' mask, or None (no dropout).
+  gradient, in the same pass. `seed`: `hidden_dropout_seed`'s, or None (no dropout).
+  With residual_copy (post-LN) it returns the output twice, (y, y): the first for the next
+  sub-layer, the second for the LayerNorm after it as its residual, so that the fused backward
+  takes the two gradients as two inputs instead of their sum (layer_norm.residual_layer_norm's
+  residual_copy). Pre-LN layers keep the residual stream apart (`layer_norm.residual_add`):
+  one output.
   """
   config: BertConfig
+  residual_copy: bool = True
 
   @nn.compact
   def __call__(self, x: Array, residual: Array, x_bias: Array | None,
-               bits: Array | None) -> Array:
+               seed: Array | None) -> Array | tuple[Array, Array]:
     c = self.config
     scale, bias = _norm_params(self, c, x.shape[-1])
-    rate = c.hidden_dropout_prob if bits is not None else 0.0
+    rate = c.hidden_dropout_prob if seed is not None else 0.0
     # Initialization traces a dummy batch for the parameters' shapes only: plain jnp. A
     # BertConfig built in code may say 'auto': for the platform being lowered for.
     impl = 'xla' if self.is_initializing() else c.resolved('layer_norm_impl')
     return layer_norm.residual_layer_norm(
-        x, residual, x_bias, scale, bias, bits, rate=rate, eps=c.layer_norm_eps, impl=impl,
-        out_dtype=c.compute_dtype)
+        x, residual, x_bias, scale, bias, seed, rate=rate, eps=c.layer_norm_eps, impl=impl,
+        out_dtype=c.compute_dtype, residual_copy=self.residual_copy)
 
 
 class DenseGeneral(nn.Module):
@@ -157,6 +163,8 @@ class DenseGeneral(nn.Module):
   add_bias: bool = True
   fp8: bool = False  # The matmul through `fp8_dot_general` (matmul_precision='fp8').
   use_bias: bool = True  # False: no bias parameter (the returned bias is then None).
+  # The output's logical axes, which place the fused GELU kernels under a mesh.
+  activation_axes: tuple[str | None, ...] | None = None
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -172,15 +180,25 @@ class DenseGeneral(nn.Module):
          else jax.lax.dot_general(x, kernel, dims))
     if not self.add_bias:
       return y, f32_bias
-    return activate(y, None if bias is None else bias.astype(c.compute_dtype), self.activation)
+    # The paper's dense GELU takes model.gelu_impl's kernel: the float32 bias as it is stored
+    # (no cast kernel; its gradient summed in float32).
+    impl = ('xla' if self.is_initializing() or self.activation != 'gelu'
+            else c.resolved('gelu_impl'))
+    return activate(c, y, f32_bias, self.activation, impl=impl, axes=self.activation_axes)
 
 
-def activate(y: Array, bias: Array | None, activation: str | None) -> Array:
-  """activation(y + bias) (bias may be None, activation a key of ACTIVATIONS or None)."""
+def activate(config: BertConfig, y: Array, bias: Array | None, activation: str | None, *,
+             impl: str = 'xla', axes: tuple[str | None, ...] | None = None) -> Array:
+  """activation(y + bias) (bias may be None, activation a key of ACTIVATIONS or None). The
+  exact GELU is `activations.bias_gelu` (kernel `impl`, output axes `axes`), or with
+  config.portable_gelu `activations.portable_bias_gelu` (the SavedModel export)."""
   if activation == 'gelu':
+    bias = jnp.zeros(y.shape[-1:], jnp.float32) if bias is None else bias
+    if config.portable_gelu:
+      return activations.portable_bias_gelu(y, bias)
     # Bias add and exact GELU in one function that keeps only y for its backward.
-    return activations.bias_gelu(y, jnp.zeros(y.shape[-1:], y.dtype) if bias is None else bias)
-  y = y if bias is None else y + bias
+    return activations.bias_gelu(y, bias, impl=impl, axes=axes)
+  y = y if bias is None else y + bias.astype(y.dtype)
   return ACTIVATIONS[activation](y) if activation else y
 
 
@@ -200,14 +218,14 @@ def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
 
 def dense(config: BertConfig, features, axes, name: str, in_axes=-1,
            activation: str | None = None, add_bias: bool = True,
-           fp8: bool = False, use_bias: bool = True) -> nn.Module:
+           fp8: bool = False, use_bias: bool = True, activation_axes=None) -> nn.Module:
   features = features if isinstance(features, tuple) else (features,)
   in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
   if in_axes != tuple(range(-len(in_axes), 0)):
     raise ValueError(f'in_axes {in_axes} are not the trailing axes')
   return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
                       activation=activation, add_bias=add_bias, fp8=fp8, use_bias=use_bias,
-                      name=name)
+                      activation_axes=activation_axes, name=name)
 
 
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
@@ -227,8 +245,8 @@ def _one_hot_lookup(table: Array, ids: Array, dtype) -> Array:
 
 
 class Embeddings(nn.Module):
-  """Word + learned position + token type embeddings, LayerNorm, dropout (8-bit masks:
-  `layer_norm.dropout_bits`). Rotary models have no position table (positions rotate the
+  """Word + learned position + token type embeddings, LayerNorm, dropout (masks hashed from a
+  seed: `layer_norm.dropout_seed`). Rotary models have no position table (positions rotate the
   queries and keys instead), models with type_vocab_size 0 no token types."""
   config: BertConfig
 
@@ -270,21 +288,23 @@ class Embeddings(nn.Module):
       x = x + _one_hot_lookup(self.token_type_embeddings.embedding, segment_ids, dtype)
     x = constrain(x, ('batch', 'length', 'act_embed'))
     x = self.layer_norm(x)
-    bits = hidden_dropout_bits(self, self.config, deterministic, x.shape)
-    return layer_norm.dropout(x, bits, self.config.hidden_dropout_prob)
+    seed = hidden_dropout_seed(self, self.config, deterministic)
+    return layer_norm.dropout(x, seed, self.config.hidden_dropout_prob)
 
-  def attend(self, x: Array) -> Array:
+  def attend(self, x: Array, padded: bool = False) -> Array:
     """Logits over the vocabulary with the (tied) word embedding matrix.
 
     The matmul runs over the vocabulary padded with zero rows to a multiple of
-    `VOCAB_MULTIPLE` and the logits are sliced back: 30522 rows ran a misaligned cuBLAS kernel
-    (2-element alignment, 247 TFLOP/s on an H100) in both directions. The padding exists only
-    inside this matmul: parameters, checkpoints and the logits keep `vocab_size`."""
+    `VOCAB_MULTIPLE`: 30522 rows ran a misaligned cuBLAS kernel (2-element alignment,
+    247 TFLOP/s on an H100) in both directions. The padding exists only inside this matmul:
+    parameters and checkpoints keep `vocab_size`, and so do the logits unless `padded`
+    (then [..., padded vocabulary], the pad columns 0: see model.MlmHead)."""
     table = self.word_embeddings.embedding
     x, table = promote_dtype(x, table, dtype=self.config.compute_dtype)
     vocab = table.shape[0]
     table = jnp.pad(table, ((0, -vocab % VOCAB_MULTIPLE), (0, 0)))
-    return jnp.dot(x, table.T)[..., :vocab]
+    logits = jnp.dot(x, table.T)
+    return logits if padded else logits[..., :vocab]
 
 
 class DenseParams(nn.Module):
@@ -382,11 +402,13 @@ class Mlp(nn.Module):
                             name=name)() for name in ('intermediate', 'gate')]
       y = constrain(_stacked_matmul(self, x, params, fp8, 'gated_fp8', 'gated'),
                      ('batch', 'length', None, 'act_mlp'))
-      # The biases are in y already: the activation's own is none.
-      h = activate(y[:, :, 0], None, c.hidden_act) * y[:, :, 1]
+      # The biases are in y already: the activation's own is none. XLA's GELU (gelu_impl's
+      # kernel fuses a dense layer's bias add and GELU: config_checks refuses it here).
+      h = activate(c, y[:, :, 0], None, c.hidden_act) * y[:, :, 1]
     else:
       h = dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
-                 activation=c.hidden_act, fp8=fp8, use_bias=c.use_bias)(x)
+                activation=c.hidden_act, fp8=fp8, use_bias=c.use_bias,
+                activation_axes=('batch', 'length', 'act_mlp'))(x)
     h = constrain(h, ('batch', 'length', 'act_mlp'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
     return dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False, fp8=fp8,
@@ -396,7 +418,8 @@ class Mlp(nn.Module):
 class EncoderLayer(nn.Module):
   """The paper's post-LN Transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x)).
 
-  With pre_layer_norm the carry is (h, LN(h)), the residual stream and its normalization:
+  The carry is (x, residual), the layer input twice (ResidualLayerNorm's two outputs): x for
+  the attention, residual for its LayerNorm. With pre_layer_norm it is (h, LN(h)), the residual stream and its normalization:
   h += Attn(LN(h)); h += MLP(LN(h)). Each LN is of the sum the sub-layer before ends in, so it
   is still one fused LayerNorm(residual + dropout(projection + bias)) (`layer_norm.py`), and
   the stream the same sum (`layer_norm.residual_add`); the embeddings' LayerNorm is layer 0's
@@ -416,28 +439,29 @@ class EncoderLayer(nn.Module):
                local: Array | None = None):
     c = self.config
     local = self.local if self.local is not None else local
-    x = carry[0] if c.pre_layer_norm else carry
-    drop = lambda: hidden_dropout_bits(self, c, self.deterministic, x.shape)
+    drop = lambda: hidden_dropout_seed(self, c, self.deterministic)
     embed = lambda x: constrain(x, ('batch', 'length', 'act_embed'))
     attention_ = SelfAttention(c, self.deterministic, name='attention')
     if not c.pre_layer_norm:
+      x, residual = carry
       # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
       attn, attn_bias = attention_(x, sequence_ids, positions, local)
-      x = ResidualLayerNorm(c, name='attention_layer_norm')(attn, x, attn_bias, drop())
-      x = embed(x)
+      x, residual = map(embed, ResidualLayerNorm(c, name='attention_layer_norm')(
+          attn, residual, attn_bias, drop()))
       y, y_bias = Mlp(c, self.deterministic, name='mlp')(x)
-      x = ResidualLayerNorm(c, name='output_layer_norm')(y, x, y_bias, drop())
-      x = embed(x)
-      # Returned twice: as the scan carry and as the per-layer output (hidden states).
-      return x, (x if self.hidden_states else None)
+      x, residual = map(embed, ResidualLayerNorm(c, name='output_layer_norm')(
+          y, residual, y_bias, drop()))
+      # The carry for the next layer, and the per-layer output (hidden states).
+      return (x, residual), (x if self.hidden_states else None)
     h, normed = carry
     rate = 0.0 if self.deterministic else c.hidden_dropout_prob
     for name, sublayer in (('mlp_norm', lambda n: attention_(n, sequence_ids, positions, local)),
                            ('output_norm', Mlp(c, self.deterministic, name='mlp'))):
       y, y_bias = sublayer(normed)
-      bits = drop()
-      normed = embed(ResidualLayerNorm(c, name=name)(y, h, y_bias, bits))
-      h = embed(layer_norm.residual_add(y, h, y_bias, bits, rate))
+      seed = drop()
+      # One mask (one seed) for the LayerNorm's sum and the stream's: the same sum.
+      normed = embed(ResidualLayerNorm(c, residual_copy=False, name=name)(y, h, y_bias, seed))
+      h = embed(layer_norm.residual_add(y, h, y_bias, seed, rate))
     return (h, normed), (h if self.hidden_states else None)
 
 
@@ -455,7 +479,9 @@ class Encoder(nn.Module):
     if c.remat_policy != 'none':
       layer_cls = nn.remat(layer_cls, policy=policy, prevent_cse=not c.scan_layers)
     kinds = [c.is_local_layer(i) for i in range(c.num_hidden_layers)]
-    carry = (x, x) if c.pre_layer_norm else x
+    # Post-LN: (x, residual), the input twice; pre-LN: (h, LN(h)), the embeddings' LayerNorm
+    # being layer 0's input norm.
+    carry = (x, x)
     if c.scan_layers:
       # FP8 scales and histories are per layer, stacked like the parameters.
       axes = {'params': 0, **({FP8_COLLECTION: 0} if c.matmul_precision == 'fp8' else {})}
@@ -480,4 +506,4 @@ class Encoder(nn.Module):
       if not return_hidden_states:
         hidden = []
     # Pre-LN: the sequence output is the last layer's output_norm (the final norm).
-    return (carry[1] if c.pre_layer_norm else carry), hidden
+    return (carry[1] if c.pre_layer_norm else carry[0]), hidden

@@ -94,8 +94,13 @@ class BertConfig:
   # The most sequences in one row (data.packing_max_sequences): cudnn_varlen's segment tables.
   max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
   layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see layer_norm.py.
+  gelu_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see activations.py.
   # 'default' (matmuls in `dtype`) or 'fp8': see MATMUL_PRECISIONS.
   matmul_precision: str = 'default'
+  # The exact GELU's erf in StableHLO's core operations (`activations.portable_bias_gelu`),
+  # which TensorFlow's XlaCallModule reads: the SavedModel export (export.py). Training runs
+  # `activations.bias_gelu`.
+  portable_gelu: bool = False
   # Architecture after the paper (ARCHITECTURE_OPTIONS; written to bert_config.json when set).
   position_embedding_type: str = 'absolute'  # Or 'rotary' (rotary.py): no position table.
   rope_theta: float = 10_000.0        # Rotary base of global layers ...
@@ -116,8 +121,8 @@ class BertConfig:
       raise UserError(f'hidden_act {self.hidden_act!r} is not one of {sorted(layers.ACTIVATIONS)}')
     # The run fields and the position type, for a BertConfig built in code (config_from's are
     # checked where the config loads): config_checks' own check and line.
-    for key in ('remat_policy', 'attention_impl', 'layer_norm_impl', 'matmul_precision',
-                'position_embedding_type'):
+    for key in ('remat_policy', 'attention_impl', 'layer_norm_impl', 'gelu_impl',
+                'matmul_precision', 'position_embedding_type'):
       config_checks.check_choice(f'model.{key}', getattr(self, key))
     if self.max_packed_sequences < 1:
       raise UserError(f'max_packed_sequences={self.max_packed_sequences}: a row holds at least '
@@ -128,13 +133,18 @@ class BertConfig:
       raise UserError(f'rotary position embeddings need an even head size, got {self.head_dim} '
                       '(hidden_size / num_attention_heads)')
     config_checks.check_local_attention('xla', self.local_attention_window)
+    # model.mlp's name of this feed-forward ('gated' for a gated one of another activation).
+    mlp = next((k for k, v in MLPS.items() if v == (self.mlp_type, self.hidden_act)),
+               self.mlp_type)
+    config_checks.check_gelu_impl(self.gelu_impl, mlp)
     if self.global_attention_every < 0 or self.type_vocab_size < 0:
       raise UserError('global_attention_every and type_vocab_size must be >= 0')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
 
   def resolved(self, key: str) -> str:
-    """Field `key` ('dtype', 'layer_norm_impl') with 'auto' resolved for the platform being
-    lowered for (`resolve`): for a BertConfig built in code, which may say 'auto'."""
+    """Field `key` ('dtype', 'layer_norm_impl', 'gelu_impl') with 'auto' resolved for the
+    platform being lowered for (`resolve`): for a BertConfig built in code, which may say
+    'auto'."""
     return resolve(key, getattr(self, key))
 
   @property
@@ -284,6 +294,7 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
              scan_layers=model.scan_layers, remat_policy=model.remat_policy,
              attention_impl=model.attention_impl,
              layer_norm_impl=resolve('layer_norm_impl', model.layer_norm_impl, platform),
+             gelu_impl=resolve('gelu_impl', model.gelu_impl, platform),
              matmul_precision=model.matmul_precision)
   if max_packed_sequences is not None:
     run['max_packed_sequences'] = max_packed_sequences
@@ -304,14 +315,18 @@ _AUTO: dict[str, Callable[[str], str]] = {
     # The fused Pallas kernel where it lowers through Triton (NVIDIA GPUs); elsewhere it would
     # run in interpret mode, for tests only.
     'layer_norm_impl': lambda platform: 'pallas' if platform == 'gpu' else 'xla',
+    # XLA's GELU everywhere: on an H100 (jax 0.11.2, 2026-11-28) the Pallas pair was no faster
+    # in isolation (forward 0.288 vs 0.284 ms, backward 0.406 vs 0.384 at [32768, 3072]
+    # bf16) and the step compiled to as many GELU kernels either way (activations.py).
+    'gelu_impl': lambda platform: 'xla',
 }
 
 
 def resolve(key: str, value: str, platform: str | None = None) -> str:
-  """`value` of model.`key` ('dtype', 'layer_norm_impl'), with 'auto' resolved for `platform`
-  ('cpu', 'gpu', 'tpu': what the model runs on or is compiled for; None: the platform being
-  lowered for, `attention.target_platform`: `attention.lowering_for`'s, else this process's
-  backend)."""
+  """`value` of model.`key` ('dtype', 'layer_norm_impl', 'gelu_impl'), with 'auto' resolved
+  for `platform` ('cpu', 'gpu', 'tpu': what the model runs on or is compiled for; None: the
+  platform being lowered for, `attention.target_platform`: `attention.lowering_for`'s, else
+  this process's backend)."""
   if value != 'auto':
     return value
   return _AUTO[key](platform or attention.target_platform())
@@ -359,8 +374,8 @@ class BertModel(nn.Module):
       return seq, pooled, [x] + hidden
     return seq, pooled
 
-  def attend(self, x: Array) -> Array:
-    return self.embeddings.attend(x)
+  def attend(self, x: Array, padded: bool = False) -> Array:
+    return self.embeddings.attend(x, padded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,12 +383,25 @@ class BertModel(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+# The logit of a padded vocabulary column (MlmHead(padded_vocab=True)): exp() of it is 0 in
+# float32 next to any real logit, so softmax, logsumexp and argmax ignore the column, and its
+# gradient is exactly 0. Finite, so that no inf - inf can make a NaN.
+PAD_LOGIT = -1e9
+
+
 class MlmHead(nn.Module):
-  """Transform (dense + activation + LayerNorm), then logits tied to the word embeddings."""
+  """Transform (dense + activation + LayerNorm), then logits tied to the word embeddings.
+
+  padded_vocab: return the logits over the decoder's padded vocabulary (a multiple of
+  layers.VOCAB_MULTIPLE), the pad columns at PAD_LOGIT: the same loss, predictions and
+  gradients, but the decoder's matmul output is used as it is, so the backward feeds the loss's
+  gradient straight into the matmul where the sliced logits made XLA pad it back with a copy
+  of [predictions, vocabulary] (0.37 ms of BERT-base's step on an H200, issue 45)."""
   config: BertConfig
+  padded_vocab: bool = False
 
   @nn.compact
-  def __call__(self, x: Array, attend: Callable[[Array], Array]) -> Array:
+  def __call__(self, x: Array, attend: Callable[..., Array]) -> Array:
     c = self.config
     x = layers.constrain(x, ('batch', None, 'act_embed'))
     # The transform maps back into the hidden ('embed') dimension that the LayerNorm and the
@@ -385,11 +413,15 @@ class MlmHead(nn.Module):
     # never undoes) when data, fsdp and tensor are all > 1: the loss was right, the gradients
     # of the MLM head and everything below it were not.
     x = layers.dense(c, c.hidden_size, ('mlp', 'embed'), 'transform', activation=c.hidden_act,
-                     use_bias=c.use_bias)(x)
+                     use_bias=c.use_bias, activation_axes=('batch', None, 'act_embed'))(x)
     x = layers.LayerNorm(c, name='layer_norm')(x)
     x = layers.constrain(x, ('batch', None, 'act_embed'))
     bias = self.param('output_bias', layers.zeros_init(('vocab',)), (c.vocab_size,), jnp.float32)
-    logits = layers.constrain(attend(x).astype(jnp.float32), ('batch', None, 'act_vocab'))
+    logits = attend(x, padded=self.padded_vocab)
+    logits = layers.constrain(logits.astype(jnp.float32), ('batch', None, 'act_vocab'))
+    if logits.shape[-1] > c.vocab_size:
+      bias = jnp.concatenate([bias, jnp.full((logits.shape[-1] - c.vocab_size,), PAD_LOGIT,
+                                             bias.dtype)])
     return logits + bias
 
 
@@ -404,8 +436,12 @@ def gather_positions(sequence: Array, positions: Array) -> Array:
 
 
 class BertForPreTraining(nn.Module):
-  """BERT with the MLM head (only at `masked_lm_positions`) and the NSP head."""
+  """BERT with the MLM head (only at `masked_lm_positions`) and the NSP head.
+
+  padded_vocab: MLM logits over the padded vocabulary, pad columns masked (MlmHead); for a
+  loss, which they leave unchanged (the pre-training steps), not for a user of the logits."""
   config: BertConfig
+  padded_vocab: bool = False
 
   @nn.compact
   def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions,
@@ -420,7 +456,7 @@ class BertForPreTraining(nn.Module):
                        cls_positions=next_sentence_positions)
     # Only the P masked positions reach the vocabulary projection: [B, P, V], not [B, T, V].
     masked = gather_positions(seq, masked_lm_positions)
-    mlm_logits = MlmHead(self.config, name='mlm')(masked, bert.attend)
+    mlm_logits = MlmHead(self.config, self.padded_vocab, name='mlm')(masked, bert.attend)
     nsp_logits = layers.dense(self.config, 2, ('embed', None), 'nsp')(pooled).astype(jnp.float32)
     return mlm_logits, nsp_logits
 

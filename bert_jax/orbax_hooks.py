@@ -23,13 +23,17 @@ Orbax upgrade would otherwise disable it silently):
     offers no way to give it one.
   - `ORBAX_ERRORS` filters the records Orbax logs through absl's logger, told apart by the path
     of the file that logs them: Orbax has no option to keep a failed save's tracebacks quiet.
+  - `bounded_retries` subclasses Orbax's type handlers (`ocp.type_handlers`, a public
+    interface) to give each parameter's tensorstore context (`ParamInfo.ts_context`) the run's
+    Cloud Storage retry budget: Orbax builds the contexts of a save or restore itself and takes
+    none from its caller. (Type handlers are found by the Python type they are registered for,
+    not by class, so a subclass is enough here.)
   - The key-value store is jax.distributed's, reached through Orbax's
     `multihost.get_jax_distributed_client` (JAX has no public accessor).
 """
 
 import asyncio
 import contextlib
-import errno
 import itertools
 import json
 import logging as std_logging
@@ -41,6 +45,7 @@ from typing import Any, Callable, Iterator
 import jax
 import orbax.checkpoint as ocp
 
+from bert_jax import fileio
 from bert_jax import gcs
 
 # ---- Several processes: one outcome per save ------------------------------------------------
@@ -304,23 +309,41 @@ class _HeldBackOrbaxErrors(std_logging.Filter):
 ORBAX_ERRORS = _HeldBackOrbaxErrors()
 
 
-_DISK_ERRORS = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded',
-                errno.EROFS: 'Read-only file system', errno.EACCES: 'Permission denied',
-                errno.EFBIG: 'File too large'}
+_disk_error = fileio.disk_error  # The cause of a save failure to fix on the storage side.
 
 
-def _disk_error(error: BaseException) -> str | None:
-  """The cause of a save failure that the user must fix on the storage side, else None."""
-  while error is not None:
-    if isinstance(error, OSError) and error.errno in _DISK_ERRORS:
-      return _DISK_ERRORS[error.errno]
-    # TensorStore and TensorFlow report OS errors in their message ("... No space left on
-    # device [os_error_code='28']").
-    for text in _DISK_ERRORS.values():
-      if text in str(error):
-        return text
-    error = error.__cause__ or error.__context__
-  return None
+def bounded_retries(handler: type) -> type:
+  """Orbax's type handler class `handler`, whose reads and writes give tensorstore the run's
+  Cloud Storage retry budget (`gcs.tensorstore_retries`, TensorFlow's): with tensorstore's own
+  (about 15 min for one request) a store that keeps failing held a run for as long. Orbax
+  builds each save's tensorstore context itself and takes none from its caller: each parameter's
+  (`ParamInfo.ts_context`) becomes a child of it that adds the budget."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+
+  def bounded(infos):
+    children = {}
+    for info in infos:
+      parent = info.ts_context
+      if id(parent) not in children:
+        spec = ts.Context.Spec({'gcs_request_retries': gcs.tensorstore_retries()})
+        children[id(parent)] = (ts.Context(spec, parent) if parent is not None
+                                else ts.Context(spec))
+      info.ts_context = children[id(parent)]
+    return infos
+
+  class Bounded(handler):
+
+    async def serialize(self, values, infos, args=None):
+      return await super().serialize(values, bounded(infos), args)
+
+    async def deserialize(self, infos, args=None):
+      return await super().deserialize(bounded(infos), args)
+
+    async def metadata(self, infos):
+      return await super().metadata(bounded(infos))
+
+  Bounded.__name__ = Bounded.__qualname__ = handler.__name__
+  return Bounded
 
 
 class _TaskEndingLoop(asyncio.SelectorEventLoop):

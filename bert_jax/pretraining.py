@@ -208,7 +208,8 @@ def build_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
   objective = objectives.get(config.data.objective).name
   bert_config = model_lib.config_from(config.model, vocab_size=vocab_size,
                                      max_packed_sequences=packed_sequences(config))
-  model = model_lib.BertForPreTraining(bert_config)
+  # The loss reads the MLM logits over the decoder's padded vocabulary (model.MlmHead).
+  model = model_lib.BertForPreTraining(bert_config, padded_vocab=True)
   tx, schedule = optim.make_optimizer(config.train)
   abstract, shardings, init = abstract_state_and_shardings(model, tx, mesh, rules)
   train_step_ = build_train_step(model, tx, mesh, rules, shardings,

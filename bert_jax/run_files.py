@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from bert_jax import checkpoint
 from bert_jax import defaults
 from bert_jax import fileio
+from bert_jax import gcs
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
 
@@ -58,8 +59,10 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
                                  ) -> tuple[model_lib.BertConfig, dict]:
   """(config, params) from the latest (or given) checkpoint of a training workdir, on the host.
 
-  Parameters come back as float32 numpy arrays in the unscanned layout.
+  Parameters come back as float32 numpy arrays in the unscanned layout. `path` may be relative
+  (Orbax reads absolute paths only: made absolute here).
   """
+  path = fileio.workdir_path(path)
   config_path = os.path.join(path, 'bert_config.json')
   if not fileio.gfile().exists(config_path):
     raise UserError(f'{path} has no bert_config.json: not a bert_jax training workdir')
@@ -69,8 +72,10 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   except json.JSONDecodeError as e:
     raise UserError(f'{config_path}: not valid JSON: {e}') from e
   ckpt_dir = os.path.join(path, checkpoint.CHECKPOINT_DIR)
+  # Read-only, said in full (Orbax warns of each option it has to turn off itself).
   manager = ocp.CheckpointManager(ckpt_dir, item_names=('params', 'opt_state', 'meta'),
-                                  options=ocp.CheckpointManagerOptions(read_only=True))
+                                  options=ocp.CheckpointManagerOptions(
+                                      read_only=True, save_interval_steps=0, create=False))
   step = manager.latest_step() if step is None else step
   if step is None:
     raise UserError(f'{ckpt_dir} holds no complete checkpoint')
@@ -82,13 +87,12 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
         is_leaf=lambda m: hasattr(m, 'shape'))
     restored = manager.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(abstract)))
-  except (KeyError, FileNotFoundError, ValueError) as e:
-    # A step folder without its files (copied in part, deleted in part): Orbax's own error is
-    # a KeyError or a missing-metadata error from deep inside it.
-    reason = ('it holds no params' if isinstance(e, KeyError) and 'params' in str(e)
-              else str(e))
-    raise UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint ({reason}); delete '
-                    'that folder to use an earlier step') from e
+  except Exception as e:  # pylint: disable=broad-except  (re-raised unless files are missing)
+    reason = _damage(e)
+    if reason is None:
+      raise  # Not the files (Cloud Storage failing, a bug): its own message or traceback.
+    raise UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint ({reason}); move '
+                    'that folder aside to use an earlier step') from e
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored['params'])
   manager.close()
   params = dict(params)
@@ -96,6 +100,22 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
     params = model_lib.unstack_layers(params, config.num_hidden_layers)
   logging.info('Loaded step %d of %s', step, ckpt_dir)
   return config, params
+
+
+# What Orbax and TensorStore say of a checkpoint's file that is missing or cut short.
+_DAMAGE_SIGNS = ('does not exist', 'NOT_FOUND', 'DATA_LOSS', 'Encountered error while reading')
+
+
+def _damage(error: BaseException) -> str | None:
+  """Why a checkpoint step cannot be read when its files are missing or cut short (a step
+  folder copied or deleted in part), else None: only then is it "damaged"."""
+  if gcs.failing_object(error) is not None:
+    return None  # Cloud Storage failing past the retries: the files may be whole.
+  if isinstance(error, KeyError) and 'params' in str(error):
+    return 'it holds no params'
+  if isinstance(error, FileNotFoundError) or any(s in str(error) for s in _DAMAGE_SIGNS):
+    return (str(error).splitlines() or [type(error).__name__])[0][:300]
+  return None
 
 
 def read_run_config(workdir: str) -> dict | None:

@@ -176,6 +176,14 @@ def hold(workdir: str) -> Iterator[None]:
   token = uuid.uuid4().hex
   refusal = ''
   generation = None
+  # The local folders this run makes (the workdir and parents that are missing): a run refused
+  # before it wrote anything there removes them again, leaving no empty workdir behind.
+  made = []
+  if jax.process_index() == 0 and not fileio.is_remote(workdir):
+    folder = os.path.abspath(workdir)
+    while not os.path.exists(folder):
+      made.append(folder)
+      folder = os.path.dirname(folder)
   if jax.process_index() == 0:
     fileio.make_dirs(workdir, '--workdir')
     record = dict(pid=os.getpid(), host=socket.gethostname(), token=token,
@@ -210,6 +218,7 @@ def hold(workdir: str) -> Iterator[None]:
     if refused and not refusal:
       refusal = f'--workdir={workdir} is in use by another run (see process 0\'s message)'
   if refusal:
+    _remove_if_empty(made)
     raise UserError(refusal)
 
   stop = threading.Event()
@@ -235,8 +244,12 @@ def hold(workdir: str) -> Iterator[None]:
   if jax.process_index() == 0:
     beat = threading.Thread(target=heartbeat, name='bert_jax_lock_heartbeat', daemon=True)
     beat.start()
+  failed = False
   try:
     yield
+  except BaseException:
+    failed = True
+    raise
   finally:
     stop.set()
     if beat is not None:
@@ -245,3 +258,15 @@ def hold(workdir: str) -> Iterator[None]:
         _remove_lock(path, generation)
       elif (_read_lock(path)[0] or {}).get('token') == token:
         fileio.gfile().remove(path)
+    if failed:
+      _remove_if_empty(made)
+
+
+def _remove_if_empty(folders: list[str]) -> None:
+  """Removes the local `folders` (deepest first) that hold nothing, up to the first that
+  holds something."""
+  for folder in folders:
+    try:
+      os.rmdir(folder)  # Only an empty folder.
+    except OSError:
+      return

@@ -410,11 +410,14 @@ def decode_predictions(examples: Sequence[SquadExample], features: Mapping[str, 
       max_context = features['token_is_max_context'][f]
       if version_2 and (null is None or starts[0] + ends[0] < null[0]):
         null = (starts[0] + ends[0], starts[0], ends[0])
-      for s in _top_indices(starts, n_best_size):
-        if s >= num_tokens or to_orig[s] < 0 or not max_context[s]:
+      # Ranked among the window's own tokens: padding (as long as the batch's length bucket
+      # makes it) never takes an n-best place, so an answer does not depend on the batch it
+      # was predicted in (a served model's batches are not `predict`'s).
+      for s in _top_indices(starts[:num_tokens], n_best_size):
+        if to_orig[s] < 0 or not max_context[s]:
           continue
-        for e in _top_indices(ends, n_best_size):
-          if e >= num_tokens or to_orig[e] < 0 or e < s or e - s + 1 > max_answer_length:
+        for e in _top_indices(ends[:num_tokens], n_best_size):
+          if to_orig[e] < 0 or e < s or e - s + 1 > max_answer_length:
             continue
           candidates.append((starts[s] + ends[e], f, int(s), int(e), starts[s], ends[e]))
     if null is not None:

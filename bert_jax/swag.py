@@ -88,6 +88,13 @@ def read_csv(path: str) -> list[Example]:
   endings = []
   while f'ending{len(endings)}' in header:
     endings.append(header.index(f'ending{len(endings)}'))
+  # A misspelt or out-of-sequence ending column ('ending_3', 'Ending3', 'ending5' after
+  # ending3) would silently drop that choice, and the task would train with fewer.
+  stray = [c for c in header if 'ending' in c.lower() and header.index(c) not in endings]
+  if stray:
+    raise UserError(f'{path}: header (line 1) has column {stray[0]!r} besides '
+                    f'ending0..ending{len(endings) - 1}: name the choices ending0, ending1, ... '
+                    'in sequence (otherwise that choice is left out)')
   sent1, sent2 = header.index('sent1'), header.index('sent2')
   label = header.index('label') if 'label' in header else None
   examples = []

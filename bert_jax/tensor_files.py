@@ -169,8 +169,12 @@ def _read_torch_legacy(path: str) -> dict[str, np.ndarray]:
 
 
 def read_sharded(index_file: str, read) -> dict[str, np.ndarray]:
-  with open(index_file) as f:
-    weight_map = json.load(f).get('weight_map')
+  try:
+    with open(index_file, encoding='utf-8') as f:
+      index = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:  # Cut short in a download, say.
+    raise UserError(f'{index_file}: not valid JSON ({e}); download it again') from None
+  weight_map = index.get('weight_map') if isinstance(index, dict) else None
   if not isinstance(weight_map, dict):
     raise UserError(f'{index_file}: no weight_map')
   tensors = {}

@@ -67,7 +67,7 @@ def is_space(ch: str) -> bool:
   return (ch in ' \t\n\r' or unicodedata.category(ch) == 'Zs' or ch.isspace())
 
 
-def _regex_class(cps: Sequence[int]) -> str:
+def regex_class(cps: Sequence[int]) -> str:
   """An RE2 character class of explicit code point ranges."""
   parts, start, prev = [], None, None
   for cp in sorted(cps):
@@ -112,7 +112,7 @@ def _classes() -> _Classes:
   # tf.strings.lower turns invalid UTF-8 into U+FFFD; the original decodes
   # with errors='ignore', so those go as well.
   mark.append(0xFFFD)
-  return _Classes(*(_regex_class(c) for c in (drop, split, wide_space, mark)))
+  return _Classes(*(regex_class(c) for c in (drop, split, wide_space, mark)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,7 +135,7 @@ def lower_case_mismatches() -> dict[str, str]:
 
 def _fix_lower_case(text: tf.Tensor, fixes: dict[str, str]) -> tf.Tensor:
   """Applies Python's lower-casing to `fixes` characters, only when present."""
-  pattern = '(?s).*' + _regex_class([ord(c) for c in fixes]) + '.*'
+  pattern = '(?s).*' + regex_class([ord(c) for c in fixes]) + '.*'
 
   def fix():
     out = text
@@ -306,6 +306,11 @@ class _TokenizerBase:
   def tokenize(self, strings: tf.Tensor) -> tf.RaggedTensor:
     raise NotImplementedError
 
+  def tf_modules(self) -> list[tf.Module]:
+    """The tensorflow_text tokenizers `tokenize` runs: what a SavedModel that calls it must
+    hold (export.py), so that their resources are saved with it."""
+    raise NotImplementedError
+
 
 class WordPieceTokenizer(_TokenizerBase):
   """Original-BERT WordPiece tokenizer as TensorFlow ops.
@@ -365,6 +370,9 @@ class WordPieceTokenizer(_TokenizerBase):
 
   def normalize(self, strings: tf.Tensor) -> tf.Tensor:
     return normalize(strings, self.lower_case, self._exact_case)
+
+  def tf_modules(self) -> list[tf.Module]:
+    return [self._fast, self._by_word]
 
   def split_words(self, strings: tf.Tensor) -> tf.RaggedTensor:
     """Normalized words before WordPiece: strings [...] -> [..., None]."""
@@ -458,6 +466,9 @@ class SentencePieceTokenizer(_TokenizerBase):
   def tokenize(self, strings: tf.Tensor) -> tf.RaggedTensor | tf.Tensor:
     """Token ids: [N] -> RaggedTensor [N, None] int32 (scalar -> [None])."""
     return self._sp.tokenize(_scalar_or_vector(strings))
+
+  def tf_modules(self) -> list[tf.Module]:
+    return [self._sp]
 
   def tokenize_words(self, strings: tf.Tensor) -> tf.RaggedTensor:
     """Ids grouped by word (a piece starting with '▁' opens one): [N, W, P]."""

@@ -137,6 +137,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   if not vocab_file:
     raise UserError(f'--checkpoint={checkpoint} has no vocab.txt next to it: set '
                     '--config.data.vocab_file')
+  from bert_jax import tokenization  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  convert.check_vocab(checkpoint, vocab_file,
+                      tokenization.load_tokenizer(vocab_file, config.data.lower_case).vocab,
+                      loaded_config, '--checkpoint', 'data.vocab_file')
   if 'mlm' not in params:
     raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
                     'fine-tuned model has no pre-training metrics')
@@ -151,7 +155,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   steps = ckpt_lib.checkpoint_steps(checkpoint) if fileio.isdir(checkpoint) else []
   last = steps[-1] if steps else (int(config.train.stop_at_step) or int(config.train.steps))
   phase = pretraining.phase_at(phases, last - 1)
-  model = model_lib.BertForPreTraining(bert_config)
+  model = model_lib.BertForPreTraining(bert_config, padded_vocab=True)
   _, shardings, _ = pretraining.abstract_state_and_shardings(model, optax.identity(), mesh,
                                                              rules)
   params = state_lib.put_sharded({k: params[k] for k in shardings.params},
@@ -266,6 +270,21 @@ def _dataset(vocab_file: str, train_batch_size: int, phase: pretraining.Phase, t
       vocab_file=vocab_file)
 
 
+def _check_resumed_vocab(workdir: str, vocab_file: str, tokens: list[str]) -> None:
+  """Refuses to resume a workdir's checkpoints with another vocabulary than its vocab.txt, the
+  one they were trained with: of the same size it would train on silently, each embedding row
+  now another token's, and replace the record of what made the checkpoints."""
+  recorded = os.path.join(workdir, 'vocab.txt')
+  if not (fileio.exists(recorded) and ckpt_lib.checkpoint_steps(workdir)):
+    return
+  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  differs = convert.vocab_differs(recorded, vocab_file, tokens)
+  if differs is not None:
+    raise UserError(f'data.vocab_file={vocab_file} is not the vocabulary the checkpoints of '
+                    f'--workdir={workdir} were trained with ({differs}): resume with '
+                    f'--config.data.vocab_file={recorded}, or pre-train into another --workdir')
+
+
 def _setup(config: ml_collections.ConfigDict, workdir: str,
            preemption: monitor.Preemption) -> _Run:
   """Mesh, data (checked for every phase), model and steps, state (restored or initialized),
@@ -306,6 +325,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
     convert.check_casing(init_checkpoint, config.data.lower_case, 'train.init_checkpoint')
   vocab_file = input_pipeline.resolve_vocab(phases[0].data, workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
+  _check_resumed_vocab(workdir, vocab_file, tokenizer.vocab)
   dataset_for = functools.partial(_dataset, vocab_file, batch_size)
   logging.info('Checking the input of %d phase(s)', len(phases))
   _check_phase_data(phases, dataset_for, eval_batch_size // jax.process_count())
@@ -431,6 +451,9 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
           run.log.train(run.step, summary)
           steps.bar.set_postfix(loss=f'{summary["loss"]:.3f}',
                                 mlm_acc=f'{summary["mlm_accuracy"]:.3f}')
+          # A save that failed meanwhile (Cloud Storage past the retries) ends the run now,
+          # not at the next save.
+          ckpt_lib.check_saves(run.manager, run.workdir)
         preemption.stop_now(run.step, run.manager)
         if run_frame.itstime(run.step, run.checkpoint_every, run.stop_at) or preemption.stopping:
           steps.drain()

@@ -208,11 +208,8 @@ def learn_wordpieces(word_counts: dict[str, int], num_pieces: int,
 
 
 def _write_lines(path: str, lines: Sequence[str]):
-  parent = path.rpartition('/')[0]
-  if parent:
-    tf.io.gfile.makedirs(parent)
-  with tf.io.gfile.GFile(path, 'w') as f:
-    f.write(''.join(line + '\n' for line in lines))
+  # Whole or not at all: a truncated vocab.txt (a full disk) would be taken for a whole one.
+  fileio.write_text(path, ''.join(line + '\n' for line in lines))
 
 
 def train_wordpiece(texts: Iterable[str], output_path: str, vocab_size: int,
@@ -300,11 +297,7 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str,
     logging.warning('The input has only enough pieces for a vocabulary of %d tokens (asked '
                     'for %d).', size, vocab_size)
   path = model_prefix + '.model'
-  parent = path.rpartition('/')[0]
-  if parent:
-    tf.io.gfile.makedirs(parent)
-  with tf.io.gfile.GFile(path, 'wb') as f:
-    f.write(model.getvalue())
+  fileio.write_bytes(path, model.getvalue())
   logging.info('Wrote SentencePiece model %s.', path)
   return path
 

@@ -112,6 +112,10 @@ def test_bad_topology_and_batch_are_clear_errors():
     aot.parse_topology('v5e-256')
   with pytest.raises(ValueError, match='train.batch_size=30'):
     aot.compile_for_topology(_config(**{'train.batch_size': 30}), 'v5e:2x2')
+  # A shape libtpu has no slice of (15 chips are no whole number of 4-chip hosts).
+  with pytest.raises(ValueError, match=r'^--topology=v5e:3x5: not a TPU slice libtpu knows '
+                     r'\(Topology layout "v5e:3x5" is not divisible'):
+    aot.compile_for_topology(_config(), 'v5e:3x5')
 
 
 def test_a_step_that_does_not_fit_is_reported_not_raised():
@@ -199,3 +203,55 @@ def test_hbm_bytes_counts_what_moves_to_and_from_hbm():
   # slice read from HBM (2048), not the whole table; the root fusion: its HBM operand %a and
   # its result (4096 each), not its on-chip operands; parameters, tuples and *-done nothing.
   assert aot.hbm_bytes(_HLO) == 4096 + 2048 + 4096 + 4096
+
+
+# As libtpu 0.0.42 prints them: an async slice as the `async-start` of a computation whose root
+# is the slice, and the grouped gradient norm's stack (`optimizer/stack`) as fusions whose root
+# writes one layer's gradient into the f32[24, ...] stack in place (the buffer assignment gives
+# the fusion's result and its operand 0 one allocation).
+_HLO_IN_PLACE = """HloModule step
+
+%async_computation.1 (param_0: bf16[64,64]) -> bf16[16,64] {
+  %param_0 = bf16[64,64]{1,0} parameter(0)
+  ROOT %slice.1 = bf16[16,64]{1,0:S(1)} slice(%param_0), slice={[0:16], [0:64]}
+}
+
+%fused_computation.2 (param_0.2: f32[24,256,256], param_1.2: bf16[256,256]) -> f32[24,256,256] {
+  %param_0.2 = f32[24,256,256]{2,1,0} parameter(0)
+  %param_1.2 = bf16[256,256]{1,0} parameter(1)
+  %convert.2 = f32[256,256]{1,0} convert(%param_1.2)
+  %bitcast.2 = f32[1,256,256]{2,1,0} bitcast(%convert.2)
+  %constant.2 = s32[] constant(0)
+  %constant.3 = s32[] constant(23)
+  ROOT %dynamic-update-slice.2 = f32[24,256,256]{2,1,0} dynamic-update-slice(%param_0.2, %bitcast.2, %constant.3, %constant.2, %constant.2), metadata={op_name="jit(step)/optimizer/stack"}
+}
+
+ENTRY %main (b: bf16[64,64], stack: f32[24,256,256], grad: bf16[256,256]) -> f32[24,256,256] {
+  %b = bf16[64,64]{1,0} parameter(0)
+  %stack = f32[24,256,256]{2,1,0} parameter(1)
+  %grad = bf16[256,256]{1,0} parameter(2)
+  %slice-start.1 = ((bf16[64,64]{1,0}), bf16[16,64]{1,0:S(1)}, s32[]{:S(2)}) async-start(%b), calls=%async_computation.1
+  %slice-done.1 = bf16[16,64]{1,0:S(1)} async-done(%slice-start.1)
+  ROOT %fusion.2 = f32[24,256,256]{2,1,0} fusion(%stack, %grad), kind=kLoop, calls=%fused_computation.2, metadata={op_name="jit(step)/optimizer/stack"}
+}
+"""
+
+
+def test_hbm_bytes_counts_an_in_place_update_by_its_slice():
+  # The async slice: the 16x64 bf16 slice read from HBM (2048), its async-done nothing; the
+  # stack's fusion: the bf16 gradient read (131,072) and its f32 slice written (262,144), not
+  # the whole 6.3 MB stack read and written.
+  assert aot.hbm_bytes(_HLO_IN_PLACE) == 2048 + 256 * 256 * 2 + 256 * 256 * 4
+
+
+def test_flops_under_gradient_accumulation_are_the_steps():
+  """XLA counts the accumulation loop's body once: its count is one micro-batch's, scaled to
+  the step's (and said so), so that it compares with the analytic count of the step."""
+  (report,) = aot.compile_for_topology(_config(**{'train.grad_accum_steps': 4}), 'v5e:2x2')
+  f = report['flops']
+  assert f['micro_batches'] == 4
+  assert 1.0 <= f['xla_over_analytic'] < 1.5, f
+  line = aot.format_report(report).splitlines()[2]
+  assert line.startswith(f"  FLOPs per step: XLA {f['xla_total']:.4g} for one of the 4 "
+                         "micro-batches (the accumulation loop's body, which XLA counts once; "
+                         f"x4: {f['xla_total'] * 4:.4g}), analytic"), line

@@ -14,6 +14,7 @@ import pytest
 from bert_jax import run_lock
 from bert_jax import config_files
 from bert_jax.errors import UserError
+import processes
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -184,6 +185,7 @@ def _assert_user_error(proc, command, *fragments):
     (['compile', '--topology=v5e'], ["--topology='v5e': expected GENERATION:SHAPE"]),
     (['data', '--config.data.max_seq_length=1024'],
      ['data.max_seq_length=1024 exceeds model.max_position_embeddings=512']),
+    (['data', '--stats=-1'], ['flag --stats=-1: -1 is not a non-negative integer']),  # It hung.
 ])
 def test_flag_and_config_mistakes_are_one_message(args, fragments):
   _assert_user_error(_cli(args), args[0], *fragments)
@@ -367,6 +369,34 @@ def files(tmp_path_factory):
   return root, ckpt
 
 
+def test_start_up_lines_are_held_back_as_a_user_runs_the_commands(files, tmp_path):
+  """With the test extra installed (libtpu, JAX's CUDA plugin, TensorFlow) and the commands run
+  as a user runs them (the installed entry point, none of conftest's variables): a command that
+  runs JAX (fill-mask) and a packed `compile` (TensorFlow, then libtpu's topology) print none of
+  their start-up lines: TensorFlow's oneDNN and cuInit notes, libtpu's block with its
+  INVALID_ARGUMENT line. --traceback and --verbosity=1 show them (cli._start_up)."""
+  _, ckpt = files
+  env = processes.user_env(str(tmp_path))
+  # libtpu starts (and prints its block) even while another process holds its lock
+  # (/tmp/libtpu_lockfile: another test's compile); JAX would skip it quietly then.
+  env['ALLOW_MULTIPLE_LIBTPU_LOAD'] = '1'
+  run = lambda args: subprocess.run(['bert-jax'] + args, cwd=tmp_path, env=env,
+                                    capture_output=True, text=True, timeout=600)
+  fill_mask = ['fill-mask', f'--checkpoint={ckpt}', '--top_k=2', 'the [MASK] was good .']
+  quiet = run(fill_mask)
+  processes.check_console('fill-mask', quiet, ('"predictions"',))
+  compiled = run(['compile', '--config=smoke', '--topology=v5e:2x2', '--config.train.phases=',
+                  '--config.train.batch_size=8', '--config.data.packing=true'])
+  processes.check_console('compile', compiled, ('tiny on v5e:2x2', 'roofline bound'))
+  for flag in ('--traceback', '--verbosity=1'):
+    shown = run(fill_mask + [flag])
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert shown.stdout == quiet.stdout
+    # TensorFlow's note on an x86 CPU, libtpu's on a machine without a TPU.
+    assert 'oneDNN custom operations' in shown.stderr, (flag, shown.stderr[-3000:])
+    assert 'TPU_WORKER_HOSTNAMES' in shown.stderr, (flag, shown.stderr[-3000:])
+
+
 def _finetune(config, files, *args):
   root, ckpt = files
   return _cli(['finetune', f'--config={config}', f'--config.train.init_checkpoint={ckpt}',
@@ -428,6 +458,20 @@ def test_meshes_and_batches_that_do_not_divide(files):
                f'--config.data.vocab_file={root}/vocab.txt'],
               env={'XLA_FLAGS': '--xla_force_host_platform_device_count=4'})
   _assert_user_error(proc, 'pretrain', 'train.batch_size=6', '4 data-parallel shards')
+
+
+@pytest.mark.parametrize('platforms', ['gpu', 'tpu'])
+def test_a_platform_this_machine_lacks_is_one_line(files, platforms):
+  """JAX_PLATFORMS=gpu (or tpu) on a machine without one: one line naming the setting, not two
+  tracebacks (one naming ROCm, one advising `sudo rm` of libtpu's lock file)."""
+  _, ckpt = files
+  proc = _cli(['fill-mask', f'--checkpoint={ckpt}', 'the [MASK] was good'],
+              env={'JAX_PLATFORMS': platforms})
+  kind = platforms.upper()
+  _assert_user_error(proc, 'fill-mask', f'error: JAX_PLATFORMS={platforms}: JAX could not start '
+                     f'a {kind} backend: this machine has no usable {kind}',
+                     'unset JAX_PLATFORMS')
+  assert 'sudo' not in proc.stderr and 'rocm' not in proc.stderr.lower()
 
 
 def test_checkpoints_that_do_not_match(files):

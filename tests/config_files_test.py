@@ -154,6 +154,7 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   """Each key's values are defined once, in config_checks (which imports no JAX): the modules
   that branch on them use those very lists, and a value outside them fails where the config
   loads."""
+  from bert_jax import activations  # pylint: disable=g-import-not-at-top
   from bert_jax import attention  # pylint: disable=g-import-not-at-top
   from bert_jax import config_checks  # pylint: disable=g-import-not-at-top
   from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
@@ -167,6 +168,7 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   assert attention.IMPLEMENTATIONS is choices['model.attention_impl']
   # The kernels: every value but 'auto', which model.resolve turns into one of them.
   assert set(choices['model.layer_norm_impl']) == set(layer_norm.IMPLEMENTATIONS) | {'auto'}
+  assert set(choices['model.gelu_impl']) == set(activations.IMPLEMENTATIONS) | {'auto'}
   assert model.MATMUL_PRECISIONS is choices['model.matmul_precision']
   assert set(choices['model.remat_policy']) == set(layers.REMAT_POLICIES)
   assert model.POSITION_EMBEDDINGS is choices['model.position_embedding_type']

@@ -214,6 +214,11 @@ def test_hf_sharded_safetensors(hf_dir, reference, tmp_path):
     json.dump({'metadata': {}, 'weight_map': weight_map}, f)
   _, params = convert.load_pretrained(str(tmp_path))
   _assert_same(reference[1], params)
+  # An index cut short (a download stopped part-way): one line naming it.
+  index = tmp_path / 'model.safetensors.index.json'
+  index.write_text(index.read_text()[:40])
+  with pytest.raises(UserError, match=rf'^{index}: not valid JSON \(.*\); download it again'):
+    convert.load_pretrained(str(tmp_path))
 
 
 def test_hf_finetuned_heads_export_and_reload(tmp_path):
@@ -469,3 +474,71 @@ def test_export_rejects_unknown_parameters(reference, tmp_path):
   bad = dict(params, extra={'kernel': np.zeros((2, 2), np.float32)})
   with pytest.raises(ValueError, match=r'unexpected tensor.*extra/kernel'):
     convert.export_hf(config, bad, str(tmp_path))
+
+
+def test_a_vocabulary_that_is_not_the_checkpoints_is_refused(hf_dir, tmp_path, caplog):
+  """Each id of another vocabulary would look up another word's vector: features, scores and
+  filled masks of garbage with exit status 0. Refused: another WordPiece vocabulary of the
+  same size or smaller, a SentencePiece model; accepted: the checkpoint's own or a copy of it,
+  and (a warning) a smaller one for a checkpoint with no vocab.txt to compare with."""
+  from bert_jax import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  src = hf_dir[0]
+  own = os.path.join(src, 'vocab.txt')
+  shuffled = _write_vocab(str(tmp_path), VOCAB[:15] + VOCAB[16:] + VOCAB[15:16])
+  smaller = str(tmp_path / 'small' / 'vocab.txt')
+  os.makedirs(os.path.dirname(smaller))
+  _write_vocab(os.path.dirname(smaller), VOCAB[:-5])
+  spm = vocab_lib.train_sentencepiece(
+      [f'tok{i} tok{i + 1} tok{i + 2} the.' for i in range(60)] * 3, str(tmp_path / 'sp'),
+      vocab_size=60)
+  for vocab, differs in ((shuffled, r"its token 15 is 'tok1', \S+vocab.txt's is 'tok0'"),
+                         (smaller, rf'{len(VOCAB) - 5} tokens, \S+vocab.txt has {len(VOCAB)}'),
+                         (spm, r"its token 1 is '\[UNK\]', \S+vocab.txt's is '\[unused0\]'")):
+    with pytest.raises(UserError, match=rf'^--vocab_file={vocab} is not the vocabulary of '
+                       rf'--init_checkpoint={src} \(({differs})\): each id would look up '
+                       "another word's vector; leave --vocab_file empty"):
+      convert.load_checkpoint(src, vocab, flag='--init_checkpoint')
+  copy = str(tmp_path / 'copy.txt')
+  shutil.copy(own, copy)
+  assert convert.load_checkpoint(src, copy, flag='--init_checkpoint')[3] == copy
+  no_vocab = _copy_hf(src, tmp_path / 'no_vocab', vocab=None)
+  with caplog.at_level('WARNING'):
+    convert.load_checkpoint(no_vocab, smaller, lower_case=True, flag='--init_checkpoint')
+  assert any(f'{smaller} has {len(VOCAB) - 5} tokens, --init_checkpoint={no_vocab} has '
+             'vocab_size 99 and no vocab.txt' in r.getMessage() for r in caplog.records)
+
+
+def test_a_stopped_or_failed_conversion_leaves_the_output_as_it_was(hf_dir, tmp_path,
+                                                                    monkeypatch):
+  """Ctrl-C in the middle of Orbax's save (its temporary folder half written) or a full disk:
+  --output is left as it was (a full disk says so in one line), so the rerun is not refused;
+  what a conversion killed outright left beside it is removed by the next."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  out = tmp_path / 'out'
+  save = ocp.StandardCheckpointer.save
+
+  def interrupted(self, directory, *args, **kwargs):
+    os.makedirs(f'{directory}.orbax-checkpoint-tmp-1234')
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(ocp.StandardCheckpointer, 'save', interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    convert.convert(hf_dir[0], str(out), 'bert_jax')
+  assert os.listdir(tmp_path) == []
+
+  def full(self, *args, **kwargs):
+    raise OSError(28, 'No space left on device')
+
+  monkeypatch.setattr(ocp.StandardCheckpointer, 'save', full)
+  out.mkdir()  # An empty --output is taken (and stays if the conversion fails).
+  with pytest.raises(UserError, match=rf'^--output={out}: cannot be written \(No space left on '
+                     r'device\); nothing was left there'):
+    convert.convert(hf_dir[0], str(out), 'bert_jax')
+  assert os.listdir(tmp_path) == ['out'] and not os.listdir(out)
+
+  monkeypatch.setattr(ocp.StandardCheckpointer, 'save', save)
+  partial = tmp_path / '.out.bert-jax-partial'  # Left by a conversion killed outright.
+  (partial / 'params').mkdir(parents=True)
+  convert.convert(hf_dir[0], str(out), 'bert_jax')
+  assert os.listdir(tmp_path) == ['out']
+  assert sorted(os.listdir(out)) == ['bert_config.json', 'bert_jax.json', 'params', 'vocab.txt']

@@ -119,6 +119,14 @@ def test_expand_files_errors(tmp_path):
     documents.expand_files(' , ')
 
 
+def test_a_leading_tilde_is_the_home_folder(tmp_path, monkeypatch):
+  """As --workdir's: the shell leaves `--config.data.input=~/corpus.txt` as it is."""
+  monkeypatch.setenv('HOME', str(tmp_path))
+  (tmp_path / 'corpus.txt').write_text('a b.\n')
+  assert documents.expand_files('~/corpus.txt, ~/*.txt') == [str(tmp_path / 'corpus.txt')] * 2
+  assert list(documents.text_lines('~/corpus.txt', ml_collections.ConfigDict())) == ['a b.']
+
+
 def test_input_kind():
   assert documents.input_kind('sample') == 'sample'
   assert documents.input_kind('tfds:wikipedia/20230601.en:train[:1%]') == 'tfds'
@@ -219,7 +227,16 @@ def test_summarize_counts_pieces_documents_and_cut_lines(tmp_path):
   summary = documents.summarize(ds)
   assert summary['documents'] == 3 and summary['documents_in_pieces'] == 2
   assert summary['lines_cut'] == 2
-  assert summary['pieces'] == len(list(ds.as_numpy_iterator()))
+  pieces = list(ds.as_numpy_iterator())
+  assert summary['pieces'] == len(pieces)
+  assert summary['bytes'] == sum(len(p['text']) for p in pieces)
+  # It reads up to a number of bytes (the first 16 MB by default): the piece that reaches it
+  # is the last one counted.
+  first = len(pieces[0]['text'])
+  assert documents.summarize(ds, at_most_bytes=first)['pieces'] == 1
+  assert documents.summarize(ds, at_most_bytes=first + 1) == dict(
+      pieces=2, documents=1, documents_in_pieces=1, lines_cut=0,
+      bytes=first + len(pieces[1]['text']))
 
 
 def test_tfds_articles_come_in_pieces_like_text_files():

@@ -95,3 +95,16 @@ def test_mistakes_are_named(hf_dir, tmp_path):
     fill_mask.fill_mask(path, ['no mask here'])
   with pytest.raises(ValueError, match='at most 40'):
     fill_mask.fill_mask(path, [' '.join(['dog'] * 50) + ' [MASK]'])
+
+
+def test_an_embedding_padded_past_the_vocabulary_shows_tokens_only(hf_dir, tmp_path):
+  """A checkpoint whose embedding has rows past its vocab.txt (padded to a round size, as
+  model.vocab_size allows) predicts tokens only: the rows no token has are never shown."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  padded = str(tmp_path / 'padded')
+  shutil.copytree(hf_dir[0], padded)
+  with open(os.path.join(padded, 'vocab.txt'), 'w') as f:
+    f.write('\n'.join(VOCAB[:-2]) + '\n')
+  (result,) = fill_mask.fill_mask(padded, TEXTS[:1], top_k=len(VOCAB))
+  ids = [p['token_id'] for p in result['masks'][0]['predictions']]
+  assert sorted(ids) == list(range(len(VOCAB) - 2))

@@ -673,6 +673,36 @@ def test_vocab_that_does_not_match_the_checkpoint(checkpoints, glue_dir, tmp_pat
     finetune.finetune(_glue_config('', data_dir), str(tmp_path / 'c'))
 
 
+def test_a_workdir_of_another_task_is_refused_and_another_length_warned(checkpoints, glue_dir,
+                                                                       tmp_path, caplog):
+  """A finished MRPC run rerun with another task's config printed MRPC's score as the new
+  task's, with exit status 0: refused, before anything is written. A finished (or resumed) run
+  given another data.max_seq_length is warned of, as pre-training warns of a changed input."""
+  workdir = str(tmp_path / 'run')
+  os.makedirs(workdir)
+  config_path, metrics_path = (os.path.join(workdir, name)
+                               for name in ('config.json', 'metrics.json'))
+  fileio.write_json(config_path, {'kind': 'finetune', 'task': {'name': 'mrpc'},
+                                  'data': {'max_seq_length': 64}})
+  best = {'task': 'mrpc', 'main_metric': 'f1', 'score': 0.8125, 'epoch': 1, 'step': 4}
+  fileio.write_json(metrics_path, best)
+  config = _glue_config(checkpoints['bert_jax'], glue_dir[0])  # SST-2's, length 32.
+  with pytest.raises(errors.UserError, match=rf'^--workdir={workdir} holds a fine-tuning run of '
+                     r'task mrpc \(its config.json\), not sst2: fine-tune sst2 into another '
+                     '--workdir'):
+    finetune.finetune(config, workdir)
+  assert sorted(os.listdir(workdir)) == ['config.json', 'metrics.json']
+  fileio.write_json(config_path, {'kind': 'finetune', 'task': {'name': 'sst2'},
+                                  'data': {'max_seq_length': 64}})
+  best = dict(best, task='sst2', main_metric='accuracy')
+  fileio.write_json(metrics_path, best)
+  with caplog.at_level('WARNING'):
+    assert finetune.finetune(config, workdir) == best
+  assert any(r.getMessage() == 'The run in this workdir had finished with data.max_seq_length '
+             "changed (64 -> 32) since its checkpoint was saved: its result stands; this "
+             "config's is not used" for r in caplog.records)
+
+
 def test_bad_task_files_name_the_file_and_line(checkpoints, tmp_path):
   """Readers' errors reach the user before any training, naming what to fix."""
   glue_root = str(tmp_path / 'glue')

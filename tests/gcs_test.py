@@ -156,17 +156,12 @@ def test_pretrain_writes_its_workdir_to_the_bucket(reference):
   assert config.num_hidden_layers == 2
 
 
-# Runs `bert-jax pretrain` with tensorstore retrying a Cloud Storage request 4 times, 0.1 s then
-# 0.2 s apart, instead of its default 32 times up to 32 s apart (about 15 minutes).
-_SHORT_TENSORSTORE_RETRIES = '''
-import sys
-from orbax.checkpoint._src.serialization import tensorstore_utils
-from bert_jax import cli
-for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
-  context['gcs_request_retries'] = {'max_retries': 4, 'initial_delay': '0.1s',
-                                    'max_delay': '0.2s'}
-cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
-'''
+# Every layer's Cloud Storage retries (TensorFlow's, tensorstore's, google-cloud-storage's:
+# `gcs.retry_budget`): 4 retries, 0.1 s then 0.2 s apart, instead of 10 from 1 s doubling to
+# 32 s (about 3 minutes).
+_SHORT_RETRIES = {'GCS_RETRY_CONFIG_MAX_RETRIES': '4',
+                  'GCS_RETRY_CONFIG_INIT_DELAY_TIME_US': '100000',
+                  'GCS_RETRY_CONFIG_MAX_DELAY_TIME_US': '200000'}
 
 
 def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losses(
@@ -189,13 +184,11 @@ def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losse
            dict(object='faults/run.lock', status=503, limit=1),
            dict(object='faults/config.json', method='POST', status='reset', limit=1)]
   outage = 'faults/checkpoints/8/params/ocdbt.process_0/'
-  script = tmp_path / 'short_retries.py'
-  script.write_text(_SHORT_TENSORSTORE_RETRIES)
   overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
   gcs.reset_log()
   gcs.inject([dict(object=outage, status=503)] + rules)
   try:
-    proc = _pretrain(gcs, cache, workdir, overrides, script=str(script))
+    proc = _pretrain(gcs, cache, workdir, overrides, env=_SHORT_RETRIES)
     _, err = _communicate(proc, 400)
   finally:
     gcs.inject([])
@@ -231,7 +224,106 @@ def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losse
   assert _losses(workdir) == _losses(reference[0])
   assert ckpt_lib.checkpoint_steps(workdir) == ckpt_lib.checkpoint_steps(reference[0])
 
-def _pretrain_pair(gcs, cache, workdir, overrides, script=None):
+def _down_after(gcs, proc, trigger, prefix, timeout=1500):
+  """Once the run `proc` has made a request for the object `trigger`, every object under
+  `prefix` answers 503 (Cloud Storage down for that workdir); when that happened."""
+  deadline = time.time() + timeout
+  while time.time() < deadline and proc.poll() is None:
+    if any(trigger in q['object'] for q in gcs.requests()):
+      gcs.inject([dict(object=prefix, status=503)])
+      return time.time()
+    time.sleep(0.2)
+  proc.kill()
+  out, err = proc.communicate()
+  pytest.fail(f'no request for {trigger} (returncode {proc.returncode}):\n{err[-5000:]}')
+
+
+# The longest a run may take to end once its workdir's store is down, with the retries of
+# _SHORT_RETRIES (each request gives up within a second): the README's bound with the default
+# budget is 3 x 191 s, plus a step and the time to leave; on a loaded 2-core machine a step of
+# the tiny model, an evaluation or a save takes up to tens of seconds.
+_DOWN_BOUND_S = 120
+
+
+def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounded_time(
+    gcs, cache, data, tmp_path):
+  """From the commit of a run's first checkpoint on, pre-training's checkpoint folder answers
+  only 503 (its next save's arrays and metadata, while metrics.jsonl and the rest answer), and
+  every object of a fine-tuning run's gs:// workdir does (metrics.jsonl, events, the lock, the
+  checkpoints): each run ends within _DOWN_BOUND_S with one line naming an object of its workdir
+  and exit status 143, the committed checkpoint intact, and each rerun resumes from it. Every
+  layer retries on the budget of GCS_RETRY_CONFIG_* (shortened here): before, tensorstore
+  retried a checkpoint's arrays for about 15 minutes, and an asynchronous save's failure
+  surfaced only at the next save (a run whose checkpoint folder failed had not ended after
+  300 s)."""
+  line = (rf'bert-jax (pretrain|finetune): error: gs://{gcs_server.BUCKET}/(down|ft_down)/\S+: '
+          r'Cloud Storage kept failing \(Backend Error\) past the retries \(README: Cloud '
+          r'Storage\); the last (complete checkpoint, step \d+,|committed checkpoint) is intact: '
+          'rerun the same command to resume once Cloud Storage answers')
+  workdir = gcs.url('down')
+  overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
+  gcs.reset_log()
+  try:
+    proc = _pretrain(gcs, cache, workdir, overrides, env=_SHORT_RETRIES)
+    down = _down_after(gcs, proc, 'down/checkpoints/4/commit_success.txt',
+                       'down/checkpoints/')
+    _, err = _communicate(proc, 900)
+    ended = time.time()
+  finally:
+    gcs.inject([])
+  assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
+  assert re.fullmatch(line, err.strip().splitlines()[-1]), err[-3000:]
+  assert 'Traceback' not in err, err[-5000:]
+  assert ended - down < _DOWN_BOUND_S, (ended - down, err[-3000:])
+  assert ckpt_lib.checkpoint_steps(workdir) == [4]
+  proc = _pretrain(gcs, cache, workdir, overrides)
+  _, err = _communicate(proc, 900)
+  assert proc.returncode == 0 and 'Resumed from step 4' in err, err[-5000:]
+  assert sorted(_losses(workdir)) == list(range(1, REFERENCE_STEPS + 1))
+
+  # Fine-tuning (its saves wait for their commit), from a tiny local checkpoint.
+  from bert_jax import convert, model as model_lib  # pylint: disable=g-import-not-at-top
+  init = str(tmp_path / 'init')
+  bert_config = model_lib.BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=64)
+  convert.export_bert_jax(bert_config, model_lib.init_params(bert_config, jax.random.key(0)),
+                          init, vocab_file=data['vocab_file'], lower_case=True)
+  rng = np.random.RandomState(2)
+  words = _read_text(data['input']).split()[:400]
+  for split, n in (('train', 32), ('dev', 16)):
+    rows = [f'{" ".join(rng.choice(words, 6))}\t{rng.randint(0, 2)}' for _ in range(n)]
+    fileio.write_text(gcs.url(f'glue_down/SST-2/{split}.tsv'),
+                      'sentence\tlabel\n' + '\n'.join(rows) + '\n')
+  workdir = gcs.url('ft_down')
+  argv = [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=finetune_glue:sst2',
+          f'--workdir={workdir}'] + _flags({
+              'train.init_checkpoint': init, 'task.data_dir': gcs.url('glue_down'),
+              'data.max_seq_length': 32, 'data.buckets': '()', 'train.batch_size': 8,
+              'eval.batch_size': 16, 'train.epochs': 2, 'checkpoint.every_steps': 2,
+              'log.every_steps': 1, 'log.progress': False})
+  run = lambda env: subprocess.Popen(
+      gcs.command(argv), cwd=processes.ROOT, env=dict(processes.env(cache), **env),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    proc = run(_SHORT_RETRIES)
+    down = _down_after(gcs, proc, 'ft_down/checkpoints/2/commit_success.txt', 'ft_down/')
+    _, err = _communicate(proc, 900)
+    ended = time.time()
+  finally:
+    gcs.inject([])
+  assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
+  assert re.fullmatch(line, err.strip().splitlines()[-1]), err[-3000:]
+  assert 'Traceback' not in err, err[-5000:]
+  assert ended - down < _DOWN_BOUND_S, (ended - down, err[-3000:])
+  assert ckpt_lib.checkpoint_steps(workdir) == [2]
+  proc = run({})
+  out, err = _communicate(proc, 900)
+  assert proc.returncode == 0 and 'Resumed from step 2' in err, err[-5000:]
+  assert 'bert_jax finetune sst2: best epoch' in out
+
+
+def _pretrain_pair(gcs, cache, workdir, overrides, script=None, env=None):
   """`bert-jax pretrain` (or `script` with the same flags) as processes 0 and 1 of two (2 CPU
   devices each, jax.distributed on loopback), in the server's namespace. gRPC (jax.distributed)
   would send its requests to the coordinator through https_proxy, the proxy of the server."""
@@ -241,7 +333,8 @@ def _pretrain_pair(gcs, cache, workdir, overrides, script=None):
   return [subprocess.Popen(
       gcs.command(argv + [f'--workdir={workdir}', f'--coordinator_address=127.0.0.1:{port}',
                           '--num_processes=2', f'--process_id={i}'] + _flags(overrides)),
-      cwd=processes.ROOT, env=dict(processes.env(cache, devices=2), no_grpc_proxy='127.0.0.1'),
+      cwd=processes.ROOT, env=dict(processes.env(cache, devices=2), no_grpc_proxy='127.0.0.1',
+                                   **(env or {})),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
@@ -266,12 +359,10 @@ def test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143(gcs, c
   of Orbax's.) Step 4 stays committed, and the rerun of both resumes from it."""
   workdir = gcs.url('pair')
   outage = 'pair/checkpoints/8/params/ocdbt.process_1/'
-  script = tmp_path / 'short_retries.py'
-  script.write_text(_SHORT_TENSORSTORE_RETRIES)
   overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
   gcs.inject([dict(object=outage, status=503)])
   try:
-    pair = _pretrain_pair(gcs, cache, workdir, overrides, script=str(script))
+    pair = _pretrain_pair(gcs, cache, workdir, overrides, env=_SHORT_RETRIES)
     results, ended = _ends(pair, 500)
   finally:
     gcs.inject([])
@@ -490,11 +581,12 @@ def test_an_append_after_the_object_was_cut_back_goes_onto_what_is_there(gcs):
 
 
 def test_an_outage_past_the_retries_is_one_line_naming_the_object(gcs, monkeypatch):
-  """Every compose onto one object answers 503: the append gives up at its deadline (shortened
-  here from 120 s), and the `bert-jax` command's line names the object; the rows before the
-  outage are intact."""
+  """Every compose onto one object answers 503: the append gives up at the end of the retry
+  budget (`gcs.retry_budget`, shortened here from 10 retries 1 s doubling to 32 s), and the
+  `bert-jax` command's line names the object; the rows before the outage are intact."""
   from bert_jax import cli  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(gcs_lib, 'COMPOSE_DEADLINE_S', 2.0)
+  for name, value in _SHORT_RETRIES.items():
+    monkeypatch.setenv(name, value)
   path = gcs.url('outage/metrics.jsonl')
   gcs_lib.append(path, b'row 1\n')
   gcs_lib.append(path, b'row 2\n')

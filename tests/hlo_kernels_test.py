@@ -128,3 +128,60 @@ def test_kernels_of_a_jax_0_11_gpu_profile_are_found_in_its_program():
   for library in ('nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_splitK_NTN',
                   'cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26'):
     assert library not in info
+
+
+def test_the_gelu_passes_of_the_h100_and_h200_programs_before_issue_45():
+  """step_budget's GELU passes (issue 45) on the two cuts of main's step before it: the
+  deviceless jax 0.10.2 program ran the forward and the backward with the bias gradient's
+  partial sums (2 passes over [tokens, intermediate]); the H200's jax 0.11.2 program split the
+  bias gradient into a column reduction that reads dy again (3 passes). Every one evaluated
+  XLA's float32 erf, instruction-bound on a GPU."""
+  for path, passes in ((SNIPPET, 2), (GPU_SNIPPET, 3)):
+    with open(path) as f:
+      budget = hlo_kernels.step_budget(f.read())
+    assert budget['gelu_passes'] == budget['gelu_erf_passes'] == passes, (path, budget)
+
+
+_PASSES_HLO = '''HloModule step
+
+%fused_add (p0: bf16[4,8], p1: bf16[4,8]) -> bf16[4,8] {
+  %p0 = bf16[4,8]{1,0} parameter(0)
+  %p1 = bf16[4,8]{1,0} parameter(1)
+  ROOT %add.1 = bf16[4,8]{1,0} add(%p0, %p1), metadata={op_name="jit(step)/transpose(jvp(M))/layer_1/mlp/add_any"}
+}
+
+%fused_pad (q0: bf16[4,30]) -> bf16[4,64] {
+  %q0 = bf16[4,30]{1,0} parameter(0)
+  %zero = bf16[] constant(0)
+  ROOT %pad.1 = bf16[4,64]{1,0} pad(%q0, %zero), padding=0_0x0_34, metadata={op_name="jit(step)/transpose(jvp(M))/mlm/attend/pad"}
+}
+
+ENTRY %main (a: bf16[32], b: bf16[4,8], c: bf16[4,30]) -> ((bf16[32], bf16[32]), bf16[4,64]) {
+  %a = bf16[32]{0} parameter(0)
+  %b = bf16[4,8]{1,0} parameter(1)
+  %c = bf16[4,30]{1,0} parameter(2)
+  %ln_bwd.1 = (bf16[32]{0}, bf16[32]{0}) custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/transpose(jvp(M))/layer_1/output_layer_norm/residual_layer_norm_bwd/pallas_call"}
+  %gte = bf16[32]{0} get-tuple-element(%ln_bwd.1), index=1
+  %bc = bf16[4,8]{1,0} bitcast(%gte)
+  %loop_add_fusion = bf16[4,8]{1,0} fusion(%bc, %b), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/transpose(jvp(M))/layer_1/mlp/add_any"}
+  %bc2 = bf16[32]{0} bitcast(%loop_add_fusion)
+  %ln_bwd.2 = (bf16[32]{0}, bf16[32]{0}) custom-call(%bc2), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/transpose(jvp(M))/layer_1/attention_layer_norm/residual_layer_norm_bwd/pallas_call"}
+  %loop_pad_fusion = bf16[4,64]{1,0} fusion(%c), kind=kLoop, calls=%fused_pad
+  ROOT %t = ((bf16[32]{0}, bf16[32]{0}), bf16[4,64]{1,0}) tuple(%ln_bwd.2, %loop_pad_fusion)
+}
+'''
+
+
+def test_the_adds_between_layernorm_kernels_and_the_vocabulary_pad_are_found():
+  """step_budget's residual_grad_adds (an add of activation-sized arrays read from one
+  LayerNorm kernel and read by another, through bitcasts and tuple elements) and vocab_pads (a
+  pad widening the minor dimension to a multiple of 64) on a handmade program; the same add
+  feeding no LayerNorm is not one, nor a pad to a width that is no multiple of 64. Pallas
+  kernels' bytes count as non-matmul bytes."""
+  budget = hlo_kernels.step_budget(_PASSES_HLO)
+  assert (budget['residual_grad_adds'], budget['vocab_pads']) == (1, 1), budget
+  assert budget['kernels_by_group']['layernorm'] == 2 and budget['non_matmul_bytes'] > 4 * 64
+  other = _PASSES_HLO.replace('custom-call(%bc2)', 'custom-call(%a)').replace(
+      '0_0x0_34', '0_0x0_33').replace('bf16[4,64]', 'bf16[4,63]')
+  budget = hlo_kernels.step_budget(other)
+  assert (budget['residual_grad_adds'], budget['vocab_pads']) == (0, 0), budget

@@ -17,7 +17,7 @@ PACKAGE = os.path.join(ROOT, 'bert_jax')
 LAYERS = (
     ('entry points', {'__init__', 'cli', 'aot', 'hlo_kernels'}),
     ('drivers', {'train', 'finetune'}),
-    ('commands that use a model', {'predict', 'features', 'fill_mask'}),
+    ('commands that use a model', {'predict', 'features', 'fill_mask', 'export', 'serving'}),
     # The task modules are the table's (task_table.py imports none of them).
     ('fine-tuning tasks', {'task_table', 'metrics', *task_table.KINDS}),
     ('training', {'pretraining', 'train_state', 'state_extras', 'optim', 'sharding',

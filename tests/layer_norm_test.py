@@ -20,9 +20,17 @@ def _inputs(rows, hidden, dtype, seed=0):
   bias = 0.5 * jax.random.normal(k[2], (hidden,), jnp.float32)
   scale = 1.0 + 0.3 * jax.random.normal(k[3], (hidden,), jnp.float32)
   beta = 0.3 * jax.random.normal(k[4], (hidden,), jnp.float32)
-  bits = layer_norm.dropout_bits(k[5], x.shape)
+  seed = layer_norm.dropout_seed(k[5])
   dy = jax.random.normal(k[6], x.shape, dtype)
-  return x, residual, bias, scale, beta, bits, dy
+  return x, residual, bias, scale, beta, seed, dy
+
+
+def _mask_bytes(seed, shape):
+  """The dropout bytes of the whole array of `shape` (rows: the flattened leading axes)."""
+  rows = np.arange(int(np.prod(shape[:-1])), dtype=np.uint32)[:, None]
+  cols = np.arange(shape[-1], dtype=np.uint32)[None, :]
+  return np.asarray(layer_norm.mask_bytes(seed[0], seed[1], jnp.asarray(rows),
+                                          jnp.asarray(cols))).reshape(shape)
 
 
 def _ln_ref64(x, residual, bias, scale, beta, keep_mult, eps):
@@ -41,12 +49,12 @@ def _ln_ref64(x, residual, bias, scale, beta, keep_mult, eps):
     (5, 48, 0.0, True),     # Rate 0: no mask at all.
 ])
 def test_pallas_matches_xla_forward_and_every_gradient(rows, hidden, rate, with_bias):
-  x, residual, bias, scale, beta, bits, dy = _inputs(rows, hidden, jnp.float32)
+  x, residual, bias, scale, beta, seed, dy = _inputs(rows, hidden, jnp.float32)
   bias = bias if with_bias else None
   outs = {}
   for impl in ('xla', 'pallas'):
     def f(x, residual, bias, scale, beta, impl=impl):
-      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=rate,
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, seed, rate=rate,
                                             eps=1e-12, impl=impl)
     y, vjp = jax.vjp(f, x, residual, bias, scale, beta)
     outs[impl] = (y,) + vjp(dy)
@@ -58,20 +66,20 @@ def test_pallas_matches_xla_forward_and_every_gradient(rows, hidden, rate, with_
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5, err_msg=name)
   # And both are the formula: the forward against float64.
   t = layer_norm.keep_threshold(rate)
-  mult = np.where(np.asarray(bits) >= t, 256 / (256 - t), 0.0) if t else 1.0
+  mult = np.where(_mask_bytes(seed, x.shape) >= t, 256 / (256 - t), 0.0) if t else 1.0
   np.testing.assert_allclose(np.asarray(outs['pallas'][0]),
                              _ln_ref64(x, residual, bias, scale, beta, mult, 1e-12),
                              rtol=1e-5, atol=1e-5)
 
 
 def test_dropped_elements_get_no_gradient_and_kept_ones_are_scaled():
-  x, residual, bias, scale, beta, bits, dy = _inputs(9, 32, jnp.float32, seed=3)
+  x, residual, bias, scale, beta, seed, dy = _inputs(9, 32, jnp.float32, seed=3)
   rate = 0.25
   t = layer_norm.keep_threshold(rate)
-  dropped = np.asarray(bits) < t
+  dropped = _mask_bytes(seed, x.shape) < t
   assert 0 < dropped.sum() < dropped.size
   for impl in ('xla', 'pallas'):
-    f = lambda x, r: layer_norm.residual_layer_norm(x, r, bias, scale, beta, bits, rate=rate,
+    f = lambda x, r: layer_norm.residual_layer_norm(x, r, bias, scale, beta, seed, rate=rate,
                                                     impl=impl)
     _, vjp = jax.vjp(f, x, residual)
     dx, dr = (np.asarray(g) for g in vjp(dy))
@@ -81,8 +89,8 @@ def test_dropped_elements_get_no_gradient_and_kept_ones_are_scaled():
 
 
 def test_check_grads_of_the_pallas_kernel():
-  x, residual, bias, scale, beta, bits, _ = _inputs(5, 24, jnp.float32, seed=1)
-  f = lambda x, r, b, s, be: layer_norm.residual_layer_norm(x, r, b, s, be, bits, rate=0.1,
+  x, residual, bias, scale, beta, seed, _ = _inputs(5, 24, jnp.float32, seed=1)
+  f = lambda x, r, b, s, be: layer_norm.residual_layer_norm(x, r, b, s, be, seed, rate=0.1,
                                                             impl='pallas')
   test_util.check_grads(f, (x, residual, bias, scale, beta), order=1, modes=['rev'],
                             atol=1e-2, rtol=1e-2, eps=1e-3)
@@ -91,17 +99,17 @@ def test_check_grads_of_the_pallas_kernel():
 def test_bfloat16_in_and_out_with_float32_statistics():
   """bf16 in and out: the kernel sums in float32, the xla path in bf16 (as flax's layers did;
   cheaper in XLA); both within bf16 rounding of the float32 formula, statistics in float32."""
-  x, residual, bias, scale, beta, bits, dy = _inputs(11, 40, jnp.bfloat16, seed=2)
+  x, residual, bias, scale, beta, seed, dy = _inputs(11, 40, jnp.bfloat16, seed=2)
   outs = {}
   for impl in ('xla', 'pallas'):
     f = lambda x, r, b, impl=impl: layer_norm.residual_layer_norm(
-        x, r, b, scale, beta, bits, rate=0.1, impl=impl)
+        x, r, b, scale, beta, seed, rate=0.1, impl=impl)
     y, vjp = jax.vjp(f, x, residual, bias)
     outs[impl] = (y,) + vjp(dy)
     assert [o.dtype for o in outs[impl]] == [jnp.bfloat16] * 3 + [jnp.float32], impl
   up = lambda a: a.astype(jnp.float32)
   f32 = lambda x, r, b: layer_norm.residual_layer_norm(
-      x, r, b, scale, beta, bits, rate=0.1, impl='xla')
+      x, r, b, scale, beta, seed, rate=0.1, impl='xla')
   y, vjp = jax.vjp(f32, up(x), up(residual), up(bias))
   ref = (y,) + vjp(up(dy))
   # One bf16 rounding of the output (pallas); up to three more of the sum's terms (xla).
@@ -114,37 +122,46 @@ def test_bfloat16_in_and_out_with_float32_statistics():
 def test_pallas_is_one_pallas_call_and_xla_none():
   """('auto' is resolved before this layer: model_test.py's
   test_auto_resolves_for_the_platform_in_one_place.)"""
-  x, residual, bias, scale, beta, bits, _ = _inputs(3, 8, jnp.float32)
+  x, residual, bias, scale, beta, seed, _ = _inputs(3, 8, jnp.float32)
   jaxpr = str(jax.make_jaxpr(lambda *a: layer_norm.residual_layer_norm(
-      *a, bits, rate=0.1, impl='xla'))(x, residual, bias, scale, beta))
+      *a, seed, rate=0.1, impl='xla'))(x, residual, bias, scale, beta))
   assert 'pallas_call' not in jaxpr
   jaxpr = str(jax.make_jaxpr(lambda *a: layer_norm.residual_layer_norm(
-      *a, bits, rate=0.1, impl='pallas'))(x, residual, bias, scale, beta))
+      *a, seed, rate=0.1, impl='pallas'))(x, residual, bias, scale, beta))
   assert 'pallas_call' in jaxpr
 
 
-def test_dropout_bits_rate_and_independence():
-  bits = np.asarray(layer_norm.dropout_bits(jax.random.key(0), (64, 513)))
-  assert bits.shape == (64, 513) and bits.dtype == np.uint8
+def test_dropout_masks_rate_and_independence():
+  """The hashed masks (layer_norm.mask_bytes): the rate, neighbours along rows and columns
+  uncorrelated, another seed another mask, and the seed from a key of any implementation."""
+  seed = layer_norm.dropout_seed(jax.random.key(0))
+  assert seed.shape == (2,) and seed.dtype == jnp.uint32
+  byte = _mask_bytes(seed, (64, 513))
+  assert byte.min() >= 0 and byte.max() < 256
   t = layer_norm.keep_threshold(0.1)
   assert t == 26  # The rate applied: 26 / 256.
-  dropped = bits < t
+  dropped = byte < t
   # Binomial: 32,832 draws at p = 0.1016, standard deviation 0.0017.
   assert abs(dropped.mean() - 26 / 256) < 0.006
-  # The four bytes of one 32-bit word are independent draws: neighbours' drops uncorrelated.
-  a, b = dropped[:, :-1].ravel(), dropped[:, 1:].ravel()
-  assert abs(np.corrcoef(a, b)[0, 1]) < 0.03
-  other = np.asarray(layer_norm.dropout_bits(jax.random.key(1), (64, 513)))
-  assert (other != bits).mean() > 0.9
+  assert abs(np.corrcoef(dropped[:, :-1].ravel(), dropped[:, 1:].ravel())[0, 1]) < 0.03
+  assert abs(np.corrcoef(dropped[:-1].ravel(), dropped[1:].ravel())[0, 1]) < 0.03
+  # The bytes are uniform: each of 16 bins of 16 values holds 1/16 of them.
+  counts = np.bincount(byte.ravel() // 16, minlength=16) / byte.size
+  assert np.all(np.abs(counts - 1 / 16) < 0.006), counts
+  other = _mask_bytes(layer_norm.dropout_seed(jax.random.key(1)), (64, 513))
+  assert (other != byte).mean() > 0.9
+  rbg = layer_norm.dropout_seed(jax.random.key(0, impl='rbg'))
+  assert rbg.shape == (2,) and rbg.dtype == jnp.uint32
 
 
 def test_dropout_multiplies_and_keeps_the_expectation():
   x = jnp.ones((256, 256), jnp.bfloat16)
-  bits = layer_norm.dropout_bits(jax.random.key(0), x.shape)
-  y = np.asarray(layer_norm.dropout(x, bits, 0.1), np.float32)
+  seed = layer_norm.dropout_seed(jax.random.key(0))
+  y = np.asarray(layer_norm.dropout(x, seed, 0.1), np.float32)
   assert set(np.unique(y).tolist()) == {0.0, float(jnp.bfloat16(256 / 230))}
   assert abs(y.mean() - 1.0) < 0.01
-  assert layer_norm.dropout(x, bits, 0.0) is x
+  np.testing.assert_array_equal(y == 0, _mask_bytes(seed, x.shape) < 26)
+  assert layer_norm.dropout(x, seed, 0.0) is x
   with pytest.raises(ValueError, match='dropout rate'):
     layer_norm.keep_threshold(1.0)
 
@@ -154,12 +171,12 @@ def test_pallas_on_a_mesh_runs_per_device_and_sums_the_parameter_gradients():
   and the bias/scale/beta gradients are the sums over every device's rows."""
   from bert_jax import config_files  # pylint: disable=g-import-not-at-top
   from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  x, residual, bias, scale, beta, bits, dy = _inputs(6, 24, jnp.float32, seed=5)
-  x, residual, bits, dy = (jnp.concatenate([a, a[::-1] * 0.5]) for a in (x, residual, bits, dy))
+  x, residual, bias, scale, beta, seed, dy = _inputs(6, 24, jnp.float32, seed=5)
+  x, residual, dy = (jnp.concatenate([a, a[::-1] * 0.5]) for a in (x, residual, dy))
 
   def run(impl):
     def f(x, residual, bias, scale, beta):
-      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, bits, rate=0.1,
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, seed, rate=0.1,
                                             impl=impl)
     y, vjp = jax.vjp(f, x, residual, bias, scale, beta)
     return (y,) + vjp(dy)
@@ -174,3 +191,46 @@ def test_pallas_on_a_mesh_runs_per_device_and_sums_the_parameter_gradients():
   assert 'shard_map' in jaxpr and 'pallas_call' in jaxpr
   for a, b in zip(reference, out):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5)
+
+
+def test_residual_copy_takes_both_gradients_into_the_backward_kernel():
+  """residual_copy=True returns y twice; the gradients of the two copies are added inside the
+  backward kernel (it reads both): the same gradients as one output whose gradient is their
+  sum, and a copy nothing reads costs no zeros tensor (a symbolic zero: one dy read)."""
+  x, residual, bias, scale, beta, seed, dy = _inputs(9, 40, jnp.float32, seed=3)
+  dy2 = jnp.flip(dy, axis=1) * 0.7
+
+  def grads(impl, copy, cotangent):
+    def f(x, residual, bias, scale, beta):
+      return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, seed, rate=0.1,
+                                            impl=impl, residual_copy=copy)
+    out, vjp = jax.vjp(f, x, residual, bias, scale, beta)
+    return out, vjp(cotangent)
+
+  (y, y_copy), both = grads('pallas', True, (dy, dy2))
+  assert y is y_copy or np.array_equal(np.asarray(y), np.asarray(y_copy))
+  _, summed = grads('xla', False, dy + dy2)
+  _, xla_both = grads('xla', True, (dy, dy2))
+  for a, b, c in zip(summed, both, xla_both):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=2e-5, atol=2e-5)
+
+  def second_unused(x, residual, bias, scale, beta):
+    return layer_norm.residual_layer_norm(x, residual, bias, scale, beta, seed, rate=0.1,
+                                          impl='pallas', residual_copy=True)[0]
+  _, vjp = jax.vjp(second_unused, x, residual, bias, scale, beta)
+  _, single = grads('xla', False, dy)
+  for a, b in zip(single, vjp(dy)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5)
+  # The backward kernel's inputs: one dy when the copy is unused, two when both are, and no
+  # add of the two outside it.
+  def backward_call(f, cotangent):
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](cotangent))(
+        x, residual, bias, scale, beta)
+    # (The forward's call is there too: the backward's is the one with dx, dr, partials.)
+    calls = [e for e in jaxpr.eqns if e.primitive.name == 'pallas_call' and len(e.outvars) == 3]
+    assert len(calls) == 1 and not any(e.primitive.name == 'add_any' for e in jaxpr.eqns)
+    return calls[0]
+  both_call = backward_call(lambda *a: layer_norm.residual_layer_norm(
+      *a, seed, rate=0.1, impl='pallas', residual_copy=True), (dy, dy2))
+  assert len(both_call.invars) == len(backward_call(second_unused, dy).invars) + 1

@@ -301,6 +301,33 @@ def test_pallas_layer_norm_runs_the_pre_ln_layers(modern_params):
   assert_close(out, ref, 2e-5, what='pallas vs xla LayerNorm, modern encoder')
 
 
+def test_pallas_gelu_runs_the_dense_mlp_of_a_pre_ln_model():
+  """gelu_impl='pallas' (interpreted here) in the dense MLP beside the other options (pre-LN,
+  rotary, no biases, local windows): as xla, in training."""
+  config = MODERN.replace(mlp_type='dense', hidden_act='gelu', hidden_dropout_prob=0.1)
+  params = _params(config)
+  ids, mask, seg = _batch()
+  rngs = {'dropout': jax.random.key(5)}
+  ref, _ = _encode(config, params, ids, mask, seg, deterministic=False, rngs=rngs)
+  out, _ = _encode(config.replace(gelu_impl='pallas'), params, ids, mask, seg,
+                   deterministic=False, rngs=rngs)
+  assert_close(out, ref, 2e-5, what='pallas vs xla GELU, pre-LN dense MLP')
+
+
+def test_portable_gelu_runs_the_geglu_mlp_without_a_chlo_erf(modern_params):
+  """portable_gelu (the SavedModel export) reaches the gated MLP's GELU too: the same outputs,
+  and no CHLO composite (erf) that TensorFlow's XlaCallModule cannot read."""
+  from jax import export  # pylint: disable=g-import-not-at-top
+  config = MODERN.replace(hidden_act='gelu')
+  ids, mask, seg = map(jnp.asarray, _batch())
+  run = lambda c: jax.jit(lambda p: _encode(c, p, ids, mask, seg)[0])
+  portable = config.replace(portable_gelu=True)
+  assert_close(run(portable)(modern_params), run(config)(modern_params), 2e-6,
+               what='portable vs exact GELU, GeGLU')
+  assert 'composite' in export.export(run(config))(modern_params).mlir_module()
+  assert 'composite' not in export.export(run(portable))(modern_params).mlir_module()
+
+
 def test_splash_attention_with_a_local_window_matches_xla():
   rng = np.random.RandomState(0)
   q, k, v = (jnp.asarray(rng.randn(2, 256, 2, 64), jnp.float32) for _ in range(3))
@@ -336,10 +363,19 @@ def test_fp8_covers_the_gated_mlp():
     ({'model.local_attention_window': 4, 'model.attention_impl': 'splash',
       'model.scan_layers': True, 'model.attention_probs_dropout_prob': 0.0,
       'data.max_seq_length': 128}, 'scanned layers share one trace'),
+    ({'model.mlp': 'geglu', 'model.gelu_impl': 'pallas'}, "a gated MLP's GELU runs in XLA"),
 ])
 def test_config_refuses_what_a_kernel_cannot_do(overrides, message):
   with pytest.raises(UserError, match=message):
     config_files.load_config('smoke', overrides)
+
+
+def test_a_gated_checkpoint_refuses_the_pallas_gelu_too():
+  """A fine-tuning run takes the architecture from the checkpoint, the kernel from its config:
+  the BertConfig they make refuses the pair as the config check does."""
+  with pytest.raises(UserError, match=r"model.mlp='geglu'"):
+    MODERN.replace(hidden_act='gelu', gelu_impl='pallas')
+  PAPER.replace(gelu_impl='pallas', pre_layer_norm=True)  # The dense MLP takes it.
 
 
 def test_rotary_lifts_the_length_ceiling_of_the_config():

@@ -313,9 +313,10 @@ def test_masked_positions_are_gathered_without_a_scatter_in_the_gradient():
   assert hlo.count('scatter(') + hlo.count('"stablehlo.scatter"') == 1, 'one scatter: words'
 
 
-def test_pallas_layer_norm_matches_xla_in_training_with_dropout():
-  """model.layer_norm_impl='pallas' (interpreted here) against 'xla': the same dropout masks
-  from the same rng, the same outputs and parameter gradients (scanned layers: one kernel
+def test_pallas_kernels_match_xla_in_training_with_dropout():
+  """model.layer_norm_impl='pallas' and model.gelu_impl='pallas' (interpreted here) against
+  'xla': the same dropout masks from the same rng, the same outputs and parameter gradients
+  (the LayerNorms' residual copies carried across the layers; scanned layers: one kernel
   trace; interpreting Pallas compiles slowly)."""
   params = model_lib.init_params(TINY, jax.random.key(4))
   ids, mask, seg, pos = _batch()
@@ -330,7 +331,8 @@ def test_pallas_layer_norm_matches_xla_in_training_with_dropout():
     return jax.value_and_grad(loss)(params)
 
   ref = loss_and_grads(TINY.replace(layer_norm_impl='xla', scan_layers=True))
-  out = loss_and_grads(TINY.replace(layer_norm_impl='pallas', scan_layers=True))
+  out = loss_and_grads(TINY.replace(layer_norm_impl='pallas', gelu_impl='pallas',
+                                    scan_layers=True))
   # Float32 both ways; leaves near zero (a few biases) are held to the largest's scale.
   top = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref))
   jax.tree.map(lambda a, b: assert_close(b, a, 2e-5, scale=top), ref, out)
@@ -341,42 +343,52 @@ def test_pallas_layer_norm_matches_xla_in_training_with_dropout():
 
 
 def test_auto_resolves_for_the_platform_in_one_place():
-  """model.dtype and model.layer_norm_impl 'auto' mean what the platform a step runs on, or is
-  compiled for, takes (`model.resolve`): config_from resolves them for the platform it is given
-  (`bert-jax compile --topology=h100` gives the GPU's), else for the one being lowered for,
-  else for this process's backend. A BertConfig built in code with 'auto' gets XLA's LayerNorm
-  here and the fused kernel when lowered for a GPU."""
+  """model.dtype, model.layer_norm_impl and model.gelu_impl 'auto' mean what the platform a
+  step runs on, or is compiled for, takes (`model.resolve`): config_from resolves them for the
+  platform it is given (`bert-jax compile --topology=h100` gives the GPU's), else for the one
+  being lowered for, else for this process's backend. A BertConfig built in code with 'auto'
+  gets XLA's LayerNorm here and the fused kernel when lowered for a GPU; GELU 'auto' is XLA's
+  everywhere (activations.py: the Pallas pair measured no faster on an H100)."""
   from bert_jax import defaults  # pylint: disable=g-import-not-at-top
   block = defaults.pretrain().model
-  block.update(dict(size='tiny', dtype='auto', layer_norm_impl='auto'))
-  wanted = {'cpu': ('float32', 'xla'), 'gpu': ('bfloat16', 'pallas'),
-            'tpu': ('bfloat16', 'xla')}
+  block.update(dict(size='tiny', dtype='auto', layer_norm_impl='auto', gelu_impl='auto'))
+  wanted = {'cpu': ('float32', 'xla', 'xla'), 'gpu': ('bfloat16', 'pallas', 'xla'),
+            'tpu': ('bfloat16', 'xla', 'xla')}
+  got = lambda c: (c.dtype, c.layer_norm_impl, c.gelu_impl)
   for platform, values in wanted.items():
     config = model_lib.config_from(block, vocab_size=99, platform=platform)
-    assert (config.dtype, config.layer_norm_impl) == values, platform
+    assert got(config) == values, platform
     with attention.lowering_for(platform):
       config = model_lib.config_from(block, vocab_size=99)
-    assert (config.dtype, config.layer_norm_impl) == values, platform
+    assert got(config) == values, platform
   config = model_lib.config_from(block, vocab_size=99)
-  assert (config.dtype, config.layer_norm_impl) == wanted[jax.default_backend()]
-  block.update(dict(dtype='bfloat16', layer_norm_impl='xla'))  # Not 'auto': as given.
+  assert got(config) == wanted[jax.default_backend()]
+  # Not 'auto': as given.
+  block.update(dict(dtype='bfloat16', layer_norm_impl='xla', gelu_impl='pallas'))
   config = model_lib.config_from(block, vocab_size=99, platform='gpu')
-  assert (config.dtype, config.layer_norm_impl) == ('bfloat16', 'xla')
+  assert got(config) == ('bfloat16', 'xla', 'pallas')
 
-  model = model_lib.BertForPreTraining(TINY.replace(layer_norm_impl='auto'))
+  model = model_lib.BertForPreTraining(TINY.replace(layer_norm_impl='auto', gelu_impl='auto'))
   ids = jnp.ones((2, 8), jnp.int32)
   params = model.init(jax.random.key(0), ids, ids, ids, ids)['params']
   traced = lambda: str(jax.make_jaxpr(lambda p: model.apply(
       {'params': p}, ids, ids, ids, ids))(params))
   assert 'pallas_call' not in traced()
   with attention.lowering_for('gpu'):
-    assert 'pallas_call' in traced()
+    jaxpr = traced()
+  assert 'pallas_call' in jaxpr and 'layer_norm' in jaxpr and 'bias_gelu_fwd' not in jaxpr
+  with attention.lowering_for('gpu'):
+    assert 'bias_gelu_fwd' in str(jax.make_jaxpr(lambda p: model_lib.BertForPreTraining(
+        TINY.replace(gelu_impl='pallas')).apply({'params': p}, ids, ids, ids, ids))(params))
 
 
 def test_bad_layer_norm_impl_is_one_line():
   with pytest.raises(model_lib.UserError,
                      match=r"model\.layer_norm_impl='triton': expected one of auto, pallas"):
     TINY.replace(layer_norm_impl='triton')
+  with pytest.raises(model_lib.UserError,
+                     match=r"model\.gelu_impl='triton': expected one of auto, pallas"):
+    TINY.replace(gelu_impl='triton')
 
 
 def test_one_mapping_from_the_model_block_for_both_drivers():
@@ -502,3 +514,33 @@ def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dty
   fp8_err = assert_close(y, exact, 0.1, what='FP8 matmul')
   bf16_err = assert_close(jnp.dot(x, k), exact, 0.02, what='bf16 matmul')
   assert fp8_err > 2 * bf16_err, (fp8_err, bf16_err)
+
+
+def test_padded_vocab_logits_give_the_same_loss_predictions_and_gradients():
+  """BertForPreTraining(padded_vocab=True) (the pre-training steps'): MLM logits over the
+  decoder's padded vocabulary (99 -> 128), the pad columns at PAD_LOGIT, so that the loss's
+  gradient enters the decoder's matmul as it is (no pad of it back to 128 columns): the same
+  loss, accuracy and parameter gradients as the sliced logits, and no gradient through a pad
+  column."""
+  from bert_jax import objectives  # pylint: disable=g-import-not-at-top
+  params = model_lib.init_params(TINY, jax.random.key(6))
+  ids, mask, seg, pos = _batch()
+  labels = jnp.asarray(np.random.RandomState(1).randint(0, 99, pos.shape), jnp.int32)
+  batch = {'masked_lm_ids': labels, 'masked_lm_weights': jnp.ones(pos.shape, jnp.float32)}
+
+  def loss(p, padded):
+    logits, _ = model_lib.BertForPreTraining(TINY, padded_vocab=padded).apply(
+        {'params': p}, ids, mask, seg, pos)
+    sums, _, metrics = objectives.mlm_loss(logits, batch)
+    return sums['mlm'], (logits, metrics)
+
+  (ref, (ref_logits, ref_metrics)), ref_grads = jax.value_and_grad(loss, has_aux=True)(
+      params, False)
+  (got, (logits, metrics)), grads = jax.value_and_grad(loss, has_aux=True)(params, True)
+  assert ref_logits.shape[-1] == 99 and logits.shape[-1] == 128
+  np.testing.assert_array_equal(np.asarray(logits[..., :99]), np.asarray(ref_logits))
+  assert np.all(np.asarray(logits[..., 99:]) < model_lib.PAD_LOGIT / 2)
+  assert_close(got, ref, 1e-6, what='loss')
+  assert jax.tree.map(float, metrics) == jax.tree.map(float, ref_metrics)
+  top = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
+  jax.tree.map(lambda a, b: assert_close(b, a, 1e-6, scale=top), ref_grads, grads)

@@ -68,7 +68,10 @@ class _Written:
 
 
 class _Committed:
-  """The CheckpointManager methods `_save_failed` calls: step 4 is committed."""
+  """The CheckpointManager methods `_save_failed` calls: step 4 is committed (`committed`: as
+  `checkpoint.save` records it before each save)."""
+
+  committed = 4
 
   def reload(self):
     pass
@@ -395,3 +398,33 @@ def test_the_key_value_store_is_reached_as_the_hooks_reach_it():
   assert callable(multihost.get_barrier_sync_fn)
   for method in ('key_value_set', 'blocking_key_value_get', 'key_value_delete'):
     assert callable(getattr(_jax.DistributedRuntimeClient, method)), method
+
+
+def test_orbaxs_reads_and_writes_of_arrays_get_the_runs_retry_budget(tmp_path, monkeypatch):
+  """`bounded_retries`: the type handlers of a checkpoint (`checkpoint._registry`) hand Orbax's
+  own serialize, deserialize and metadata each parameter's tensorstore context as a child that
+  holds `gcs.tensorstore_retries()`; Orbax passes it on as `ParamInfo.ts_context`."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  budget = {'max_retries': 3, 'initial_delay': '2s', 'max_delay': '5s'}  # None the default.
+  monkeypatch.setattr(orbax_hooks.gcs, 'tensorstore_retries', lambda: budget)
+  seen = []
+  for method in ('serialize', 'deserialize', 'metadata'):
+    original = getattr(ocp.type_handlers.NumpyHandler, method)
+
+    async def spy(self, *args, _original=original, _method=method, **kwargs):
+      infos = args[1] if _method == 'serialize' else args[0]
+      seen.extend((_method, info.ts_context['gcs_request_retries'].to_json()) for info in infos)
+      return await _original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.type_handlers.NumpyHandler, method, spy)
+  handler = ocp.PyTreeCheckpointHandler(type_handler_registry=checkpoint._registry(False))  # pylint: disable=protected-access
+  manager = ocp.CheckpointManager(str(tmp_path / 'checkpoints'), item_handlers={'p': handler})
+  manager.save(1, args=ocp.args.Composite(p=ocp.args.PyTreeSave({'w': np.arange(3.)})))
+  manager.wait_until_finished()
+  restored = manager.restore(1, args=ocp.args.Composite(p=ocp.args.PyTreeRestore(
+      restore_args={'w': ocp.RestoreArgs(restore_type=np.ndarray)})))
+  np.testing.assert_array_equal(restored['p']['w'], np.arange(3.))
+  manager.close()
+  assert {method for method, _ in seen} >= {'serialize', 'deserialize'}, seen
+  assert all(resource == budget for _, resource in seen), seen

@@ -1,11 +1,18 @@
-"""What tests that start `bert-jax` subprocesses share: their environment, a free port, and a
-race of processes for a workdir's lock."""
+"""What tests that start `bert-jax` subprocesses share: their environment (a test's, or a user's
+shell with the installed entry point), what a successful command's console may hold, a free
+port, and a race of processes for a workdir's lock."""
 
 import os
+import re
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 from typing import Callable
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,6 +28,66 @@ def env(cache_dir: str, devices: int | None = None) -> dict[str, str]:
   if devices is not None:
     out['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
   return out
+
+
+# Lines a successful command never prints: an error-level line (absl's or native code's E/F
+# lines, Python's), a traceback, and the start-up lines of TensorFlow, libtpu and JAX's CUDA
+# plugin that bert-jax holds back (cli._start_up).
+_ERROR_LINE = re.compile(r'^(?:[EF]\d{4} |ERROR\b|FATAL\b|CRITICAL\b|\S+: error: |'
+                         r'Traceback \(most recent call last\))')
+_HELD_BACK = ('oneDNN custom operations', 'cuInit', 'TPU_ACCELERATOR_TYPE',
+              'TPU_WORKER_HOSTNAMES', 'Source Location Trace', 'absl::InitializeLog',
+              'Logging before InitGoogle', 'cpu_feature_guard', 'Unable to register cu',
+              'Jax plugin configuration error', 'INVALID_ARGUMENT')
+
+
+def check_console(where: str, proc: subprocess.CompletedProcess, says: tuple[str, ...] = (),
+                  ours: bool = True) -> None:
+  """Asserts that a command succeeded as a user wants to see it: exit 0, no traceback, each of
+  `says` printed, and for `ours` (bert-jax, this checkout's scripts) nothing at error level and
+  none of the held-back start-up lines. Another program (TensorFlow's saved_model_cli, a
+  `python3 -c` that imports TensorFlow) prints its libraries' start-up lines itself."""
+  output = proc.stdout + proc.stderr
+  bad = [line for line in output.splitlines()
+         if line.startswith('Traceback (most recent call last)') or ours and (
+             _ERROR_LINE.match(line) or any(noise in line for noise in _HELD_BACK))]
+  missing = [s for s in says if s not in output]
+  assert proc.returncode == 0 and not bad and not missing, (
+      f'{where}: exit {proc.returncode}; lines a successful run does not print: {bad}; '
+      f'missing: {missing}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}')
+
+
+def entry_point() -> str:
+  """The `bert-jax` console script installed for this interpreter (pip install -e .[test])."""
+  path = shutil.which('bert-jax', path=sysconfig.get_path('scripts'))
+  if path is None:
+    pytest.fail(f'no bert-jax entry point in {sysconfig.get_path("scripts")}: install the '
+                'checkout first (python3 -m pip install -e ".[test]")', pytrace=False)
+  return path
+
+
+# What tests/conftest.py sets for the tests' own processes; a user's shell has none of them.
+CONFTEST_VARIABLES = ('JAX_PLATFORMS', 'TF_CPP_MIN_LOG_LEVEL', 'JAX_DISABLE_MOST_OPTIMIZATIONS',
+                      'XLA_FLAGS')
+
+
+def user_env(folder: str) -> dict[str, str]:
+  """A user's shell: none of the tests' variables, the interpreter's scripts (`bert-jax`) and
+  `python`/`python3` (in `folder`/bin) first on PATH, this checkout imported (PYTHONPATH: the
+  entry point of another checkout's install runs this one's code). The sample corpus comes from
+  the user's cache, as for the other tests (made once per Python)."""
+  env = {k: v for k, v in os.environ.items() if k not in CONFTEST_VARIABLES}
+  bin_dir = os.path.join(folder, 'bin')
+  os.makedirs(bin_dir, exist_ok=True)
+  for name in ('python', 'python3'):
+    with open(os.path.join(bin_dir, name), 'w') as f:
+      f.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    os.chmod(os.path.join(bin_dir, name), 0o755)
+  scripts = os.path.dirname(entry_point())
+  env['PATH'] = os.pathsep.join([bin_dir, scripts, env.get('PATH', '')])
+  env['PYTHONPATH'] = os.pathsep.join([ROOT] + [p for p in [env.get('PYTHONPATH')]
+                                                          if p])
+  return env
 
 
 def free_port() -> int:

@@ -115,3 +115,26 @@ def test_runs_started_at_once_on_a_local_workdir_one_takes_the_lock(tmp_path, ha
   processes.race_for_lock(workdir, str(tmp_path), before_round=before_round,
                           hard_links=hard_links)
   assert os.listdir(workdir) == []  # Released, and no temporary lock file left.
+
+
+def test_a_refused_run_leaves_no_empty_workdir_behind(tmp_path):
+  """A run refused (any error) before it wrote anything leaves no folder it made; one that
+  wrote something, or a workdir that was there before, stays."""
+  workdir = tmp_path / 'runs' / 'a'
+  with pytest.raises(UserError, match='refused'):
+    with run_lock.hold(str(workdir)):
+      raise UserError('refused')
+  assert os.listdir(tmp_path) == []
+  with pytest.raises(UserError, match='refused'):
+    with run_lock.hold(str(workdir)):
+      (workdir / 'vocab.txt').write_text('[PAD]\n')
+      raise UserError('refused')
+  assert os.listdir(workdir) == ['vocab.txt']
+  (workdir / 'vocab.txt').unlink()
+  with pytest.raises(UserError, match='refused'):
+    with run_lock.hold(str(workdir)):  # There before: stays.
+      raise UserError('refused')
+  assert os.listdir(workdir) == []
+  with run_lock.hold(str(tmp_path / 'b')):
+    pass  # A run that ends well keeps its workdir, empty or not.
+  assert os.path.isdir(tmp_path / 'b')

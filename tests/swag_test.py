@@ -76,6 +76,9 @@ def test_read_swag_csv_with_quotes_and_an_unlabelled_test_file(tmp_path):
     ('g.jsonl', '{"context": "x", "endings": ["a", "b"], "label": true}\n',
      'g.jsonl:1: label True is not a choice'),
     ('h.jsonl', '["x"]\n', 'h.jsonl:1: expected a JSON object, got list'),
+    # A misspelt ending column would leave that choice out: 3-way instead of 4-way.
+    ('i.csv', 'sent1,sent2,ending0,ending1,ending2,ending_3,label\nx,y,a,b,c,d,3\n',
+     "i.csv: header (line 1) has column 'ending_3' besides ending0..ending2"),
 ])
 def test_bad_files_name_the_file_and_line(tmp_path, name, text, message):
   with pytest.raises(UserError, match=re.escape(message)):

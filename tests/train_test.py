@@ -29,6 +29,7 @@ from bert_jax import checkpoint as ckpt_lib
 from bert_jax import config_files
 from bert_jax import convert
 from bert_jax import input_pipeline
+from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import pretraining
 from bert_jax import run_lock
@@ -913,6 +914,33 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path, reference, vocab_file)
   # refused one's.
   for name, data in record.items():
     assert open(os.path.join(workdir, name), 'rb').read() == data, name
+
+
+def test_another_vocabulary_of_the_same_size_is_refused(tmp_path):
+  """Resuming with another vocabulary of the workdir's size would train on, each embedding row
+  now another token's, and replace the vocab.txt that says what made the checkpoints;
+  evaluating with it would score garbage. Both are refused, before anything is written."""
+  import workdirs  # pylint: disable=g-import-not-at-top
+  tokens = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + [f'w{i}' for i in range(27)]
+  own, other = tmp_path / 'vocab.txt', tmp_path / 'other_vocab.txt'
+  own.write_text('\n'.join(tokens) + '\n')
+  other.write_text('\n'.join(tokens[:10] + [tokens[11], tokens[10]] + tokens[12:]) + '\n')
+  config = model_lib.BertConfig(vocab_size=len(tokens), hidden_size=16, num_hidden_layers=2,
+                                num_attention_heads=2, intermediate_size=32,
+                                max_position_embeddings=64)
+  workdir = workdirs.training_workdir(str(tmp_path / 'run'), config,
+                                      model_lib.init_params(config, jax.random.key(0)), str(own))
+  before = {name: open(os.path.join(workdir, name), 'rb').read()
+            for name in ('vocab.txt', 'config.json')}
+  message = (rf'data.vocab_file={other} is not the vocabulary .* \(its token 10 is \'w6\', '
+             rf'{workdir}/vocab.txt\'s is \'w5\'\)')
+  with pytest.raises(UserError, match=message):
+    train.train_and_evaluate(_config(str(other)), workdir)
+  for name, data in before.items():
+    assert open(os.path.join(workdir, name), 'rb').read() == data, name
+  assert ckpt_lib.checkpoint_steps(workdir) == [1]
+  with pytest.raises(UserError, match='^' + message):
+    train.evaluate_checkpoint(_config(str(other)), workdir)
 
 
 def test_eval_settings_and_held_out_data_are_checked_before_the_first_step(tmp_path,
