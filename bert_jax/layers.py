@@ -419,11 +419,12 @@ class EncoderLayer(nn.Module):
   """The paper's post-LN Transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x)).
 
   The carry is (x, residual), the layer input twice (ResidualLayerNorm's two outputs): x for
-  the attention, residual for its LayerNorm. With pre_layer_norm it is (h, LN(h)), the residual stream and its normalization:
-  h += Attn(LN(h)); h += MLP(LN(h)). Each LN is of the sum the sub-layer before ends in, so it
-  is still one fused LayerNorm(residual + dropout(projection + bias)) (`layer_norm.py`), and
-  the stream the same sum (`layer_norm.residual_add`); the embeddings' LayerNorm is layer 0's
-  input norm (ModernBERT's layout), and the last layer's output_norm is the final norm.
+  the attention, residual for its LayerNorm. With pre_layer_norm it is (h, LN(h)), the
+  residual stream and its normalization: h += Attn(LN(h)); h += MLP(LN(h)). Each LN is of
+  the sum the sub-layer before ends in, so it is still one fused LayerNorm(residual +
+  dropout(projection + bias)) (`layer_norm.py`), and the stream the same sum
+  (`layer_norm.residual_add`); the embeddings' LayerNorm is layer 0's input norm (ModernBERT's
+  layout), and the last layer's output_norm is the final norm.
   """
   config: BertConfig
   deterministic: bool = True
