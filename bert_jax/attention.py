@@ -32,6 +32,14 @@ Implementations (`model.attention_impl`):
           over the mesh (batch over data/fsdp, heads over tensor). Padding queries attend the
           padding keys. Sequence lengths must be multiples of 128 (the kernel's tiles).
 
+Local (sliding-window) attention (`local_window` W > 0, ModernBERT's `local_attention`): a
+query also attends only the keys at most W / 2 tokens away in its row, on top of the packing
+mask (a packed sequence is contiguous, so that is W / 2 within its sequence). xla and cudnn take
+it as part of the mask; splash as its `LocalMask` (tiles outside the band are skipped);
+cudnn_varlen cannot (JAX's packed cuDNN call takes only a causal, left-only window) and is
+refused. With scanned layers of two kinds (`local` traced per layer) only the mask-based
+implementations apply: splash builds one kernel per mask, fixed when traced.
+
 Neither fused kernel applies attention dropout: JAX's public cuDNN call has none, the private
 one takes its dropout seed as a static Python int (the same mask every step unless recompiled),
 and splash has none. Training with one of them therefore needs
@@ -142,13 +150,16 @@ def _cudnn_sees_target(platform: str,
 
 
 def check_config(impl: str, attention_dropout: float, platform: str,
-                 seq_lens: Sequence[int] = (), training: bool = True) -> None:
+                 seq_lens: Sequence[int] = (), training: bool = True, local_window: int = 0,
+                 scanned_kinds: bool = False) -> None:
   """UserErrors for an attention implementation that cannot run as configured.
 
   `platform` is the backend the step will run on ('cpu', 'gpu', 'tpu'); `seq_lens` the
-  sequence lengths it will see (every phase or bucket).
+  sequence lengths it will see (every phase or bucket); `local_window` the local layers'
+  window (0: none); `scanned_kinds` whether scanned layers mix local and global attention.
   """
   config_checks.check_choice('model.attention_impl', impl)  # For a direct caller.
+  config_checks.check_local_attention(impl, local_window, scanned_kinds)
   if impl == 'xla':
     return
   if platform != _BACKENDS[impl]:
@@ -166,32 +177,44 @@ def check_config(impl: str, attention_dropout: float, platform: str,
                       'buckets)')
 
 
-def block_diagonal_mask(sequence_ids: Array) -> Array:
-  """[B, T] sequence ids -> [B, 1, T, T] bool: query t may attend key s."""
+def block_diagonal_mask(sequence_ids: Array, local_window: int = 0,
+                        local: bool | Array = True) -> Array:
+  """[B, T] sequence ids -> [B, 1, T, T] bool: query t may attend key s. With `local_window`
+  W > 0 and `local` (a bool, or a traced one), also only |t - s| <= W / 2."""
   q = sequence_ids[:, None, :, None]
   k = sequence_ids[:, None, None, :]
-  return (k > 0) & ((q == k) | (q == 0))
+  mask = (k > 0) & ((q == k) | (q == 0))
+  if local_window and local is not False:
+    t = sequence_ids.shape[1]
+    band = jnp.abs(jnp.arange(t)[:, None] - jnp.arange(t)[None, :]) <= local_window // 2
+    mask = mask & (band | jnp.logical_not(local))
+  return mask
 
 
 def dot_product_attention(q: Array, k: Array, v: Array, sequence_ids: Array, *, impl: str,
                           probs_dropout: Callable[[Array], Array] | None = None,
-                          max_sequences: int = DEFAULT_MAX_SEQUENCES) -> Array:
+                          max_sequences: int = DEFAULT_MAX_SEQUENCES, local_window: int = 0,
+                          local: bool | Array = True) -> Array:
   """Softmax(q k^T / sqrt(d)) v within each packed sequence; q, k, v are [B, T, heads, d].
 
   `probs_dropout` (training with attention dropout) is applied to the attention
   probabilities; only the xla implementation can. `max_sequences`: the most sequences in one
-  row (cudnn_varlen sizes its segment tables by it).
+  row (cudnn_varlen sizes its segment tables by it). `local_window` W > 0: where `local` (a
+  bool, or traced in scanned layers), keys at most W / 2 tokens from the query only.
   """
   if probs_dropout is not None and impl != 'xla':
     raise UserError(f'model.attention_impl={impl!r} in training with '
                     'model.attention_probs_dropout_prob > 0: ' + _NO_DROPOUT.format(impl=impl))
+  if local is False:
+    local_window = 0
+  config_checks.check_local_attention(impl, local_window, not isinstance(local, bool))
   if impl == 'splash':
-    return splash_attention(q, k, v, sequence_ids)
+    return splash_attention(q, k, v, sequence_ids, local_window=local_window)
   if impl in ('cudnn', 'cudnn_varlen'):
     _check_cudnn_inputs(q, impl)
   if impl == 'cudnn_varlen':
     return cudnn_varlen_attention(q, k, v, sequence_ids, max_sequences)
-  mask = block_diagonal_mask(sequence_ids)
+  mask = block_diagonal_mask(sequence_ids, local_window, local)
   if impl == 'cudnn':
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
   assert impl == 'xla', impl
@@ -306,10 +329,14 @@ def splash_block_sizes(seq_len: int) -> splash.BlockSizes:
                            block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
 
 
-def _splash_local(q: Array, k: Array, v: Array, sequence_ids: Array, interpret: bool) -> Array:
+def _splash_local(q: Array, k: Array, v: Array, sequence_ids: Array, interpret: bool,
+                  local_window: int = 0) -> Array:
   """Splash attention on one device's shard: [b, T, n, d] with [b, T] segment ids."""
   _, seq_len, heads, head_dim = q.shape
-  mask = splash.MultiHeadMask([splash.FullMask((seq_len, seq_len))] * heads)
+  shape = (seq_len, seq_len)
+  one = (splash.LocalMask(shape, (local_window // 2, local_window // 2), offset=0)
+         if local_window else splash.FullMask(shape))
+  mask = splash.MultiHeadMask([one] * heads)
   kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1,
                                   block_sizes=splash_block_sizes(seq_len), interpret=interpret)
   # The kernel takes pre-scaled queries, one example at a time, heads first.
@@ -324,20 +351,22 @@ def _splash_local(q: Array, k: Array, v: Array, sequence_ids: Array, interpret: 
 
 
 def splash_attention(q: Array, k: Array, v: Array, sequence_ids: Array,
-                     interpret: bool | None = None) -> Array:
+                     interpret: bool | None = None, local_window: int = 0) -> Array:
   """Block-diagonal attention with Pallas splash attention; q, k, v are [B, T, heads, d].
 
   On a TPU the Mosaic kernel runs; elsewhere (tests on CPU) Pallas interprets the same kernel,
   chosen when the program is lowered, so an AOT compile for a TPU gets the real kernel. Under
   a mesh the kernel runs per device through `shard_map`: the batch split as the activations'
   'batch' rule says, heads as 'act_heads', the sequence whole (splash cannot split keys).
+  `local_window` W > 0: a `LocalMask` of W / 2 keys each side.
   """
+  local = functools.partial(_splash_local, local_window=local_window)
   if interpret is not None:
-    fn = functools.partial(_splash_local, interpret=interpret)
+    fn = functools.partial(local, interpret=interpret)
   else:
     fn = lambda *a: jax.lax.platform_dependent(
-        *a, tpu=functools.partial(_splash_local, interpret=False),
-        default=functools.partial(_splash_local, interpret=True))
+        *a, tpu=functools.partial(local, interpret=False),
+        default=functools.partial(local, interpret=True))
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return fn(q, k, v, sequence_ids)

@@ -164,7 +164,9 @@ def _convert_flags():
                       'hf://ORG/NAME[@REVISION] on the Hugging Face Hub.')
   flags.DEFINE_string('output', None, 'Output directory (with --push_to_hub: optional, the '
                       'pushed folder is kept there).')
-  flags.DEFINE_enum('format', 'bert_jax', ['bert_jax', 'hf', 'google'], 'Output format.')
+  flags.DEFINE_enum('format', 'bert_jax', ['bert_jax', 'hf', 'google', 'modernbert'],
+                    'Output format (modernbert: transformers\' ModernBertForMaskedLM, for a '
+                    'model with its architecture).')
   flags.DEFINE_string('push_to_hub', '', 'ORG/NAME: push the Hugging Face export (with a model '
                       'card and the tokenizer files) to this model repository on the Hub; '
                       'needs --format=hf.')

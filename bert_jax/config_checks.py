@@ -75,7 +75,12 @@ RANGES: dict[str, Check] = {
     # Model.
     'model.vocab_size': at_least(0),  # 0 = from the vocabulary file.
     'model.max_position_embeddings': at_least(1),
-    'model.type_vocab_size': at_least(1),
+    'model.type_vocab_size': at_least(0),  # 0 = no token types.
+    'model.intermediate_size': at_least(0),  # 0 = 4 x hidden.
+    'model.rope_theta': positive(),
+    'model.local_rope_theta': positive(),
+    'model.local_attention_window': at_least(0),
+    'model.global_attention_every': at_least(0),
     'model.hidden_dropout_prob': fraction(open_high=True),
     'model.attention_probs_dropout_prob': fraction(open_high=True),
     # Pre-training input.
@@ -153,6 +158,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     'model.layer_norm_impl': ('auto', 'pallas', 'xla'),
     'model.gelu_impl': ('auto', 'pallas', 'xla'),
     'model.matmul_precision': ('default', 'fp8'),
+    'model.position_embedding_type': ('absolute', 'rotary'),
+    'model.mlp': ('dense', 'geglu', 'swiglu'),
     'data.objective': ('nsp', 'sop', 'none'),
     'train.optimizer': ('adamw', 'lamb'),
     'train.decay': ('linear', 'constant'),
@@ -223,10 +230,16 @@ def phase_specs(config: ml_collections.ConfigDict) -> list[tuple[float, int, int
     if frac < 0 or not 8 <= seq_len or not 1 <= preds <= seq_len:
       raise UserError(f'train.phases: {item!r} needs fraction >= 0, seq_len >= 8 and 1 <= '
                       'max_predictions <= seq_len')
-    if seq_len > config.model.max_position_embeddings:
+    if seq_len > config.model.max_position_embeddings and not _rotary(config):
       raise UserError(f'train.phases: seq_len {seq_len} exceeds '
                       f'model.max_position_embeddings={config.model.max_position_embeddings}')
   return parts
+
+
+def _rotary(config: ml_collections.ConfigDict) -> bool:
+  """Whether the model has rotary positions (no learned table, so no length ceiling)."""
+  found = _get(config, 'model.position_embedding_type')
+  return bool(found) and found[0] == 'rotary'
 
 
 def _get(config: ml_collections.ConfigDict, *keys: str) -> list | None:
@@ -241,7 +254,7 @@ def _lengths(config):
     raise UserError(f'data.max_predictions_per_seq={values[1]} exceeds data.max_seq_length='
                     f'{values[0]}: at most one prediction per token')
   values = _get(config, 'data.max_seq_length', 'model.max_position_embeddings')
-  if values and values[0] > values[1]:
+  if values and values[0] > values[1] and not _rotary(config):
     # Pre-training: the model's own limit (fine-tuning takes the checkpoint's, when loaded).
     raise UserError(f'data.max_seq_length={values[0]} exceeds model.max_position_embeddings='
                     f'{values[1]}: the model has no position embedding past its limit')
@@ -264,6 +277,53 @@ def _phases(config):
     if bad:
       raise UserError(f"model.attention_impl='splash' needs sequence lengths that are "
                       f'multiples of 128; data.max_seq_length / train.phases give {bad}')
+
+
+def check_local_attention(impl: str, window: int, scanned_kinds: bool = False) -> None:
+  """The UserError for local attention (model.local_attention_window `window`) that attention
+  kernel `impl` cannot compute; `scanned_kinds`: scanned layers mix local and global attention.
+  Where a config loads (`_architecture`), and in `attention.check_config` and
+  `dot_product_attention` for a checkpoint's architecture (fine-tuning) or a direct caller."""
+  if window < 0 or window % 2:
+    raise UserError(f'model.local_attention_window={window}: must be even (W / 2 keys on each '
+                    'side of a query), or 0 for global attention everywhere')
+  if not window:
+    return
+  if impl == 'cudnn_varlen':
+    raise UserError("model.attention_impl='cudnn_varlen' with model.local_attention_window="
+                    f"{window}: JAX's packed cuDNN call takes only a causal (left-only) window, "
+                    "not a bidirectional one: use model.attention_impl='cudnn'")
+  if impl == 'splash' and scanned_kinds:
+    raise UserError("model.attention_impl='splash' with model.scan_layers=True and layers of "
+                    f'both kinds (model.local_attention_window={window}, '
+                    'model.global_attention_every): a splash kernel is built for one mask when '
+                    'traced, and scanned layers share one trace; use model.scan_layers=False')
+
+
+def check_gelu_impl(impl: str, mlp: str) -> None:
+  """The UserError for model.gelu_impl `impl` with feed-forward `mlp` (model.mlp's values):
+  the Pallas kernel fuses a dense layer's bias add and GELU (the paper's MLP, the MLM
+  transform), where a gated MLP multiplies the GELU by its gate after a stacked matmul that
+  added the biases. Where a config loads (`_architecture`) and in `model.BertConfig` (a
+  checkpoint's architecture)."""
+  if impl == 'pallas' and mlp != 'dense':
+    raise UserError(f"model.gelu_impl='pallas' with a gated MLP (model.mlp={mlp!r}): the "
+                    "Pallas kernel fuses a dense layer's bias add and GELU, and a gated MLP's "
+                    "GELU runs in XLA after its gate's stacked matmul; use "
+                    "model.gelu_impl='xla' or 'auto'")
+
+
+def _architecture(config):
+  """The options after the paper against the kernels."""
+  values = _get(config, 'model.local_attention_window', 'model.global_attention_every',
+                'model.attention_impl', 'model.scan_layers')
+  if values:
+    window, every, impl, scan = values
+    # Every named size has 2 layers or more: N >= 2 makes layer 0 global and layer 1 local.
+    check_local_attention(impl, window, bool(scan) and every >= 2)
+  values = _get(config, 'model.gelu_impl', 'model.mlp')
+  if values:
+    check_gelu_impl(*values)
 
 
 def _schedule(config):
@@ -312,7 +372,7 @@ def _writers(config: ml_collections.ConfigDict) -> None:
 
 # Rules between keys, in order; each raises a UserError naming the keys, or returns.
 CROSS_CHECKS: tuple[Callable[[ml_collections.ConfigDict], None], ...] = (
-    _lengths, _phases, _schedule, _batches, _writers)
+    _lengths, _phases, _architecture, _schedule, _batches, _writers)
 
 
 # config.kind -> (the job, the command that runs it).

@@ -44,13 +44,14 @@ import safetensors.numpy
 from bert_jax import fileio
 from bert_jax import hub
 from bert_jax import model
+from bert_jax import modernbert
 from bert_jax import objectives
 from bert_jax import tasks
 from bert_jax import tensor_files
 from bert_jax.errors import UserError
 
 FORMAT_VERSION = 1
-FORMATS = ('bert_jax', 'hf', 'google')
+FORMATS = ('bert_jax', 'hf', 'google', 'modernbert')
 
 # ---------------------------------------------------------------------------------------------
 # Names: our parameter paths -> Hugging Face and Google names
@@ -247,15 +248,18 @@ def _hf_weights_file(path: str) -> str | None:
   return None
 
 
-def _read_hf(path: str) -> tuple[dict[str, np.ndarray], str]:
-  """(tensors under canonical BertForPreTraining names, the file they came from)."""
+def _read_hf_files(path: str) -> tuple[dict[str, np.ndarray], str]:
+  """(tensors as a Hugging Face directory names them, the file they came from)."""
   for name, read, sharded in _HF_WEIGHTS:
     file = os.path.join(path, name)
     if os.path.exists(file):
-      raw = tensor_files.read_sharded(file, read) if sharded else read(file)
-      break
-  else:
-    raise UserError(f'{path}: no {" or ".join(n for n, _, _ in _HF_WEIGHTS)}')
+      return (tensor_files.read_sharded(file, read) if sharded else read(file)), file
+  raise UserError(f'{path}: no {" or ".join(n for n, _, _ in _HF_WEIGHTS)}')
+
+
+def _read_hf(path: str) -> tuple[dict[str, np.ndarray], str]:
+  """(tensors under canonical BertForPreTraining names, the file they came from)."""
+  raw, file = _read_hf_files(path)
   tensors = {}
   for name, x in raw.items():
     if name.endswith('embeddings.position_ids'):  # A buffer (arange), not a weight.
@@ -356,7 +360,8 @@ def _read_bert_jax(path: str) -> dict[str, np.ndarray]:
 
 
 def _detect(path: str) -> tuple[str, str]:
-  """(format, where): 'workdir' | 'bert_jax' | 'hf' (directories) or 'google' (a prefix).
+  """(format, where): 'workdir' | 'bert_jax' | 'hf' | 'modernbert' (directories) or 'google'
+  (a prefix).
 
   Training workdirs, Google checkpoints and bert_jax exports may be remote (gs://...); Hugging
   Face directories must be local.
@@ -378,7 +383,9 @@ def _detect(path: str) -> tuple[str, str]:
     if os.path.exists(os.path.join(path, 'bert_jax.json')):
       return 'bert_jax', path
     if os.path.exists(os.path.join(path, 'config.json')) and _hf_weights_file(path):
-      return 'hf', path
+      hf = _read_json(os.path.join(path, 'config.json'))
+      modern = isinstance(hf, dict) and hf.get('model_type') == modernbert.MODEL_TYPE
+      return ('modernbert' if modern else 'hf'), path
     prefix = _google_prefix(path)
     if prefix:
       return 'google', prefix
@@ -528,6 +535,13 @@ def load_pretrained(path: str, *, dtype: str = 'float32', scan_layers: bool = Fa
     # Lazy: reading a workdir brings in Orbax.
     from bert_jax import run_files  # pylint: disable=g-import-not-at-top
     config, params = run_files.load_pretrained_from_workdir(path, step)
+  elif fmt == 'modernbert':
+    config = modernbert.config_from_hf(_read_json(os.path.join(where, 'config.json')),
+                                       os.path.join(where, 'config.json'))
+    raw, source = _read_hf_files(where)
+    params, heads = _assemble(modernbert.from_hf(config, raw, source), config, 'bert_jax',
+                              source)
+    logging.info('Loaded %s (ModernBERT layout): heads %s', path, ', '.join(heads) or 'none')
   else:
     folder = os.path.dirname(where) if fmt == 'google' else where
     config = _read_config(
@@ -709,6 +723,7 @@ def export_hf(config: model.BertConfig, params: dict, out_dir: str,
   transformers' Auto classes) is a fine-tuning run's (its task.json says it: a classifier may be
   a sequence, token or multiple-choice one); None = the one the heads imply.
   """
+  _check_paper_bert(config, 'hf')
   flat, heads = _export_tree(config, params)
   _empty_dir(out_dir)
   safetensors.numpy.save_file(_to_source(flat, 'hf'), os.path.join(out_dir, 'model.safetensors'),
@@ -740,10 +755,47 @@ def export_hf(config: model.BertConfig, params: dict, out_dir: str,
       f.write('\n')
 
 
+def _check_paper_bert(config: model.BertConfig, fmt: str) -> None:
+  """The BERT formats hold the paper's architecture only."""
+  if not config.is_paper_bert():
+    other = ('modernbert or bert_jax' if not modernbert.mismatches(config) else 'bert_jax')
+    raise UserError(f'--format={fmt} holds the paper\'s BERT, and this model has options after '
+                    'it (rotary positions, a gated MLP, pre-LayerNorm, no biases, local '
+                    f'attention or no token types): use --format={other}')
+
+
+@_to_any_folder
+def export_modernbert(config: model.BertConfig, params: dict, out_dir: str,
+                      vocab_file: str | None = None, lower_case: bool | None = None) -> None:
+  """transformers' ModernBertForMaskedLM layout (`modernbert.py`): model.safetensors +
+  config.json (+ vocab.txt and a BertTokenizer's tokenizer_config.json). Only a model with
+  ModernBERT's architecture (`modernbert.mismatches`) has one; the pooler and NSP head are
+  left out."""
+  modernbert.check_exportable(config)
+  flat, _ = _export_tree(config, params)
+  ids = {t: i for i, t in enumerate(_read_vocab(vocab_file))} if vocab_file else {}
+  special = {k: ids.get(f'[{k.upper()}]', d) for k, d in (('pad', 0), ('cls', 101),
+                                                          ('sep', 102))}
+  _empty_dir(out_dir)
+  safetensors.numpy.save_file(modernbert.to_hf(config, flat),
+                              os.path.join(out_dir, 'model.safetensors'),
+                              metadata={'format': 'pt'})
+  with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+    json.dump(modernbert.hf_config(config, special), f, indent=2)
+    f.write('\n')
+  _copy_vocab(config, vocab_file, out_dir)
+  if lower_case is not None:
+    with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
+      json.dump({'do_lower_case': lower_case, 'tokenizer_class': 'BertTokenizer',
+                 'model_max_length': config.max_position_embeddings}, f, indent=2)
+      f.write('\n')
+
+
 @_to_any_folder
 def export_google(config: model.BertConfig, params: dict, out_dir: str,
                   vocab_file: str | None = None) -> None:
   """The original release's layout: bert_model.ckpt.{index,data-*} + bert_config.json."""
+  _check_paper_bert(config, 'google')
   flat, _ = _export_tree(config, params)
   _empty_dir(out_dir)
   tensors = _to_source(flat, 'google')
@@ -778,7 +830,8 @@ def export_bert_jax(config: model.BertConfig, params: dict, out_dir: str,
 def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax',
             step: int | None = None) -> None:
   """`bert-jax convert`: any readable checkpoint (`step`: that step of a training workdir) ->
-  `fmt` ('bert_jax', 'hf' or 'google')."""
+  `fmt` ('bert_jax', 'hf', 'google' or
+  'modernbert')."""
   if fmt not in FORMATS:
     raise UserError(f'--format={fmt!r} is not one of {FORMATS}')
   # Before reading the weights (minutes for a large model), not after.
@@ -801,6 +854,8 @@ def convert(input_path: str, output_dir: str, fmt: str = 'bert_jax',
                       if fileio.isfile(task_json) else None)
       export_hf(config, params, staging, vocab, lower_case=lower_case,
                 architecture=architecture)
+    elif fmt == 'modernbert':
+      export_modernbert(config, params, staging, vocab, lower_case=lower_case)
     else:
       export_google(config, params, staging, vocab)
   logging.info('Wrote %s (%s format)', output_dir, fmt)

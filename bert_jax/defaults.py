@@ -69,8 +69,34 @@ def _model(from_scratch: bool) -> ml_collections.ConfigDict:
     model.size = 'base'
     # Vocabulary size; 0 = take it from the vocabulary file (data.vocab_file).
     model.vocab_size = 0
+    # The learned position table's size: the longest row (with rotary embeddings, only what
+    # the model is trained for: no ceiling).
     model.max_position_embeddings = 512
+    # Token types (segments A and B); 0 = none (ModernBERT: [SEP] alone separates a pair).
     model.type_vocab_size = 2
+    # Feed-forward width; 0 = 4 x hidden (the paper's). A gated MLP has two input matrices: 8/3
+    # x hidden keeps the paper's parameter count.
+    model.intermediate_size = 0
+    # The architecture after the paper (README "Modern recipe"); the defaults are the paper's.
+    # Positions: 'absolute' (a learned table) or 'rotary' (RoFormer; ModernBERT), whose bases
+    # are rope_theta in global layers and local_rope_theta in local ones (ModernBERT: 160,000
+    # and 10,000).
+    model.position_embedding_type = 'absolute'
+    model.rope_theta = 10_000.0
+    model.local_rope_theta = 10_000.0
+    # Feed-forward: 'dense' (GELU), 'geglu' or 'swiglu' (gated: act(x W) * (x V); Shazeer 2020,
+    # MosaicBERT and ModernBERT use GeGLU).
+    model.mlp = 'dense'
+    # LayerNorm before each sub-layer and after the last (ModernBERT) instead of after each.
+    model.pre_layer_norm = False
+    # False: no bias in the encoder's linear layers, LayerNorms and MLM transform (ModernBERT;
+    # Cramming). The task heads, pooler and the MLM output bias keep theirs.
+    model.use_bias = True
+    # Local attention: keys at most W / 2 tokens from the query, W even; 0 = every layer global.
+    # Layers 0, N, 2N, ... (N = global_attention_every; 0 = none) stay global (ModernBERT: 128
+    # and 3).
+    model.local_attention_window = 0
+    model.global_attention_every = 3
   model.hidden_dropout_prob = 0.1
   model.attention_probs_dropout_prob = 0.1
   # Compute dtype: 'bfloat16' on accelerators, 'float32' on CPU ('auto' picks by backend).

@@ -164,7 +164,7 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
   fileio.hide_accelerators_from_tf()
   config, params, tok, _, _ = convert.load_checkpoint(init_checkpoint, vocab_file, lower_case,
                                                       flag='--init_checkpoint')
-  if not 2 < max_seq_length <= config.max_position_embeddings:
+  if not 2 < max_seq_length <= (config.max_length or max_seq_length):  # Rotary: no ceiling.
     raise UserError(f'--max_seq_length={max_seq_length} must be in [3, '
                     f'{config.max_position_embeddings}] (the model\'s max_position_embeddings)')
   config = config.replace(dtype=model_lib.resolve_dtype(dtype), scan_layers=False)

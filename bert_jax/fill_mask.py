@@ -60,7 +60,8 @@ def fill_mask(checkpoint: str, texts: Sequence[str], top_k: int = 5, vocab_file:
                     'fine-tuned model cannot fill in masks; use a pre-trained checkpoint')
   config = config.replace(dtype='float32', scan_layers=False)
   params = model_lib.with_nsp_head(params, config.hidden_size)  # Its output is not used here.
-  packed = [encode_masked(tok, t, config.max_position_embeddings) for t in texts]
+  # Rotary models have no position table: no ceiling but memory.
+  packed = [encode_masked(tok, t, config.max_length or 2**31) for t in texts]
   length = max(len(ids) for ids, _ in packed)
   num_masks = max(len(p) for _, p in packed)
   input_ids = np.zeros((len(texts), length), np.int32)

@@ -248,9 +248,15 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   task = task_table.make_task(config, tok, bert_config, lower_case)
   buckets = batching.parse_buckets(config.data.buckets)
   sort_window = int(config.train.length_sort_window)  # >= 1 (config_checks).
+  # The checkpoint's local attention meets the configured kernel here (a config from scratch
+  # meets it where it loads).
   attention.check_config(config.model.attention_impl,
                          config.model.attention_probs_dropout_prob, jax.default_backend(),
-                         tuple(buckets or ()) + (max_seq_length,))
+                         tuple(buckets or ()) + (max_seq_length,),
+                         local_window=bert_config.local_attention_window,
+                         scanned_kinds=bert_config.scan_layers and any(
+                             bert_config.is_local_layer(i) != bert_config.is_local_layer(0)
+                             for i in range(bert_config.num_hidden_layers)))
   _log_padding(config.task.name, task.train, batch_size, buckets, sort_window, max_seq_length)
   preemption.check()
 
@@ -541,7 +547,7 @@ def _model_config(model: ml_collections.ConfigDict, max_seq_length: int,
                   pre_config: model_lib.BertConfig) -> model_lib.BertConfig:
   """The checkpoint's BertConfig, run as `model` (config.model) says (dtype, dropout, layout,
   kernel)."""
-  if max_seq_length > pre_config.max_position_embeddings:
+  if pre_config.max_length and max_seq_length > pre_config.max_length:
     raise UserError(f'config.data.max_seq_length={max_seq_length} exceeds the '
                     'checkpoint\'s max_position_embeddings='
                     f'{pre_config.max_position_embeddings}')

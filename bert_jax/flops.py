@@ -51,14 +51,19 @@ GPU_CHIPS = {
 
 def forward_flops_per_sequence(config: model_lib.BertConfig, seq_len: int,
                                num_predictions: int, with_nsp: bool = True) -> float:
-  """Matmul FLOPs (2 x multiply-adds) of one sequence's forward pass."""
+  """Matmul FLOPs (2 x multiply-adds) of one sequence's forward pass. A gated MLP has two input
+  matrices; a local layer's scores count the keys inside its window (at most W + 1), what a
+  kernel that skips the rest (splash) computes."""
   h, i, t, v = config.hidden_size, config.intermediate_size, seq_len, config.vocab_size
-  per_layer = (
-      2 * t * h * 3 * h        # Q, K, V projections.
-      + 2 * t * t * h * 2      # Scores and the weighted sum of values.
-      + 2 * t * h * h          # Attention output projection.
-      + 2 * t * h * i * 2)     # MLP in and out.
-  flops = config.num_hidden_layers * per_layer
+  mlp_matrices = 3 if config.mlp_type == 'gated' else 2
+  flops = 0
+  for layer in range(config.num_hidden_layers):
+    keys = min(t, config.local_attention_window + 1) if config.is_local_layer(layer) else t
+    flops += (
+        2 * t * h * 3 * h        # Q, K, V projections.
+        + 2 * t * keys * h * 2   # Scores and the weighted sum of values.
+        + 2 * t * h * h          # Attention output projection.
+        + 2 * t * h * i * mlp_matrices)  # MLP in and out.
   flops += 2 * h * h                            # Pooler.
   flops += num_predictions * (2 * h * h + 2 * h * v)  # MLM transform and tied decoder.
   if with_nsp:
@@ -68,8 +73,11 @@ def forward_flops_per_sequence(config: model_lib.BertConfig, seq_len: int,
 
 def attention_flops_per_sequence(config: model_lib.BertConfig, seq_len: int) -> float:
   """Forward + backward FLOPs of the attention scores and weighted sums alone (what a fused
-  attention kernel does, which XLA's cost analysis does not see into)."""
-  return 3.0 * config.num_hidden_layers * 2 * seq_len * seq_len * config.hidden_size * 2
+  attention kernel does, which XLA's cost analysis does not see into); local layers count
+  their window's keys."""
+  keys = sum(min(seq_len, config.local_attention_window + 1) if config.is_local_layer(i)
+             else seq_len for i in range(config.num_hidden_layers))
+  return 3.0 * keys * 2 * seq_len * config.hidden_size * 2
 
 
 def train_flops_per_sequence(config: model_lib.BertConfig, seq_len: int,

@@ -150,6 +150,14 @@ def _pre_norm(x, residual, bias, seed, rate, dtype):
   return z + residual.astype(dtype)
 
 
+def residual_add(x: Array, residual: Array, bias: Array | None, seed: Array | None,
+                 rate: float) -> Array:
+  """residual + dropout(x + bias), the sum `residual_layer_norm` normalizes (the same mask for
+  the same `seed`), in x's dtype: a pre-LN layer's residual stream (its LayerNorm of the same
+  sum is the fused op)."""
+  return _pre_norm(x, residual, bias, seed, rate, x.dtype)
+
+
 def _xla(x, residual, bias, scale, beta, seed, *, rate, eps, out_dtype):
   # The sum in the compute dtype (bf16), statistics in float32, as flax's Dense, Dropout and
   # LayerNorm did: a float32 sum here makes XLA keep and move float32 [tokens, hidden]

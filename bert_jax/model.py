@@ -1,4 +1,11 @@
-"""BERT in Flax linen: embeddings, post-LN encoder, pooler, pre-training and fine-tuning heads.
+"""BERT in Flax linen: `BertConfig`, the model (embeddings, encoder, pooler) and its pre-training
+and fine-tuning heads; the layers it is made of are in `layers.py`.
+
+The architecture options after the paper (all off by default: the paper's BERT is unchanged)
+are fields of `BertConfig` (see ARCHITECTURE_OPTIONS): rotary position embeddings instead of a
+learned table (`rotary.py`), a gated feed-forward (GeGLU, SwiGLU), pre-LayerNorm with a final
+norm, linear layers and LayerNorms without biases, local (sliding-window) attention on all but
+every N-th layer, and no token-type embeddings -- together, ModernBERT's encoder.
 
 Parameters are float32 and carry logical axis names (vocab, embed, mlp, heads, kv, layers) that
 `sharding.py` maps onto a device mesh; activations are constrained with names (batch, length,
@@ -15,6 +22,12 @@ Parameter layout (unscanned; with `scan_layers` the per-layer trees are stacked 
   bert/encoder/layer_{i}/attention_layer_norm/{scale,bias}
   bert/encoder/layer_{i}/mlp/{intermediate,output}/{kernel,bias}
   bert/encoder/layer_{i}/output_layer_norm/{scale,bias}
+  (gated feed-forward: also mlp/gate/{kernel,bias}, the linear half of act(x W) * (x V);
+  pre-LayerNorm: mlp_norm and output_norm instead of attention_layer_norm and output_layer_norm:
+  layer i's output_norm normalizes what layer i + 1 attends (the last layer's is the final
+  norm; the embeddings' LayerNorm is layer 0's); rotary: no position_embeddings;
+  type_vocab_size 0: no token_type_embeddings; use_bias False: no bias in the encoder's
+  linear layers, LayerNorms and MLM transform)
   bert/pooler/{kernel,bias}
   mlm/transform/{kernel,bias}, mlm/layer_norm/{scale,bias}, mlm/output_bias   (tied decoder)
   nsp/{kernel,bias}
@@ -22,7 +35,8 @@ Parameter layout (unscanned; with `scan_layers` the per-layer trees are stacked 
 
 With matmul_precision='fp8' the encoder's matmuls also keep FP8 scales and amax histories, in
 the FP8_COLLECTION variable collection (not parameters): .../attention/qkv_fp8/*,
-.../attention/output/fp8/*, .../mlp/{intermediate,output}/fp8/*.
+.../attention/output/fp8/*, .../mlp/{intermediate,output}/fp8/* (a gated MLP: mlp/gated_fp8/*
+for its stacked input matmul).
 """
 
 import dataclasses
@@ -31,17 +45,18 @@ import re
 from typing import Any, Callable
 
 import flax.linen as nn
-from flax.linen import fp8_ops
-from flax.linen.dtypes import promote_dtype
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bert_jax import activations
 from bert_jax import attention
 from bert_jax import config_checks
-from bert_jax import layer_norm
+from bert_jax import layers
 from bert_jax.errors import UserError
+# The layers' names that users of the model reach for, here too (layers.py defines them).
+from bert_jax.layers import (  # pylint: disable=unused-import
+    Embeddings, Encoder, FP8_AMAX_HISTORY, FP8_COLLECTION, MATMUL_PRECISIONS, SelfAttention,
+    fp8_dot_general)
 
 Array = jax.Array
 
@@ -86,22 +101,72 @@ class BertConfig:
   # which TensorFlow's XlaCallModule reads: the SavedModel export (export.py). Training runs
   # `activations.bias_gelu`.
   portable_gelu: bool = False
+  # Architecture after the paper (ARCHITECTURE_OPTIONS; written to bert_config.json when set).
+  position_embedding_type: str = 'absolute'  # Or 'rotary' (rotary.py): no position table.
+  rope_theta: float = 10_000.0        # Rotary base of global layers ...
+  local_rope_theta: float = 10_000.0  # ... and of local ones.
+  mlp_type: str = 'dense'  # Or 'gated': act(x W) * (x V), act = hidden_act (GeGLU, SwiGLU).
+  pre_layer_norm: bool = False  # LayerNorm before each sub-layer, and a final one.
+  use_bias: bool = True  # False: no bias in the encoder's linear layers and LayerNorms.
+  # Local attention: keys at most W / 2 tokens away (0 = every layer global), in every layer
+  # but those whose index divides by global_attention_every (0: every layer local).
+  local_attention_window: int = 0
+  global_attention_every: int = 3
 
   def __post_init__(self):
     if self.hidden_size % self.num_attention_heads:
       raise UserError(f'hidden_size {self.hidden_size} is not a multiple of '
                       f'num_attention_heads {self.num_attention_heads}')
-    if self.hidden_act not in _ACTIVATIONS:
-      raise UserError(f'hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}')
-    # The run fields, for a BertConfig built in code (config_from's are checked where the
-    # config loads): config_checks' own check and line.
+    if self.hidden_act not in layers.ACTIVATIONS:
+      raise UserError(f'hidden_act {self.hidden_act!r} is not one of {sorted(layers.ACTIVATIONS)}')
+    # The run fields and the position type, for a BertConfig built in code (config_from's are
+    # checked where the config loads): config_checks' own check and line.
     for key in ('remat_policy', 'attention_impl', 'layer_norm_impl', 'gelu_impl',
-                'matmul_precision'):
+                'matmul_precision', 'position_embedding_type'):
       config_checks.check_choice(f'model.{key}', getattr(self, key))
     if self.max_packed_sequences < 1:
       raise UserError(f'max_packed_sequences={self.max_packed_sequences}: a row holds at least '
                       'one sequence (data.packing_max_sequences)')
+    if self.mlp_type not in MLP_TYPES:  # Not a config key: model.mlp decodes to it (MLPS).
+      raise UserError(f'mlp_type {self.mlp_type!r} is not one of {MLP_TYPES}')
+    if self.rotary and self.head_dim % 2:
+      raise UserError(f'rotary position embeddings need an even head size, got {self.head_dim} '
+                      '(hidden_size / num_attention_heads)')
+    config_checks.check_local_attention('xla', self.local_attention_window)
+    # model.mlp's name of this feed-forward ('gated' for a gated one of another activation).
+    mlp = next((k for k, v in MLPS.items() if v == (self.mlp_type, self.hidden_act)),
+               self.mlp_type)
+    config_checks.check_gelu_impl(self.gelu_impl, mlp)
+    if self.global_attention_every < 0 or self.type_vocab_size < 0:
+      raise UserError('global_attention_every and type_vocab_size must be >= 0')
     jnp.dtype(self.dtype)  # Raises on an unknown dtype name.
+
+  def resolved(self, key: str) -> str:
+    """Field `key` ('dtype', 'layer_norm_impl', 'gelu_impl') with 'auto' resolved for the
+    platform being lowered for (`resolve`): for a BertConfig built in code, which may say
+    'auto'."""
+    return resolve(key, getattr(self, key))
+
+  @property
+  def rotary(self) -> bool:
+    return self.position_embedding_type == 'rotary'
+
+  @property
+  def max_length(self) -> int | None:
+    """The longest row the model takes: max_position_embeddings with a learned table, else
+    None (rotary: as long as memory allows)."""
+    return None if self.rotary else self.max_position_embeddings
+
+  def is_local_layer(self, index: int) -> bool:
+    """Whether encoder layer `index` attends locally (local_attention_window)."""
+    every = self.global_attention_every
+    return bool(self.local_attention_window) and not (every and index % every == 0)
+
+  def is_paper_bert(self) -> bool:
+    """Whether the architecture is the paper's (learned positions, dense MLP, post-LN, biases,
+    global attention, token types): what the BERT formats (Hugging Face, Google) can hold."""
+    return (self.type_vocab_size > 0 and not self.rotary and self.mlp_type == 'dense' and
+            not self.pre_layer_norm and self.use_bias and not self.local_attention_window)
 
   @property
   def head_dim(self) -> int:
@@ -125,12 +190,14 @@ class BertConfig:
     missing = [k for k in _ORIGINAL_FIELDS if k not in d and k != 'initializer_range']
     if missing:
       raise UserError(f'{source}: missing BERT config fields {missing}')
-    if d.get('position_embedding_type', 'absolute') != 'absolute':
+    if d.get('position_embedding_type', 'absolute') not in POSITION_EMBEDDINGS:
       raise UserError(f'{source}: position_embedding_type '
-                      f'{d["position_embedding_type"]!r} is not supported (absolute only)')
+                      f'{d["position_embedding_type"]!r} is not supported (absolute or '
+                      'rotary only)')
     # Only the architecture: a file's `dtype` (HF writes one) says how it was saved, not how
     # to compute, and must not switch the compute dtype.
-    kwargs = {k: d[k] for k in _ORIGINAL_FIELDS + ('layer_norm_eps',) if k in d}
+    kwargs = {k: d[k] for k in _ORIGINAL_FIELDS + ('layer_norm_eps',) + tuple(
+        ARCHITECTURE_OPTIONS) if k in d}
     return cls(**kwargs)
 
   def to_original_dict(self) -> dict[str, Any]:
@@ -138,10 +205,17 @@ class BertConfig:
     d = {k: getattr(self, k) for k in _ORIGINAL_FIELDS}
     if self.layer_norm_eps != 1e-12:
       d['layer_norm_eps'] = self.layer_norm_eps
+    # The options after the paper, when set: a file of the paper's BERT stays the original's.
+    d.update({k: getattr(self, k) for k, v in ARCHITECTURE_OPTIONS.items()
+              if getattr(self, k) != v})
     return d
 
   def to_hf_dict(self) -> dict[str, Any]:
-    """A Hugging Face `config.json` for BertForPreTraining."""
+    """A Hugging Face `config.json` for BertForPreTraining (the paper's architecture only)."""
+    if not self.is_paper_bert():
+      raise UserError('this model has architecture options that transformers\' BERT does not '
+                      'have (rotary, gated MLP, pre-LayerNorm, no biases, local attention or '
+                      'no token types): export it as ModernBERT (modernbert.py) or bert_jax')
     d = {k: getattr(self, k) for k in _ORIGINAL_FIELDS}
     d.update(architectures=['BertForPreTraining'], model_type='bert',
              layer_norm_eps=self.layer_norm_eps, pad_token_id=0,
@@ -157,24 +231,14 @@ class BertConfig:
       f.write(self.to_json_string(hf))
 
 
-# How the encoder's dense matmuls (the one QKV projection, the attention output and the two MLP
-# projections) run in training steps (`deterministic=False`):
-# - 'default': in the compute dtype (`BertConfig.dtype`).
-# - 'fp8': FP8 with delayed scaling (flax's `Fp8DirectDotGeneralOp`, Transformer Engine's
-#   recipe): inputs and kernels in float8_e4m3fn, output gradients in float8_e5m2, each scaled
-#   by the largest magnitude of the last FP8_AMAX_HISTORY steps. The scales and amax histories
-#   live in the FP8_COLLECTION variable collection: the "gradient" a step computes for them is
-#   their new value, which replaces them (`state_extras.FP8_SCALES`), never an
-#   optimizer update. Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them
-#   (correct, slower).
-# The embeddings (exact one-hot lookups), the pooler, the MLM transform and the tied decoder,
-# and the task heads stay in the compute dtype: a few percent of the FLOPs, and the decoder's
-# logits feed the loss directly, where FP8's 3-bit mantissa would cost the most accuracy.
-# Evaluation and prediction (`deterministic=True`) run every matmul in the compute dtype,
-# with the parameters alone: the numbers a user of the exported weights gets.
-MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
-FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
-FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
+POSITION_EMBEDDINGS = config_checks.CHOICES['model.position_embedding_type']
+MLP_TYPES = ('dense', 'gated')
+# The architecture options after the paper, with their defaults (the paper's BERT).
+ARCHITECTURE_OPTIONS = {
+    f.name: f.default for f in dataclasses.fields(BertConfig)
+    if f.name in ('position_embedding_type', 'rope_theta', 'local_rope_theta', 'mlp_type',
+                  'pre_layer_norm', 'use_bias', 'local_attention_window',
+                  'global_attention_every')}
 
 # Named sizes: (layers, hidden, heads), defined where a config's model.size is checked.
 SIZES = config_checks.MODEL_SIZES
@@ -184,8 +248,28 @@ def config_for_size(size: str, **overrides) -> BertConfig:
   """`BertConfig` of a named size (see `SIZES`), with any field overridden."""
   config_checks.check_choice('model.size', size)
   layers, hidden, heads = SIZES[size]
+  overrides.setdefault('intermediate_size', 4 * hidden)
   return BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                    intermediate_size=4 * hidden, **overrides)
+                    **overrides)
+
+
+# model.mlp -> (BertConfig.mlp_type, hidden_act): the paper's GELU MLP, or a gated one with
+# GELU (GeGLU: Shazeer 2020; MosaicBERT, ModernBERT) or SiLU (SwiGLU).
+MLPS = {'dense': ('dense', 'gelu'), 'geglu': ('gated', 'gelu'), 'swiglu': ('gated', 'silu')}
+assert tuple(MLPS) == config_checks.CHOICES['model.mlp']
+
+
+def _architecture(model: Any) -> dict[str, Any]:
+  """The architecture options of a config's `model` block (pre-training from scratch)."""
+  mlp_type, act = MLPS[model.mlp]
+  arch = dict(position_embedding_type=model.position_embedding_type,
+              rope_theta=float(model.rope_theta), local_rope_theta=float(model.local_rope_theta),
+              mlp_type=mlp_type, hidden_act=act, pre_layer_norm=model.pre_layer_norm,
+              use_bias=model.use_bias, local_attention_window=model.local_attention_window,
+              global_attention_every=model.global_attention_every)
+  if model.intermediate_size:
+    arch['intermediate_size'] = model.intermediate_size
+  return arch
 
 
 def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | None = None,
@@ -195,7 +279,9 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
 
   The architecture is `checkpoint`'s when given (fine-tuning or evaluating a checkpoint: its
   shape wins), else model.size's with model.vocab_size (0 = `vocab_size`, the tokenizer's),
-  model.max_position_embeddings and model.type_vocab_size (pre-training from scratch). Either
+  model.max_position_embeddings, model.type_vocab_size, model.intermediate_size and the
+  options after the paper (position_embedding_type, rope thetas, mlp, pre_layer_norm,
+  use_bias, local_attention_window, global_attention_every) (pre-training from scratch). Either
   way the block says how to run it: dtype, dropout, layer stacking, rematerialization, the
   attention and LayerNorm kernels, the encoder matmuls' precision; 'auto' resolved for
   `platform` (`resolve`: None is the platform being lowered for, else this process's
@@ -219,7 +305,7 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
                     f'({vocab_size} tokens in data.vocab_file)')
   return config_for_size(model.size, vocab_size=model.vocab_size or vocab_size,
                          max_position_embeddings=model.max_position_embeddings,
-                         type_vocab_size=model.type_vocab_size, **run)
+                         type_vocab_size=model.type_vocab_size, **_architecture(model), **run)
 
 
 # What 'auto' means for each model key that takes it, by platform: the one place that says.
@@ -252,387 +338,16 @@ def resolve_dtype(name: str, platform: str | None = None) -> str:
   return resolve('dtype', name, platform)
 
 
-# ---------------------------------------------------------------------------------------------
-# Building blocks
-# ---------------------------------------------------------------------------------------------
-
-_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    'gelu': lambda x: jax.nn.gelu(x, approximate=False),   # The paper's exact erf GELU.
-    'gelu_new': lambda x: jax.nn.gelu(x, approximate=True),
-    'gelu_pytorch_tanh': lambda x: jax.nn.gelu(x, approximate=True),
-    'relu': jax.nn.relu,
-    'silu': jax.nn.silu,
-    'swish': jax.nn.silu,
-}
-
-_REMAT_POLICIES = {
-    'none': None,
-    'full': jax.checkpoint_policies.nothing_saveable,
-    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-assert tuple(_REMAT_POLICIES) == config_checks.CHOICES['model.remat_policy']
-
-
-def _init(config: BertConfig, axes: tuple[str | None, ...]):
-  """Truncated-normal init (the original's) with logical axis names attached."""
-  return nn.with_logical_partitioning(
-      nn.initializers.truncated_normal(config.initializer_range), axes)
-
-
-def _zeros(axes):
-  return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
-
-
-def _ones(axes):
-  return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
-
-
-def _layer_norm(config: BertConfig, name: str) -> nn.Module:
-  return LayerNorm(config, name=name)
-
-
-class LayerNorm(nn.Module):
-  """LayerNorm with float32 statistics and affine; output in the compute dtype."""
-  config: BertConfig
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    h = x.shape[-1]
-    scale = self.param('scale', _ones(('embed',)), (h,), jnp.float32)
-    bias = self.param('bias', _zeros(('embed',)), (h,), jnp.float32)
-    x = x.astype(jnp.float32)
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + self.config.layer_norm_eps) * scale + bias
-    return y.astype(self.config.compute_dtype)
-
-
-def hidden_dropout_seed(module: nn.Module, config: BertConfig,
-                        deterministic: bool) -> Array | None:
-  """The seed of a hidden-dropout mask (`layer_norm.dropout_seed`) from `module`'s 'dropout'
-  rng, or None when no dropout applies. Drawn by the caller, outside the LayerNorm's scope, so
-  that profiles name the rng's kernels dropout, not LayerNorm."""
-  if deterministic or not layer_norm.keep_threshold(config.hidden_dropout_prob):
-    return None
-  return layer_norm.dropout_seed(module.make_rng('dropout'))
-
-
-class ResidualLayerNorm(nn.Module):
-  """LayerNorm(residual + dropout(x + bias)): a post-LN sub-layer's end (`layer_norm.py`).
-
-  The parameters are LayerNorm's (scale, bias). `x` is the sub-layer's projection without its
-  bias, which is passed as `x_bias` (float32) so that the fused kernel adds it, and returns its
-  gradient, in the same pass. `seed`: `hidden_dropout_seed`'s, or None (no dropout).
-  Returns the output twice, (y, y): the first for the next sub-layer, the second for the
-  LayerNorm after it as its residual, so that the fused backward takes the two gradients as
-  two inputs instead of their sum (layer_norm.residual_layer_norm's residual_copy).
-  """
-  config: BertConfig
-
-  @nn.compact
-  def __call__(self, x: Array, residual: Array, x_bias: Array | None,
-               seed: Array | None) -> Array:
-    c = self.config
-    h = x.shape[-1]
-    scale = self.param('scale', _ones(('embed',)), (h,), jnp.float32)
-    bias = self.param('bias', _zeros(('embed',)), (h,), jnp.float32)
-    rate = c.hidden_dropout_prob if seed is not None else 0.0
-    # Initialization traces a dummy batch for the parameters' shapes only: plain jnp. A
-    # BertConfig built in code may say 'auto': for the platform being lowered for.
-    impl = 'xla' if self.is_initializing() else resolve('layer_norm_impl', c.layer_norm_impl)
-    return layer_norm.residual_layer_norm(
-        x, residual, x_bias, scale, bias, seed, rate=rate, eps=c.layer_norm_eps, impl=impl,
-        out_dtype=c.compute_dtype, residual_copy=True)
-
-
-class DenseGeneral(nn.Module):
-  """`nn.DenseGeneral` over the trailing `num_in` input axes: same parameters, init and math.
-
-  Flax's own creates the kernel flattened to 2-D and, whenever a mesh is set (`jax.set_mesh`,
-  which activation constraints need), constrains that flat value with the kernel's logical
-  names: for [embed, heads, kv] and [heads, kv, embed] kernels it fails on a rank mismatch,
-  even in `apply` (Flax re-runs the initializer abstractly to check shapes). Here the kernel
-  is created at its full shape.
-  """
-  config: BertConfig
-  features: tuple[int, ...]
-  axes: tuple[str | None, ...]   # The kernel's logical axes: input axes, then features.
-  num_in: int = 1
-  activation: str | None = None  # A key of _ACTIVATIONS applied to the output, or none.
-  # False: return (x @ kernel, bias) for a consumer that adds the float32 bias itself.
-  add_bias: bool = True
-  fp8: bool = False  # The matmul through `fp8_dot_general` (matmul_precision='fp8').
-  # The output's logical axes, which place the fused GELU kernels under a mesh.
-  activation_axes: tuple[str | None, ...] | None = None
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    c, n = self.config, self.num_in
-    kernel = self.param('kernel', _init(c, self.axes), x.shape[-n:] + self.features,
-                        jnp.float32)
-    bias = self.param('bias', _zeros(self.axes[n:]), self.features, jnp.float32)
-    f32_bias = bias
-    x, kernel, bias = promote_dtype(x, kernel, bias, dtype=c.compute_dtype)
-    dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
-    y = (fp8_dot_general(x, kernel, dims) if self.fp8
-         else jax.lax.dot_general(x, kernel, dims))
-    if not self.add_bias:
-      return y, f32_bias
-    if self.activation == 'gelu' and c.portable_gelu:
-      return activations.portable_bias_gelu(y, bias)
-    if self.activation == 'gelu':
-      # Bias add and exact GELU in one function that keeps only y for its backward; the
-      # float32 bias as it is stored (no cast kernel; its gradient summed in float32).
-      impl = 'xla' if self.is_initializing() else resolve('gelu_impl', c.gelu_impl)
-      return activations.bias_gelu(y, f32_bias, impl=impl, axes=self.activation_axes)
-    y = y + bias
-    return _ACTIVATIONS[self.activation](y) if self.activation else y
-
-
-def fp8_dot_general(x: Array, kernel: Array, dims, name: str = 'fp8') -> Array:
-  """`lax.dot_general(x, kernel, dims)` in FP8 with delayed scaling, its scales and amax
-  histories in the calling module's FP8_COLLECTION (see MATMUL_PRECISIONS). Call it inside
-  a compact module."""
-  return fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=FP8_AMAX_HISTORY, name=name)(
-      x, kernel, dims)
-
-
-def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
-  """Whether `module`'s encoder matmuls run in FP8: with matmul_precision='fp8', in training
-  (and at init, which creates their scales), never in evaluation or prediction."""
-  return config.matmul_precision == 'fp8' and (not deterministic or module.is_initializing())
-
-
-def _dense(config: BertConfig, features, axes, name: str, in_axes=-1,
-           activation: str | None = None, add_bias: bool = True,
-           fp8: bool = False, activation_axes=None) -> nn.Module:
-  features = features if isinstance(features, tuple) else (features,)
-  in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
-  if in_axes != tuple(range(-len(in_axes), 0)):
-    raise ValueError(f'in_axes {in_axes} are not the trailing axes')
-  return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
-                      activation=activation, add_bias=add_bias, fp8=fp8,
-                      activation_axes=activation_axes, name=name)
-
-
-def _constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
-  return nn.with_logical_constraint(x, axes)
-
-
-# The decoder's vocabulary is padded to a multiple of this inside its matmul (see
-# `Embeddings.attend`), as NVIDIA's and MosaicBERT's BERTs pad it (30522 -> 30528).
-VOCAB_MULTIPLE = 64
-
-
-def _one_hot_lookup(table: Array, ids: Array, dtype) -> Array:
-  """table[ids] as one_hot(ids) @ table: exactly the rows (HIGHEST precision: no TF32), with a
-  matmul for a gradient. Out-of-range ids give zeros, never another row."""
-  one_hot = jax.nn.one_hot(ids, table.shape[0], dtype=dtype)
-  return jnp.dot(one_hot, table.astype(dtype), precision=jax.lax.Precision.HIGHEST)
-
-
-class Embeddings(nn.Module):
-  """Word + learned position + token type embeddings, LayerNorm, dropout (masks hashed from a
-  seed: `layer_norm.dropout_seed`)."""
-  config: BertConfig
-
-  def setup(self):
-    c = self.config
-    self.word_embeddings = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.compute_dtype,
-                                    param_dtype=jnp.float32,
-                                    embedding_init=_init(c, ('vocab', 'embed')))
-    self.position_embeddings = nn.Embed(c.max_position_embeddings, c.hidden_size,
-                                        dtype=c.compute_dtype, param_dtype=jnp.float32,
-                                        embedding_init=_init(c, (None, 'embed')))
-    self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size,
-                                          dtype=c.compute_dtype, param_dtype=jnp.float32,
-                                          embedding_init=_init(c, (None, 'embed')))
-    self.layer_norm = _layer_norm(c, 'layer_norm')
-
-  def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool,
-               position_ids: Array | None = None) -> Array:
-    seq_len = input_ids.shape[1]
-    if seq_len > self.config.max_position_embeddings:
-      raise UserError(f'sequence length {seq_len} exceeds max_position_embeddings '
-                      f'{self.config.max_position_embeddings}')
-    # Small tables are read by one-hot matmuls rather than gathers (the original BERT does the
-    # same for token types): the same values, but the gradient of a gather is a scatter-add,
-    # and on GPUs 256 x 128 tokens adding into 2 token-type rows took 31 ms of a 154 ms
-    # BERT-base step (atomics on a few addresses; README "Performance"). Unpacked rows read the
-    # first seq_len positions, whose gradient is a sum over the batch.
-    dtype = self.config.compute_dtype
-    if position_ids is None:
-      positions = self.position_embeddings.embedding[None, :seq_len].astype(dtype)
-    else:  # Packed rows give each sequence positions from 0.
-      positions = _one_hot_lookup(self.position_embeddings.embedding, position_ids, dtype)
-    token_types = _one_hot_lookup(self.token_type_embeddings.embedding, segment_ids, dtype)
-    x = self.word_embeddings(input_ids) + positions + token_types
-    x = _constrain(x, ('batch', 'length', 'act_embed'))
-    x = self.layer_norm(x)
-    seed = hidden_dropout_seed(self, self.config, deterministic)
-    return layer_norm.dropout(x, seed, self.config.hidden_dropout_prob)
-
-  def attend(self, x: Array, padded: bool = False) -> Array:
-    """Logits over the vocabulary with the (tied) word embedding matrix.
-
-    The matmul runs over the vocabulary padded with zero rows to a multiple of
-    `VOCAB_MULTIPLE`: 30522 rows ran a misaligned cuBLAS kernel (2-element alignment,
-    247 TFLOP/s on an H100) in both directions. The padding exists only inside this matmul:
-    parameters and checkpoints keep `vocab_size`, and so do the logits unless `padded`
-    (then [..., padded vocabulary], the pad columns 0: see MlmHead)."""
-    table = self.word_embeddings.embedding
-    x, table = promote_dtype(x, table, dtype=self.config.compute_dtype)
-    vocab = table.shape[0]
-    table = jnp.pad(table, ((0, -vocab % VOCAB_MULTIPLE), (0, 0)))
-    logits = jnp.dot(x, table.T)
-    return logits if padded else logits[..., :vocab]
-
-
-class DenseParams(nn.Module):
-  """A dense layer's kernel and bias, created as `DenseGeneral` creates them, but not applied:
-  for layers whose matmul is shared with others (`SelfAttention`'s one QKV projection)."""
-  config: BertConfig
-  in_features: tuple[int, ...]
-  features: tuple[int, ...]
-  axes: tuple[str | None, ...]   # The kernel's logical axes: input axes, then features.
-
-  @nn.compact
-  def __call__(self) -> tuple[Array, Array]:
-    c, n = self.config, len(self.in_features)
-    kernel = self.param('kernel', _init(c, self.axes), self.in_features + self.features,
-                        jnp.float32)
-    bias = self.param('bias', _zeros(self.axes[n:]), self.features, jnp.float32)
-    return kernel, bias
-
-
-class SelfAttention(nn.Module):
-  """Multi-head self-attention within each packed sequence (see `attention.py`)."""
-  config: BertConfig
-  deterministic: bool = True
-
-  @nn.compact
-  def __call__(self, x: Array, sequence_ids: Array) -> Array:
-    c = self.config
-    heads, head_dim = c.num_attention_heads, c.head_dim
-    # Q, K and V are one matmul against the three kernels stacked as [embed, 3, heads, kv]:
-    # its backward is one K=3*hidden matmul for the input gradient (three K=hidden ones and
-    # two adds before) and one for the kernels'. The parameters stay three (query, key, value),
-    # as checkpoints, the original BERT and transformers have them; stacking 3 x hidden^2
-    # weights per step costs next to nothing. Heads stay the sharded axis.
-    params = [DenseParams(c, (x.shape[-1],), (heads, head_dim), ('embed', 'heads', 'kv'),
-                          name=name)() for name in ('query', 'key', 'value')]
-    kernel = jnp.stack([k.astype(c.compute_dtype) for k, _ in params], axis=1)
-    bias = jnp.stack([b.astype(c.compute_dtype) for _, b in params], axis=0)
-    x = x.astype(c.compute_dtype)
-    fp8 = use_fp8(self, c, self.deterministic)
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
-    with jax.named_scope('qkv'):  # Named so that the GPU step budget test finds it as one.
-      qkv = (fp8_dot_general(x, kernel, dims, name='qkv_fp8') if fp8
-             else jax.lax.dot_general(x, kernel, dims)) + bias
-    qkv = _constrain(qkv, ('batch', 'length', None, 'act_heads', 'kv'))
-    q, k, v = (_constrain(qkv[:, :, i], ('batch', 'length', 'act_heads', 'kv'))
-               for i in range(3))
-    rate = 0.0 if self.deterministic else c.attention_probs_dropout_prob
-    probs_dropout = nn.Dropout(rate, deterministic=False) if rate > 0.0 else None
-    # Parameters do not depend on the kernel, and init traces a short dummy batch that a fused
-    # kernel's tiles may not fit: initialization always takes the xla path.
-    impl = 'xla' if self.is_initializing() else c.attention_impl
-    out = attention.dot_product_attention(q, k, v, sequence_ids, impl=impl,
-                                          probs_dropout=probs_dropout,
-                                          max_sequences=c.max_packed_sequences)
-    out = _constrain(out, ('batch', 'length', 'act_heads', 'kv'))
-    # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
-    return _dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1),
-                  add_bias=False, fp8=fp8)(out)
-
-
-class Mlp(nn.Module):
-  config: BertConfig
-  deterministic: bool = True
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    c = self.config
-    fp8 = use_fp8(self, c, self.deterministic)
-    h = _dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
-               activation=c.hidden_act, fp8=fp8,
-               activation_axes=('batch', 'length', 'act_mlp'))(x)
-    h = _constrain(h, ('batch', 'length', 'act_mlp'))
-    # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
-    return _dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False, fp8=fp8)(h)
-
-
-class EncoderLayer(nn.Module):
-  """The paper's post-LN Transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x))."""
-  config: BertConfig
-  deterministic: bool = True
-  # Return the output a second time (a scan's per-layer outputs: the hidden states); without,
-  # a scan would still stack [layers, B, T, H] of them.
-  hidden_states: bool = True
-
-  @nn.compact
-  def __call__(self, carry: tuple[Array, Array],
-               sequence_ids: Array) -> tuple[tuple[Array, Array], Array | None]:
-    """carry: (x, residual), the layer input twice (ResidualLayerNorm's two outputs): x for
-    the attention, residual for its LayerNorm."""
-    c = self.config
-    x, residual = carry
-    act = lambda a: _constrain(a, ('batch', 'length', 'act_embed'))
-    # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
-    drop = lambda: hidden_dropout_seed(self, c, self.deterministic)
-    attn, attn_bias = SelfAttention(c, self.deterministic, name='attention')(x, sequence_ids)
-    x, residual = map(act, ResidualLayerNorm(c, name='attention_layer_norm')(
-        attn, residual, attn_bias, drop()))
-    y, y_bias = Mlp(c, self.deterministic, name='mlp')(x)
-    x, residual = map(act, ResidualLayerNorm(c, name='output_layer_norm')(
-        y, residual, y_bias, drop()))
-    # The carry for the next layer, and the per-layer output (hidden states).
-    return (x, residual), (x if self.hidden_states else None)
-
-
-class Encoder(nn.Module):
-  """A stack of encoder layers, looped or `nn.scan`-ed, optionally rematerialized."""
-  config: BertConfig
-
-  @nn.compact
-  def __call__(self, x: Array, sequence_ids: Array, deterministic: bool = True,
-               return_hidden_states: bool = False) -> tuple[Array, list[Array]]:
-    c = self.config
-    layer_cls = EncoderLayer
-    policy = _REMAT_POLICIES[c.remat_policy]
-    if c.remat_policy != 'none':
-      layer_cls = nn.remat(layer_cls, policy=policy, prevent_cse=not c.scan_layers)
-    if c.scan_layers:
-      # FP8 scales and histories are per layer, stacked like the parameters.
-      axes = {'params': 0, **({FP8_COLLECTION: 0} if c.matmul_precision == 'fp8' else {})}
-      scanned = nn.scan(layer_cls, variable_axes=axes,
-                        split_rngs={'params': True, 'dropout': True},
-                        in_axes=(nn.broadcast,), length=c.num_hidden_layers,
-                        metadata_params={nn.PARTITION_NAME: 'layers'})
-      (x, _), stacked = scanned(c, deterministic, return_hidden_states, name='layers')(
-          (x, x), sequence_ids)
-      hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
-    else:
-      hidden, carry = [], (x, x)
-      for i in range(c.num_hidden_layers):
-        carry, _ = layer_cls(c, deterministic, name=f'layer_{i}')(carry, sequence_ids)
-        hidden.append(carry[0])
-      x = carry[0]
-      if not return_hidden_states:
-        hidden = []
-    return x, hidden
-
-
 class BertModel(nn.Module):
   """Embeddings + encoder + pooler. Returns (sequence_output, pooled_output[, hidden_states])."""
   config: BertConfig
 
   def setup(self):
-    self.embeddings = Embeddings(self.config)
-    self.encoder = Encoder(self.config)
+    self.embeddings = layers.Embeddings(self.config)
+    self.encoder = layers.Encoder(self.config)
     # Hidden -> hidden, read by heads that contract over 'embed': laid out like the MLM
     # transform (see MlmHead), so its input gradient is never the dot XLA miscompiles.
-    self.pooler = _dense(self.config, self.config.hidden_size, ('mlp', 'embed'), 'pooler')
+    self.pooler = layers.dense(self.config, self.config.hidden_size, ('mlp', 'embed'), 'pooler')
 
   def __call__(self, input_ids: Array, input_mask: Array, segment_ids: Array,
                deterministic: bool = True, return_hidden_states: bool = False,
@@ -647,7 +362,12 @@ class BertModel(nn.Module):
       sequence_ids = input_mask
     sequence_ids = sequence_ids.astype(jnp.int32)
     x = self.embeddings(input_ids, segment_ids, deterministic, position_ids)
-    seq, hidden = self.encoder(x, sequence_ids, deterministic, return_hidden_states)
+    positions = None
+    if self.config.rotary:  # Rotary layers rotate by them: 0..T-1 unless packed.
+      positions = (jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+                   if position_ids is None else position_ids)
+    seq, hidden = self.encoder(x, sequence_ids, deterministic, return_hidden_states,
+                               positions)
     first = seq[:, 0] if cls_positions is None else gather_positions(seq, cls_positions)
     pooled = jnp.tanh(self.pooler(first))
     if return_hidden_states:
@@ -673,17 +393,17 @@ class MlmHead(nn.Module):
   """Transform (dense + activation + LayerNorm), then logits tied to the word embeddings.
 
   padded_vocab: return the logits over the decoder's padded vocabulary (a multiple of
-  VOCAB_MULTIPLE), the pad columns at PAD_LOGIT: the same loss, predictions and gradients,
-  but the decoder's matmul output is used as it is, so the backward feeds the loss's gradient
-  straight into the matmul where the sliced logits made XLA pad it back with a copy of
-  [predictions, vocabulary] (0.37 ms of BERT-base's step on an H200, issue 45)."""
+  layers.VOCAB_MULTIPLE), the pad columns at PAD_LOGIT: the same loss, predictions and
+  gradients, but the decoder's matmul output is used as it is, so the backward feeds the loss's
+  gradient straight into the matmul where the sliced logits made XLA pad it back with a copy
+  of [predictions, vocabulary] (0.37 ms of BERT-base's step on an H200, issue 45)."""
   config: BertConfig
   padded_vocab: bool = False
 
   @nn.compact
   def __call__(self, x: Array, attend: Callable[..., Array]) -> Array:
     c = self.config
-    x = _constrain(x, ('batch', None, 'act_embed'))
+    x = layers.constrain(x, ('batch', None, 'act_embed'))
     # The transform maps back into the hidden ('embed') dimension that the LayerNorm and the
     # tied decoder read, like the attention and MLP output projections. Laid out as
     # ('embed', 'mlp'), its output (and so the decoder's input gradient, dlogits @ E) was
@@ -692,13 +412,13 @@ class MlmHead(nn.Module):
     # n/tensor] comes out with the rows of two batch shards swapped (a collective-permute it
     # never undoes) when data, fsdp and tensor are all > 1: the loss was right, the gradients
     # of the MLM head and everything below it were not.
-    x = _dense(c, c.hidden_size, ('mlp', 'embed'), 'transform', activation=c.hidden_act,
-               activation_axes=('batch', None, 'act_embed'))(x)
-    x = _layer_norm(c, 'layer_norm')(x)
-    x = _constrain(x, ('batch', None, 'act_embed'))
-    bias = self.param('output_bias', _zeros(('vocab',)), (c.vocab_size,), jnp.float32)
+    x = layers.dense(c, c.hidden_size, ('mlp', 'embed'), 'transform', activation=c.hidden_act,
+                     use_bias=c.use_bias, activation_axes=('batch', None, 'act_embed'))(x)
+    x = layers.LayerNorm(c, name='layer_norm')(x)
+    x = layers.constrain(x, ('batch', None, 'act_embed'))
+    bias = self.param('output_bias', layers.zeros_init(('vocab',)), (c.vocab_size,), jnp.float32)
     logits = attend(x, padded=self.padded_vocab)
-    logits = _constrain(logits.astype(jnp.float32), ('batch', None, 'act_vocab'))
+    logits = layers.constrain(logits.astype(jnp.float32), ('batch', None, 'act_vocab'))
     if logits.shape[-1] > c.vocab_size:
       bias = jnp.concatenate([bias, jnp.full((logits.shape[-1] - c.vocab_size,), PAD_LOGIT,
                                              bias.dtype)])
@@ -737,7 +457,7 @@ class BertForPreTraining(nn.Module):
     # Only the P masked positions reach the vocabulary projection: [B, P, V], not [B, T, V].
     masked = gather_positions(seq, masked_lm_positions)
     mlm_logits = MlmHead(self.config, self.padded_vocab, name='mlm')(masked, bert.attend)
-    nsp_logits = _dense(self.config, 2, ('embed', None), 'nsp')(pooled).astype(jnp.float32)
+    nsp_logits = layers.dense(self.config, 2, ('embed', None), 'nsp')(pooled).astype(jnp.float32)
     return mlm_logits, nsp_logits
 
 
@@ -751,7 +471,7 @@ class BertForSequenceClassification(nn.Module):
     _, pooled = BertModel(self.config, name='bert')(input_ids, input_mask, segment_ids,
                                                     deterministic)
     pooled = nn.Dropout(self.config.hidden_dropout_prob)(pooled, deterministic=deterministic)
-    return _dense(self.config, self.num_labels, ('embed', None), 'classifier')(
+    return layers.dense(self.config, self.num_labels, ('embed', None), 'classifier')(
         pooled).astype(jnp.float32)
 
 
@@ -765,7 +485,7 @@ class BertForTokenClassification(nn.Module):
     seq, _ = BertModel(self.config, name='bert')(input_ids, input_mask, segment_ids,
                                                  deterministic)
     seq = nn.Dropout(self.config.hidden_dropout_prob)(seq, deterministic=deterministic)
-    return _dense(self.config, self.num_labels, ('embed', None), 'classifier')(
+    return layers.dense(self.config, self.num_labels, ('embed', None), 'classifier')(
         seq).astype(jnp.float32)
 
 
@@ -778,7 +498,7 @@ class BertForQuestionAnswering(nn.Module):
                deterministic: bool = True) -> tuple[Array, Array]:
     seq, _ = BertModel(self.config, name='bert')(input_ids, input_mask, segment_ids,
                                                  deterministic)
-    logits = _dense(self.config, 2, ('embed', None), 'qa_outputs')(seq).astype(jnp.float32)
+    logits = layers.dense(self.config, 2, ('embed', None), 'qa_outputs')(seq).astype(jnp.float32)
     return logits[..., 0], logits[..., 1]
 
 

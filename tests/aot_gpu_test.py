@@ -188,12 +188,12 @@ def test_bert_large_512_step_for_an_h100_stays_within_its_kernel_budget():
   assert (k['vocab_pads'] == 0) == MLM_NO_VOCAB_PAD, k
 
 
-def _config(**overrides):
+def _config(path='configs/bert_base.py', **overrides):
   base = {'model.size': 'tiny', 'model.vocab_size': 1024, 'train.batch_size': 16,
           'train.phases': '', 'data.max_seq_length': 128, 'data.max_predictions_per_seq': 20,
           'data.packing': True, 'model.attention_probs_dropout_prob': 0.0, 'mesh.data': -1}
   base.update(overrides)
-  return config_files.load_config('configs/bert_base.py', base)
+  return config_files.load_config(path, base)
 
 
 
@@ -255,6 +255,19 @@ def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
   assert kernels['cudnn']['attention'] >= 2 * layers and kernels['xla']['attention'] > 0
   assert all(k['matmul'] and k['layernorm'] and k['optimizer'] for k in kernels.values())
   assert 'kernels per step: ' in aot.format_report(reports['xla'])
+
+
+def test_the_modern_recipe_compiles_for_an_h100_with_cudnn_and_the_pallas_layer_norm():
+  """configs/modern.py at tiny size (pre-LN, GeGLU, rotary, local windows, no biases): one
+  cuDNN attention call each way per layer (the window in its mask), and the fused LayerNorm
+  still one Pallas call each way per sub-layer."""
+  (r,) = aot.compile_for_topology(_config('configs/modern.py', **{
+      'model.attention_impl': 'cudnn', 'model.layer_norm_impl': 'pallas',
+      'model.local_attention_window': 64}), 'h100')
+  layers = 2
+  assert r['memory']['fits']
+  assert r['flops']['cudnn_attention_calls'] == {'forward': layers, 'backward': layers}
+  assert r['flops']['pallas_kernel_calls'] == 2 * 2 * layers
 
 
 def test_eight_gpus_with_fsdp():

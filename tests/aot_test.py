@@ -159,6 +159,18 @@ def test_splash_attention_compiles_for_a_v5e_slice():
   assert '6 Pallas kernel calls' in aot.format_report(report)
 
 
+def test_the_modern_recipe_compiles_for_a_v5e_slice_with_local_splash_kernels():
+  """configs/modern.py at tiny size on packed 256-token rows: rotary, GeGLU, pre-LN, no
+  biases, local windows (LocalMask) in layer 1, splash kernels in both layers."""
+  config = _config('configs/modern.py', **{
+      'data.max_seq_length': 256, 'data.max_predictions_per_seq': 80,
+      'model.local_attention_window': 128, 'model.max_position_embeddings': 128,
+      'model.attention_impl': 'splash'})
+  (report,) = aot.compile_for_topology(config, 'v5e:2x2')
+  assert report['attention_impl'] == 'splash' and report['memory']['fits']
+  assert report['flops']['pallas_kernel_calls'] == 3 * 2
+
+
 def test_attention_that_cannot_train_on_a_tpu_is_a_clear_error():
   with pytest.raises(UserError, match="'cudnn' runs on GPUs only"):
     aot.compile_for_topology(_config(**{'model.attention_impl': 'cudnn',

@@ -4,6 +4,7 @@ No figure is checked (speed is measured by running them, never by timed tests); 
 from breaking silently when the package they drive changes.
 """
 
+import argparse
 import importlib.util
 import json
 import os
@@ -308,3 +309,52 @@ def test_gpu_benchmark_records_the_loss_of_every_step(tmp_path):
   assert len(losses) == 4 and all(np.isfinite(losses)), losses
   # Counted from the compiled program: XLA:CPU runs FP8 dots as float32 ones (none here).
   assert case.result['program']['fp8_matmuls'] == 0
+
+
+def _load_benchmark(name):
+  spec = importlib.util.spec_from_file_location(
+      name, os.path.join(processes.ROOT, 'benchmarks', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_recipes_benchmark_builds_its_task_and_spends_the_same_flops(tmp_path):
+  """benchmarks/recipes.py without its runs (minutes each): the held-out split, the word-order
+  task in SST-2's layout, each recipe's config, and the modern recipe's steps for the paper's
+  FLOPs."""
+  recipes = _load_benchmark('recipes')
+  train_txt, heldout_txt = recipes.split_corpus(str(tmp_path))
+  docs = lambda p: [d for d in open(p, encoding='utf-8').read().split('\n\n') if d.strip()]
+  train_docs, heldout_docs = docs(train_txt), docs(heldout_txt)
+  assert 8 < len(train_docs) / len(heldout_docs) < 10  # Every 10th document held out.
+  task = recipes.sentence_task(heldout_txt, str(tmp_path / 'task'), 400)
+  originals = set(open(heldout_txt, encoding='utf-8').read().splitlines())
+  rows = []
+  for name in ('train.tsv', 'dev.tsv'):
+    with open(os.path.join(task, 'SST-2', name), encoding='utf-8') as f:
+      assert f.readline() == 'sentence\tlabel\n'
+      rows += [line.rstrip('\n').rsplit('\t', 1) for line in f]
+  assert 0.4 < np.mean([int(label) for _, label in rows]) < 0.6
+  for sentence, label in rows:
+    # Label 1: a held-out sentence as written; 0: not one (two of its words swapped).
+    assert (sentence in originals) == (label == '1'), (sentence, label)
+  args = argparse.Namespace(
+      size='tiny', seq_len=64, batch_size=16, paper_lr=1e-3, modern_lr=2e-3, eval_steps=2)
+  data = dict(train=train_txt, heldout=heldout_txt, vocab=str(tmp_path / 'vocab.txt'),
+              cache=str(tmp_path / 'cache'))
+  paper, modern = (recipes.pretrain_config(r, args, data, 100, 0) for r in recipes.RECIPES)
+  assert (paper.data.objective, paper.data.masked_lm_prob, paper.data.packing) == (
+      'nsp', 0.15, False)
+  assert (modern.data.objective, modern.data.masked_lm_prob, modern.data.packing,
+          modern.model.position_embedding_type, modern.model.mlp) == (
+              'none', 0.3, True, 'rotary', 'geglu')
+  flops = {r: recipes.step_flops(c) for r, c in zip(recipes.RECIPES, (paper, modern))}
+  # Same size, nearly the same FLOPs per row: the modern recipe's 30% masking costs more in
+  # the decoder, its local layers less in attention.
+  assert 0.8 < flops['modern'] / flops['paper'] < 1.5
+  # The evaluation's and fine-tuning's configs load as today's keys name them.
+  args.finetune_epochs, args.finetune_lr = 1, 1e-4
+  tune = recipes.finetune_config(args, dict(data, task=task), str(tmp_path / 'paper'), 0)
+  assert (tune.data.buckets, tune.data.max_seq_length) == ((64,), 64)
+  assert recipes.eval_config(args, data).data.objective == 'none'

@@ -158,6 +158,7 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   from bert_jax import attention  # pylint: disable=g-import-not-at-top
   from bert_jax import config_checks  # pylint: disable=g-import-not-at-top
   from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
+  from bert_jax import layers  # pylint: disable=g-import-not-at-top
   from bert_jax import model  # pylint: disable=g-import-not-at-top
   from bert_jax import objectives  # pylint: disable=g-import-not-at-top
   from bert_jax import train_state  # pylint: disable=g-import-not-at-top
@@ -169,8 +170,9 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   assert set(choices['model.layer_norm_impl']) == set(layer_norm.IMPLEMENTATIONS) | {'auto'}
   assert set(choices['model.gelu_impl']) == set(activations.IMPLEMENTATIONS) | {'auto'}
   assert model.MATMUL_PRECISIONS is choices['model.matmul_precision']
-  remat_policies = model._REMAT_POLICIES  # pylint: disable=protected-access
-  assert set(choices['model.remat_policy']) == set(remat_policies)
+  assert set(choices['model.remat_policy']) == set(layers.REMAT_POLICIES)
+  assert model.POSITION_EMBEDDINGS is choices['model.position_embedding_type']
+  assert set(choices['model.mlp']) == set(model.MLPS)
   assert set(choices['data.objective']) == set(objectives.OBJECTIVES)
   assert train_state.RNG_IMPLS is choices['train.rng_impl']
   for dtype in choices['model.dtype']:

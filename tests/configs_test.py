@@ -6,7 +6,7 @@ from bert_jax import config_files
 
 PRETRAINING = ['default.py', 'bert_base.py', 'bert_large.py', 'bert_base_tpu_speed.py',
                'smoke.py', 'lamb_large_batch.py:phase1', 'lamb_large_batch.py:phase2',
-               'continue_pretraining.py']
+               'continue_pretraining.py', 'modern.py', 'modern.py:tiny']
 
 
 @pytest.mark.parametrize('name', PRETRAINING)

@@ -919,7 +919,9 @@ KEY_ROWS = [
     (_P, 'train.seed', -1),
     (_P, 'model.hidden_dropout_prob', 1.0), (_F, 'model.attention_probs_dropout_prob', -0.1),
     (_P, 'model.vocab_size', -1), (_P, 'model.max_position_embeddings', 0),
-    (_P, 'model.type_vocab_size', 0),
+    (_P, 'model.type_vocab_size', -1), (_P, 'model.intermediate_size', -1),
+    (_P, 'model.rope_theta', 0.0), (_P, 'model.local_rope_theta', -1.0),
+    (_P, 'model.local_attention_window', -2), (_P, 'model.global_attention_every', -1),
     (_P, 'data.masked_lm_prob', 0.0), (_P, 'data.masked_lm_prob', 1.0),
     (_P, 'data.short_seq_prob', 1.5), (_P, 'data.max_seq_length', 4),
     (_P, 'data.max_predictions_per_seq', 0), (_P, 'data.vocab_size', 0),
@@ -949,6 +951,7 @@ def test_numeric_keys_out_of_range(config, key, value):
     (_P, 'train.max_grad_norm', 0.0),  # No clipping.
     (_P, 'mesh.data', -1), (_P, 'model.attention_probs_dropout_prob', 0.0),
     (_P, 'train.warmup_steps', 0), (_P, 'model.vocab_size', 0),
+    (_P, 'model.type_vocab_size', 0), (_P, 'model.intermediate_size', 0),
 ])
 def test_edge_values_that_mean_something_are_accepted(config, key, value):
   config_files.load_config(config, {key: value})

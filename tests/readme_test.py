@@ -110,6 +110,9 @@ _BENCHMARK = ('a benchmark (the figure\'s own command, minutes to hours); '
 _SUITE = ('runs the test suite, which this test is part of; what it names is checked here '
           '(files, and the tests `-k` selects)')
 
+_RECIPES = ('the benchmark itself (an hour or more of this loaded 2-core machine); '
+            'tests/benchmarks_test.py checks its task, configs and FLOPs budget')
+
 COMMANDS: dict[str, Run | NotHere] = {
     # ---- README.md: the two commands, quickstart --------------------------------------------
     'python3 -m pip install *': NotHere(_INSTALLS),
@@ -185,6 +188,22 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax vocab --input=tfds:wikipedia/20230601.en --tfds_text_key=text --output=vocab.txt':
         NotHere('needs TFDS\'s Wikipedia prepared (tens of GB; bert_jax never downloads); '
                 'tests/vocab_test.py trains from a TFDS dataset'),
+    'bert-jax pretrain --config=configs/modern.py:tiny --workdir=/tmp/bert-jax/modern': Run(
+        'pretrain', f'--workdir={{tmp}}/modern --config.data.vocab_file={{tmp}}/smoke/vocab.txt '
+        f'{_TINY_PRETRAIN}'),
+    'bert-jax convert --input=/tmp/bert-jax/modern --output=/tmp/modern_hf --format=modernbert':
+        Run('pretrain', '--input={tmp}/modern --output={tmp}/modern_hf'),
+    'bert-jax compile --config=configs/modern.py --topology=v5e:2x2 --config.train.batch_size=4 '
+    '--config.train.phases=1:8192:2464 --config.model.attention_impl=splash': NotHere(
+        _COMPILE + '; tests/aot_test.py compiles the modern options at tiny sizes'),
+    'bert-jax compile --config=configs/modern.py --topology=h100 --config.train.batch_size=1 '
+    '--config.train.phases=1:8192:2464 --config.model.attention_impl=cudnn '
+    '--config.model.layer_norm_impl=pallas': NotHere(_COMPILE + ' (with the gpu_aot packages)'),
+    'nice python benchmarks/recipes.py --paper_steps=600 --seeds=0,1': NotHere(_RECIPES),
+    'nice python benchmarks/recipes.py --paper_steps=200 --seeds=0,1 --finetune_epochs=2 '
+    '--finetune_lr=1e-4': NotHere(_RECIPES),
+    'nice python benchmarks/recipes.py --paper_steps=600 --seeds=0,1 --task=replaced_word '
+    '--finetune_epochs=5 --finetune_lr=1e-4': NotHere(_RECIPES),
     'bert-jax convert --input=path/to/hf_dir --output=out/ --format=bert_jax':
         Run('pretrain', '--input={tmp}/smoke', ('Wrote bert_jax checkpoint to out/',)),
     'bert-jax finetune --config=configs/finetune_glue.py:mrpc '
@@ -707,6 +726,8 @@ def test_pretraining_run_and_the_commands_that_use_it(tmp_path):
   # The 2-layer smoke model: the default layers are its two encoder layers.
   assert [layer['index'] for layer in features[0]['features'][0]['layers']] == [-1, -2]
   assert (tmp_path / 'out' / 'bert_config.json').exists()  # convert's --output=out/
+  with open(tmp_path / 'modern_hf' / 'config.json') as f:  # The modern run, as ModernBERT.
+    assert json.load(f)['architectures'] == ['ModernBertForMaskedLM']
   # Fine-tuning's workdir ends with predictions/ (the README says so), and predict reads it.
   assert (tmp_path / 'mrpc' / 'predictions' / 'dev.tsv').exists()
   with open(tmp_path / 'mrpc_dev.jsonl') as f:

@@ -572,6 +572,49 @@ def test_packed_run_resumes_exactly_and_counts_real_tokens(tmp_path, vocab_file)
   _assert_same_params(_params(resumed), _params(full))
 
 
+# configs/modern.py's architecture and objective at TINY's size: rotary positions, GeGLU,
+# pre-LN, no biases, local attention in layer 1 (window 16), no token types, MLM only, 30%
+# masking, packed rows; a second phase of 1,024-token rows (beyond max_position_embeddings:
+# rotary has no ceiling).
+MODERN = {
+    'model.position_embedding_type': 'rotary', 'model.mlp': 'geglu',
+    'model.intermediate_size': 344, 'model.pre_layer_norm': True, 'model.use_bias': False,
+    'model.local_attention_window': 16, 'model.global_attention_every': 2,
+    'model.type_vocab_size': 0, 'model.max_position_embeddings': 32,
+    'model.hidden_dropout_prob': 0.0, 'model.attention_probs_dropout_prob': 0.0,
+    'data.objective': 'none', 'data.masked_lm_prob': 0.3, 'data.packing': True,
+    'data.packing_max_sequences': 64,  # Rows of 1,024 tokens hold many sample documents.
+    'data.max_predictions_per_seq': 10, 'train.phases': '0.02:32:10,0.98:1024:300',
+}
+
+
+def test_modern_architecture_trains_long_packed_rows_and_resumes_exactly(tmp_path, vocab_file):
+  """Every architecture option at once (MODERN): steps 1-4 at 32 tokens, then 1,024-token
+  packed rows; resuming from the step-4 checkpoint reproduces steps 5-6 exactly, parameters
+  and all. (The one long-context run of this module.)"""
+  modern = {k.replace('.', '__'): v for k, v in MODERN.items()}
+  modern.update(train__stop_at_step=6)
+  full = str(tmp_path / 'full')
+  train.train_and_evaluate(_config(vocab_file, **modern), full)
+  train_rows, eval_rows = _rows(full)
+  lengths = [round(r['tokens_per_second'] / r['steps_per_second'] / 8) for r in train_rows]
+  assert lengths == [32] * 4 + [1024] * 2
+  # Packed: most slots of a 1,024-token row are real tokens (unpacked, a row would hold one
+  # document of the sample corpus: mostly padding).
+  assert train_rows[-1]['real_tokens_per_second'] > 0.8 * train_rows[-1]['tokens_per_second']
+  assert eval_rows and 'mlm_accuracy' in eval_rows[-1] and 'nsp_accuracy' not in eval_rows[-1]
+  params = _params(full)
+  assert 'position_embeddings' not in params['bert']['embeddings']
+  assert 'gate' in params['bert']['encoder']['layer_0']['mlp']
+
+  resumed = str(tmp_path / 'resumed')
+  shutil.copytree(full, resumed)
+  shutil.rmtree(os.path.join(resumed, ckpt_lib.CHECKPOINT_DIR, '6'))
+  train.train_and_evaluate(_config(vocab_file, **modern), resumed)
+  assert _losses(resumed) == _losses(full)
+  _assert_same_params(_params(resumed), params)
+
+
 def _write_records(path, n, seq_len, preds, seed):
   """n examples in create_pretraining_data.py's format (ids inside the 1,000-token vocab)."""
   rng = np.random.RandomState(seed)

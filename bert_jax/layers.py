@@ -1,0 +1,510 @@
+"""The layers BERT is made of: LayerNorms, dense layers (in FP8 too), the embeddings,
+self-attention, the feed-forward block, the encoder layer and the stack of them.
+
+`model.py` assembles them into BERT and its heads and holds `BertConfig`, whose fields every
+layer here reads (`config`). Parameters are float32 and carry logical axis names (vocab, embed,
+mlp, heads, kv, layers); activations are constrained with names (batch, length, act_embed,
+act_mlp, act_heads); compute runs in the config's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import flax.linen as nn
+from flax.linen import fp8_ops
+from flax.linen.dtypes import promote_dtype
+import jax
+import jax.numpy as jnp
+
+from bert_jax import activations
+from bert_jax import attention
+from bert_jax import config_checks
+from bert_jax import layer_norm
+from bert_jax import rotary
+from bert_jax.errors import UserError
+
+if TYPE_CHECKING:
+  from bert_jax.model import BertConfig  # pylint: disable=g-bad-import-order
+
+Array = jax.Array
+
+# How the encoder's dense matmuls (the one QKV projection, the attention output and the two MLP
+# projections) run in training steps (`deterministic=False`):
+# - 'default': in the compute dtype (`BertConfig.dtype`).
+# - 'fp8': FP8 with delayed scaling (flax's `Fp8DirectDotGeneralOp`, Transformer Engine's
+#   recipe): inputs and kernels in float8_e4m3fn, output gradients in float8_e5m2, each scaled
+#   by the largest magnitude of the last FP8_AMAX_HISTORY steps. The scales and amax histories
+#   live in the FP8_COLLECTION variable collection: the "gradient" a step computes for them is
+#   their new value, which replaces them (`state_extras.FP8_SCALES`), never an
+#   optimizer update. Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them
+#   (correct, slower).
+# The embeddings (exact one-hot lookups), the pooler, the MLM transform and the tied decoder,
+# and the task heads stay in the compute dtype: a few percent of the FLOPs, and the decoder's
+# logits feed the loss directly, where FP8's 3-bit mantissa would cost the most accuracy.
+# Evaluation and prediction (`deterministic=True`) run every matmul in the compute dtype,
+# with the parameters alone: the numbers a user of the exported weights gets.
+MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
+FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
+FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    'gelu': lambda x: jax.nn.gelu(x, approximate=False),   # The paper's exact erf GELU.
+    'gelu_new': lambda x: jax.nn.gelu(x, approximate=True),
+    'gelu_pytorch_tanh': lambda x: jax.nn.gelu(x, approximate=True),
+    'relu': jax.nn.relu,
+    'silu': jax.nn.silu,
+    'swish': jax.nn.silu,
+}
+
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+assert tuple(REMAT_POLICIES) == config_checks.CHOICES['model.remat_policy']
+
+
+def normal_init(config: BertConfig, axes: tuple[str | None, ...]):
+  """Truncated-normal init (the original's) with logical axis names attached."""
+  return nn.with_logical_partitioning(
+      nn.initializers.truncated_normal(config.initializer_range), axes)
+
+
+def zeros_init(axes):
+  return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+def ones_init(axes):
+  return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
+
+
+def _norm_params(module: nn.Module, config: BertConfig, h: int) -> tuple[Array, Array]:
+  """A LayerNorm's (scale, bias) parameters; the bias a constant 0 when config.use_bias is off."""
+  scale = module.param('scale', ones_init(('embed',)), (h,), jnp.float32)
+  if not config.use_bias:
+    return scale, jnp.zeros((h,), jnp.float32)
+  return scale, module.param('bias', zeros_init(('embed',)), (h,), jnp.float32)
+
+
+class LayerNorm(nn.Module):
+  """LayerNorm with float32 statistics and affine; output in the compute dtype."""
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale, bias = _norm_params(self, self.config, x.shape[-1])
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + self.config.layer_norm_eps) * scale + bias
+    return y.astype(self.config.compute_dtype)
+
+
+def hidden_dropout_seed(module: nn.Module, config: BertConfig,
+                        deterministic: bool) -> Array | None:
+  """The seed of a hidden-dropout mask (`layer_norm.dropout_seed`) from `module`'s 'dropout'
+  rng, or None when no dropout applies. Drawn by the caller, outside the LayerNorm's scope, so
+  that profiles name the rng's kernels dropout, not LayerNorm."""
+  if deterministic or not layer_norm.keep_threshold(config.hidden_dropout_prob):
+    return None
+  return layer_norm.dropout_seed(module.make_rng('dropout'))
+
+
+class ResidualLayerNorm(nn.Module):
+  """LayerNorm(residual + dropout(x + bias)): a post-LN sub-layer's end (`layer_norm.py`).
+
+  The parameters are LayerNorm's (scale, bias). `x` is the sub-layer's projection without its
+  bias, which is passed as `x_bias` (float32) so that the fused kernel adds it, and returns its
+  gradient, in the same pass. `seed`: `hidden_dropout_seed`'s, or None (no dropout).
+  With residual_copy (post-LN) it returns the output twice, (y, y): the first for the next
+  sub-layer, the second for the LayerNorm after it as its residual, so that the fused backward
+  takes the two gradients as two inputs instead of their sum (layer_norm.residual_layer_norm's
+  residual_copy). Pre-LN layers keep the residual stream apart (`layer_norm.residual_add`):
+  one output.
+  """
+  config: BertConfig
+  residual_copy: bool = True
+
+  @nn.compact
+  def __call__(self, x: Array, residual: Array, x_bias: Array | None,
+               seed: Array | None) -> Array | tuple[Array, Array]:
+    c = self.config
+    scale, bias = _norm_params(self, c, x.shape[-1])
+    rate = c.hidden_dropout_prob if seed is not None else 0.0
+    # Initialization traces a dummy batch for the parameters' shapes only: plain jnp. A
+    # BertConfig built in code may say 'auto': for the platform being lowered for.
+    impl = 'xla' if self.is_initializing() else c.resolved('layer_norm_impl')
+    return layer_norm.residual_layer_norm(
+        x, residual, x_bias, scale, bias, seed, rate=rate, eps=c.layer_norm_eps, impl=impl,
+        out_dtype=c.compute_dtype, residual_copy=self.residual_copy)
+
+
+class DenseGeneral(nn.Module):
+  """`nn.DenseGeneral` over the trailing `num_in` input axes: same parameters, init and math.
+
+  Flax's own creates the kernel flattened to 2-D and, whenever a mesh is set (`jax.set_mesh`,
+  which activation constraints need), constrains that flat value with the kernel's logical
+  names: for [embed, heads, kv] and [heads, kv, embed] kernels it fails on a rank mismatch,
+  even in `apply` (Flax re-runs the initializer abstractly to check shapes). Here the kernel
+  is created at its full shape.
+  """
+  config: BertConfig
+  features: tuple[int, ...]
+  axes: tuple[str | None, ...]   # The kernel's logical axes: input axes, then features.
+  num_in: int = 1
+  activation: str | None = None  # A key of ACTIVATIONS applied to the output, or none.
+  # False: return (x @ kernel, bias) for a consumer that adds the float32 bias itself.
+  add_bias: bool = True
+  fp8: bool = False  # The matmul through `fp8_dot_general` (matmul_precision='fp8').
+  use_bias: bool = True  # False: no bias parameter (the returned bias is then None).
+  # The output's logical axes, which place the fused GELU kernels under a mesh.
+  activation_axes: tuple[str | None, ...] | None = None
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    c, n = self.config, self.num_in
+    kernel = self.param('kernel', normal_init(c, self.axes), x.shape[-n:] + self.features,
+                        jnp.float32)
+    bias = (self.param('bias', zeros_init(self.axes[n:]), self.features, jnp.float32)
+            if self.use_bias else None)
+    f32_bias = bias
+    x, kernel = promote_dtype(x, kernel, dtype=c.compute_dtype)
+    dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
+    y = (fp8_dot_general(x, kernel, dims) if self.fp8
+         else jax.lax.dot_general(x, kernel, dims))
+    if not self.add_bias:
+      return y, f32_bias
+    # The paper's dense GELU takes model.gelu_impl's kernel: the float32 bias as it is stored
+    # (no cast kernel; its gradient summed in float32).
+    impl = ('xla' if self.is_initializing() or self.activation != 'gelu'
+            else c.resolved('gelu_impl'))
+    return activate(c, y, f32_bias, self.activation, impl=impl, axes=self.activation_axes)
+
+
+def activate(config: BertConfig, y: Array, bias: Array | None, activation: str | None, *,
+             impl: str = 'xla', axes: tuple[str | None, ...] | None = None) -> Array:
+  """activation(y + bias) (bias may be None, activation a key of ACTIVATIONS or None). The
+  exact GELU is `activations.bias_gelu` (kernel `impl`, output axes `axes`), or with
+  config.portable_gelu `activations.portable_bias_gelu` (the SavedModel export)."""
+  if activation == 'gelu':
+    bias = jnp.zeros(y.shape[-1:], jnp.float32) if bias is None else bias
+    if config.portable_gelu:
+      return activations.portable_bias_gelu(y, bias)
+    # Bias add and exact GELU in one function that keeps only y for its backward.
+    return activations.bias_gelu(y, bias, impl=impl, axes=axes)
+  y = y if bias is None else y + bias.astype(y.dtype)
+  return ACTIVATIONS[activation](y) if activation else y
+
+
+def fp8_dot_general(x: Array, kernel: Array, dims, name: str = 'fp8') -> Array:
+  """`lax.dot_general(x, kernel, dims)` in FP8 with delayed scaling, its scales and amax
+  histories in the calling module's FP8_COLLECTION (see MATMUL_PRECISIONS). Call it inside
+  a compact module."""
+  return fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=FP8_AMAX_HISTORY, name=name)(
+      x, kernel, dims)
+
+
+def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
+  """Whether `module`'s encoder matmuls run in FP8: with matmul_precision='fp8', in training
+  (and at init, which creates their scales), never in evaluation or prediction."""
+  return config.matmul_precision == 'fp8' and (not deterministic or module.is_initializing())
+
+
+def dense(config: BertConfig, features, axes, name: str, in_axes=-1,
+           activation: str | None = None, add_bias: bool = True,
+           fp8: bool = False, use_bias: bool = True, activation_axes=None) -> nn.Module:
+  features = features if isinstance(features, tuple) else (features,)
+  in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
+  if in_axes != tuple(range(-len(in_axes), 0)):
+    raise ValueError(f'in_axes {in_axes} are not the trailing axes')
+  return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
+                      activation=activation, add_bias=add_bias, fp8=fp8, use_bias=use_bias,
+                      activation_axes=activation_axes, name=name)
+
+
+def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
+  return nn.with_logical_constraint(x, axes)
+
+
+# The decoder's vocabulary is padded to a multiple of this inside its matmul (see
+# `Embeddings.attend`), as NVIDIA's and MosaicBERT's BERTs pad it (30522 -> 30528).
+VOCAB_MULTIPLE = 64
+
+
+def _one_hot_lookup(table: Array, ids: Array, dtype) -> Array:
+  """table[ids] as one_hot(ids) @ table: exactly the rows (HIGHEST precision: no TF32), with a
+  matmul for a gradient. Out-of-range ids give zeros, never another row."""
+  one_hot = jax.nn.one_hot(ids, table.shape[0], dtype=dtype)
+  return jnp.dot(one_hot, table.astype(dtype), precision=jax.lax.Precision.HIGHEST)
+
+
+class Embeddings(nn.Module):
+  """Word + learned position + token type embeddings, LayerNorm, dropout (masks hashed from a
+  seed: `layer_norm.dropout_seed`). Rotary models have no position table (positions rotate the
+  queries and keys instead), models with type_vocab_size 0 no token types."""
+  config: BertConfig
+
+  def setup(self):
+    c = self.config
+    self.word_embeddings = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.compute_dtype,
+                                    param_dtype=jnp.float32,
+                                    embedding_init=normal_init(c, ('vocab', 'embed')))
+    if not c.rotary:
+      self.position_embeddings = nn.Embed(c.max_position_embeddings, c.hidden_size,
+                                          dtype=c.compute_dtype, param_dtype=jnp.float32,
+                                          embedding_init=normal_init(c, (None, 'embed')))
+    if c.type_vocab_size:
+      self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size,
+                                            dtype=c.compute_dtype, param_dtype=jnp.float32,
+                                            embedding_init=normal_init(c, (None, 'embed')))
+    self.layer_norm = LayerNorm(c, name='layer_norm')
+
+  def __call__(self, input_ids: Array, segment_ids: Array, deterministic: bool,
+               position_ids: Array | None = None) -> Array:
+    seq_len = input_ids.shape[1]
+    if self.config.max_length and seq_len > self.config.max_length:
+      raise UserError(f'sequence length {seq_len} exceeds max_position_embeddings '
+                      f'{self.config.max_position_embeddings}')
+    # Small tables are read by one-hot matmuls rather than gathers (the original BERT does the
+    # same for token types): the same values, but the gradient of a gather is a scatter-add,
+    # and on GPUs 256 x 128 tokens adding into 2 token-type rows took 31 ms of a 154 ms
+    # BERT-base step (atomics on a few addresses; README "Performance"). Unpacked rows read the
+    # first seq_len positions, whose gradient is a sum over the batch.
+    dtype = self.config.compute_dtype
+    x = self.word_embeddings(input_ids)
+    if self.config.rotary:
+      pass  # Positions rotate each layer's queries and keys (SelfAttention).
+    elif position_ids is None:
+      x = x + self.position_embeddings.embedding[None, :seq_len].astype(dtype)
+    else:  # Packed rows give each sequence positions from 0.
+      x = x + _one_hot_lookup(self.position_embeddings.embedding, position_ids, dtype)
+    if self.config.type_vocab_size:
+      x = x + _one_hot_lookup(self.token_type_embeddings.embedding, segment_ids, dtype)
+    x = constrain(x, ('batch', 'length', 'act_embed'))
+    x = self.layer_norm(x)
+    seed = hidden_dropout_seed(self, self.config, deterministic)
+    return layer_norm.dropout(x, seed, self.config.hidden_dropout_prob)
+
+  def attend(self, x: Array, padded: bool = False) -> Array:
+    """Logits over the vocabulary with the (tied) word embedding matrix.
+
+    The matmul runs over the vocabulary padded with zero rows to a multiple of
+    `VOCAB_MULTIPLE`: 30522 rows ran a misaligned cuBLAS kernel (2-element alignment,
+    247 TFLOP/s on an H100) in both directions. The padding exists only inside this matmul:
+    parameters and checkpoints keep `vocab_size`, and so do the logits unless `padded`
+    (then [..., padded vocabulary], the pad columns 0: see model.MlmHead)."""
+    table = self.word_embeddings.embedding
+    x, table = promote_dtype(x, table, dtype=self.config.compute_dtype)
+    vocab = table.shape[0]
+    table = jnp.pad(table, ((0, -vocab % VOCAB_MULTIPLE), (0, 0)))
+    logits = jnp.dot(x, table.T)
+    return logits if padded else logits[..., :vocab]
+
+
+class DenseParams(nn.Module):
+  """A dense layer's kernel and bias, created as `DenseGeneral` creates them, but not applied:
+  for layers whose matmul is shared with others (`SelfAttention`'s one QKV projection)."""
+  config: BertConfig
+  in_features: tuple[int, ...]
+  features: tuple[int, ...]
+  axes: tuple[str | None, ...]   # The kernel's logical axes: input axes, then features.
+
+  @nn.compact
+  def __call__(self) -> tuple[Array, Array | None]:
+    c, n = self.config, len(self.in_features)
+    kernel = self.param('kernel', normal_init(c, self.axes), self.in_features + self.features,
+                        jnp.float32)
+    if not c.use_bias:  # Only the encoder's layers are made of these.
+      return kernel, None
+    bias = self.param('bias', zeros_init(self.axes[n:]), self.features, jnp.float32)
+    return kernel, bias
+
+
+def _stacked_matmul(module: nn.Module, x: Array, params: list, fp8: bool, fp8_name: str,
+                    scope: str) -> Array:
+  """x @ the kernels of `params` (DenseParams' (kernel, bias) pairs) stacked on a new axis 1,
+  as one matmul (named `scope`), plus their biases (if any): [..., len(params), *features]."""
+  c = module.config
+  kernel = jnp.stack([k.astype(c.compute_dtype) for k, _ in params], axis=1)
+  bias = (None if params[0][1] is None else
+          jnp.stack([b.astype(c.compute_dtype) for _, b in params], axis=0))
+  x = x.astype(c.compute_dtype)
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  with jax.named_scope(scope):  # Named so that the GPU step budget test finds it as one.
+    y = (fp8_dot_general(x, kernel, dims, name=fp8_name) if fp8
+         else jax.lax.dot_general(x, kernel, dims))
+    return y if bias is None else y + bias
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention within each packed sequence (see `attention.py`)."""
+  config: BertConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: Array, sequence_ids: Array, positions: Array | None = None,
+               local: bool | Array = False) -> Array:
+    """`positions` [B, T]: rotary models' token positions; `local`: whether this layer
+    attends locally (a traced bool in scanned layers of both kinds)."""
+    c = self.config
+    heads, head_dim = c.num_attention_heads, c.head_dim
+    # Q, K and V are one matmul against the three kernels stacked as [embed, 3, heads, kv]:
+    # its backward is one K=3*hidden matmul for the input gradient (three K=hidden ones and
+    # two adds before) and one for the kernels'. The parameters stay three (query, key, value),
+    # as checkpoints, the original BERT and transformers have them; stacking 3 x hidden^2
+    # weights per step costs next to nothing. Heads stay the sharded axis.
+    params = [DenseParams(c, (x.shape[-1],), (heads, head_dim), ('embed', 'heads', 'kv'),
+                          name=name)() for name in ('query', 'key', 'value')]
+    fp8 = use_fp8(self, c, self.deterministic)
+    qkv = _stacked_matmul(self, x, params, fp8, 'qkv_fp8', 'qkv')
+    qkv = constrain(qkv, ('batch', 'length', None, 'act_heads', 'kv'))
+    q, k, v = (constrain(qkv[:, :, i], ('batch', 'length', 'act_heads', 'kv'))
+               for i in range(3))
+    if c.rotary:
+      theta = (c.local_rope_theta if local is True else c.rope_theta if local is False
+               else jnp.where(local, c.local_rope_theta, c.rope_theta))
+      cos, sin = rotary.angles(positions, head_dim, theta)
+      q, k = (constrain(rotary.apply(t, cos, sin), ('batch', 'length', 'act_heads', 'kv'))
+              for t in (q, k))
+    rate = 0.0 if self.deterministic else c.attention_probs_dropout_prob
+    probs_dropout = nn.Dropout(rate, deterministic=False) if rate > 0.0 else None
+    # Parameters do not depend on the kernel, and init traces a short dummy batch that a fused
+    # kernel's tiles may not fit: initialization always takes the xla path.
+    impl = 'xla' if self.is_initializing() else c.attention_impl
+    out = attention.dot_product_attention(q, k, v, sequence_ids, impl=impl,
+                                          probs_dropout=probs_dropout,
+                                          max_sequences=c.max_packed_sequences,
+                                          local_window=c.local_attention_window, local=local)
+    out = constrain(out, ('batch', 'length', 'act_heads', 'kv'))
+    # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
+    return dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1),
+                  add_bias=False, fp8=fp8, use_bias=c.use_bias)(out)
+
+
+class Mlp(nn.Module):
+  """The feed-forward block: act(x W + b) (the paper's), or with mlp_type='gated'
+  act(x W + b) * (x V + c) (GeGLU/SwiGLU), W and V one stacked matmul as Q, K and V are."""
+  config: BertConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    c = self.config
+    fp8 = use_fp8(self, c, self.deterministic)
+    if c.mlp_type == 'gated':
+      params = [DenseParams(c, (x.shape[-1],), (c.intermediate_size,), ('embed', 'mlp'),
+                            name=name)() for name in ('intermediate', 'gate')]
+      y = constrain(_stacked_matmul(self, x, params, fp8, 'gated_fp8', 'gated'),
+                     ('batch', 'length', None, 'act_mlp'))
+      # The biases are in y already: the activation's own is none. XLA's GELU (gelu_impl's
+      # kernel fuses a dense layer's bias add and GELU: config_checks refuses it here).
+      h = activate(c, y[:, :, 0], None, c.hidden_act) * y[:, :, 1]
+    else:
+      h = dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
+                activation=c.hidden_act, fp8=fp8, use_bias=c.use_bias,
+                activation_axes=('batch', 'length', 'act_mlp'))(x)
+    h = constrain(h, ('batch', 'length', 'act_mlp'))
+    # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
+    return dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False, fp8=fp8,
+                  use_bias=c.use_bias)(h)
+
+
+class EncoderLayer(nn.Module):
+  """The paper's post-LN Transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x)).
+
+  The carry is (x, residual), the layer input twice (ResidualLayerNorm's two outputs): x for
+  the attention, residual for its LayerNorm. With pre_layer_norm it is (h, LN(h)), the
+  residual stream and its normalization: h += Attn(LN(h)); h += MLP(LN(h)). Each LN is of
+  the sum the sub-layer before ends in, so it is still one fused LayerNorm(residual +
+  dropout(projection + bias)) (`layer_norm.py`), and the stream the same sum
+  (`layer_norm.residual_add`); the embeddings' LayerNorm is layer 0's input norm (ModernBERT's
+  layout), and the last layer's output_norm is the final norm.
+  """
+  config: BertConfig
+  deterministic: bool = True
+  # Return the output a second time (a scan's per-layer outputs: the hidden states); without,
+  # a scan would still stack [layers, B, T, H] of them.
+  hidden_states: bool = True
+  # Whether the layer attends locally; None: the `local` argument says (a traced bool, in
+  # scanned layers of both kinds).
+  local: bool | None = False
+
+  @nn.compact
+  def __call__(self, carry, sequence_ids: Array, positions: Array | None,
+               local: Array | None = None):
+    c = self.config
+    local = self.local if self.local is not None else local
+    drop = lambda: hidden_dropout_seed(self, c, self.deterministic)
+    embed = lambda x: constrain(x, ('batch', 'length', 'act_embed'))
+    attention_ = SelfAttention(c, self.deterministic, name='attention')
+    if not c.pre_layer_norm:
+      x, residual = carry
+      # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
+      attn, attn_bias = attention_(x, sequence_ids, positions, local)
+      x, residual = map(embed, ResidualLayerNorm(c, name='attention_layer_norm')(
+          attn, residual, attn_bias, drop()))
+      y, y_bias = Mlp(c, self.deterministic, name='mlp')(x)
+      x, residual = map(embed, ResidualLayerNorm(c, name='output_layer_norm')(
+          y, residual, y_bias, drop()))
+      # The carry for the next layer, and the per-layer output (hidden states).
+      return (x, residual), (x if self.hidden_states else None)
+    h, normed = carry
+    rate = 0.0 if self.deterministic else c.hidden_dropout_prob
+    for name, sublayer in (('mlp_norm', lambda n: attention_(n, sequence_ids, positions, local)),
+                           ('output_norm', Mlp(c, self.deterministic, name='mlp'))):
+      y, y_bias = sublayer(normed)
+      seed = drop()
+      # One mask (one seed) for the LayerNorm's sum and the stream's: the same sum.
+      normed = embed(ResidualLayerNorm(c, residual_copy=False, name=name)(y, h, y_bias, seed))
+      h = embed(layer_norm.residual_add(y, h, y_bias, seed, rate))
+    return (h, normed), (h if self.hidden_states else None)
+
+
+class Encoder(nn.Module):
+  """A stack of encoder layers, looped or `nn.scan`-ed, optionally rematerialized."""
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x: Array, sequence_ids: Array, deterministic: bool = True,
+               return_hidden_states: bool = False,
+               positions: Array | None = None) -> tuple[Array, list[Array]]:
+    c = self.config
+    layer_cls = EncoderLayer
+    policy = REMAT_POLICIES[c.remat_policy]
+    if c.remat_policy != 'none':
+      layer_cls = nn.remat(layer_cls, policy=policy, prevent_cse=not c.scan_layers)
+    kinds = [c.is_local_layer(i) for i in range(c.num_hidden_layers)]
+    # Post-LN: (x, residual), the input twice; pre-LN: (h, LN(h)), the embeddings' LayerNorm
+    # being layer 0's input norm.
+    carry = (x, x)
+    if c.scan_layers:
+      # FP8 scales and histories are per layer, stacked like the parameters.
+      axes = {'params': 0, **({FP8_COLLECTION: 0} if c.matmul_precision == 'fp8' else {})}
+      # Layers of two kinds share one trace: each gets its kind as a scanned input.
+      mixed = len(set(kinds)) > 1
+      scanned = nn.scan(layer_cls, variable_axes=axes,
+                        split_rngs={'params': True, 'dropout': True},
+                        in_axes=(nn.broadcast, nn.broadcast) + ((0,) if mixed else ()),
+                        length=c.num_hidden_layers,
+                        metadata_params={nn.PARTITION_NAME: 'layers'})
+      args = (jnp.asarray(kinds),) if mixed else ()
+      carry, stacked = scanned(c, deterministic, return_hidden_states,
+                               None if mixed else kinds[0], name='layers')(
+                                   carry, sequence_ids, positions, *args)
+      hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
+    else:
+      hidden = []
+      for i in range(c.num_hidden_layers):
+        carry, h = layer_cls(c, deterministic, True, kinds[i], name=f'layer_{i}')(
+            carry, sequence_ids, positions)
+        hidden.append(h)
+      if not return_hidden_states:
+        hidden = []
+    # Pre-LN: the sequence output is the last layer's output_norm (the final norm).
+    return (carry[1] if c.pre_layer_norm else carry[0]), hidden
