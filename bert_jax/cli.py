@@ -27,7 +27,13 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from bert_jax import config_files
+# TensorFlow runs only the input pipeline here (string and integer ops, no matmuls), where its
+# oneDNN kernels gain nothing; with them on, a packed pipeline prints an error-level
+# "oneDNN supports DT_INT64 only on platforms with AVX-512" mid-run on CPUs without AVX-512.
+# Before anything imports TensorFlow, which reads this once; a user's own setting stays.
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
+
+from bert_jax import config_files  # pylint: disable=g-import-not-at-top,wrong-import-position
 from bert_jax.config_files import configs_dir  # Where each command's default config is.
 from bert_jax import config_checks
 from bert_jax import errors
@@ -138,17 +144,17 @@ def _pretrain_flags():
     del argv
     from bert_jax import train  # pylint: disable=g-import-not-at-top
     workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
-    _record_command(workdir)
+    _record_command()
     train.train_and_evaluate(FLAGS.config, workdir)
   return run
 
 
-def _record_command(workdir: str) -> None:
-  """The command line, into the workdir (process 0): a pushed model card says how it was made."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.process_index() == 0:
-    from bert_jax import publish  # pylint: disable=g-import-not-at-top
-    publish.record_command(fileio.workdir_path(workdir), sys.argv[1:])
+def _record_command() -> None:
+  """The command line, for the driver to record in the workdir once it holds it (process 0;
+  run_frame.entered): a pushed model card says how it was made. Not here: a workdir is touched
+  only after the driver's checks (a missing bucket is one line, a refused run leaves nothing)."""
+  from bert_jax import publish  # pylint: disable=g-import-not-at-top
+  publish.COMMAND_LINE = sys.argv[1:]
 
 
 def _config_name() -> str:
@@ -281,7 +287,7 @@ def _finetune_flags():
     from bert_jax import finetune  # pylint: disable=g-import-not-at-top
     workdir = FLAGS.workdir or fileio.default_workdir(f'finetune_{FLAGS.config.task.name}')
     if not FLAGS.sweep:
-      _record_command(workdir)
+      _record_command()
       finetune.finetune(FLAGS.config, workdir)
       return
     try:

@@ -128,6 +128,11 @@ def push_export(source: str, repo_id: str, output: str = '') -> str:
     return hub.push_folder(folder, repo_id, f'Upload {os.path.basename(source.rstrip("/"))}')
 
 
+# The command line of this process when `bert-jax` started it (cli sets it; None otherwise):
+# run_frame.entered records it in the workdir it holds.
+COMMAND_LINE: list[str] | None = None
+
+
 def record_command(workdir: str, argv: list[str]) -> None:
   """Appends the command line that (re)started a run to WORKDIR/command.txt (the model card's
   'How it was trained'). Best effort: a workdir that cannot take it is the driver's to refuse,

@@ -4,7 +4,8 @@ its loop ends, and the loop's schedules.
 - `entered`: the config checked (as where it was loaded: one changed in Python since, in a
   notebook, is refused the same way), the workdir resolved, SIGTERM heard from here on, the
   workdir's lock held (one run at a time), TensorFlow kept off the accelerators, a workdir of
-  the other kind of run refused, and the compilation cache pointed at the workdir's.
+  the other kind of run refused, the command line recorded (publish.COMMAND_LINE), and the
+  compilation cache pointed at the workdir's.
 - `closing`: however the loop ends (finished, stopped, failed), the progress bar closed, the
   last save waited for (a failed one ends the run as one line), the checkpoint manager and the
   metrics log closed, and the pushes of checkpoint.push_to_hub waited for (not in a preemption
@@ -15,6 +16,7 @@ its loop ends, and the loop's schedules.
 import contextlib
 from typing import Any, Callable, Iterator
 
+import jax
 import ml_collections
 
 from bert_jax import checkpoint as ckpt_lib
@@ -41,6 +43,8 @@ def entered(config: ml_collections.ConfigDict, workdir: str, kind: str,
     preemption.check()
     fileio.hide_accelerators_from_tf()
     run_files.check_workdir_kind(workdir, fine_tuning=kind == 'finetune')
+    if publish.COMMAND_LINE is not None and jax.process_index() == 0:
+      publish.record_command(workdir, publish.COMMAND_LINE)  # For a pushed model card.
     run_files.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
     yield workdir, preemption
 

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from bert_jax import config_checks
 from bert_jax import defaults
 from bert_jax import input_pipeline
 from bert_jax import packing
@@ -485,12 +486,13 @@ def test_bad_inputs(corpora, tmp_path):
   with pytest.raises(UserError, match="one_doc.txt'.* holds a single document: objective 'nsp'"):
     make(corpora.config(input=_one_doc(tmp_path)))
   assert _batches(make(corpora.config(input=_one_doc(tmp_path), objective='sop')), 1)
-  # Settings.
-  with pytest.raises(ValueError, match='seq_len=7'):
+  # Settings: checked where a config loads (config_checks); a direct caller meets an assert,
+  # or for a choice the one check of it (config_checks.check_choice).
+  with pytest.raises(AssertionError, match=r'\(7, 5, 4\)'):
     make(corpora.config(), seq_len=7)
-  with pytest.raises(ValueError, match='max_predictions=33'):
+  with pytest.raises(AssertionError, match=r'\(32, 33, 4\)'):
     make(corpora.config(), max_predictions=33)
-  with pytest.raises(ValueError, match='objective'):
+  with pytest.raises(UserError, match="data.objective='mlm': expected one of"):
     make(corpora.config(objective='mlm'))
   # A vocabulary without the special tokens.
   bad_vocab = tmp_path / 'bad_vocab.txt'
@@ -705,12 +707,14 @@ def test_packed_tfrecords_keep_their_static_masks(tmp_path):
     np.testing.assert_array_equal(unpacked[k][order], expected)
 
 
-def test_packing_keys_are_checked(corpora):
+def test_packing_keys_are_checked():
+  """Where a config loads (config_checks, issue 40: each check once), not in the pipeline."""
   for key in ('packing_max_sequences', 'packing_window'):
-    with pytest.raises(UserError, match=f'data.{key}=0'):
-      input_pipeline.make_pretraining_dataset(corpora.config(packing=True, **{key: 0}),
-                                              batch_size=4, seq_len=32, max_predictions=5,
-                                              train=True)
+    config = defaults.pretrain()
+    config.data.packing = True
+    config.data[key] = 0
+    with pytest.raises(UserError, match=f'data.{key}=0: must be an integer >= 1'):
+      config_checks.check_config(config)
 
 
 def test_packed_examples_and_stats(corpora):

@@ -154,7 +154,8 @@ def test_grad_norm_computed_once_same_updates_and_metrics_as_optax_clipping(
                       'bias': jnp.asarray(rng.randn(3), jnp.float32)}}
   batch = {'x': jnp.asarray(rng.randn(8, 4), jnp.float32),
            'y': jnp.asarray(rng.randn(8, 3), jnp.float32)}
-  apply = lambda p, b, _: b['x'] @ p['dense']['kernel'] + p['dense']['bias']
+  # The step applies the model to its variables ({'params': ...}: state_extras' contract).
+  apply = lambda v, b, _: b['x'] @ v['params']['dense']['kernel'] + v['params']['dense']['bias']
   loss = lambda out, b: ({'mse': scale * jnp.sum((out - b['y']) ** 2)},
                          {'mse': jnp.float32(b['y'].size)}, {})
 

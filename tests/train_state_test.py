@@ -61,19 +61,22 @@ COPY, FP8 = state_extras.COMPUTE_COPY.name, state_extras.FP8_SCALES.name
 
 
 def test_the_copy_holds_what_the_model_reads_by_one_cast():
-  """bfloat16: the weights of the matmuls and the biases they cast; not LayerNorm, not the
-  biases the fused LayerNorm adds in float32, not the tied word embeddings (read twice, by the
-  lookup and the MLM decoder). float32: no copy."""
+  """bfloat16: the weights of the matmuls and the biases they cast, the sub-layers' output
+  biases among them (the LayerNorm's sum adds them in the compute dtype at init, where the copy
+  is chosen); not LayerNorm, not the dense GELU's biases (activations.bias_gelu reads them in
+  float32), not the tied word embeddings (read twice, by the lookup and the MLM decoder).
+  float32: no copy."""
   _, _, _, built = _built()
   copy = _paths(built.abstract.extras[COPY])
   params = _paths(built.abstract.params)
   layer = ('bert', 'encoder', 'layer_0')
   for name in ('query', 'key', 'value'):
     assert {layer + ('attention', name, 'kernel'), layer + ('attention', name, 'bias')} <= copy
-  assert {layer + ('attention', 'output', 'kernel'), layer + ('mlp', 'intermediate', 'bias'),
-          ('mlm', 'transform', 'kernel'), ('nsp', 'kernel')} <= copy
+  assert {layer + ('attention', 'output', 'kernel'), layer + ('attention', 'output', 'bias'),
+          layer + ('mlp', 'output', 'bias'), ('mlm', 'transform', 'kernel'),
+          ('nsp', 'kernel')} <= copy
   kept = {('bert', 'embeddings', 'word_embeddings', 'embedding'), ('mlm', 'output_bias'),
-          layer + ('attention', 'output', 'bias'), layer + ('mlp', 'output', 'bias')}
+          layer + ('mlp', 'intermediate', 'bias'), ('mlm', 'transform', 'bias')}
   kept |= {p for p in params if 'layer_norm' in p[-2]}
   assert kept <= params and not kept & copy
   for path, leaf in traverse_util.flatten_dict(built.abstract.extras[COPY]).items():
@@ -94,7 +97,7 @@ def test_the_training_forward_reads_every_copied_parameter_by_one_cast(model):
   _, mesh, rules, built = _built(model=model)
   assert {('bert', 'pooler', 'kernel'), ('mlm', 'transform', 'kernel')} <= _paths(
       built.abstract.extras[COPY])
-  assert len(_paths(built.abstract.extras[COPY])) == (17 if model.get('scan_layers') else 27)
+  assert len(_paths(built.abstract.extras[COPY])) == (17 if model.get('scan_layers') else 28)
   apply = pretraining.pretraining_apply(built.model)
   batch = _batch(0)
   with sharding_lib.activate(mesh, rules):
