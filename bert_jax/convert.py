@@ -747,6 +747,13 @@ def export_hf(config: model.BertConfig, params: dict, out_dir: str,
   with open(os.path.join(out_dir, 'config.json'), 'w') as f:
     json.dump(hf_config, f, indent=2)
     f.write('\n')
+  _write_tokenizer_files(config, vocab_file, lower_case, out_dir)
+
+
+def _write_tokenizer_files(config: model.BertConfig, vocab_file: str | None,
+                           lower_case: bool | None, out_dir: str) -> None:
+  """vocab.txt and (when the casing is known) tokenizer_config.json of a Hugging Face folder,
+  BERT's layout or ModernBERT's alike."""
   _copy_vocab(config, vocab_file, out_dir)
   if lower_case is not None:
     with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
@@ -783,12 +790,7 @@ def export_modernbert(config: model.BertConfig, params: dict, out_dir: str,
   with open(os.path.join(out_dir, 'config.json'), 'w') as f:
     json.dump(modernbert.hf_config(config, special), f, indent=2)
     f.write('\n')
-  _copy_vocab(config, vocab_file, out_dir)
-  if lower_case is not None:
-    with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
-      json.dump({'do_lower_case': lower_case, 'tokenizer_class': 'BertTokenizer',
-                 'model_max_length': config.max_position_embeddings}, f, indent=2)
-      f.write('\n')
+  _write_tokenizer_files(config, vocab_file, lower_case, out_dir)
 
 
 @_to_any_folder
