@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bert_jax import activations  # pylint: disable=g-import-not-at-top
+from layernorm import median_seconds  # pylint: disable=g-import-not-at-top  (this folder)
 
 
 def parse_args(argv=None):
@@ -43,16 +44,6 @@ def parse_args(argv=None):
                            'separated (default: the module\'s own, activations._TILE_ROWS, '
                            '_TILE_COLS, _BWD_ROWS)')
   return parser.parse_args(argv)
-
-
-def _time(fn, args, iters):
-  jax.block_until_ready(fn(*args))  # Compile and warm up.
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def _max_abs(a, b) -> float:
@@ -81,7 +72,8 @@ def run_case(rows: int, cols: int, dtype: str, iters: int, tilings) -> list[dict
       fwd = jax.jit(f)
       fwd_bwd = jax.jit(lambda x, b, f=f: jax.vjp(f, x, b)[1](dy) + (f(x, b),))
       out = fwd_bwd(x, bias)
-      t_fwd, t_all = _time(fwd, (x, bias), iters), _time(fwd_bwd, (x, bias), iters)
+      t_fwd = median_seconds(fwd, (x, bias), iters)
+      t_all = median_seconds(fwd_bwd, (x, bias), iters)
     finally:
       # pylint: disable-next=protected-access
       activations._TILE_ROWS, activations._TILE_COLS, activations._BWD_ROWS = defaults

@@ -46,7 +46,9 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
-def _time(fn, args, iters):
+def median_seconds(fn, args, iters: int) -> float:
+  """Median wall time of `iters` calls of jitted `fn(*args)` after a compiling warm-up
+  (benchmarks/gelu.py times with it too)."""
   jax.block_until_ready(fn(*args))  # Compile and warm up.
   times = []
   for _ in range(iters):
@@ -85,7 +87,7 @@ def run_case(rows, hidden, rate, dtype, iters, tilings):
     fwd_bwd = jax.jit(lambda *a, f=f: jax.vjp(f, *a)[1](dy) + (f(*a),))
     args = (x, residual, bias, scale, beta)
     out = fwd_bwd(*args)
-    t_fwd, t_all = _time(fwd, args, iters), _time(fwd_bwd, args, iters)
+    t_fwd, t_all = median_seconds(fwd, args, iters), median_seconds(fwd_bwd, args, iters)
     r = dict(impl=impl, rows=rows, hidden=hidden, dtype=dtype, rate=rate,
              fwd_ms=1e3 * t_fwd, fwd_bwd_ms=1e3 * t_all,
              fwd_gbps=fwd_bytes / t_fwd / 1e9, fwd_bwd_gbps=bwd_bytes / t_all / 1e9)
