@@ -161,8 +161,8 @@ def prepare_data(cache_dir: str, num_train: int, num_dev: int, seed: int = 0) ->
 
 def features(checkpoint: str, data_dir: str, max_seq_length: int):
   """bert_jax's GLUE features of train and dev (what `finetune` trains and scores on)."""
-  from bert_jax import convert, glue  # pylint: disable=g-import-not-at-top
-  _, _, tok, vocab, lower_case = convert.load_checkpoint(checkpoint)
+  from bert_jax import glue, pretrained  # pylint: disable=g-import-not-at-top
+  _, _, tok, vocab, lower_case = pretrained.load_checkpoint(checkpoint)
   labels, _ = glue.task_info('sst2')
   out = {}
   for split in ('train', 'dev'):

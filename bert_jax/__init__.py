@@ -25,7 +25,7 @@ __all__ = ['BertConfig', 'config_for_size', 'encode', 'load_pretrained']
 # The public names load on first use: `import bert_jax.cli` (the `bert-jax` command) imports
 # this package first, and JAX and Flax, which they need, take seconds to import; the command
 # listens for SIGTERM and Ctrl-C before it imports them, and `bert-jax --help` answers at once.
-_LAZY = {'load_pretrained': 'bert_jax.convert', 'BertConfig': 'bert_jax.model',
+_LAZY = {'load_pretrained': 'bert_jax.pretrained', 'BertConfig': 'bert_jax.model',
          'config_for_size': 'bert_jax.model', 'encode': 'bert_jax.model'}
 
 

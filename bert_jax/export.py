@@ -48,10 +48,10 @@ import numpy as np
 
 from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
-from bert_jax import convert
 from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import model as model_lib
+from bert_jax import pretrained
 from bert_jax import run_files
 from bert_jax import tasks
 from bert_jax.errors import UserError
@@ -86,7 +86,7 @@ def export(workdir: str, output: str, fmt: str = 'savedmodel') -> dict[str, Any]
     raise UserError(f'--workdir={workdir} holds a {run["kind"]} model ({run["task"]}): '
                     f'--format={fmt} serves {", ".join(sorted(_BUILDERS))} runs')
   _check_output(output, workdir)
-  bert_config, params, tok, _, lower_case = convert.load_checkpoint(workdir, flag='--workdir')
+  bert_config, params, tok, _, lower_case = pretrained.load_checkpoint(workdir, flag='--workdir')
   # XLA attention and LayerNorm run anywhere; the GELU that TensorFlow's XlaCallModule reads
   # (model.BertConfig.portable_gelu).
   bert_config = bert_config.replace(scan_layers=False, attention_impl='xla',

@@ -41,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bert_jax import batching
-from bert_jax import convert
 from bert_jax import fileio
 from bert_jax import glue
 from bert_jax import model as model_lib
+from bert_jax import pretrained
 from bert_jax.errors import UserError
 
 POOLINGS = ('cls', 'mean')
@@ -135,7 +135,7 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
   """Writes token features of `layers` and sentence vectors for each line of `input_file`.
 
   Args:
-    init_checkpoint: any checkpoint `convert.load_pretrained` reads (with its vocab.txt, or
+    init_checkpoint: any checkpoint `pretrained.load_pretrained` reads (with its vocab.txt, or
       pass `vocab_file`; casing from the checkpoint unless `lower_case` is given).
     input_file: one text per line, or `text_a ||| text_b`.
     output: a .jsonl, .npz or .npy path (layouts in the module docstring).
@@ -162,8 +162,8 @@ def extract_features(init_checkpoint: str, input_file: str, output: str,
   fileio.check_not_an_input(output, '--output', {'--input': input_file,
                                                  '--vocab_file': vocab_file})
   fileio.hide_accelerators_from_tf()
-  config, params, tok, _, _ = convert.load_checkpoint(init_checkpoint, vocab_file, lower_case,
-                                                      flag='--init_checkpoint')
+  config, params, tok, _, _ = pretrained.load_checkpoint(init_checkpoint, vocab_file,
+                                                         lower_case, flag='--init_checkpoint')
   if not 2 < max_seq_length <= (config.max_length or max_seq_length):  # Rotary: no ceiling.
     raise UserError(f'--max_seq_length={max_seq_length} must be in [3, '
                     f'{config.max_position_embeddings}] (the model\'s max_position_embeddings)')

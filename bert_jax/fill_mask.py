@@ -11,10 +11,10 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from bert_jax import convert
 from bert_jax import errors
 from bert_jax import fileio
 from bert_jax import model as model_lib
+from bert_jax import pretrained
 from bert_jax.errors import UserError
 
 MASK = '[MASK]'
@@ -53,8 +53,8 @@ def fill_mask(checkpoint: str, texts: Sequence[str], top_k: int = 5, vocab_file:
     raise UserError('fill-mask: no text given')
   if top_k < 1:
     raise UserError(f'fill-mask: --top_k={top_k} must be at least 1')
-  config, params, tok, _, _ = convert.load_checkpoint(checkpoint, vocab_file, lower_case,
-                                                      flag='--checkpoint')
+  config, params, tok, _, _ = pretrained.load_checkpoint(checkpoint, vocab_file, lower_case,
+                                                         flag='--checkpoint')
   if 'mlm' not in params:
     raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
                     'fine-tuned model cannot fill in masks; use a pre-trained checkpoint')

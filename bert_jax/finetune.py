@@ -18,7 +18,7 @@ Workdir:
   checkpoints/<step>/  train states (checkpoint.py's layout: params, opt_state, meta = the best
                        epoch so far): during a run the latest and the best epoch's; after it
                        only the best epoch's, so the workdir loads with
-                       `convert.load_pretrained` like a pre-training workdir, head included
+                       `pretrained.load_pretrained` like a pre-training workdir, head included
   metrics.jsonl + TensorBoard events   training metrics and each epoch's dev metrics
   metrics.json         the best epoch's dev metrics (what `finetune` returns); marks the run
                        finished
@@ -54,12 +54,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from bert_jax import attention
 from bert_jax import batching
 from bert_jax import checkpoint as ckpt_lib
-from bert_jax import convert
 from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import optim
+from bert_jax import pretrained
 from bert_jax import publish
 from bert_jax import run_files
 from bert_jax import run_frame
@@ -241,7 +241,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   state_lib.check_accumulation(batch_size, config.train.grad_accum_steps, mesh)
 
   # ---- Pre-trained encoder, tokenizer and task data ------------------------------------------
-  pre_config, pretrained, tok, vocab_file, lower_case = convert.load_checkpoint(
+  pre_config, pre_params, tok, vocab_file, lower_case = pretrained.load_checkpoint(
       init_checkpoint, config.data.vocab_file, config.data.lower_case,
       config.model.scan_layers, flag='config.train.init_checkpoint')
   bert_config = _model_config(config.model, max_seq_length, pre_config)
@@ -274,7 +274,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   # ---- Abstract init and shardings -----------------------------------------------------------
   abstract, shardings, _ = state_lib.abstract_state(tasks.init_fn(task.model), tx, mesh,
                                                     rules)
-  _check_same_tree(pretrained['bert'], abstract.params['bert'], init_checkpoint)
+  _check_same_tree(pre_params['bert'], abstract.params['bert'], init_checkpoint)
 
   # ---- Restore, or init: pre-trained encoder, fresh head --------------------------------------
   # Every save keeps the train state (for resume) and, in `meta`, the best epoch so far, whose
@@ -284,8 +284,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
 
   def init() -> state_lib.TrainState:
     params = init_head(abstract.params, shardings.params, bert_config.initializer_range, seed)
-    params['bert'] = state_lib.put_sharded(pretrained['bert'], shardings.params['bert'])
-    ignored = sorted(set(pretrained) - {'bert'})
+    params['bert'] = state_lib.put_sharded(pre_params['bert'], shardings.params['bert'])
+    ignored = sorted(set(pre_params) - {'bert'})
     logging.info('Encoder from %s; fresh head %s%s', init_checkpoint,
                  sorted(set(params) - {'bert'}),
                  f'; the checkpoint\'s heads {ignored} are not used' if ignored else '')

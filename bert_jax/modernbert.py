@@ -22,7 +22,7 @@ with the decoder's output bias kept. Our model maps onto it exactly:
 
 The decoder's weight is tied to the word embeddings (left out, as `save_pretrained` does). Our
 pooler and NSP head have no place there: an export drops them, and a model loaded from
-ModernBERT's layout gets a fresh pooler (`convert.load_pretrained`, as for HF's QA models).
+ModernBERT's layout gets a fresh pooler (`pretrained.load_pretrained`, as for HF's QA models).
 """
 
 from typing import Any

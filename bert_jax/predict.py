@@ -20,10 +20,10 @@ import jax
 import ml_collections
 
 from bert_jax import batching
-from bert_jax import convert
 from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import model as model_lib
+from bert_jax import pretrained
 from bert_jax import tasks
 from bert_jax.errors import UserError
 
@@ -81,7 +81,7 @@ def predict(workdir: str, input_path: str, output_path: str, batch_size: int = 0
   if input_format != 'auto' and input_format not in formats:
     raise UserError(f'--input_format={input_format} does not fit a {kind} model: expected auto '
                     f'or one of {", ".join(formats)}')
-  bert_config, params, tok, _, lower_case = convert.load_checkpoint(workdir, flag='--workdir')
+  bert_config, params, tok, _, lower_case = pretrained.load_checkpoint(workdir, flag='--workdir')
   # The dtype the run evaluated in (workdirs written before task.json recorded it: the config's,
   # resolved here); XLA attention, which runs anywhere.
   dtype = (info['compute_dtype'] if 'compute_dtype' in info

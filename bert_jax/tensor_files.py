@@ -1,7 +1,7 @@
 """Tensor files that know nothing of BERT: safetensors, PyTorch pickles, sharded indexes.
 
 Each reader returns {tensor name: numpy array} and reports a file it cannot read as a
-`UserError` naming the file. `convert.py` maps the names onto BERT's parameters.
+`UserError` naming the file. `pretrained.py` maps the names onto BERT's parameters.
 
 - `read_safetensors`: safetensors, bfloat16 included (through ml_dtypes).
 - `read_torch`: a `torch.save` zip archive, without torch: an unpickler that rebuilds tensors

@@ -120,29 +120,29 @@ def check_label_share(batches: list[dict[str, Any]], data: ml_collections.Config
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> dict[str, Any]:
-  """MLM and NSP metrics of any checkpoint `convert.load_pretrained` reads, on the held-out
+  """MLM and NSP metrics of any checkpoint `pretrained.load_pretrained` reads, on the held-out
   data of `config` (eval.steps batches of eval.batch_size), without training.
 
   The vocabulary is data.vocab_file or else the checkpoint's vocab.txt. Given a pre-training
   workdir and that run's config, the numbers are those of the run's last evaluation (the same
   data, phase and batches). A checkpoint without an NSP head (BertForMaskedLM) gets MLM only.
   """
-  from bert_jax import convert  # pylint: disable=g-import-not-at-top
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  from bert_jax import pretrained  # pylint: disable=g-import-not-at-top
   fileio.hide_accelerators_from_tf()
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   local = hub.checkpoint_folder(checkpoint, '--checkpoint')  # hf://ORG/NAME: from the Hub.
-  convert.check_casing(local, config.data.lower_case, '--checkpoint')
-  loaded_config, params = convert.load_pretrained(local, scan_layers=config.model.scan_layers)
-  vocab_file = config.data.vocab_file or convert.find_vocab(local)
+  pretrained.check_casing(local, config.data.lower_case, '--checkpoint')
+  loaded_config, params = pretrained.load_pretrained(local, scan_layers=config.model.scan_layers)
+  vocab_file = config.data.vocab_file or pretrained.find_vocab(local)
   if not vocab_file:
     raise UserError(f'--checkpoint={checkpoint} has no vocab.txt next to it: set '
                     '--config.data.vocab_file')
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  convert.check_vocab(checkpoint, vocab_file,
-                      tokenization.load_tokenizer(vocab_file, config.data.lower_case).vocab,
-                      loaded_config, '--checkpoint', 'data.vocab_file')
+  pretrained.check_vocab(checkpoint, vocab_file,
+                         tokenization.load_tokenizer(vocab_file, config.data.lower_case).vocab,
+                         loaded_config, '--checkpoint', 'data.vocab_file')
   if 'mlm' not in params:
     raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
                     'fine-tuned model has no pre-training metrics')
@@ -188,8 +188,8 @@ def _empty_batch(element_spec) -> dict[str, np.ndarray]:
 
 def _init_from_checkpoint(path: str, bert_config: model_lib.BertConfig, fresh: dict) -> dict:
   """Host-side params from a converted checkpoint, with fresh heads where it has none."""
-  from bert_jax import convert  # Pulls in TF checkpoint reading only when needed.
-  cfg, loaded = convert.load_pretrained(path, scan_layers=bert_config.scan_layers)
+  from bert_jax import pretrained  # Pulls in TF checkpoint reading only when needed.
+  cfg, loaded = pretrained.load_pretrained(path, scan_layers=bert_config.scan_layers)
   for field in ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'intermediate_size',
                 'max_position_embeddings', 'type_vocab_size'):
     if getattr(cfg, field) != getattr(bert_config, field):
@@ -281,8 +281,8 @@ def _check_resumed_vocab(workdir: str, vocab_file: str, tokens: list[str]) -> No
   recorded = os.path.join(workdir, 'vocab.txt')
   if not (fileio.exists(recorded) and ckpt_lib.checkpoint_steps(workdir)):
     return
-  from bert_jax import convert  # pylint: disable=g-import-not-at-top
-  differs = convert.vocab_differs(recorded, vocab_file, tokens)
+  from bert_jax import pretrained  # pylint: disable=g-import-not-at-top
+  differs = pretrained.vocab_differs(recorded, vocab_file, tokens)
   if differs is not None:
     raise UserError(f'data.vocab_file={vocab_file} is not the vocabulary the checkpoints of '
                     f'--workdir={workdir} were trained with ({differs}): resume with '
@@ -322,14 +322,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   # A vocab trained here comes from the first phase's input.
   fileio.check_bucket(init_checkpoint, 'train.init_checkpoint')  # Not at init.
   if init_checkpoint:
-    from bert_jax import convert  # pylint: disable=g-import-not-at-top
+    from bert_jax import pretrained  # pylint: disable=g-import-not-at-top
     if fileio.same_path(init_checkpoint, workdir):
       raise UserError(f'train.init_checkpoint={init_checkpoint} is the --workdir itself: a run '
                       'resumes from its own workdir anyway; start from it in another --workdir')
-    convert.check_casing(init_checkpoint, config.data.lower_case, 'train.init_checkpoint')
+    pretrained.check_casing(init_checkpoint, config.data.lower_case, 'train.init_checkpoint')
   if init_checkpoint and not config.data.vocab_file:
     # The checkpoint's embeddings are its vocabulary's: one trained here would not fit them.
-    vocab_file = convert.find_vocab(init_checkpoint)
+    vocab_file = pretrained.find_vocab(init_checkpoint)
     if not vocab_file:
       raise UserError(f'train.init_checkpoint={init_checkpoint} has no vocab.txt beside it: set '
                       'data.vocab_file to the vocabulary it was trained with')

@@ -30,6 +30,7 @@ from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import ner
 from bert_jax import predict
+from bert_jax import pretrained
 from bert_jax import run_lock
 
 import processes
@@ -139,7 +140,7 @@ def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints
   # Only the best epoch's checkpoint is kept, and `bert-jax predict` on the dev file scores
   # what metrics.json says.
   assert os.listdir(os.path.join(workdir, 'checkpoints')) == [str(result['step'])]
-  config_ft, params = convert.load_pretrained(workdir)
+  config_ft, params = pretrained.load_pretrained(workdir)
   assert set(params) == {'bert', 'classifier'}
   output = str(tmp_path / 'dev_predictions.jsonl')
   cmd = [sys.executable, '-m', 'bert_jax.cli', 'predict', f'--workdir={workdir}',
@@ -308,8 +309,8 @@ def test_fp8_finetuning_resumes_exactly_and_keeps_scales_out_of_the_weights(chec
   assert finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
                            stopped) == full
   assert _losses(stopped) == _losses(str(tmp_path / 'full'))
-  _, ours = convert.load_pretrained(str(tmp_path / 'full'))
-  _, resumed = convert.load_pretrained(stopped)
+  _, ours = pretrained.load_pretrained(str(tmp_path / 'full'))
+  _, resumed = pretrained.load_pretrained(stopped)
   for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(ours),
                                jax.tree_util.tree_leaves_with_path(resumed)):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
@@ -663,7 +664,7 @@ def test_vocab_that_does_not_match_the_checkpoint(checkpoints, glue_dir, tmp_pat
     finetune.finetune(config, str(tmp_path / 'a'))
   # A checkpoint folder whose own vocab.txt is not the model's.
   folder = str(tmp_path / 'ckpt')
-  config_ = convert.load_pretrained(checkpoints['hf'])
+  config_ = pretrained.load_pretrained(checkpoints['hf'])
   convert.export_hf(*config_, folder)
   _write_lines(os.path.join(folder, 'vocab.txt'), VOCAB + ['extra'])
   with pytest.raises(ValueError, match=rf'vocab.txt has {len(VOCAB) + 1} tokens but '

@@ -681,7 +681,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
   rerun, both through 429s, 503s, resets and a lost answer, end as an uninterrupted clean run
   (the same metrics, the same losses). Then predict, eval, features, fill-mask and convert read
   their checkpoints and inputs from gs:// (predict and convert write there too)."""
-  from bert_jax import convert, features, fill_mask, finetune, predict  # pylint: disable=g-import-not-at-top
+  from bert_jax import convert, features, fill_mask, finetune, predict, pretrained  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(1)
   words = _read_text(data['input']).split()[:400]
   data_dir = gcs.url('glue')
@@ -745,8 +745,9 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
 
   exported = gcs.url('use/bert_jax')  # Hugging Face directories are read from local disk only.
   convert.convert(reference[0], exported, 'bert_jax')
-  _same_params(convert.load_pretrained(exported)[1], convert.load_pretrained(reference[0])[1])
-  assert convert.read_metadata(exported)['format'] == 'bert_jax'
+  _same_params(pretrained.load_pretrained(exported)[1],
+               pretrained.load_pretrained(reference[0])[1])
+  assert pretrained.read_metadata(exported)['format'] == 'bert_jax'
 
 
 def test_a_bucket_that_does_not_exist_is_one_line_before_anything_runs(gcs, data, cache):

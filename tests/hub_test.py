@@ -15,6 +15,7 @@ from bert_jax import convert
 from bert_jax import features
 from bert_jax import hub
 from bert_jax import model as model_lib
+from bert_jax import pretrained
 from bert_jax.errors import UserError
 import hub_server
 
@@ -89,7 +90,7 @@ def online(server, monkeypatch):
 
 
 def _assert_same_params(a: dict, b: dict) -> None:
-  flat_a, flat_b = convert._flatten(a), convert._flatten(b)
+  flat_a, flat_b = pretrained.flatten(a), pretrained.flatten(b)
   assert sorted(flat_a) == sorted(flat_b)
   for path, x in flat_a.items():
     np.testing.assert_array_equal(x, flat_b[path], err_msg=path)
@@ -116,8 +117,8 @@ def test_parse_names():
 
 
 def test_pulled_model_is_the_local_folder(online):
-  config, params = convert.load_pretrained(f'hf://{NAME}')
-  local_config, local_params = convert.load_pretrained(online['main'])
+  config, params = pretrained.load_pretrained(f'hf://{NAME}')
+  local_config, local_params = pretrained.load_pretrained(online['main'])
   assert config == local_config
   _assert_same_params(params, local_params)
   for a, b in zip(_outputs(config, params), _outputs(local_config, local_params)):
@@ -131,23 +132,23 @@ def test_pulled_model_is_the_local_folder(online):
   assert sorted(os.listdir(folder)) == ['config.json', 'model.safetensors',
                                         'tokenizer_config.json', 'vocab.txt']
   # Everything else that reads a checkpoint takes the name too.
-  assert convert.read_metadata(f'hf://{NAME}')['lower_case'] is True
-  assert convert.find_vocab(f'hf://{NAME}') == os.path.join(folder, 'vocab.txt')
+  assert pretrained.read_metadata(f'hf://{NAME}')['lower_case'] is True
+  assert pretrained.find_vocab(f'hf://{NAME}') == os.path.join(folder, 'vocab.txt')
 
 
 def test_revisions_and_folders(online):
-  _, v1 = convert.load_pretrained(f'hf://{NAME}@v1')
-  _assert_same_params(v1, convert.load_pretrained(online['v1'])[1])
+  _, v1 = pretrained.load_pretrained(f'hf://{NAME}@v1')
+  _assert_same_params(v1, pretrained.load_pretrained(online['v1'])[1])
   sha = online['hub'].repos[('model', NAME)].tags['v1']
-  _assert_same_params(v1, convert.load_pretrained(f'hf://{NAME}@{sha}')[1])
-  _, in_folder = convert.load_pretrained('hf://bert-jax-test/models/tiny')
-  _assert_same_params(in_folder, convert.load_pretrained(online['main'])[1])
+  _assert_same_params(v1, pretrained.load_pretrained(f'hf://{NAME}@{sha}')[1])
+  _, in_folder = pretrained.load_pretrained('hf://bert-jax-test/models/tiny')
+  _assert_same_params(in_folder, pretrained.load_pretrained(online['main'])[1])
 
 
 def test_convert_reads_a_hub_name(online, tmp_path):
   convert.convert(f'hf://{NAME}@v1', str(tmp_path / 'out'), 'bert_jax')
-  _assert_same_params(convert.load_pretrained(str(tmp_path / 'out'))[1],
-                      convert.load_pretrained(online['v1'])[1])
+  _assert_same_params(pretrained.load_pretrained(str(tmp_path / 'out'))[1],
+                      pretrained.load_pretrained(online['v1'])[1])
 
 
 def test_a_private_repository_needs_the_token(online, monkeypatch):

@@ -564,14 +564,14 @@ CHECKPOINT_KINDS = _checkpoint_kinds()
 
 
 def _checkpoint_outcome(root: str, kind: str) -> tuple[str, str]:
-  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import pretrained  # pylint: disable=g-import-not-at-top
   make, _ = CHECKPOINT_KINDS[kind]
   path = os.path.join(root, kind)
   make(path)
   if kind == 'unreadable':
     os.chmod(path, 0)
   with _as_a_user() if kind == 'unreadable' else contextlib.nullcontext():
-    return path, _outcome(lambda: convert.load_checkpoint(path, flag='--init_checkpoint'))
+    return path, _outcome(lambda: pretrained.load_checkpoint(path, flag='--init_checkpoint'))
 
 
 @pytest.mark.parametrize('kind', list(CHECKPOINT_KINDS))
@@ -1242,7 +1242,7 @@ def test_messages_quote_a_short_excerpt_of_long_texts(text, fragment, vocab_file
 
 
 def _bracket_outcome(root: str, case: str) -> str:
-  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import pretrained  # pylint: disable=g-import-not-at-top
   for name in ('corpus[1].txt', 'corpus1.txt'):
     with open(os.path.join(root, name), 'wb') as f:
       f.write(_corpus_text(30))
@@ -1263,7 +1263,7 @@ def _bracket_outcome(root: str, case: str) -> str:
       with fileio.gfile().GFile(f'{base}/{name}/{file}', 'w') as f:
         f.write('{}')  # An empty GFile is never made.
   folder = f'{base}/ckpt[1]'
-  return str(convert.read_metadata(folder)['format'])
+  return str(pretrained.read_metadata(folder)['format'])
 
 
 # case -> what it reads (ROOT: the folder).
@@ -1499,9 +1499,9 @@ CASING_CHECK_ROWS = [
 
 
 def _casing_check_outcome(root, layout, vocab, record, lower_case) -> tuple[str, str]:
-  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import pretrained  # pylint: disable=g-import-not-at-top
   path = _casing_checkpoint(root, layout, vocab, record)
-  return path, _outcome(lambda: convert.check_casing(path, lower_case, 'train.init_checkpoint'))
+  return path, _outcome(lambda: pretrained.check_casing(path, lower_case, 'train.init_checkpoint'))
 
 
 @pytest.mark.parametrize('layout, vocab, record, lower_case, expected', CASING_CHECK_ROWS,
@@ -1627,9 +1627,9 @@ def _casing_checkpoint(root: str, layout: str, vocab: str, record) -> str:
 
 def _casing_outcome(root: str, layout: str, vocab: str, record) -> tuple[str, str]:
   """(the checkpoint made, 'cased|uncased: where that came from')."""
-  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import pretrained  # pylint: disable=g-import-not-at-top
   path = _casing_checkpoint(root, layout, vocab, record)
-  meta = convert.read_metadata(path)
+  meta = pretrained.read_metadata(path)
   return path, f'{"uncased" if meta["lower_case"] else "cased"}: {meta["lower_case_from"]}'
 
 

@@ -17,6 +17,7 @@ import pytest
 from bert_jax import convert
 from bert_jax import model as model_lib
 from bert_jax import modernbert
+from bert_jax import pretrained
 from bert_jax.errors import UserError
 from tolerance import assert_close
 import torch_reference
@@ -107,10 +108,10 @@ def test_export_runs_in_transformers_as_here(tmp_path, use_bias):
   assert_close(ours[real], theirs[real], 2e-5, what='MLM logits, ours vs ModernBertForMaskedLM')
 
   # Load back: the same parameters, bit for bit (the pooler and NSP head have no place there).
-  loaded_config, loaded = convert.load_pretrained(out)
+  loaded_config, loaded = pretrained.load_pretrained(out)
   assert loaded_config == config.replace(dtype='float32')
-  flat_a = convert._flatten({k: v for k, v in params.items() if k != 'nsp'})  # pylint: disable=protected-access
-  flat_b = convert._flatten(loaded)  # pylint: disable=protected-access
+  flat_a = pretrained.flatten({k: v for k, v in params.items() if k != 'nsp'})
+  flat_b = pretrained.flatten(loaded)
   assert sorted(flat_a) == sorted(flat_b) and 'nsp' not in loaded
   for path, x in flat_a.items():
     if not path.startswith('bert/pooler'):  # Fresh: ModernBERT has none.
@@ -143,7 +144,7 @@ def test_a_modernbert_saved_by_transformers_loads_and_runs_the_same(tmp_path):
   theirs = torch_reference.reference('modernbert_saved', folder, make)['logits']
   path = str(folder / 'hf')
   _write_vocab(path)
-  config, params = convert.load_pretrained(path)
+  config, params = pretrained.load_pretrained(path)
   assert (config.rotary, config.mlp_type, config.pre_layer_norm, config.use_bias,
           config.local_attention_window, config.global_attention_every) == (
               True, 'gated', True, False, 4, 3)
@@ -165,6 +166,6 @@ def test_what_has_no_modernbert_layout_is_refused(tmp_path):
   params = _params(CONFIG.replace(mlp_type='dense', type_vocab_size=2))
   out = str(tmp_path / 'c')
   convert.export_bert_jax(CONFIG.replace(mlp_type='dense', type_vocab_size=2), params, out)
-  config, loaded = convert.load_pretrained(out)
+  config, loaded = pretrained.load_pretrained(out)
   assert config.pre_layer_norm and config.mlp_type == 'dense' and config.rotary
   jax.tree.map(np.testing.assert_array_equal, loaded, jax.tree.map(np.asarray, params))

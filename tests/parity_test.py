@@ -1,4 +1,4 @@
-"""Parity with Hugging Face transformers' PyTorch BERT, through `convert.load_pretrained`.
+"""Parity with Hugging Face transformers' PyTorch BERT, through `pretrained.load_pretrained`.
 
 Small random float32 models (every weight random, LayerNorm included), a batch with padding
 inside it and both segments. Run with -s to see the measured differences. Where torch is not
@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from bert_jax import convert
 from bert_jax import model
+from bert_jax import pretrained
 from tolerance import assert_close, assert_moved_close
 import torch_reference
 
@@ -99,7 +99,7 @@ def pretraining(tmp_path_factory):
 @pytest.mark.parametrize('weights', ['safetensors', 'bin'])
 def test_pretraining_parity(pretraining, weights, scan_layers):
   theirs, dirs = pretraining
-  config, params = convert.load_pretrained(dirs[weights], scan_layers=scan_layers)
+  config, params = pretrained.load_pretrained(dirs[weights], scan_layers=scan_layers)
   assert config.scan_layers == scan_layers
   assert ('layers' in params['bert']['encoder']) == scan_layers
   ids, mask, segments, positions = _batch()
@@ -155,7 +155,7 @@ def finetuned(tmp_path_factory):
 def test_finetuning_head_parity(finetuned, head, scan_layers):
   theirs, folder = finetuned[head]
   ids, mask, segments, _ = _batch()
-  config, params = convert.load_pretrained(folder, scan_layers=scan_layers)
+  config, params = pretrained.load_pretrained(folder, scan_layers=scan_layers)
   expected_head = 'qa_outputs' if head == 'question_answering' else 'classifier'
   assert set(params) == {'bert', expected_head}
   _, _, _, ours_cls, kwargs = _HEADS[head]
@@ -215,7 +215,7 @@ def test_train_step_parity(tmp_path):
 
   theirs = torch_reference.reference('parity_train_step', tmp_path / 'hf',
                                      make)['loss_and_grad_norm'].tolist()
-  config, params = convert.load_pretrained(str(tmp_path / 'hf' / 'init'))
+  config, params = pretrained.load_pretrained(str(tmp_path / 'hf' / 'init'))
   batch = dict(input_ids=ids, input_mask=mask, segment_ids=segments,
                masked_lm_positions=positions, masked_lm_ids=masked_ids,
                masked_lm_weights=np.ones(positions.shape, np.float32),
@@ -236,7 +236,7 @@ def test_train_step_parity(tmp_path):
   # Relative: the loss and the norm are sums over the batch and every weight (measured 2e-6).
   np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
-  _, expected = convert.load_pretrained(str(tmp_path / 'hf' / 'stepped'))
+  _, expected = pretrained.load_pretrained(str(tmp_path / 'hf' / 'stepped'))
   flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v)
                        for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
   flat_ours, flat_theirs, flat_init = flat(state.params), flat(expected), flat(params)

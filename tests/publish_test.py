@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from bert_jax import config_files
-from bert_jax import convert
 from bert_jax import hub
 from bert_jax import model as model_lib
+from bert_jax import pretrained
 from bert_jax import publish
 from bert_jax import sample_corpus
 from bert_jax import train
@@ -103,8 +103,8 @@ def test_a_run_pushes_tagged_steps_and_counts_only_what_landed(server, run):
   assert len(failed) == 1 and 'the run goes on, and step 2 does not count as pushed' in failed[0]
   # Each tag holds its own step: pulled by name, the weights of that step of the workdir.
   for step in (4, 6):
-    _, pulled = convert.load_pretrained(f'hf://bert-jax-test/run@step-{step}')
-    _, saved = convert.load_pretrained(run['workdir'], step=step)
+    _, pulled = pretrained.load_pretrained(f'hf://bert-jax-test/run@step-{step}')
+    _, saved = pretrained.load_pretrained(run['workdir'], step=step)
     _assert_same(pulled, saved)
   files = repo.commits[repo.branches['main']]
   assert {'config.json', 'model.safetensors', 'vocab.txt', 'tokenizer_config.json',
@@ -153,7 +153,7 @@ def test_a_push_never_blocks_the_step(server, run, kept_record):
 
 
 def _assert_same(a, b):
-  flat_a, flat_b = convert._flatten(a), convert._flatten(b)  # pylint: disable=protected-access
+  flat_a, flat_b = pretrained.flatten(a), pretrained.flatten(b)
   assert sorted(flat_a) == sorted(flat_b)
   for path, x in flat_a.items():
     np.testing.assert_array_equal(x, flat_b[path], err_msg=path)
@@ -186,8 +186,8 @@ def test_convert_push_to_hub_round_trip(server, run, tmp_path):
   assert json.loads(files['tokenizer_config.json'])['do_lower_case'] is True
 
   folder = hub.checkpoint_folder('hf://bert-jax-test/exported', '--checkpoint')
-  config, pulled = convert.load_pretrained(folder)
-  _assert_same(pulled, convert.load_pretrained(workdir)[1])
+  config, pulled = pretrained.load_pretrained(folder)
+  _assert_same(pulled, pretrained.load_pretrained(workdir)[1])
 
   torch = pytest.importorskip('torch')
   import transformers  # pylint: disable=g-import-not-at-top
@@ -243,7 +243,7 @@ def test_fine_tuning_pushes_its_steps_with_its_head(server, run, tmp_path):
   assert json.loads(files['config.json'])['architectures'] == ['BertForSequenceClassification']
   assert b'pipeline_tag: text-classification' in files['README.md']
   assert b'fine-tuned on mrpc' in files['README.md']
-  _, pulled = convert.load_pretrained('hf://bert-jax-test/mrpc@step-3')
+  _, pulled = pretrained.load_pretrained('hf://bert-jax-test/mrpc@step-3')
   assert 'classifier' in pulled
 
 

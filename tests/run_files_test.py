@@ -45,7 +45,7 @@ def test_a_workdir_named_by_a_relative_path_loads(pretrained, monkeypatch):
   """Orbax takes absolute paths only: `--checkpoint=w/base` (any command that loads a
   workdir: convert, features, fill-mask, predict, train.init_checkpoint) is made absolute."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import pretrained as pretrained_lib  # pylint: disable=g-import-not-at-top
   workdir, params = pretrained
   monkeypatch.chdir(os.path.dirname(os.path.dirname(workdir)))
   config, loaded = run_files.load_pretrained_from_workdir('w/base')
@@ -54,7 +54,7 @@ def test_a_workdir_named_by_a_relative_path_loads(pretrained, monkeypatch):
       loaded['bert']['embeddings']['word_embeddings']['embedding'],
       params['bert']['embeddings']['word_embeddings']['embedding'])
   monkeypatch.chdir(os.path.dirname(workdir))
-  _, _, tok, vocab, lower_case = convert.load_checkpoint('./base', flag='--checkpoint')
+  _, _, tok, vocab, lower_case = pretrained_lib.load_checkpoint('./base', flag='--checkpoint')
   assert (tok.vocab_size, vocab, lower_case) == (7, './base/vocab.txt', True)
 
 

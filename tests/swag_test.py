@@ -17,6 +17,7 @@ from bert_jax import convert
 from bert_jax import finetune
 from bert_jax import model as model_lib
 from bert_jax import predict
+from bert_jax import pretrained
 from bert_jax import swag
 from bert_jax import tasks
 from bert_jax import tokenization
@@ -159,7 +160,7 @@ def hf_multiple_choice(tmp_path_factory):
 
 def test_logits_and_loss_match_transformers(hf_multiple_choice):
   theirs, folder = hf_multiple_choice
-  config, params = convert.load_pretrained(folder)
+  config, params = pretrained.load_pretrained(folder)
   assert set(params) == {'bert', 'classifier'}
   ids, mask, segments, labels = _choice_batch()
   logits = swag.BertForMultipleChoice(config).apply({'params': params}, ids, mask, segments)
@@ -176,7 +177,7 @@ def test_logits_and_loss_match_transformers(hf_multiple_choice):
 
 def test_exported_weights_are_the_checkpoints_exactly(hf_multiple_choice, tmp_path):
   _, folder = hf_multiple_choice
-  config, params = convert.load_pretrained(folder)
+  config, params = pretrained.load_pretrained(folder)
   out = str(tmp_path / 'export')
   convert.export_hf(config, params, out)
   theirs = safetensors.numpy.load_file(os.path.join(folder, 'model.safetensors'))
@@ -262,6 +263,6 @@ def test_swag_finetunes_and_predicts_the_chosen_ending(tok, tmp_path):
   convert.convert(workdir, exported, 'hf')
   with open(os.path.join(exported, 'config.json')) as f:
     assert json.load(f)['architectures'] == ['BertForMultipleChoice']
-  _, reloaded = convert.load_pretrained(exported)
-  _, params = convert.load_pretrained(workdir)
+  _, reloaded = pretrained.load_pretrained(exported)
+  _, params = pretrained.load_pretrained(workdir)
   np.testing.assert_array_equal(reloaded['classifier']['kernel'], params['classifier']['kernel'])

@@ -183,6 +183,7 @@ def test_an_extra_needs_nothing_but_its_declaration(tmp_path, monkeypatch, caplo
   warning, from a checkpoint without it), and never exported: init, the step, save, restore and
   export loop over the declarations."""
   from bert_jax import convert  # pylint: disable=g-import-not-at-top
+  from bert_jax import pretrained  # pylint: disable=g-import-not-at-top
   average = state_extras.Extra(
       name='average', shapes=lambda traced: traced.variables['params'],
       init=lambda params, shapes: jax.tree.map(jnp.zeros_like, params),
@@ -237,7 +238,7 @@ def test_an_extra_needs_nothing_but_its_declaration(tmp_path, monkeypatch, caplo
   run_files.write_run_files(workdir, '{}', built.bert_config, None)
   out = str(tmp_path / 'export')
   convert.convert(workdir, out, 'bert_jax')
-  _, exported = convert.load_pretrained(out)
+  _, exported = pretrained.load_pretrained(out)
   assert set(exported) == set(state.params) == {'bert', 'mlm', 'nsp'}
   for head in ('mlm', 'nsp'):
     for a, b in zip(jax.tree.leaves(exported[head]), jax.tree.leaves(state.params[head]),

@@ -32,6 +32,7 @@ from bert_jax import convert
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import monitor
+from bert_jax import pretrained
 from bert_jax import pretraining
 from bert_jax import run_lock
 from bert_jax import run_files
@@ -1206,7 +1207,7 @@ def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_fi
     convert.convert(full, out, fmt)
     files = [os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs]
     assert not [f for f in files if 'fp8' in f or 'amax' in f], files
-  _, exported = convert.load_pretrained(str(tmp_path / 'bert_jax'))
+  _, exported = pretrained.load_pretrained(str(tmp_path / 'bert_jax'))
   _assert_same_params(exported, _params(full))
   names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(exported)]
   assert not [n for n in names if 'fp8' in n or 'amax' in n or '_scale' in n]
