@@ -4,7 +4,7 @@
   python benchmarks/packing.py --what=speed --size=mini  # real tokens trained per second
   python benchmarks/packing.py --what=learning --steps=300
 
-padding: `input_pipeline.compute_stats` over --batches batches, packed and not: padding_fraction
+padding: `input_inspect.compute_stats` over --batches batches, packed and not: padding_fraction
   of the rows, sequences_per_row.
 speed: the jitted train step of train.py on batches of the real pipeline (the same model, batch
   size in rows and sequence length; --batches distinct batches cycled), packed and padded timed
@@ -30,6 +30,7 @@ import numpy as np
 
 from bert_jax import config_files  # pylint: disable=g-import-not-at-top
 from bert_jax import fileio
+from bert_jax import input_inspect
 from bert_jax import input_pipeline
 from bert_jax import model as model_lib
 from bert_jax import monitor
@@ -62,7 +63,7 @@ def padding(args):
     _, preds, batch = SETTINGS[seq_len]
     out = dict(what='padding', seq_len=seq_len, batch_size=batch, batches=args.batches)
     for packing in (False, True):
-      stats = input_pipeline.compute_stats(
+      stats = input_inspect.compute_stats(
           _config(args, seq_len, preds, batch, packing).data, num_batches=args.batches,
           batch_size=batch, vocab_file=vocab)
       name = 'packed' if packing else 'padded'

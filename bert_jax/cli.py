@@ -209,16 +209,17 @@ def _data_flags():
     del argv
     import json  # pylint: disable=g-import-not-at-top
     config = FLAGS.config  # Checked with the flags (_parse_flags), its lengths included.
+    from bert_jax import input_inspect  # pylint: disable=g-import-not-at-top  (TensorFlow)
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
     workdir = FLAGS.workdir or fileio.default_workdir(_config_name())
     vocab = input_pipeline.resolve_vocab(config.data, workdir)
     if FLAGS.stats:
-      stats = input_pipeline.compute_stats(config.data, num_batches=FLAGS.stats,
-                                           batch_size=config.train.batch_size,
-                                           vocab_file=vocab)
+      stats = input_inspect.compute_stats(config.data, num_batches=FLAGS.stats,
+                                          batch_size=config.train.batch_size,
+                                          vocab_file=vocab)
       print(json.dumps(stats))
     else:
-      print(input_pipeline.show_examples(config.data, num=FLAGS.num_examples, vocab_file=vocab))
+      print(input_inspect.show_examples(config.data, num=FLAGS.num_examples, vocab_file=vocab))
   return run
 
 

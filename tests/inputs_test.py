@@ -38,6 +38,7 @@ from bert_jax import errors
 from bert_jax import features
 from bert_jax import fileio
 from bert_jax import glue
+from bert_jax import input_inspect
 from bert_jax import input_pipeline
 from bert_jax import ner
 from bert_jax import squad
@@ -1094,13 +1095,13 @@ def test_a_single_document_is_refused_before_the_first_batch(tmp_path, vocab_fil
   book.write_bytes(_corpus_text(1) * 1000)
   assert book.stat().st_size > 4 * documents.PIECE_BYTES
   for path in (one, book):
-    for run in (lambda: input_pipeline.compute_stats(_data(vocab_file, str(path)), 1, 4),
-                lambda: input_pipeline.show_examples(_data(vocab_file, str(path)), 2)):
+    for run in (lambda: input_inspect.compute_stats(_data(vocab_file, str(path)), 1, 4),
+                lambda: input_inspect.show_examples(_data(vocab_file, str(path)), 2)):
       with pytest.raises(UserError, match=rf"^data.input='{path}' \(1 files: .*\) holds a "
                          "single document: objective 'nsp' needs at least two"):
         run()
   for objective in ('sop', 'none'):
-    input_pipeline.compute_stats(_data(vocab_file, str(book), objective=objective), 1, 4)
+    input_inspect.compute_stats(_data(vocab_file, str(book), objective=objective), 1, 4)
   assert errors.from_tensorflow(tf.errors.InvalidArgumentError(None, None, 'a bug')) is None
   assert cli.user_error_message(tf.errors.InvalidArgumentError(None, None, 'a bug')) is None
 
@@ -1110,7 +1111,7 @@ def test_a_long_document_beside_short_ones_makes_not_next_pairs(tmp_path, vocab_
   # of NotNext stays near one half over the stream.
   corpus = tmp_path / 'books.txt'
   corpus.write_bytes(_corpus_text(1) * 1000 + b'\n' + _corpus_text(30))  # A 72 KB book.
-  stats = input_pipeline.compute_stats(_data(vocab_file, str(corpus)), 10, 32)
+  stats = input_inspect.compute_stats(_data(vocab_file, str(corpus)), 10, 32)
   assert 0.3 < stats['next_sentence_fraction'] < 0.6, stats
   assert stats['input']['documents_in_pieces'] == 1, stats  # The statistics say so.
   assert stats['input']['lines_cut'] == 0 and stats['input']['bytes'] > 2 * 8192, stats
