@@ -1,6 +1,7 @@
 """Orbax checkpoints of a training run, and where a run starts from.
 
-A workdir's checkpoints (its other files: `run_files.py`; its lock: `run_lock.py`):
+A workdir's checkpoints (its other files, and its committed steps as the commands that do not
+train read them: `run_files.py`; its lock: `run_lock.py`):
   checkpoints/<step>/               Orbax items: params, opt_state, meta (step, phase, seed),
                                     and one per saved extra of the train state
                                     (`state_extras.py`: fp8_meta, FP8 scales and amax
@@ -48,9 +49,6 @@ from bert_jax.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
 DATA_STATE_DIR = 'data_state'
-# The file whose presence commits a step folder on Cloud Storage (Orbax writes a step there in
-# place, without a rename).
-_GCS_COMMIT_FILE = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
 
 
 def _registry(replica_parallel: bool):
@@ -394,18 +392,3 @@ def restore_data_state(workdir: str, step: int, data_iterator: Any) -> bool:
     return False
   data_iterator.restore(path)
   return True
-
-
-def checkpoint_steps(workdir: str) -> list[int]:
-  """Committed checkpoint steps of a workdir (ascending)."""
-  d = os.path.join(workdir, CHECKPOINT_DIR)
-  if not fileio.gfile().isdir(d):
-    return []
-  steps = sorted(int(n.rstrip('/')) for n in fileio.gfile().listdir(d)
-                 if re.fullmatch(r'\d+/?', n))
-  if d.startswith('gs://'):
-    # On Cloud Storage Orbax writes a step in place (no rename) and commits it by writing this
-    # file last: a step folder without it is a save that was cut short.
-    steps = [s for s in steps
-             if fileio.gfile().exists(os.path.join(d, str(s), _GCS_COMMIT_FILE))]
-  return steps

@@ -47,7 +47,6 @@ import ml_collections
 import numpy as np
 
 from bert_jax import batching
-from bert_jax import checkpoint as ckpt_lib
 from bert_jax import defaults
 from bert_jax import fileio
 from bert_jax import model as model_lib
@@ -140,7 +139,7 @@ def _read_run(workdir: str) -> dict[str, Any]:
                       'finished (rerun its `bert-jax finetune` command to finish it)')
     info = fileio.read_json(os.path.join(workdir, 'task.json'))
     return {'kind': info['kind'], 'task': info['task'], 'info': info, 'config': config}
-  steps = ckpt_lib.checkpoint_steps(workdir)
+  steps = run_files.checkpoint_steps(workdir)
   if not steps or steps[-1] < int(config.train.steps):
     at = f'its last checkpoint is step {steps[-1]}' if steps else 'it has no checkpoint'
     raise UserError(f'--workdir={workdir}: its pre-training run has not finished ({at} of '

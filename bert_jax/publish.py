@@ -24,7 +24,6 @@ import time
 
 from absl import logging
 
-from bert_jax import checkpoint
 from bert_jax import convert
 from bert_jax import fileio
 from bert_jax import hub
@@ -233,7 +232,7 @@ class Pusher:
     """Until the checkpoint of `step` is committed (Orbax's async save is done). Once the run
     is closing (its saves were waited for), a step not committed never will be."""
     deadline = time.monotonic() + self._commit_timeout_s
-    while step not in checkpoint.checkpoint_steps(self.workdir):
+    while step not in run_files.checkpoint_steps(self.workdir):
       if self._closing.is_set() or time.monotonic() > deadline:
         raise UserError(f'the checkpoint of step {step} was not committed (a failed or '
                         'interrupted save)')

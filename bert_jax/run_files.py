@@ -7,6 +7,9 @@ its lock (`run_lock.py`):
   metrics.jsonl                the loop's rows (monitor.py)
   compilation_cache/           JAX's compiled programs, so a rerun does not compile again
                                (`checkpoint.compilation_cache_dir`, `use_compilation_cache`)
+  checkpoints/                 read as the commands that do not train see them: its committed
+                               steps (`checkpoint_steps`), a step's weights
+                               (`load_pretrained_from_workdir`)
 
 `check_workdir_kind` refuses a workdir that holds the other kind of run (pre-training or
 fine-tuning) before anything is written there. Every path goes through `fileio` (local, gs://,
@@ -15,6 +18,7 @@ other tf.io.gfile systems).
 
 import json
 import os
+import re
 from typing import Any
 
 from absl import logging
@@ -32,6 +36,9 @@ from bert_jax.errors import UserError
 
 # What write_run_files and the loop write at the top of a workdir.
 RUN_FILES = ('config.json', 'bert_config.json', 'vocab.txt', 'metrics.jsonl')
+# The file whose presence commits a step folder on Cloud Storage (Orbax writes a step there in
+# place, without a rename).
+_GCS_COMMIT_FILE = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
 
 
 def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertConfig,
@@ -53,6 +60,22 @@ def write_run_files(workdir: str, config_json: str, bert_config: model_lib.BertC
       fs.copy(vocab_file, dst, overwrite=True)
   for name, value in (extra or {}).items():
     fileio.write_json(os.path.join(workdir, name), value)
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """Committed checkpoint steps of a workdir (ascending), read from its files: what a command
+  that does not train (export, a Hub push, an evaluation) sees, without an Orbax manager."""
+  d = os.path.join(workdir, checkpoint.CHECKPOINT_DIR)
+  if not fileio.gfile().isdir(d):
+    return []
+  steps = sorted(int(n.rstrip('/')) for n in fileio.gfile().listdir(d)
+                 if re.fullmatch(r'\d+/?', n))
+  if d.startswith('gs://'):
+    # On Cloud Storage Orbax writes a step in place (no rename) and commits it by writing this
+    # file last: a step folder without it is a save that was cut short.
+    steps = [s for s in steps
+             if fileio.gfile().exists(os.path.join(d, str(s), _GCS_COMMIT_FILE))]
+  return steps
 
 
 def load_pretrained_from_workdir(path: str, step: int | None = None

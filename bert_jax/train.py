@@ -154,7 +154,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   params = model_lib.with_nsp_head(params, bert_config.hidden_size)  # Not reported without.
   # The phase of the last step: a workdir's latest checkpoint, else where the run would end.
   phases = pretraining.parse_phases(config)
-  steps = ckpt_lib.checkpoint_steps(local) if fileio.isdir(local) else []
+  steps = run_files.checkpoint_steps(local) if fileio.isdir(local) else []
   last = steps[-1] if steps else (int(config.train.stop_at_step) or int(config.train.steps))
   phase = pretraining.phase_at(phases, last - 1)
   model = model_lib.BertForPreTraining(bert_config, padded_vocab=True)
@@ -279,7 +279,7 @@ def _check_resumed_vocab(workdir: str, vocab_file: str, tokens: list[str]) -> No
   one they were trained with: of the same size it would train on silently, each embedding row
   now another token's, and replace the record of what made the checkpoints."""
   recorded = os.path.join(workdir, 'vocab.txt')
-  if not (fileio.exists(recorded) and ckpt_lib.checkpoint_steps(workdir)):
+  if not (fileio.exists(recorded) and run_files.checkpoint_steps(workdir)):
     return
   from bert_jax import pretrained  # pylint: disable=g-import-not-at-top
   differs = pretrained.vocab_differs(recorded, vocab_file, tokens)

@@ -31,6 +31,7 @@ from bert_jax import monitor
 from bert_jax import ner
 from bert_jax import predict
 from bert_jax import pretrained
+from bert_jax import run_files
 from bert_jax import run_lock
 
 import processes
@@ -223,7 +224,7 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   stopped = str(tmp_path / 'stopped')
   assert finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir,
                                         **settings, **{'train.stop_at_step': 6}), stopped) is None
-  assert ckpt_lib.checkpoint_steps(stopped) == [4, 6]
+  assert run_files.checkpoint_steps(stopped) == [4, 6]
   assert _dev_rows(stopped)[1] == list(range(1, 7))
   # The same stopped run with step 6's largest array file cut in half: fine-tuning resumes
   # through restore_or_init as pre-training does, so step 6 is named, moved aside and the run
@@ -244,7 +245,7 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   resumed = finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
                               stopped)
   assert resumed == full
-  assert ckpt_lib.checkpoint_steps(stopped) == [full['step']]
+  assert run_files.checkpoint_steps(stopped) == [full['step']]
   assert _dev_rows(stopped) == (full_dev, full_steps)
 
   # SIGTERM after step 2 (epoch 1): the run saves step 2 and stops (Preempted); the rerun
@@ -260,7 +261,7 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   config = _glue_config(checkpoints['bert_jax'], data_dir, **settings)
   with pytest.raises(errors.Preempted, match='stopped by SIGTERM: saved step 2; rerun'):
     finetune.finetune(config, signalled)
-  assert ckpt_lib.checkpoint_steps(signalled) == [2]
+  assert run_files.checkpoint_steps(signalled) == [2]
   monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
   assert finetune.finetune(config, signalled) == full
   assert _dev_rows(signalled) == (full_dev, full_steps)
@@ -279,7 +280,7 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   with pytest.raises(errors.Preempted, match='stopped by SIGTERM: saved step 4; rerun'):
     finetune.finetune(config, in_eval)
   # Step 3 is kept until step 4's save is committed (at the next save, or at the end).
-  assert ckpt_lib.checkpoint_steps(in_eval) == [3, 4]
+  assert run_files.checkpoint_steps(in_eval) == [3, 4]
   assert _dev_rows(in_eval) == ([], [1, 2, 3, 4])
   assert finetune.finetune(config, in_eval) == full
   assert _dev_rows(in_eval) == (full_dev, full_steps)
@@ -338,7 +339,7 @@ def test_sigterm_before_the_first_step_stops_at_once(checkpoints, tmp_path, monk
   with pytest.raises(errors.Preempted, match='before the first step'):
     finetune.finetune(config, reading)
   monkeypatch.setattr(finetune.task_table, 'make_task', make_task)
-  assert ckpt_lib.checkpoint_steps(reading) == []
+  assert run_files.checkpoint_steps(reading) == []
 
   released = threading.Event()
 
@@ -354,7 +355,7 @@ def test_sigterm_before_the_first_step_stops_at_once(checkpoints, tmp_path, monk
     assert time.time() - signalled_at[-1] < 5
   finally:
     released.set()
-  assert ckpt_lib.checkpoint_steps(compiling) == []
+  assert run_files.checkpoint_steps(compiling) == []
   for workdir in (reading, compiling):
     assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
 
@@ -447,14 +448,14 @@ def test_two_processes_match_one_and_resume(checkpoints, tmp_path):
   stopped = re.search(r'stopped at step (\d+) of 8', outputs[0])
   assert stopped, f'the run ended before it could be stopped:\n{outputs[0]}'
   assert not os.path.exists(os.path.join(two, 'metrics.json'))
-  assert max(ckpt_lib.checkpoint_steps(two)) == int(stopped.group(1))
+  assert max(run_files.checkpoint_steps(two)) == int(stopped.group(1))
   outputs = _finetune_processes(two, settings, cache)
   assert 'best epoch' in outputs[0] and 'best epoch' not in outputs[1]  # Process 0 reports.
 
   with open(os.path.join(two, 'metrics.json')) as f:
     result = json.load(f)
   assert result == expected
-  assert ckpt_lib.checkpoint_steps(two) == [expected['step']]
+  assert run_files.checkpoint_steps(two) == [expected['step']]
   dev_two, steps_two = _dev_rows(two)
   dev_one, steps_one = _dev_rows(one)
   assert steps_two == steps_one == list(range(1, 9))  # Each step logged once.

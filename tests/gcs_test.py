@@ -144,7 +144,7 @@ def test_pretrain_writes_its_workdir_to_the_bucket(reference):
   assert [r['step'] for r in train_rows] == list(range(1, REFERENCE_STEPS + 1))
   assert all(np.isfinite(r['loss']) for r in train_rows)
   assert [r['step'] for r in eval_rows] == [REFERENCE_STEPS]
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, REFERENCE_STEPS]
+  assert run_files.checkpoint_steps(workdir) == [4, REFERENCE_STEPS]
   assert fileio.glob(os.path.join(workdir, ckpt_lib.DATA_STATE_DIR, str(REFERENCE_STEPS), '*'))
   assert fileio.glob(os.path.join(workdir, 'events.out.tfevents.*'))
   config = fileio.read_json(os.path.join(workdir, 'config.json'))
@@ -198,7 +198,7 @@ def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losse
       '(Backend Error) past the retries (README: Cloud Storage); the last complete checkpoint, '
       'step 4, is intact: rerun the same command to resume once Cloud Storage answers')
   assert 'Traceback' not in err, err[-5000:]
-  assert ckpt_lib.checkpoint_steps(workdir) == [4]  # Step 8's folder is there, uncommitted.
+  assert run_files.checkpoint_steps(workdir) == [4]  # Step 8's folder is there, uncommitted.
   assert fileio.exists(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '8'))
   # Step 4's input position, written through 429s, is the clean run's, byte for byte.
   for name in ('process_0.index', 'process_0.data-00000-of-00001'):
@@ -222,7 +222,7 @@ def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losse
                             'config'}, faulted
   assert 0 in faulted['checkpoints'] and -200 in faulted['metrics'], faulted
   assert _losses(workdir) == _losses(reference[0])
-  assert ckpt_lib.checkpoint_steps(workdir) == ckpt_lib.checkpoint_steps(reference[0])
+  assert run_files.checkpoint_steps(workdir) == run_files.checkpoint_steps(reference[0])
 
 def _down_after(gcs, proc, trigger, prefix, timeout=1500):
   """Once the run `proc` has made a request for the object `trigger`, every object under
@@ -275,7 +275,7 @@ def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounde
   assert re.fullmatch(line, err.strip().splitlines()[-1]), err[-3000:]
   assert 'Traceback' not in err, err[-5000:]
   assert ended - down < _DOWN_BOUND_S, (ended - down, err[-3000:])
-  assert ckpt_lib.checkpoint_steps(workdir) == [4]
+  assert run_files.checkpoint_steps(workdir) == [4]
   proc = _pretrain(gcs, cache, workdir, overrides)
   _, err = _communicate(proc, 900)
   assert proc.returncode == 0 and 'Resumed from step 4' in err, err[-5000:]
@@ -316,7 +316,7 @@ def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounde
   assert re.fullmatch(line, err.strip().splitlines()[-1]), err[-3000:]
   assert 'Traceback' not in err, err[-5000:]
   assert ended - down < _DOWN_BOUND_S, (ended - down, err[-3000:])
-  assert ckpt_lib.checkpoint_steps(workdir) == [2]
+  assert run_files.checkpoint_steps(workdir) == [2]
   proc = run({})
   out, err = _communicate(proc, 900)
   assert proc.returncode == 0 and 'Resumed from step 2' in err, err[-5000:]
@@ -377,7 +377,7 @@ def test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143(gcs, c
   assert results[0][1].strip().splitlines()[-1] == (
       'bert-jax pretrain: error: stopped because process 1\'s part of the checkpoint save '
       f'failed: {line}')
-  assert ckpt_lib.checkpoint_steps(workdir) == [4]
+  assert run_files.checkpoint_steps(workdir) == [4]
 
   pair = _pretrain_pair(gcs, cache, workdir, overrides)
   results, _ = _ends(pair, 400)
@@ -385,7 +385,7 @@ def test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143(gcs, c
     assert p.returncode == 0, f'process {i}:\n{err[-5000:]}'
     assert 'Resumed from step 4' in err, f'process {i}:\n{err[-5000:]}'
   assert sorted(_losses(workdir)) == list(range(1, REFERENCE_STEPS + 1))
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, REFERENCE_STEPS]
+  assert run_files.checkpoint_steps(workdir) == [4, REFERENCE_STEPS]
 
 
 # Runs `bert-jax pretrain`, SIGKILLed as Orbax is about to commit step BERT_JAX_TEST_KILL_AT. On
@@ -435,7 +435,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   out, err = _communicate(proc, 200)
   assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
   stopped = max(_losses(workdir))
-  assert ckpt_lib.checkpoint_steps(workdir) == [stopped]
+  assert run_files.checkpoint_steps(workdir) == [stopped]
   assert stopped < REFERENCE_STEPS, f'the signal landed too late to test a resume ({stopped})'
   cached = [os.path.basename(p)
             for p in fileio.glob(os.path.join(workdir, 'compilation_cache', '*'))]
@@ -447,7 +447,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
                    script=str(script), env={'BERT_JAX_TEST_KILL_AT': str(REFERENCE_STEPS)})
   _, err = _communicate(proc, 400)
   assert proc.returncode == -signal.SIGKILL, err[-5000:]
-  committed = ckpt_lib.checkpoint_steps(workdir)
+  committed = run_files.checkpoint_steps(workdir)
   assert REFERENCE_STEPS not in committed and max(committed) >= stopped
   assert fileio.exists(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, str(REFERENCE_STEPS)))
 
@@ -458,7 +458,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   assert 'Taking over the stale lock' in err
   assert "Persistent compilation cache hit for 'jit_step'" in err  # Read back from gs://.
   assert _losses(workdir) == _losses(reference[0])
-  assert ckpt_lib.checkpoint_steps(workdir)[-1] == REFERENCE_STEPS
+  assert run_files.checkpoint_steps(workdir)[-1] == REFERENCE_STEPS
 
 
 def test_runs_started_at_once_on_a_gs_workdir_one_takes_the_lock(gcs, tmp_path):
@@ -713,7 +713,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, data, reference, monke
   try:
     with pytest.raises(errors.Preempted, match='saved step 2'):
       finetune.finetune(config, workdir)
-    assert ckpt_lib.checkpoint_steps(workdir) == [2]
+    assert run_files.checkpoint_steps(workdir) == [2]
     monkeypatch.setattr(monitor.MetricsLog, 'train', log_train)
     assert finetune.finetune(config, workdir) == full
   finally:

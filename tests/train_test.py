@@ -211,7 +211,7 @@ def test_pretrain_command_runs_end_to_end(cli_run):
     assert row['eval'] is True
     assert {'mlm_loss', 'mlm_accuracy', 'nsp_loss', 'nsp_accuracy'} <= set(row)
   assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
-  assert ckpt_lib.checkpoint_steps(workdir) == [2, 4]
+  assert run_files.checkpoint_steps(workdir) == [2, 4]
   config, params = run_files.load_pretrained_from_workdir(workdir)
   assert config.num_hidden_layers == 2 and config.hidden_size == 128
   with open(os.path.join(workdir, 'vocab.txt')) as f:
@@ -239,7 +239,7 @@ def test_exact_resume(tmp_path, reference, vocab_file, monkeypatch):
   writers = ({'log.writers': 'tensorboard,wandb', 'log.wandb_project': 'bert-jax-test'}
              if wandb else {})
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=n, **writers), workdir)
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, n]
+  assert run_files.checkpoint_steps(workdir) == [4, n]
   first = _losses(workdir)
   assert sorted(first) == list(range(1, n + 1))
   lines = _num_lines(workdir)
@@ -316,7 +316,7 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, v
   stopped = max(_losses(workdir))
   assert stopped < TOTAL_STEPS
   assert f'step {stopped}/{TOTAL_STEPS}' in out
-  assert ckpt_lib.checkpoint_steps(workdir) == [stopped]
+  assert run_files.checkpoint_steps(workdir) == [stopped]
 
   end = stopped + 3
   lines = _num_lines(workdir)
@@ -387,14 +387,14 @@ def test_uncommitted_checkpoint_is_never_resumed_from(tmp_path, reference, vocab
   workdir = str(tmp_path / 'run')
   shutil.copytree(reference, workdir)
   ckpt_dir = os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, 8, 12]
+  assert run_files.checkpoint_steps(workdir) == [4, 8, 12]
   # Step 12 as an interrupted save leaves it: complete files, no commit marker, not renamed.
   partial = os.path.join(ckpt_dir, '12.orbax-checkpoint-tmp')
   os.rename(os.path.join(ckpt_dir, '12'), partial)
   os.remove(os.path.join(partial, 'commit_success.txt'))
   # And a bare step directory that never got past its first file.
   os.makedirs(os.path.join(ckpt_dir, '16.orbax-checkpoint-tmp', 'params'))
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, 8]
+  assert run_files.checkpoint_steps(workdir) == [4, 8]
   manager = ckpt_lib.make_manager(workdir, keep=3)
   assert ckpt_lib.latest_step(manager) == 8
   manager.close()
@@ -403,7 +403,7 @@ def test_uncommitted_checkpoint_is_never_resumed_from(tmp_path, reference, vocab
   # The rows of steps 9-12 the copied log held were dropped on resume and logged again: the
   # log reads like the uninterrupted run's.
   assert _losses(workdir) == _losses(reference)
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, 8, 12]
+  assert run_files.checkpoint_steps(workdir) == [4, 8, 12]
   assert not os.path.exists(partial)
   _assert_same_params(_params(workdir), _params(reference))
 
@@ -426,7 +426,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, vocab_fil
   message = str(error.value)
   assert f'at step {last_good + 1}' in message and 'loss is ' in message, message
   assert f'last good checkpoint (step {last_good})' in message and workdir in message, message
-  assert ckpt_lib.checkpoint_steps(workdir)[-1] == last_good
+  assert run_files.checkpoint_steps(workdir)[-1] == last_good
   _, params = run_files.load_pretrained_from_workdir(workdir, step=last_good)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
@@ -436,7 +436,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, vocab_fil
   with pytest.raises(UserError, match='no checkpoint') as error:
     train.train_and_evaluate(config, workdir)
   assert 'step None' not in str(error.value)
-  assert ckpt_lib.checkpoint_steps(workdir) == []
+  assert run_files.checkpoint_steps(workdir) == []
 
 
 def _as_two_processes(make):
@@ -517,7 +517,7 @@ def test_two_processes_match_one_and_stop_together(tmp_path, vocab_file, compila
   for i, (out, _) in enumerate(results):
     if i == 0:
       assert f'step {stopped}/{TOTAL_STEPS}' in out, out
-  assert ckpt_lib.checkpoint_steps(pair_dir) == [stopped]
+  assert run_files.checkpoint_steps(pair_dir) == [stopped]
   for i in range(2):
     assert glob.glob(
         os.path.join(pair_dir, ckpt_lib.DATA_STATE_DIR, str(stopped), f'process_{i}*'))
@@ -534,7 +534,7 @@ def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vo
   # tokens_per_second / sequences_per_second is the sequence length of the step's phase.
   lengths = [round(r['tokens_per_second'] / r['sequences_per_second']) for r in train_rows]
   assert lengths == [32] * 6 + [64] * 6
-  assert ckpt_lib.checkpoint_steps(full) == [4, 8, 12]
+  assert run_files.checkpoint_steps(full) == [4, 8, 12]
 
   # The run as it would be had it died after saving step 8.
   resumed = str(tmp_path / 'resumed')
@@ -640,7 +640,7 @@ def test_tfrecord_phases_take_their_own_records(tmp_path, vocab_file):
   with pytest.raises(ValueError, match=r'train.phases phase 2 \(64 tokens, 10 predictions\) '
                      r'cannot read its data: .*train32.tfrecord.*data.phase_inputs'):
     train.train_and_evaluate(_config(vocab_file, **phases), workdir)
-  assert not ckpt_lib.checkpoint_steps(workdir)
+  assert not run_files.checkpoint_steps(workdir)
 
   with pytest.raises(ValueError, match=r'data.phase_inputs has 1 entries separated by ";", '
                      r'train.phases has 2'):
@@ -904,21 +904,21 @@ def test_sigkill_mid_step_mid_save_mid_eval_resumes_exactly(tmp_path, reference,
   finally:
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-  assert ckpt_lib.checkpoint_steps(workdir) == [4]
+  assert run_files.checkpoint_steps(workdir) == [4]
 
   # 2. Resumed (the dead run's lock is stale) and killed just before step 8 is committed.
   proc, marker = _faulty_run(tmp_path, workdir, 'kill_commit:8', overrides, compilation_cache)
   _, err = _communicate(proc, 400)
   assert proc.returncode == -signal.SIGKILL and os.path.exists(marker), err[-5000:]
   assert 'Taking over the stale lock' in err
-  assert ckpt_lib.checkpoint_steps(workdir) == [4]
+  assert run_files.checkpoint_steps(workdir) == [4]
   assert glob.glob(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '8.orbax-checkpoint-tmp*'))
 
   # 3. Resumed from 4 again; killed as the final evaluation starts, after step 12 is saved.
   proc, marker = _faulty_run(tmp_path, workdir, 'kill_eval', overrides, compilation_cache)
   _, err = _communicate(proc, 400)
   assert proc.returncode == -signal.SIGKILL and os.path.exists(marker), err[-5000:]
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, 8, 12]
+  assert run_files.checkpoint_steps(workdir) == [4, 8, 12]
 
   # 4. Resumed at the end: nothing left to train. Every step was logged once, as in the
   # uninterrupted run, and the parameters are the same.
@@ -943,7 +943,7 @@ def test_corrupt_checkpoint_is_named_and_skipped(tmp_path, reference, vocab_file
     train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
   assert any(f'Checkpoint {latest} cannot be read' in r.getMessage() for r in caplog.records)
   assert os.path.isdir(latest + '.corrupt')
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, 8, 12]
+  assert run_files.checkpoint_steps(workdir) == [4, 8, 12]
   assert _losses(workdir) == _losses(reference)
   _assert_same_params(_params(workdir), _params(reference))
 
@@ -956,7 +956,7 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path, reference, vocab_file)
   with pytest.raises(UserError, match=r'checkpoints/12 does not match the config \(e\.g\. '):
     train.train_and_evaluate(_config(vocab_file, model__size='L2_H256',
                                      train__stop_at_step=REFERENCE_STEPS), workdir)
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, 8, 12]  # Nothing moved aside.
+  assert run_files.checkpoint_steps(workdir) == [4, 8, 12]  # Nothing moved aside.
   # The record the message points at ("resume with config.json") is the run's, not the
   # refused one's.
   for name, data in record.items():
@@ -985,7 +985,7 @@ def test_another_vocabulary_of_the_same_size_is_refused(tmp_path):
     train.train_and_evaluate(_config(str(other)), workdir)
   for name, data in before.items():
     assert open(os.path.join(workdir, name), 'rb').read() == data, name
-  assert ckpt_lib.checkpoint_steps(workdir) == [1]
+  assert run_files.checkpoint_steps(workdir) == [1]
   with pytest.raises(UserError, match='^' + message):
     train.evaluate_checkpoint(_config(str(other)), workdir)
 
@@ -1042,7 +1042,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_last_one_resumes(
   above = proc.stderr.strip().splitlines()[:-1]
   assert not [l for l in above if 'Traceback' in l or 'orbax' in l or 'No space' in l], above
   workdir = str(kept)
-  assert ckpt_lib.checkpoint_steps(workdir) == [4]
+  assert run_files.checkpoint_steps(workdir) == [4]
   assert not glob.glob(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '*.orbax-checkpoint-tmp*'))
   assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
   _assert_same_params(_params(workdir), run_files.load_pretrained_from_workdir(reference, 4)[1])
@@ -1083,15 +1083,15 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
   for fault in ('sigterm_input', 'sigterm_compile'):
     out = run(fault)
     assert 'stopped by SIGTERM before the first step' in out, (fault, out)
-    assert ckpt_lib.checkpoint_steps(workdir) == []
+    assert run_files.checkpoint_steps(workdir) == []
   # Orbax commits in the background: the loop may have gone a few steps past 4 by then, past
   # the next periodic checkpoint (8) too when the commit is slow: [4, 8, 9] was seen.
   run('sigterm_commit:4')
-  saved = ckpt_lib.checkpoint_steps(workdir)
+  saved = run_files.checkpoint_steps(workdir)
   assert saved[0] == 4 and 2 <= len(saved) <= 3 and saved[-1] > 4, saved
   assert max(_losses(workdir)) == saved[-1]
   run('sigterm_eval', **{'eval.every_steps': saved[-1] + 2})
-  assert ckpt_lib.checkpoint_steps(workdir)[-1] == saved[-1] + 2
+  assert run_files.checkpoint_steps(workdir)[-1] == saved[-1] + 2
   assert max(_losses(workdir)) == saved[-1] + 2 and not _rows(workdir)[1]
 
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
@@ -1117,7 +1117,7 @@ def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, voca
   assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
   with open(marker) as f:
     signalled, computed = f.read().split()
-  saved = ckpt_lib.checkpoint_steps(workdir)
+  saved = run_files.checkpoint_steps(workdir)
   assert saved == [16], saved
   assert 16 - int(computed) <= 2, f'{computed} steps computed at SIGTERM, 16 dispatched'
   seconds = ended - float(signalled)
@@ -1130,7 +1130,7 @@ def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, voca
   proc, marker = _faulty_run(tmp_path, workdir, 'sigint_slow:5', overrides, compilation_cache)
   out, err = _communicate(proc, 400)
   assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
-  assert ckpt_lib.checkpoint_steps(workdir) == [16, 21]
+  assert run_files.checkpoint_steps(workdir) == [16, 21]
   assert 'bert-jax pretrain: stopped by Ctrl-C: saved step 21; rerun the same command' in out
   assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
 
@@ -1187,7 +1187,7 @@ def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_fi
   fp8 = dict(model__matmul_precision='fp8', train__stop_at_step=8)
   full = str(tmp_path / 'full')
   train.train_and_evaluate(_config(vocab_file, **fp8), full)
-  assert ckpt_lib.checkpoint_steps(full) == [4, 8]
+  assert run_files.checkpoint_steps(full) == [4, 8]
   meta = _fp8_meta(full, 8)
   histories = [h for p, h in jax.tree_util.tree_leaves_with_path(meta)
                if jax.tree_util.keystr(p).endswith("_amax_history']")]
