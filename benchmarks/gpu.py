@@ -40,6 +40,9 @@ How the numbers are made:
 - LayerNorm: --layernorm=xla,pallas runs every bert_jax case with each `model.layer_norm_impl`
   (and the same `model.gelu_impl`: the fused Pallas kernels or XLA's)
   (README "LayerNorm and dropout"), before and after the fused kernel in one run.
+- QKV: --qkv_projection=stacked,separate runs every bert_jax case with each
+  `model.qkv_projection`: one QKV matmul whose output the attention slices, or three whose
+  outputs it reads in place.
 - FP8: --matmul_precision=default,fp8 runs every bert_jax case with each
   `model.matmul_precision` (README "FP8"): the encoder's matmuls in bf16, then in FP8 with
   delayed scaling (Hopper and later). `program.fp8_matmuls` counts the FP8 GEMMs compiled.
@@ -376,7 +379,8 @@ def summarize_trace(trace_dir: str, top: int = 12,
 
 def _bert_jax_config(args, size: str, seq_len: int, rows: int, preds: int, packing: bool,
                      impl: str, attention_dropout: float, scan_layers: bool,
-                     layer_norm_impl: str = 'auto', matmul_precision: str = 'default'):
+                     layer_norm_impl: str = 'auto', matmul_precision: str = 'default',
+                     qkv_projection: str = 'stacked'):
   from bert_jax import defaults  # pylint: disable=g-import-not-at-top
   config = defaults.pretrain()
   config.model.size = size
@@ -390,6 +394,7 @@ def _bert_jax_config(args, size: str, seq_len: int, rows: int, preds: int, packi
   # The fused Pallas kernels go together: the GELU follows the LayerNorm's choice.
   config.model.gelu_impl = layer_norm_impl
   config.model.matmul_precision = matmul_precision
+  config.model.qkv_projection = qkv_projection
   config.data.max_seq_length = seq_len
   config.data.max_predictions_per_seq = preds
   config.data.packing = packing
@@ -417,7 +422,8 @@ class JaxCase:
     self.config = _bert_jax_config(a, s['size'], s['seq_len'], rows, s['max_predictions'],
                                    s['packing'], s['attention_impl'], s['attention_dropout'],
                                    s['scan_layers'], s.get('layer_norm_impl', 'auto'),
-                                   s.get('matmul_precision', 'default'))
+                                   s.get('matmul_precision', 'default'),
+                                   s.get('qkv_projection', 'stacked'))
     pretraining.check_attention(self.config, jax.default_backend())
     self.mesh = sharding_lib.make_mesh(self.config.mesh)
     self.rules = sharding_lib.rules_from_config(self.config.mesh)
@@ -535,6 +541,8 @@ class JaxCase:
             ('' if s['scan_layers'] else '_unscanned') +
             (f"_ln{s['layer_norm_impl']}" if s.get('layer_norm_impl', 'auto') != 'auto' else '') +
             (f"_{s['matmul_precision']}" if s.get('matmul_precision', 'default') != 'default'
+             else '') +
+            (f"_qkv{s['qkv_projection']}" if s.get('qkv_projection', 'stacked') != 'stacked'
              else ''))
 
 
@@ -597,8 +605,10 @@ def run_bert_jax(args, specs: list[dict], deadline: float, log, save) -> list[di
         c.result.setdefault('halved_from_rows', c.rows)
         c.build(c.rows // 2)
         c.compile()
-      # FP8 cases' states also hold the scales: another layout.
-      layout = (c.spec['size'], c.spec['scan_layers'], c.spec.get('matmul_precision'))
+      # FP8 cases' states also hold the scales (one per QKV matmul): another layout.
+      fp8 = c.spec.get('matmul_precision') == 'fp8'
+      layout = (c.spec['size'], c.spec['scan_layers'], fp8,
+                c.spec.get('qkv_projection') if fp8 else None)
       if state_size != layout:
         state = None
         with sharding_lib.activate(c.mesh, c.rules):
@@ -841,6 +851,8 @@ def _case(r: dict) -> str:
           + (f" ln-{r['layer_norm_impl']}" if r.get('layer_norm_impl', 'auto') != 'auto'
              else '')
           + (f" {r['matmul_precision']}" if r.get('matmul_precision', 'default') != 'default'
+             else '')
+          + (f" qkv-{r['qkv_projection']}" if r.get('qkv_projection', 'stacked') != 'stacked'
              else ''))
 
 
@@ -864,6 +876,9 @@ def parse_args(argv=None):
   p.add_argument('--layernorm', default='auto',
                  help="model.layer_norm_impl values, each its own bert_jax case: 'auto', "
                       "'pallas', 'xla' (e.g. xla,pallas: before/after the fused kernel)")
+  p.add_argument('--qkv_projection', default='stacked',
+                 help="model.qkv_projection values, each its own bert_jax case: 'stacked' "
+                      "(one QKV matmul), 'separate' (three), e.g. stacked,separate")
   p.add_argument('--matmul_precision', default='default',
                  help="model.matmul_precision values, each its own bert_jax case: 'default' "
                       "(bf16 here) and 'fp8' (Hopper+), e.g. default,fp8")
@@ -911,6 +926,10 @@ def parse_args(argv=None):
   bad = [x for x in args.matmul_precision if x not in ('default', 'fp8')]
   if bad:
     p.error(f'--matmul_precision: {bad} not among default, fp8')
+  args.qkv_projection = args.qkv_projection.split(',')
+  bad = [x for x in args.qkv_projection if x not in ('stacked', 'separate')]
+  if bad:
+    p.error(f'--qkv_projection: {bad} not among stacked, separate')
   args.scan_layers = [x.lower() == 'true' for x in args.scan_layers.split(',')]
   args.dump_hlo = [x for x in args.dump_hlo.split(',') if x]
   args.frameworks = args.frameworks.split(',')
@@ -930,9 +949,11 @@ def case_specs(args) -> tuple[list[dict], list[dict]]:
             fill = dict(row_fill=args.packed_fill.get(seq_len)) if packing else {}
             for ln in args.layernorm:
               for precision in args.matmul_precision:
-                jax_specs.append(dict(base, packing=packing, attention_impl=impl,
-                                      scan_layers=scan, layer_norm_impl=ln,
-                                      matmul_precision=precision, **fill))
+                for qkv in args.qkv_projection:
+                  jax_specs.append(dict(base, packing=packing, attention_impl=impl,
+                                        scan_layers=scan, layer_norm_impl=ln,
+                                        matmul_precision=precision, qkv_projection=qkv,
+                                        **fill))
       if args.attention_dropout_case and size == args.sizes[0] and seq_len == args.seq_lens[0]:
         jax_specs.append(dict(base, packing=False, attention_impl='xla', attention_dropout=0.1,
                               scan_layers=args.scan_layers[0]))

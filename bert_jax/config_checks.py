@@ -157,6 +157,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     'model.attention_impl': ('xla', 'cudnn', 'cudnn_varlen', 'splash'),
     'model.layer_norm_impl': ('auto', 'pallas', 'xla'),
     'model.gelu_impl': ('auto', 'pallas', 'xla'),
+    'model.qkv_projection': ('stacked', 'separate'),
     'model.matmul_precision': ('default', 'fp8'),
     'model.position_embedding_type': ('absolute', 'rotary'),
     'model.mlp': ('dense', 'geglu', 'swiglu'),

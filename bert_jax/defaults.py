@@ -124,6 +124,10 @@ def _model(from_scratch: bool) -> ml_collections.ConfigDict:
   # any backend) or 'auto' (pallas on GPUs, xla elsewhere); within 7e-7 of the exact GELU
   # both (README, "LayerNorm and dropout").
   model.gelu_impl = 'xla'
+  # Q, K and V: 'stacked' (one matmul against the three kernels; the attention reads q, k, v
+  # sliced out of its output) or 'separate' (three matmuls, each output read in place). The
+  # parameters and checkpoints are the same either way (README, "Attention").
+  model.qkv_projection = 'stacked'
   # The encoder's dense matmuls (QKV, attention output, the two MLP projections) in training
   # steps: 'default' (in model.dtype) or 'fp8' (FP8 with delayed scaling, for Hopper GPUs and
   # later; elsewhere emulated, slowly). The embeddings, heads, evaluation and prediction stay in

@@ -362,10 +362,19 @@ class SelfAttention(nn.Module):
     params = [DenseParams(c, (x.shape[-1],), (heads, head_dim), ('embed', 'heads', 'kv'),
                           name=name)() for name in ('query', 'key', 'value')]
     fp8 = use_fp8(self, c, self.deterministic)
-    qkv = _stacked_matmul(self, x, params, fp8, 'qkv_fp8', 'qkv')
-    qkv = constrain(qkv, ('batch', 'length', None, 'act_heads', 'kv'))
-    q, k, v = (constrain(qkv[:, :, i], ('batch', 'length', 'act_heads', 'kv'))
-               for i in range(3))
+    if c.qkv_projection == 'separate':
+      # Three matmuls, each writing its own dense [batch, length, heads, kv] buffer: the
+      # attention kernel reads q, k and v in place and writes dq, dk and dv where the three
+      # backward matmuls read them (no slice of a fused output, no concatenate of its
+      # gradient), at the price of three K=hidden input-gradient matmuls summed.
+      q, k, v = (constrain(_stacked_matmul(self, x, [p], fp8, f'{name}_fp8', name)[:, :, 0],
+                           ('batch', 'length', 'act_heads', 'kv'))
+                 for p, name in zip(params, ('query', 'key', 'value')))
+    else:
+      qkv = _stacked_matmul(self, x, params, fp8, 'qkv_fp8', 'qkv')
+      qkv = constrain(qkv, ('batch', 'length', None, 'act_heads', 'kv'))
+      q, k, v = (constrain(qkv[:, :, i], ('batch', 'length', 'act_heads', 'kv'))
+                 for i in range(3))
     if c.rotary:
       theta = (c.local_rope_theta if local is True else c.rope_theta if local is False
                else jnp.where(local, c.local_rope_theta, c.rope_theta))

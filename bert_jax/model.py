@@ -95,6 +95,9 @@ class BertConfig:
   max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
   layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see layer_norm.py.
   gelu_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see activations.py.
+  # 'stacked' (one QKV matmul, q/k/v sliced from its output) or 'separate' (three matmuls
+  # whose outputs the attention reads in place): see layers.SelfAttention.
+  qkv_projection: str = 'stacked'
   # 'default' (matmuls in `dtype`) or 'fp8': see MATMUL_PRECISIONS.
   matmul_precision: str = 'default'
   # The exact GELU's erf in StableHLO's core operations (`activations.portable_bias_gelu`),
@@ -122,7 +125,7 @@ class BertConfig:
     # The run fields and the position type, for a BertConfig built in code (config_from's are
     # checked where the config loads): config_checks' own check and line.
     for key in ('remat_policy', 'attention_impl', 'layer_norm_impl', 'gelu_impl',
-                'matmul_precision', 'position_embedding_type'):
+                'qkv_projection', 'matmul_precision', 'position_embedding_type'):
       config_checks.check_choice(f'model.{key}', getattr(self, key))
     if self.max_packed_sequences < 1:
       raise UserError(f'max_packed_sequences={self.max_packed_sequences}: a row holds at least '
@@ -295,6 +298,7 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
              attention_impl=model.attention_impl,
              layer_norm_impl=resolve('layer_norm_impl', model.layer_norm_impl, platform),
              gelu_impl=resolve('gelu_impl', model.gelu_impl, platform),
+             qkv_projection=model.qkv_projection,
              matmul_precision=model.matmul_precision)
   if max_packed_sequences is not None:
     run['max_packed_sequences'] = max_packed_sequences

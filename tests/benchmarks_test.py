@@ -292,6 +292,23 @@ def test_gpu_benchmark_runs_each_matmul_precision_as_its_own_case():
     gpu.parse_args(['--output=/tmp/x', '--matmul_precision=bf16'])
 
 
+def test_gpu_benchmark_runs_each_qkv_projection_as_its_own_case():
+  gpu = _gpu_module()
+  args = gpu.parse_args(['--output=/tmp/x', '--sizes=base', '--seq_lens=128', '--attention=cudnn',
+                         '--packing=true', '--qkv_projection=stacked,separate',
+                         '--no-attention_dropout_case'])
+  jax_specs, _ = gpu.case_specs(args)
+  assert [s['qkv_projection'] for s in jax_specs] == ['stacked', 'separate']
+  names = [gpu.JaxCase(args, s).name() for s in jax_specs]
+  assert names == ['base_128_packed_cudnn_unscanned',
+                   'base_128_packed_cudnn_unscanned_qkvseparate'], names
+  config = gpu._bert_jax_config(args, 'base', 128, 8, 20, True, 'cudnn', 0.0, False,
+                                qkv_projection='separate')
+  assert config.model.qkv_projection == 'separate'
+  with pytest.raises(SystemExit):
+    gpu.parse_args(['--output=/tmp/x', '--qkv_projection=fused'])
+
+
 def test_gpu_benchmark_records_the_loss_of_every_step(tmp_path):
   """--loss_steps: an FP8 case (here on the CPU, where XLA emulates FP8) trains from a fresh
   state through a cycle of batches and records each step's loss, beside its FP8 GEMM count."""

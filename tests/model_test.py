@@ -1,5 +1,6 @@
 """Model properties: sizes, layouts, heads, mixed precision, dropout, config files."""
 
+import dataclasses
 import json
 
 import flax.linen as nn
@@ -236,10 +237,13 @@ def _attention_by_three_projections(p, x, sequence_ids):
       p['output']['bias']
 
 
-def test_fused_qkv_projection_matches_three_projections():
-  """Q, K and V come from one matmul over the stacked kernels: the same outputs and gradients
-  (parameters and input) as three projections, with the parameters still three."""
-  params = model_lib.init_params(TINY, jax.random.key(7))
+@pytest.mark.parametrize('projection, matmuls', [('stacked', 1), ('separate', 3)])
+def test_qkv_projection_matches_three_projections(projection, matmuls):
+  """Q, K and V from one matmul over the stacked kernels ('stacked') or from three whose
+  outputs the attention reads in place ('separate'): the same outputs and gradients
+  (parameters and input) as three projections, with the parameters three either way."""
+  config = dataclasses.replace(TINY, qkv_projection=projection)
+  params = model_lib.init_params(config, jax.random.key(7))
   p = params['bert']['encoder']['layer_0']['attention']
   assert {n: p[n]['kernel'].shape for n in ('query', 'key', 'value')} == {
       n: (32, 4, 8) for n in ('query', 'key', 'value')}
@@ -248,7 +252,7 @@ def test_fused_qkv_projection_matches_three_projections():
   cot = jax.random.normal(jax.random.key(9), x.shape)
   def attend(p, x):
     # The output projection's bias comes back beside it (the layer's LayerNorm adds it).
-    y, bias = model_lib.SelfAttention(TINY).apply({'params': p}, x, sequence_ids)
+    y, bias = model_lib.SelfAttention(config).apply({'params': p}, x, sequence_ids)
     return y + bias
 
   with jax.default_matmul_precision('highest'):
@@ -262,9 +266,9 @@ def test_fused_qkv_projection_matches_three_projections():
     for key in path:
       r = r[key.key if hasattr(key, 'key') else key.idx]
     assert_close(g, r, 1e-5, what=f'gradient {jax.tree_util.keystr(path)}')
-  # One projection matmul (then q k^T, probs v, and the output projection), not three.
+  # The projection matmuls, then q k^T, probs v, and the output projection.
   jaxpr = jax.make_jaxpr(attend)(p, x)
-  assert str(jaxpr).count('dot_general') == 4
+  assert str(jaxpr).count('dot_general') == matmuls + 3
 
 
 def test_decoder_matmul_runs_over_a_padded_vocabulary():
