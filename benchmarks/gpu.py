@@ -900,6 +900,13 @@ def parse_args(argv=None):
   args.fill = pairs(args.padded_fill, float)
   args.packed_fill = pairs(args.packed_fill, float) if args.packed_fill else {}
   args.attention = args.attention.split(',')
+  from bert_jax import config_checks  # pylint: disable=g-import-not-at-top  (no JAX)
+  from bert_jax.errors import UserError  # pylint: disable=g-import-not-at-top
+  for impl in args.attention:
+    try:
+      config_checks.check_choice('model.attention_impl', impl)
+    except UserError as e:
+      p.error(f'--attention: {e}')
   args.packing = [x.lower() == 'true' for x in args.packing.split(',')]
   args.layernorm = args.layernorm.split(',')
   bad = [x for x in args.layernorm if x not in ('auto', 'pallas', 'xla')]
