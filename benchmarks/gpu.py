@@ -3,8 +3,8 @@
   python benchmarks/gpu.py --output=/tmp/gpu_bench      # the whole matrix, < 9 min on an H100
 
 The matrix: BERT-base and BERT-large, 128 and 512 tokens, bf16, padded and packed rows, `xla`
-and `cudnn` attention (bert_jax), and transformers' PyTorch `BertForPreTraining` (bf16 autocast, SDPA
-attention, fused AdamW) on the same padded batches. Every case reports
+and `cudnn` attention (bert_jax), and transformers' PyTorch `BertForPreTraining` (bf16
+autocast, SDPA attention, fused AdamW) on the same padded batches. Every case reports
 sequences/s, real (non-padding) tokens/s, MFU, step time, memory, the top ops of one
 profiled step and all its kernels' time by group (matmul, attention, LayerNorm, GELU, dropout,
 optimizer, embeddings and MLM/NSP heads, other); the attention kernels are also checked
