@@ -3,9 +3,8 @@
   python benchmarks/gpu.py --output=/tmp/gpu_bench      # the whole matrix, < 9 min on an H100
 
 The matrix: BERT-base and BERT-large, 128 and 512 tokens, bf16, padded and packed rows, `xla`
-and `cudnn` attention (bert_jax; `--attention=cudnn,cudnn_varlen` adds cuDNN's packed layout,
-Hopper and later), and transformers' PyTorch `BertForPreTraining` (bf16 autocast, SDPA
-attention, fused AdamW) on the same padded batches. Every case reports
+and `cudnn` attention (bert_jax), and transformers' PyTorch `BertForPreTraining` (bf16
+autocast, SDPA attention, fused AdamW) on the same padded batches. Every case reports
 sequences/s, real (non-padding) tokens/s, MFU, step time, memory, the top ops of one
 profiled step and all its kernels' time by group (matmul, attention, LayerNorm, GELU, dropout,
 optimizer, embeddings and MLM/NSP heads, other); the attention kernels are also checked
@@ -771,13 +770,12 @@ def _peak_flops_torch(torch, device) -> float | None:
 
 
 def check_attention(args) -> dict:
-  """cudnn and cudnn_varlen vs xla (bf16) on packed rows ('{impl}_{seq_len}') and on padded
-  rows of one sequence each ('..._padded'): outputs and q/k/v gradients at real tokens,
-  relative to a float32 xla reference, and whether every output (padding too) is finite. A
-  kernel this GPU or JAX cannot run (varlen before Hopper) is reported as an error of its
-  own."""
+  """cudnn vs xla (bf16) on packed rows ('{impl}_{seq_len}') and on padded rows of one sequence
+  each ('..._padded'): outputs and q/k/v gradients at real tokens, relative to a float32 xla
+  reference, and whether every output (padding too) is finite. A kernel this GPU or JAX
+  cannot run is reported as an error of its own."""
   import jax  # pylint: disable=g-import-not-at-top
-  impls = ['xla'] + (['cudnn', 'cudnn_varlen'] if jax.default_backend() == 'gpu' else [])
+  impls = ['xla'] + (['cudnn'] if jax.default_backend() == 'gpu' else [])
   out = {}
   for seq_len in args.seq_lens:
     rows = {'': packed_batch(8, seq_len, 20, 100, args.fill[seq_len], seed=7)['sequence_ids'],
@@ -803,7 +801,7 @@ def _check_attention_rows(impls: list[str], ids: np.ndarray, suffix: str) -> dic
 
   def f(q, k, v, impl, dtype):
     o = attention.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype),
-                                        ids, impl=impl, max_sequences=PACK_MAX_SEQUENCES)
+                                        ids, impl=impl)
     return jnp.sum(jnp.where(real, o.astype(jnp.float32) * g, 0.0)), o
 
   ref_grad, ref_out = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v, 'xla',
@@ -871,7 +869,7 @@ def parse_args(argv=None):
                       "corpus (README Packing); '' keeps what first-fit decreasing packs of "
                       'the padded lengths (88%% at 128, 99.9%% at 512)')
   p.add_argument('--attention', default='xla,cudnn',
-                 help="model.attention_impl values: xla, cudnn, cudnn_varlen (Hopper+)")
+                 help='model.attention_impl values: xla, cudnn')
   p.add_argument('--packing', default='false,true')
   p.add_argument('--layernorm', default='auto',
                  help="model.layer_norm_impl values, each its own bert_jax case: 'auto', "
@@ -902,7 +900,7 @@ def parse_args(argv=None):
   p.add_argument('--steps', type=int, default=10)
   p.add_argument('--rounds', type=int, default=3)
   p.add_argument('--attention_check', action=argparse.BooleanOptionalAction, default=True,
-                 help='cudnn and cudnn_varlen against xla on packed rows before the cases')
+                 help='cudnn against xla on packed and padded rows before the cases')
   p.add_argument('--profile', action=argparse.BooleanOptionalAction, default=True)
   p.add_argument('--trace_dir', default='', help='where profiles go; default OUTPUT/traces')
   p.add_argument('--compile_workers', type=int, default=8)
@@ -917,6 +915,13 @@ def parse_args(argv=None):
   args.fill = pairs(args.padded_fill, float)
   args.packed_fill = pairs(args.packed_fill, float) if args.packed_fill else {}
   args.attention = args.attention.split(',')
+  from bert_jax import config_checks  # pylint: disable=g-import-not-at-top  (no JAX)
+  from bert_jax.errors import UserError  # pylint: disable=g-import-not-at-top
+  for impl in args.attention:
+    try:
+      config_checks.check_choice('model.attention_impl', impl)
+    except UserError as e:
+      p.error(f'--attention: {e}')
   args.packing = [x.lower() == 'true' for x in args.packing.split(',')]
   args.layernorm = args.layernorm.split(',')
   bad = [x for x in args.layernorm if x not in ('auto', 'pallas', 'xla')]

@@ -162,8 +162,7 @@ def learning(args):
   # The same held-out, padded batches for both models.
   config = _config(args, seq_len, preds, batch, False)
   bert_config = model_lib.config_from(
-      config.model, vocab_size=len(open(vocab).read().splitlines()),
-      max_packed_sequences=pretraining.packed_sequences(config))
+      config.model, vocab_size=len(open(vocab).read().splitlines()))
   model = model_lib.BertForPreTraining(bert_config)
   step = jax.jit(lambda p, b: pretraining.eval_step(p, b, model=model, objective='nsp'))
   ds = input_pipeline.make_pretraining_dataset(config.data, batch_size=batch, seq_len=seq_len,

@@ -130,8 +130,7 @@ def pretrain_config(recipe: str, args, data: dict, steps: int, seed: int):
 
 def step_flops(config) -> float:
   """Training FLOPs of one step (forward and backward) per flops.py, every row full length."""
-  bert = model_lib.config_from(config.model, vocab_size=config.model.vocab_size or 8000,
-                               max_packed_sequences=pretraining.packed_sequences(config))
+  bert = model_lib.config_from(config.model, vocab_size=config.model.vocab_size or 8000)
   phase = pretraining.parse_phases(config)[0]
   preds = phase.max_predictions
   if config.data.packing:

@@ -164,14 +164,14 @@ def _abstract_batch(config: ml_collections.ConfigDict, seq_len: int, preds: int,
 
 
 def _compile(config: ml_collections.ConfigDict, vocab_size: int, devices, seq_len: int,
-             preds: int, compute_capability: tuple[int, int] | None = None):
+             preds: int):
   """The train step of `pretraining.build_step`, the one the driver runs, compiled."""
   mesh = sharding_lib.make_mesh(config.mesh, devices)
   rules = sharding_lib.rules_from_config(config.mesh)
   pretraining.check_batch(config, mesh)
   batch = _abstract_batch(config, seq_len, preds, sharding_lib.batch_sharding(mesh))
   platform = 'gpu' if devices[0].platform in ('gpu', 'cuda') else devices[0].platform
-  with attention.lowering_for(platform, compute_capability):
+  with attention.lowering_for(platform):
     # Built for the target: the model config's 'auto' resolves for it (`model.resolve`).
     built = pretraining.build_step(config, mesh, vocab_size)
     with sharding_lib.activate(mesh, rules):
@@ -365,11 +365,8 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
   vocab_size = config.model.vocab_size or vocab_size
   # 'auto' resolved for the accelerator, not this host (`_compile` builds the step for it too).
   bert_config = model_lib.config_from(config.model, vocab_size=vocab_size,
-                                     max_packed_sequences=pretraining.packed_sequences(config),
                                      platform=target.platform)
   dtype = bert_config.dtype
-  capability = (tuple(flops_lib.GPU_CHIPS[chip]['compute_capability'])
-                if target.platform == 'gpu' else None)
   reports = []
   mesh_sizes = dict(zip(sharding_lib.MESH_AXES,
                         sharding_lib.mesh_shape(config.mesh, len(devices))))
@@ -382,7 +379,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
                   layer_norm_impl=bert_config.layer_norm_impl)
     try:
       compiled, n_params = _compile(config, vocab_size, devices, phase.seq_len,
-                                    phase.max_predictions, capability)
+                                    phase.max_predictions)
     except jax.errors.JaxRuntimeError as e:
       if 'RESOURCE_EXHAUSTED' not in str(e):
         raise
@@ -394,8 +391,7 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     if bert_config.scan_layers:
       unscanned = copy.deepcopy(config)
       unscanned.model.scan_layers = False
-      costed, _ = _compile(unscanned, vocab_size, devices, phase.seq_len, phase.max_predictions,
-                           capability)
+      costed, _ = _compile(unscanned, vocab_size, devices, phase.seq_len, phase.max_predictions)
     else:
       costed = compiled
     cost = _cost(costed, target.platform)
@@ -419,8 +415,8 @@ def compile_for_topology(config: ml_collections.ConfigDict, topology: str,
     # analytic FLOPs, so that it stays a lower bound.
     pallas_calls = (text.count('custom_call_target="tpu_custom_call"') +
                     text.count('custom_call_target="__gpu$xla.gpu.triton"'))
-    # Nor inside cuDNN's fused attention, whose calls it counts as 0 FLOPs: theirs are added.
-    # (with a mask: __cudnn$fmhaScaleBiasSoftmax; packed layout, cudnn_varlen: __cudnn$fmhaSoftmax).
+    # Nor inside cuDNN's fused attention (__cudnn$fmhaScaleBiasSoftmax with a mask), whose calls
+    # it counts as 0 FLOPs: theirs are added.
     cudnn_calls = {'forward': len(re.findall(r'custom_call_target="__cudnn\$fmha\w*Softmax"',
                                              text)),
                    'backward': len(re.findall(

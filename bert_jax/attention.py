@@ -17,17 +17,8 @@ Implementations (`model.attention_impl`):
           as a mask (cuDNN adds it as a bias inside the kernel). Padding queries as in xla.
           Every tile of the [T, T] square is computed, also those between two packed
           sequences (about 70% of them in a full 512-token row of BERT-length sequences).
-  cudnn_varlen
-          cuDNN's fused attention in its packed (ragged, "THD") layout on Hopper and later
-          GPUs: each row is cut into its runs of equal sequence id, and the kernel gets their
-          lengths and offsets instead of a mask, so it computes only the tiles inside each
-          sequence. Padding is a run of its own: padding queries attend the padding keys (as
-          in splash), so every output is defined and finite. The segment tables hold
-          `max_sequences` + 1 runs per row (`BertConfig.max_packed_sequences`, set from
-          data.packing_max_sequences); a row with more runs (never made by our packer or an
-          unpacked batch) gets NaN outputs rather than attention across its sequences. It uses
-          JAX's private `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`
-          (its `q_offsets`/`kv_offsets`; present in jax 0.10 to 0.12), checked when traced.
+          A 'cudnn_varlen' (cuDNN's packed layout, only the tiles inside each sequence) was
+          removed: slower than this on an H200 at 128 and at 512 tokens (README, "Attention").
   splash  Pallas splash attention on TPUs, packing given as segment ids, under `shard_map`
           over the mesh (batch over data/fsdp, heads over tensor). Padding queries attend the
           padding keys. Sequence lengths must be multiples of 128 (the kernel's tiles).
@@ -35,14 +26,13 @@ Implementations (`model.attention_impl`):
 Local (sliding-window) attention (`local_window` W > 0, ModernBERT's `local_attention`): a
 query also attends only the keys at most W / 2 tokens away in its row, on top of the packing
 mask (a packed sequence is contiguous, so that is W / 2 within its sequence). xla and cudnn take
-it as part of the mask; splash as its `LocalMask` (tiles outside the band are skipped);
-cudnn_varlen cannot (JAX's packed cuDNN call takes only a causal, left-only window) and is
-refused. With scanned layers of two kinds (`local` traced per layer) only the mask-based
+it as part of the mask; splash as its `LocalMask` (tiles outside the band are skipped). With
+scanned layers of two kinds (`local` traced per layer) only the mask-based
 implementations apply: splash builds one kernel per mask, fixed when traced.
 
-Neither fused kernel applies attention dropout: JAX's public cuDNN call has none, the private
-one takes its dropout seed as a static Python int (the same mask every step unless recompiled),
-and splash has none. Training with one of them therefore needs
+Neither fused kernel applies attention dropout: JAX's public cuDNN call has none (its private
+one takes its dropout seed as a static Python int: the same mask every step unless
+recompiled), and splash has none. Training with one of them therefore needs
 `model.attention_probs_dropout_prob=0` (as RoBERTa-era recipes and MosaicBERT train); asking
 for a fused kernel with attention dropout is an error, never a silent fall back to xla.
 """
@@ -50,7 +40,6 @@ for a fused kernel with attention dropout is an error, never a silent fall back 
 import contextlib
 import contextvars
 import functools
-import inspect
 from typing import Callable, Iterator, Sequence
 
 import flax.linen as nn
@@ -67,86 +56,36 @@ Array = jax.Array
 
 IMPLEMENTATIONS = config_checks.CHOICES['model.attention_impl']
 # The backend each fused kernel runs on (jax.default_backend() names).
-_BACKENDS = {'cudnn': 'gpu', 'cudnn_varlen': 'gpu', 'splash': 'tpu'}
-# cuDNN's packed layout runs on Hopper (compute capability 9.0) and later.
-VARLEN_MIN_COMPUTE_CAPABILITY = (9, 0)
-# Sequences per row that the varlen segment tables hold unless told (data.packing_max_sequences'
-# default).
-DEFAULT_MAX_SEQUENCES = 16
+_BACKENDS = {'cudnn': 'gpu', 'splash': 'tpu'}
 # Splash attention tiles sequences in blocks of multiples of 128 (the TPU lane width).
 SPLASH_BLOCK = 128
 _NO_DROPOUT = ("the fused {impl} kernel applies no attention dropout in JAX (the public cuDNN "
-               "call and splash attention have none; the private cuDNN call fixes its dropout "
-               "seed at compile time, so the same mask would repeat every step). Train with "
-               "--config.model.attention_probs_dropout_prob=0 (as RoBERTa-era recipes and "
+               "call and splash attention have none; JAX's private cuDNN call fixes its "
+               "dropout seed at compile time, so the same mask would repeat every step). Train "
+               "with --config.model.attention_probs_dropout_prob=0 (as RoBERTa-era recipes and "
                "MosaicBERT do) to use it, or keep model.attention_impl='xla'")
 
 
 # The platform a program is being lowered for when that is not this process's backend: an
-# ahead-of-time compile for GPUs from a CPU host (`aot.py`), with the target GPU's compute
-# capability. The fused kernel follows the target.
-_TARGET: contextvars.ContextVar[tuple[str, tuple[int, int] | None] | None] = (
-    contextvars.ContextVar('bert_jax_attention_target', default=None))
+# ahead-of-time compile for GPUs from a CPU host (`aot.py`). The fused kernel follows the
+# target.
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    'bert_jax_attention_target', default=None)
 
 
 @contextlib.contextmanager
-def lowering_for(platform: str,
-                 compute_capability: tuple[int, int] | None = None) -> Iterator[None]:
-  """Within it, attention is traced for `platform` ('gpu', 'tpu') whatever the backend; for a
-  GPU, `compute_capability` (major, minor) is the target's."""
-  token = _TARGET.set((platform, compute_capability))
+def lowering_for(platform: str) -> Iterator[None]:
+  """Within it, attention is traced for `platform` ('gpu', 'tpu') whatever the backend."""
+  token = _TARGET.set(platform)
   try:
-    with _cudnn_sees_target(platform, compute_capability):
-      yield
+    yield
   finally:
     _TARGET.reset(token)
 
 
 def target_platform() -> str:
   """The platform being lowered for: `lowering_for`'s, else this process's backend."""
-  target = _TARGET.get()
-  return target[0] if target else jax.default_backend()
-
-
-def target_compute_capability() -> tuple[int, int] | None:
-  """The compute capability of the GPU being lowered for, None when unknown or not a GPU."""
-  target = _TARGET.get()
-  if target:
-    return target[1] if target[0] == 'gpu' else None
-  if jax.default_backend() != 'gpu':
-    return None
-  cc = getattr(jax.devices()[0], 'compute_capability', None)
-  return tuple(int(x) for x in cc.split('.')[:2]) if cc else None
-
-
-@contextlib.contextmanager
-def _cudnn_sees_target(platform: str,
-                       compute_capability: tuple[int, int] | None) -> Iterator[None]:
-  """JAX's cuDNN attention asks the process's backend for the GPU's compute capability
-  (`check_compute_capability`); compiling for a GPU from a CPU host, that is the CPU, and the
-  packed layout would be refused as "pre-Hopper". Within this, it answers for the target."""
-  if platform != 'gpu' or compute_capability is None or jax.default_backend() == 'gpu':
-    yield
-    return
-  try:
-    # pylint: disable-next=g-import-not-at-top
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-  except ImportError:
-    yield
-    return
-  names = ('check_compute_capability', 'is_cuda_compute_capability_equal')
-  if not all(hasattr(fa, n) for n in names):
-    yield
-    return
-  parse = lambda c: tuple(int(x) for x in c.split('.'))
-  saved = {n: getattr(fa, n) for n in names}
-  fa.check_compute_capability = lambda c: tuple(compute_capability) >= parse(c)
-  fa.is_cuda_compute_capability_equal = lambda c: tuple(compute_capability) == parse(c)
-  try:
-    yield
-  finally:
-    for n, f in saved.items():
-      setattr(fa, n, f)
+  return _TARGET.get() or jax.default_backend()
 
 
 def check_config(impl: str, attention_dropout: float, platform: str,
@@ -193,15 +132,14 @@ def block_diagonal_mask(sequence_ids: Array, local_window: int = 0,
 
 def dot_product_attention(q: Array, k: Array, v: Array, sequence_ids: Array, *, impl: str,
                           probs_dropout: Callable[[Array], Array] | None = None,
-                          max_sequences: int = DEFAULT_MAX_SEQUENCES, local_window: int = 0,
-                          local: bool | Array = True) -> Array:
+                          local_window: int = 0, local: bool | Array = True) -> Array:
   """Softmax(q k^T / sqrt(d)) v within each packed sequence; q, k, v are [B, T, heads, d].
 
   `probs_dropout` (training with attention dropout) is applied to the attention
-  probabilities; only the xla implementation can. `max_sequences`: the most sequences in one
-  row (cudnn_varlen sizes its segment tables by it). `local_window` W > 0: where `local` (a
+  probabilities; only the xla implementation can. `local_window` W > 0: where `local` (a
   bool, or traced in scanned layers), keys at most W / 2 tokens from the query only.
   """
+  config_checks.check_choice('model.attention_impl', impl)  # For a direct caller.
   if probs_dropout is not None and impl != 'xla':
     raise UserError(f'model.attention_impl={impl!r} in training with '
                     'model.attention_probs_dropout_prob > 0: ' + _NO_DROPOUT.format(impl=impl))
@@ -210,12 +148,9 @@ def dot_product_attention(q: Array, k: Array, v: Array, sequence_ids: Array, *, 
   config_checks.check_local_attention(impl, local_window, not isinstance(local, bool))
   if impl == 'splash':
     return splash_attention(q, k, v, sequence_ids, local_window=local_window)
-  if impl in ('cudnn', 'cudnn_varlen'):
-    _check_cudnn_inputs(q, impl)
-  if impl == 'cudnn_varlen':
-    return cudnn_varlen_attention(q, k, v, sequence_ids, max_sequences)
   mask = block_diagonal_mask(sequence_ids, local_window, local)
   if impl == 'cudnn':
+    _check_cudnn_inputs(q)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='cudnn')
   assert impl == 'xla', impl
   if probs_dropout is not None:
@@ -229,88 +164,18 @@ def dot_product_attention(q: Array, k: Array, v: Array, sequence_ids: Array, *, 
   return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation='xla')
 
 
-def _check_cudnn_inputs(q: Array, impl: str) -> None:
+def _check_cudnn_inputs(q: Array) -> None:
   """UserErrors for what cuDNN's fused attention cannot take, said before cuDNN does."""
   if target_platform() != 'gpu':
-    raise UserError(f"model.attention_impl={impl!r} needs an NVIDIA GPU; this backend is "
+    raise UserError("model.attention_impl='cudnn' needs an NVIDIA GPU; this backend is "
                     f"{target_platform()!r}: use model.attention_impl='xla'")
   if q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 8 or q.shape[-1] > 128:
     # cuDNN's fused attention takes 16-bit inputs and heads of at most 128 in steps of 8;
     # said here rather than by cuDNN on the cluster.
-    raise UserError(f"model.attention_impl={impl!r} needs bfloat16 or float16 compute and a "
+    raise UserError("model.attention_impl='cudnn' needs bfloat16 or float16 compute and a "
                     f'head size that is a multiple of 8 up to 128; got {q.dtype} and '
                     f'{q.shape[-1]} (model.dtype, hidden_size / num_attention_heads): use '
                     "model.dtype=bfloat16 or model.attention_impl='xla'")
-
-
-# ---------------------------------------------------------------------------------------------
-# cuDNN's packed (variable-length) layout (Hopper and later)
-# ---------------------------------------------------------------------------------------------
-
-
-def packed_segments(sequence_ids: Array, max_segments: int) -> tuple[Array, Array, Array]:
-  """[B, T] sequence ids -> the tables of cuDNN's packed layout, as JAX's call takes them.
-
-  A segment is a maximal run of equal ids in a row (a packed sequence, or the padding after
-  them). Returns (seqlens [B, M] int32: each segment's length, -1 past the row's last;
-  offsets [B, M + 1] int32: where each starts in its row, -1 past the last; overflow [B]
-  bool: the row has more than M = `max_segments` runs, its last segment then runs to the end
-  of the row and spans several).
-  """
-  ids = sequence_ids.astype(jnp.int32)
-  rows = ids.shape[0]
-  starts = jnp.concatenate([jnp.ones((rows, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-  run = jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1  # [B, T]: each token's run.
-  count = run[:, -1] + 1
-  slot = jnp.arange(max_segments, dtype=jnp.int32)
-  # A one-hot count rather than a scatter: one fused reduction on a GPU.
-  lengths = jnp.sum(jnp.minimum(run, max_segments - 1)[:, :, None] == slot, axis=1,
-                    dtype=jnp.int32)
-  present = slot[None, :] < count[:, None]
-  seqlens = jnp.where(present, lengths, -1)
-  offsets = jnp.where(present, jnp.cumsum(lengths, axis=1) - lengths, -1)
-  offsets = jnp.concatenate([offsets, jnp.full((rows, 1), -1, jnp.int32)], axis=1)
-  return seqlens, offsets, count > max_segments
-
-
-def _fused_attention_module():
-  """JAX's private cuDNN attention module, if it has the packed layout; else a UserError."""
-  try:
-    # pylint: disable-next=g-import-not-at-top
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-    params = inspect.signature(fa.dot_product_attention).parameters
-  except (ImportError, AttributeError, ValueError, TypeError):
-    params = {}
-  if not all(p in params for p in ('q_seqlen', 'kv_seqlen', 'q_offsets', 'kv_offsets')):
-    raise UserError(f"model.attention_impl='cudnn_varlen' calls JAX's cuDNN attention with "
-                    'packed offsets (jax._src.cudnn.fused_attention_stablehlo.'
-                    f'dot_product_attention(q_offsets=...)), which jax {jax.__version__} does '
-                    "not have: use model.attention_impl='cudnn'")
-  return fa
-
-
-def cudnn_varlen_attention(q: Array, k: Array, v: Array, sequence_ids: Array,
-                           max_sequences: int = DEFAULT_MAX_SEQUENCES) -> Array:
-  """Block-diagonal attention with cuDNN's packed layout: only the tiles inside each run of
-  equal sequence id are computed; q, k, v are [B, T, heads, d] (see the module docstring)."""
-  cc = target_compute_capability()
-  if cc is None or tuple(cc) < VARLEN_MIN_COMPUTE_CAPABILITY:
-    have = f'compute capability {cc[0]}.{cc[1]}' if cc else 'an unknown GPU'
-    raise UserError("model.attention_impl='cudnn_varlen' needs cuDNN's packed layout, on "
-                    f'Hopper (compute capability 9.0) or later GPUs; this is {have}: use '
-                    "model.attention_impl='cudnn'")
-  fa = _fused_attention_module()
-  if int(max_sequences) < 1:
-    raise UserError(f'max_packed_sequences={max_sequences}: a row holds at least one sequence '
-                    '(data.packing_max_sequences)')
-  # Runs: the sequences and the padding after them.
-  seqlens, offsets, overflow = packed_segments(sequence_ids, int(max_sequences) + 1)
-  # A row the tables cannot describe gives NaNs, never attention across its sequences.
-  q = jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, q.dtype), q)
-  return fa.dot_product_attention(
-      q, k, v, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets, kv_offsets=offsets,
-      scale=float(1.0 / np.sqrt(q.shape[-1])), mask_type=fa.MaskType.NO_MASK,
-      qkv_layout='BTNH')
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ have (pre-training versus fine-tuning, a task's own keys) is skipped, so one tab
 job. A value out of range is a UserError naming the key as the user sets it
 (`--config.train.learning_rate=-0.001: must be > 0`), before any data or model is built;
 adding a key is one more row here and one more row in tests/inputs_test.py. `CHOICES` does the
-same for every categorical key (`--config.model.dtype='fp16': expected one of auto, ...`), and is
-where each key's values are defined: the modules that branch on one import its values from here
+same for every categorical key (`--config.model.dtype='fp16': expected one of auto, ...`; a
+value that was removed, `REMOVED_CHOICES`, says so and names its replacement), and is where each
+key's values are defined: the modules that branch on one import its values from here
 (`attention.IMPLEMENTATIONS` is `CHOICES['model.attention_impl']`), and check a direct caller's
 value with `check_choice`, the same one line.
 
@@ -154,7 +155,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # compiled for (`model.resolve`, the one place that resolves it).
     'model.dtype': ('auto', 'float32', 'bfloat16', 'float16'),
     'model.remat_policy': ('none', 'full', 'dots'),
-    'model.attention_impl': ('xla', 'cudnn', 'cudnn_varlen', 'splash'),
+    'model.attention_impl': ('xla', 'cudnn', 'splash'),
     'model.layer_norm_impl': ('auto', 'pallas', 'xla'),
     'model.gelu_impl': ('auto', 'pallas', 'xla'),
     'model.qkv_projection': ('stacked', 'separate'),
@@ -169,6 +170,18 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Values that a key of CHOICES took once and no longer does -> why, and what to set instead. A
+# config written for an earlier bert_jax that still sets one gets this line rather than "expected
+# one of", which would not say that the value was ever valid or which one replaces it.
+REMOVED_CHOICES: dict[str, dict[str, str]] = {
+    'model.attention_impl': {
+        'cudnn_varlen': "was removed: cuDNN's packed layout was slower than 'cudnn' at 128 and "
+                        'at 512 tokens on an H200 (README, "Attention"); use '
+                        '--config.model.attention_impl=cudnn',
+    },
+}
+
+
 def check_choice(key: str, value: Any) -> None:
   """The UserError of `key`'s check where a config loads, for a value `key` does not take: for
   the libraries that branch on `key`, on a direct caller's value."""
@@ -177,6 +190,9 @@ def check_choice(key: str, value: Any) -> None:
 
 
 def _choice_error(key: str, value: Any) -> UserError:
+  removed = REMOVED_CHOICES.get(key, {})
+  if isinstance(value, str) and value in removed:
+    return UserError(f'--config.{key}={value!r} {removed[value]}')
   choices = CHOICES[key]
   close = difflib.get_close_matches(str(value), choices, n=1)
   hint = f' (did you mean {close[0]!r}?)' if close else ''
@@ -290,10 +306,6 @@ def check_local_attention(impl: str, window: int, scanned_kinds: bool = False) -
                     'side of a query), or 0 for global attention everywhere')
   if not window:
     return
-  if impl == 'cudnn_varlen':
-    raise UserError("model.attention_impl='cudnn_varlen' with model.local_attention_window="
-                    f"{window}: JAX's packed cuDNN call takes only a causal (left-only) window, "
-                    "not a bidirectional one: use model.attention_impl='cudnn'")
   if impl == 'splash' and scanned_kinds:
     raise UserError("model.attention_impl='splash' with model.scan_layers=True and layers of "
                     f'both kinds (model.local_attention_window={window}, '

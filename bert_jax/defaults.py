@@ -110,10 +110,9 @@ def _model(from_scratch: bool) -> ml_collections.ConfigDict:
   # sequences on small accelerators).
   model.remat_policy = 'none'
   # Attention kernel: 'xla' (any backend; the only one with attention dropout), 'cudnn' (fused,
-  # NVIDIA GPUs), 'cudnn_varlen' (fused, cuDNN's packed layout: no tiles between packed
-  # sequences; Hopper GPUs and later) or 'splash' (Pallas, TPUs; sequence lengths multiples of
-  # 128). The fused ones apply no attention dropout: they need
-  # model.attention_probs_dropout_prob=0 (README, "Attention").
+  # NVIDIA GPUs) or 'splash' (Pallas, TPUs; sequence lengths multiples of 128). The fused ones
+  # apply no attention dropout: they need model.attention_probs_dropout_prob=0 (README,
+  # "Attention").
   model.attention_impl = 'xla'
   # Each encoder sub-layer's end, LayerNorm(x + dropout(projection + bias)): 'pallas' (one
   # fused Pallas kernel each way, NVIDIA GPUs), 'xla' (plain jnp, any backend) or 'auto'

@@ -388,7 +388,6 @@ class SelfAttention(nn.Module):
     impl = 'xla' if self.is_initializing() else c.attention_impl
     out = attention.dot_product_attention(q, k, v, sequence_ids, impl=impl,
                                           probs_dropout=probs_dropout,
-                                          max_sequences=c.max_packed_sequences,
                                           local_window=c.local_attention_window, local=local)
     out = constrain(out, ('batch', 'length', 'act_heads', 'kv'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.

@@ -90,9 +90,7 @@ class BertConfig:
   dtype: str = 'float32'
   scan_layers: bool = False
   remat_policy: str = 'none'
-  attention_impl: str = 'xla'   # 'xla', 'cudnn', 'cudnn_varlen' or 'splash': see attention.py.
-  # The most sequences in one row (data.packing_max_sequences): cudnn_varlen's segment tables.
-  max_packed_sequences: int = attention.DEFAULT_MAX_SEQUENCES
+  attention_impl: str = 'xla'   # 'xla', 'cudnn' or 'splash': see attention.py.
   layer_norm_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see layer_norm.py.
   gelu_impl: str = 'xla'  # 'xla', 'pallas' or 'auto' (`resolve`): see activations.py.
   # 'stacked' (one QKV matmul, q/k/v sliced from its output) or 'separate' (three matmuls
@@ -127,9 +125,6 @@ class BertConfig:
     for key in ('remat_policy', 'attention_impl', 'layer_norm_impl', 'gelu_impl',
                 'qkv_projection', 'matmul_precision', 'position_embedding_type'):
       config_checks.check_choice(f'model.{key}', getattr(self, key))
-    if self.max_packed_sequences < 1:
-      raise UserError(f'max_packed_sequences={self.max_packed_sequences}: a row holds at least '
-                      'one sequence (data.packing_max_sequences)')
     if self.mlp_type not in MLP_TYPES:  # Not a config key: model.mlp decodes to it (MLPS).
       raise UserError(f'mlp_type {self.mlp_type!r} is not one of {MLP_TYPES}')
     if self.rotary and self.head_dim % 2:
@@ -276,7 +271,6 @@ def _architecture(model: Any) -> dict[str, Any]:
 
 
 def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | None = None,
-                max_packed_sequences: int | None = None,
                 platform: str | None = None) -> BertConfig:
   """The BertConfig of a config's `model` block: the one place that decodes it.
 
@@ -288,8 +282,7 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
   way the block says how to run it: dtype, dropout, layer stacking, rematerialization, the
   attention and LayerNorm kernels, the encoder matmuls' precision; 'auto' resolved for
   `platform` (`resolve`: None is the platform being lowered for, else this process's
-  backend). `max_packed_sequences` is the most sequences one row holds
-  (data.packing_max_sequences); None keeps BertConfig's.
+  backend).
   """
   run = dict(dtype=resolve('dtype', model.dtype, platform),
              hidden_dropout_prob=model.hidden_dropout_prob,
@@ -300,8 +293,6 @@ def config_from(model: Any, *, vocab_size: int = 0, checkpoint: BertConfig | Non
              gelu_impl=resolve('gelu_impl', model.gelu_impl, platform),
              qkv_projection=model.qkv_projection,
              matmul_precision=model.matmul_precision)
-  if max_packed_sequences is not None:
-    run['max_packed_sequences'] = max_packed_sequences
   if checkpoint is not None:
     return checkpoint.replace(**run)
   if model.vocab_size and model.vocab_size < vocab_size:

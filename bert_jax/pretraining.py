@@ -45,11 +45,6 @@ class Phase:
 # ---------------------------------------------------------------------------------------------
 
 
-def packed_sequences(config: ml_collections.ConfigDict) -> int:
-  """The most sequences one row of the batches holds: data.packing_max_sequences, else 1."""
-  return int(config.data.packing_max_sequences) if config.data.packing else 1
-
-
 def parse_phases(config: ml_collections.ConfigDict) -> list[Phase]:
   """`train.phases` ('0.9:128:20,0.1:512:80') -> Phases covering [0, train.steps), each with
   its data block."""
@@ -206,8 +201,7 @@ def build_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
   on `mesh`, for a vocabulary of `vocab_size` tokens (`model.vocab_size`, when set, wins)."""
   rules = sharding_lib.rules_from_config(config.mesh)
   objective = objectives.get(config.data.objective).name
-  bert_config = model_lib.config_from(config.model, vocab_size=vocab_size,
-                                     max_packed_sequences=packed_sequences(config))
+  bert_config = model_lib.config_from(config.model, vocab_size=vocab_size)
   # The loss reads the MLM logits over the decoder's padded vocabulary (model.MlmHead).
   model = model_lib.BertForPreTraining(bert_config, padded_vocab=True)
   tx, schedule = optim.make_optimizer(config.train)

@@ -146,9 +146,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, checkpoint: str) -> d
   if 'mlm' not in params:
     raise UserError(f'--checkpoint={checkpoint} has no MLM head (cls.predictions): a '
                     'fine-tuned model has no pre-training metrics')
-  bert_config = model_lib.config_from(
-      config.model, checkpoint=loaded_config,
-      max_packed_sequences=pretraining.packed_sequences(config))
+  bert_config = model_lib.config_from(config.model, checkpoint=loaded_config)
   # A checkpoint without the sentence head (BertForMaskedLM) is scored on MLM alone.
   objective = config.data.objective if 'nsp' in params else 'none'
   params = model_lib.with_nsp_head(params, bert_config.hidden_size)  # Not reported without.

@@ -221,11 +221,11 @@ def test_gpu_topologies():
 
 
 def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
-  """The packed BERT-tiny step, cuDNN's fused attention (masked and packed layout) and XLA's:
+  """The packed BERT-tiny step, cuDNN's fused attention and XLA's:
   cuDNN's forward and backward calls are in the optimized program (one of each per layer),
   memory and FLOPs come back, and they count the same work."""
   reports = {}
-  for impl in ('cudnn', 'cudnn_varlen', 'xla'):
+  for impl in ('cudnn', 'xla'):
     (r,) = aot.compile_for_topology(
         _config(**{'model.attention_impl': impl, 'model.layer_norm_impl': 'auto'}), 'h100')
     assert r['platform'] == 'gpu' and r['chips'] == 1 and r['dtype'] == 'bfloat16'
@@ -237,11 +237,8 @@ def test_packed_train_step_compiles_for_an_h100_with_cudnn_attention():
     assert bound['step_seconds'] == max(bound['compute_seconds'], bound['memory_seconds']) > 0
     reports[impl] = r
   layers = 2  # BERT-tiny
-  for impl in ('cudnn', 'cudnn_varlen'):
-    assert reports[impl]['flops']['cudnn_attention_calls'] == {'forward': layers,
-                                                              'backward': layers}
-  assert reports['cudnn_varlen']['flops']['xla_total'] == pytest.approx(
-      reports['xla']['flops']['xla_total'], rel=0.05)
+  assert reports['cudnn']['flops']['cudnn_attention_calls'] == {'forward': layers,
+                                                                'backward': layers}
   assert reports['xla']['flops']['cudnn_attention_calls'] == {'forward': 0, 'backward': 0}
   # model.layer_norm_impl='auto' (asked for above) compiles the fused Pallas LayerNorm for the GPU (through
   # Triton): one forward and one backward call per sub-layer, two sub-layers per layer.
@@ -286,9 +283,9 @@ def test_what_cudnn_cannot_run_is_a_clear_error_before_the_cluster():
                                         'model.attention_probs_dropout_prob': 0.1}), 'h100')
   with pytest.raises(UserError, match='runs on TPUs only'):
     aot.compile_for_topology(_config(**{'model.attention_impl': 'splash'}), 'h100')
-  # cuDNN's packed layout needs Hopper: an A100 target is refused while tracing.
-  with pytest.raises(UserError, match='Hopper.*compute capability 8.0'):
-    aot.compile_for_topology(_config(**{'model.attention_impl': 'cudnn_varlen'}), 'a100')
+  # An A100 target compiles cuDNN's fused attention (Ampere has it).
+  (r,) = aot.compile_for_topology(_config(**{'model.attention_impl': 'cudnn'}), 'a100')
+  assert r['flops']['cudnn_attention_calls']['forward'] == 2
 
 
 def test_the_readme_install_line_and_compile_command_as_a_user_types_them(tmp_path):

@@ -193,137 +193,21 @@ def test_pretraining_checks_the_attention_config_before_reading_data(tmp_path):
     train.train_and_evaluate(config, str(tmp_path))
 
 
-def _runs(row: np.ndarray) -> list[tuple[int, int]]:
-  """(start, length) of each maximal run of equal ids: the reference for packed_segments."""
-  runs, start = [], 0
-  for t in range(1, len(row) + 1):
-    if t == len(row) or row[t] != row[start]:
-      runs.append((start, t - start))
-      start = t
-  return runs
-
-
-def test_packed_segments_are_the_runs_of_each_row():
-  """Rows of 1..16 packed sequences (with and without padding after them), one all padding,
-  one without padding, and one with more runs than the tables hold."""
-  r = np.random.RandomState(0)
-  rows = []
-  for n in range(1, 17):
-    lengths = r.randint(1, 8, size=n)
-    row = np.repeat(np.arange(1, n + 1), lengths)
-    rows.append(np.pad(row, (0, T - len(row))) if n % 2 else
-                np.concatenate([row, np.full(T - len(row), n)]))  # Even: no padding.
-  rows += [np.zeros(T, np.int32), np.ones(T, np.int32), np.arange(T) % 3 + 1]
-  ids = np.stack(rows).astype(np.int32)
-  m = 17
-  seqlens, offsets, overflow = map(np.asarray, attention.packed_segments(jnp.asarray(ids), m))
-  assert seqlens.shape == (len(rows), m) and offsets.shape == (len(rows), m + 1)
-  for b, row in enumerate(ids):
-    runs = _runs(row)
-    assert overflow[b] == (len(runs) > m)
-    if overflow[b]:  # The last slot spans the rest of the row.
-      runs = runs[:m - 1] + [(runs[m - 1][0], T - runs[m - 1][0])]
-    k = len(runs)
-    np.testing.assert_array_equal(offsets[b, :k], [s for s, _ in runs])
-    np.testing.assert_array_equal(seqlens[b, :k], [n for _, n in runs])
-    assert (offsets[b, k:] == -1).all() and (seqlens[b, k:] == -1).all()
-    assert seqlens[b, :k].sum() == T  # Every token, padding included, is in one segment.
-
-
-def _fake_packed_cudnn(calls):
-  """JAX's private cuDNN attention (which cannot lower without a GPU) as the XLA math on the
-  packed layout's tables, as its docstring defines them: a query attends the keys of its
-  segment; a token in no segment (which cuDNN leaves unwritten) comes out NaN."""
-
-  def fake(query, key, value, bias=None, mask=None, q_seqlen=None, kv_seqlen=None,
-           q_offsets=None, kv_offsets=None, fp8_params=None, *, scale, mask_type, qkv_layout,
-           **unused):
-    calls.append(dict(bias=bias, mask=mask, scale=scale, mask_type=mask_type.name,
-                      layout=qkv_layout, same=(q_seqlen is kv_seqlen, q_offsets is kv_offsets),
-                      seqlens=q_seqlen, offsets=q_offsets))
-    t = jnp.arange(query.shape[1])[None, :, None]
-    starts, lengths = q_offsets[:, None, :-1], q_seqlen[:, None, :]
-    inside = (lengths >= 0) & (t >= starts) & (t < starts + lengths)  # [B, T, M]
-    seg = jnp.where(inside.any(-1), jnp.argmax(inside, -1), -1)
-    allowed = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
-    out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None], scale=scale,
-                                       implementation='xla')
-    return jnp.where((seg >= 0)[:, :, None, None], out, jnp.nan)
-
-  return fake
-
-
-def test_cudnn_varlen_branch_matches_xla_at_real_tokens(monkeypatch):
-  """What the cudnn_varlen branch hands JAX's cuDNN attention: no mask, the tables of the runs
-  of each row, the standard scale; run as the XLA math on exactly those arguments, outputs and
-  q/k/v gradients equal the xla path's at real tokens, and every output is finite (padding
-  attends padding)."""
-  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
-  calls = []
-  monkeypatch.setattr(fa, 'dot_product_attention', _fake_packed_cudnn(calls))
-  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(seed=5))
-  ids = jnp.asarray(_packed_ids())
-  real = jnp.asarray(_packed_ids() > 0)[..., None, None]
-  weights = jnp.asarray(np.random.RandomState(2).randn(*q.shape), jnp.float32)
-
-  def loss(q, k, v, impl):
-    out = attention.dot_product_attention(q, k, v, ids, impl=impl, max_sequences=4)
-    return jnp.sum(jnp.where(real, out.astype(jnp.float32) * weights, 0.0)), out
-
-  grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
-  with attention.lowering_for('gpu', (9, 0)):  # As `bert-jax compile --topology=h100` lowers it.
-    grads, out = grad(q, k, v, 'cudnn_varlen')
-  ref_grads, ref_out = grad(q, k, v, 'xla')
-  call = calls[0]
-  assert call['bias'] is None and call['mask'] is None and call['same'] == (True, True)
-  assert call['mask_type'] == 'NO_MASK' and call['layout'] == 'BTNH'
-  assert call['scale'] == pytest.approx(1 / np.sqrt(32))
-  assert call['seqlens'].shape == (4, 5) and call['offsets'].shape == (4, 6)  # 4 + padding.
-  assert np.isfinite(np.asarray(out, np.float32)).all()
-  np.testing.assert_array_equal(jnp.where(real, out, 0), jnp.where(real, ref_out, 0))
-  for g, ref in zip(grads, ref_grads):
-    np.testing.assert_allclose(np.asarray(jnp.where(real, g, 0), np.float32),
-                               np.asarray(jnp.where(real, ref, 0), np.float32), atol=2e-2)
-  # More sequences in a row than the tables hold: that row is NaN, the others untouched.
-  with attention.lowering_for('gpu', (9, 0)):
-    out = attention.dot_product_attention(q, k, v, ids, impl='cudnn_varlen', max_sequences=3)
-  bad = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2, 3))
-  np.testing.assert_array_equal(bad, [False, False, True, False])
-
-
-def test_cudnn_varlen_errors_and_the_capability_jax_sees(monkeypatch):
-  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
+def test_the_removed_cudnn_varlen_is_one_line_naming_its_replacement():
+  """model.attention_impl='cudnn_varlen' (cuDNN's packed layout) was removed, slower than
+  'cudnn' on an H200: a config that still sets it, a checkpoint's BertConfig built with it, or
+  a direct caller gets one UserError that says so and names 'cudnn', not "expected one of"."""
+  assert 'cudnn_varlen' not in attention.IMPLEMENTATIONS
+  removed = (r"--config\.model\.attention_impl='cudnn_varlen' was removed: cuDNN's packed "
+             r"layout was slower than 'cudnn' at 128 and at 512 tokens on an H200 .*; use "
+             r"--config\.model\.attention_impl=cudnn$")
+  with pytest.raises(UserError, match=removed) as raised:
+    config_files.load_config('configs/smoke.py', {'model.attention_impl': 'cudnn_varlen'})
+  assert '\n' not in str(raised.value)
+  with pytest.raises(UserError, match=removed):
+    model_lib.BertConfig(attention_impl='cudnn_varlen')
+  with pytest.raises(UserError, match=removed):
+    attention.check_config('cudnn_varlen', 0.0, 'gpu')
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
-  ids = jnp.asarray(_packed_ids())
-  with pytest.raises(UserError, match="runs on GPUs only"):
-    attention.check_config('cudnn_varlen', 0.0, 'cpu')
-  with pytest.raises(UserError, match='attention_probs_dropout_prob=0'):
-    attention.check_config('cudnn_varlen', 0.1, 'gpu')
-  with pytest.raises(UserError, match='needs an NVIDIA GPU'):
-    attention.dot_product_attention(q, k, v, ids, impl='cudnn_varlen')
-  with attention.lowering_for('gpu', (8, 0)), pytest.raises(UserError, match='Hopper'):
-    attention.dot_product_attention(q, k, v, ids, impl='cudnn_varlen')
-  with attention.lowering_for('gpu', (9, 0)), pytest.raises(UserError, match='model.dtype'):
-    attention.dot_product_attention(*_qkv(), ids, impl='cudnn_varlen')
-  # Compiling for an H100 from this CPU host, JAX's check answers for the H100, then no more.
-  original = fa.check_compute_capability
-  with attention.lowering_for('gpu', (9, 0)):
-    assert fa.check_compute_capability('9.0') and not fa.check_compute_capability('10.0')
-  assert fa.check_compute_capability is original and not original('9.0')
-  # A JAX whose cuDNN call has no packed layout: named, with its version.
-  monkeypatch.setattr(fa, 'dot_product_attention', lambda query, key, value, bias=None: None)
-  with attention.lowering_for('gpu', (9, 0)), pytest.raises(UserError, match=jax.__version__):
-    attention.dot_product_attention(q, k, v, ids, impl='cudnn_varlen')
-  with pytest.raises(UserError, match='max_packed_sequences=0'):
-    model_lib.BertConfig(max_packed_sequences=0)
-
-
-def test_the_varlen_tables_are_sized_by_the_packing_config():
-  from bert_jax import pretraining  # pylint: disable=g-import-not-at-top
-  from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  packed = config_files.load_config('configs/smoke.py', {'data.packing': True,
-                                                         'data.packing_max_sequences': 5})
-  mesh = sharding_lib.make_mesh(packed.mesh)
-  assert pretraining.build_step(packed, mesh, 512).bert_config.max_packed_sequences == 5
-  unpacked = config_files.load_config('configs/smoke.py', {'data.packing': False})
-  assert pretraining.build_step(unpacked, mesh, 512).bert_config.max_packed_sequences == 1
+  with attention.lowering_for('gpu'), pytest.raises(UserError, match=removed):
+    attention.dot_product_attention(q, k, v, jnp.asarray(_packed_ids()), impl='cudnn_varlen')

@@ -279,6 +279,18 @@ def test_gpu_benchmark_runs_each_layer_norm_impl_as_its_own_case():
     gpu.parse_args(['--output=/tmp/x', '--layernorm=triton'])
 
 
+def test_gpu_benchmark_refuses_an_attention_impl_before_any_case(capsys):
+  """--attention takes model.attention_impl's values, checked as a config is: the removed
+  cudnn_varlen says so when the arguments are read, not as an error in every case's row."""
+  gpu = _gpu_module()
+  with pytest.raises(SystemExit):
+    gpu.parse_args(['--output=/tmp/x', '--attention=xla,cudnn_varlen'])
+  assert "--attention: --config.model.attention_impl='cudnn_varlen' was removed" in (
+      capsys.readouterr().err)
+  with pytest.raises(SystemExit):
+    gpu.parse_args(['--output=/tmp/x', '--attention=flash'])
+
+
 def test_gpu_benchmark_runs_each_matmul_precision_as_its_own_case():
   gpu = _gpu_module()
   args = gpu.parse_args(['--output=/tmp/x', '--sizes=base', '--seq_lens=128', '--attention=cudnn',

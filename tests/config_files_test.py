@@ -175,6 +175,9 @@ def test_the_choices_checked_at_load_are_the_modules_own():
   assert set(choices['model.mlp']) == set(model.MLPS)
   assert set(choices['data.objective']) == set(objectives.OBJECTIVES)
   assert train_state.RNG_IMPLS is choices['train.rng_impl']
+  # A removed value (said so where it loads) belongs to a key that has choices, and is not one.
+  for key, removed in config_checks.REMOVED_CHOICES.items():
+    assert key in choices and not set(removed) & set(choices[key]), key
   for dtype in choices['model.dtype']:
     model.BertConfig(dtype=model.resolve_dtype(dtype))  # Each one a dtype the model takes.
   for key in ('model.size', 'model.dtype', 'model.matmul_precision', 'train.optimizer',

@@ -1049,7 +1049,11 @@ CHOICE_ROWS = [
      'mini, small, medium, base, large or L{2..12}_H{128,256,512,768}'),
     (_P, 'model.remat_policy', 'dot', "(did you mean 'dots'?)"),
     (_P, 'model.attention_impl', 'flash', "--config.model.attention_impl='flash': expected one "
-     'of xla, cudnn, cudnn_varlen, splash'),
+     'of xla, cudnn, splash'),
+    # A value that was removed says so and names its replacement (REMOVED_CHOICES).
+    (_F, 'model.attention_impl', 'cudnn_varlen', "--config.model.attention_impl='cudnn_varlen' "
+     "was removed: cuDNN's packed layout was slower than 'cudnn' at 128 and at 512 tokens on an "
+     'H200 (README, "Attention"); use --config.model.attention_impl=cudnn'),
     (_P, 'data.objective', 'NSP', "--config.data.objective='NSP': expected one of nsp, sop, "
      'none'),
     (_P, 'train.optimizer', 'adam', "(did you mean 'adamw'?)"),

@@ -358,8 +358,9 @@ def test_fp8_covers_the_gated_mlp():
 
 @pytest.mark.parametrize('overrides, message', [
     ({'model.local_attention_window': 5}, 'must be even'),
+    # The kernel that could not take a window is gone; its value is refused as removed.
     ({'model.local_attention_window': 4, 'model.attention_impl': 'cudnn_varlen',
-      'model.attention_probs_dropout_prob': 0.0}, 'only a causal'),
+      'model.attention_probs_dropout_prob': 0.0}, "'cudnn_varlen' was removed"),
     ({'model.local_attention_window': 4, 'model.attention_impl': 'splash',
       'model.scan_layers': True, 'model.attention_probs_dropout_prob': 0.0,
       'data.max_seq_length': 128}, 'scanned layers share one trace'),

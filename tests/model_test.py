@@ -408,10 +408,9 @@ def test_one_mapping_from_the_model_block_for_both_drivers():
                              attention_probs_dropout_prob=0.0, scan_layers=True,
                              remat_policy='dots', attention_impl='cudnn',
                              layer_norm_impl='auto', matmul_precision='fp8'))
-  scratch = model_lib.config_from(pretrain.model, vocab_size=99, max_packed_sequences=3)
+  scratch = model_lib.config_from(pretrain.model, vocab_size=99)
   checkpoint = model_lib.config_for_size('tiny', vocab_size=99)  # As a checkpoint records it.
-  assert model_lib.config_from(finetune.model, checkpoint=checkpoint,
-                               max_packed_sequences=3) == scratch
+  assert model_lib.config_from(finetune.model, checkpoint=checkpoint) == scratch
   for key in run_keys:
     # 'auto' arrives resolved for this platform (`model.resolve`).
     wanted = (model_lib.resolve(key, finetune.model[key]) if key in ('dtype', 'layer_norm_impl')
