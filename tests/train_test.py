@@ -2,8 +2,8 @@
 non-finite losses, two processes over gloo, the `bert-jax pretrain` command and phases.
 
 Every run is a tiny BERT (2 layers, width 128) on 8 fake CPU devices, batch 8, sequences of 32,
-on the built-in sample corpus with a 1,000-token vocabulary that the `bert-jax pretrain` run of
-the `cli_run` fixture trains once for the whole module. Runs share one schedule (train.steps
+on the built-in sample corpus with a 1,000-token vocabulary that the `vocab_file` fixture trains
+once for the whole module (as the `bert-jax pretrain` run of `cli_run` does). Runs share one schedule (train.steps
 = TOTAL_STEPS) and end early with train.stop_at_step, so they compile the same programs; a
 persistent compilation cache (in a temporary directory, for this module and its
 subprocesses) lets later runs reuse those compiles.
@@ -156,16 +156,21 @@ def _communicate(proc, timeout):
 CLI_STEPS = 4
 
 
+# The vocabulary of every run: trained on the sample corpus (the smoke config's input).
+VOCAB_SIZE = 1000
+
+
 @pytest.fixture(scope='module')
 def cli_run(tmp_path_factory, compilation_cache):
   """`bert-jax pretrain` with the default (smoke) config, shortened; it trains the vocab."""
   workdir = str(tmp_path_factory.mktemp('cli') / 'run')
-  # The shapes of TINY, so the other runs find this run's init and eval steps compiled.
+  # The shapes of TINY, so the runs after it find its init and eval steps compiled.
   overrides = {k: TINY[k] for k in ('data.max_seq_length', 'data.max_predictions_per_seq',
                                     'data.shuffle_buffer', 'train.batch_size', 'eval.steps',
                                     'eval.batch_size', 'log.every_steps')}
-  overrides.update({'train.steps': CLI_STEPS, 'train.warmup_steps': 1, 'data.vocab_size': 1000,
-                    'eval.every_steps': 2, 'checkpoint.every_steps': 2})
+  overrides.update({'train.steps': CLI_STEPS, 'train.warmup_steps': 1,
+                    'data.vocab_size': VOCAB_SIZE, 'eval.every_steps': 2,
+                    'checkpoint.every_steps': 2})
   proc = subprocess.Popen(
       [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
       _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache), stdout=subprocess.PIPE,
@@ -175,11 +180,12 @@ def cli_run(tmp_path_factory, compilation_cache):
 
 
 @pytest.fixture(scope='module')
-def vocab_file(cli_run):
-  workdir, returncode, _, err = cli_run
-  path = os.path.join(workdir, 'vocab.txt')
-  assert returncode == 0 and os.path.exists(path), err[-5000:]
-  return path
+def vocab_file(tmp_path_factory):
+  """The vocabulary `bert-jax pretrain` trains in cli_run (the same code, corpus and settings:
+  test_pretrain_command_runs_end_to_end checks that they are equal), trained here alone: a
+  test needs neither that run's minute nor its process."""
+  data = config_files.load_config('smoke', {'data.vocab_size': VOCAB_SIZE}).data
+  return input_pipeline.resolve_vocab(data, str(tmp_path_factory.mktemp('vocab')))
 
 
 @pytest.fixture(scope='module')
@@ -195,10 +201,13 @@ def reference(tmp_path_factory, vocab_file):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_pretrain_command_runs_end_to_end(cli_run):
-  """The default command (smoke config, a few steps) writes everything a run promises."""
+def test_pretrain_command_runs_end_to_end(cli_run, vocab_file):
+  """The default command (smoke config, a few steps) writes everything a run promises; the
+  vocabulary it trains is the one the other tests' runs use."""
   workdir, returncode, out, err = cli_run
   assert returncode == 0, err[-5000:]
+  with open(os.path.join(workdir, 'vocab.txt')) as f, open(vocab_file) as g:
+    assert f.read() == g.read()
   train_rows, eval_rows = _rows(workdir)
   assert [r['step'] for r in train_rows] == list(range(1, CLI_STEPS + 1))
   for row in train_rows:
