@@ -336,8 +336,18 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   _check_resumed_vocab(workdir, vocab_file, tokenizer.vocab)
   dataset_for = functools.partial(_dataset, vocab_file, batch_size)
+  # The datasets the check builds also give the compiles their shapes: a build traces the
+  # pipeline's TensorFlow functions (seconds on a CPU, in every run), so it is done once.
+  checked_datasets = {}
+
+  def checked_dataset_for(phase, train, local_batch_size=None):
+    key = (phase.index, train, local_batch_size)
+    if key not in checked_datasets:
+      checked_datasets[key] = dataset_for(phase, train, local_batch_size)
+    return checked_datasets[key]
+
   logging.info('Checking the input of %d phase(s)', len(phases))
-  _check_phase_data(phases, dataset_for, eval_batch_size // jax.process_count())
+  _check_phase_data(phases, checked_dataset_for, eval_batch_size // jax.process_count())
   preemption.check()
 
   # ---- Model, optimizer, abstract init and shardings, steps (nothing allocated yet) ----------
@@ -372,12 +382,12 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   eval_local = eval_batch_size // jax.process_count()
   remaining = [p for p in phases if p.end > step and p.start < stop_at]
 
-  def steps_to_compile():  # Lazy: the datasets are made on the compiling thread too.
+  def steps_to_compile():  # Lazy: a phase's shapes are read on the compiling thread.
     for phase in remaining:
       yield built.train_step.jitted, (built.abstract, _global_batch_spec(
-          dataset_for(phase, True).element_spec, batch_sharding))
+          checked_dataset_for(phase, True).element_spec, batch_sharding))
       yield built.eval_step, (built.abstract.params, _global_batch_spec(
-          dataset_for(phase, False, eval_local).element_spec, batch_sharding))
+          checked_dataset_for(phase, False, eval_local).element_spec, batch_sharding))
 
   preemption.wait(lambda: state_lib.compile_ahead(
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
