@@ -35,7 +35,10 @@ import records
 # The same tiny run as train_test's (its schedule; runs stop early with train.stop_at_step).
 from train_test import TINY, TOTAL_STEPS
 
-REFERENCE_STEPS = 8
+# The runs save every SAVE_EVERY steps and stop at REFERENCE_STEPS: two checkpoints, the last
+# one the run's final save (where the outages of the tests below strike).
+SAVE_EVERY = 2
+REFERENCE_STEPS = 2 * SAVE_EVERY
 
 
 @pytest.fixture(scope='module')
@@ -59,7 +62,8 @@ def data(gcs):
 
 
 def _overrides(data, **extra):
-  values = dict(TINY, **{f'data.{k}': v for k, v in data.items()})
+  values = dict(TINY, **{'checkpoint.every_steps': SAVE_EVERY},
+                **{f'data.{k}': v for k, v in data.items()})
   values.update({k.replace('__', '.'): v for k, v in extra.items()})
   return values
 
@@ -68,9 +72,9 @@ def _flags(overrides):
   return [f'--config.{k}={v}' for k, v in overrides.items()]
 
 
-# Runs `bert-jax pretrain` with 3 s after each logged training row past step 2: the test's
-# SIGTERM, sent once it sees 2 rows in the bucket, lands well before the run would end, however
-# loaded the machine.
+# Runs `bert-jax pretrain` with 8 s after each logged training row from step 2 on: the test's
+# SIGTERM, sent once it sees 2 rows in the bucket, lands before step 4 (REFERENCE_STEPS),
+# however loaded the machine.
 _SLOW_AFTER_STEP_2 = '''
 import sys, time
 from bert_jax import cli, monitor
@@ -78,7 +82,7 @@ train = monitor.MetricsLog.train
 def slow_train(self, step, *args, **kwargs):
   train(self, step, *args, **kwargs)
   if step >= 2:
-    time.sleep(3)
+    time.sleep(8)
 monitor.MetricsLog.train = slow_train
 cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
 '''
@@ -152,7 +156,7 @@ def test_pretrain_writes_its_workdir_to_the_bucket(reference):
   assert [r['step'] for r in train_rows] == list(range(1, REFERENCE_STEPS + 1))
   assert all(np.isfinite(r['loss']) for r in train_rows)
   assert [r['step'] for r in eval_rows] == [REFERENCE_STEPS]
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, REFERENCE_STEPS]
+  assert ckpt_lib.checkpoint_steps(workdir) == [SAVE_EVERY, REFERENCE_STEPS]
   assert fileio.glob(os.path.join(workdir, ckpt_lib.DATA_STATE_DIR, str(REFERENCE_STEPS), '*'))
   assert fileio.glob(os.path.join(workdir, 'events.out.tfevents.*'))
   config = fileio.read_json(os.path.join(workdir, 'config.json'))
@@ -177,10 +181,10 @@ def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losse
   """The proxy answers 503 and 429 (single and in bursts) and resets connections halfway through
   uploads, on every layer's objects: tensorstore's checkpoint arrays, Orbax's metadata, the lock
   and metrics.jsonl (google-cloud-storage), TensorBoard's events and config.json (TensorFlow).
-  Each layer retries. Meanwhile the arrays of the 2nd checkpoint (step 8) answer only 503, past
+  Each layer retries. Meanwhile the arrays of the 2nd checkpoint (step 4) answer only 503, past
   tensorstore's retries (shortened here): the run ends with one line naming the folder and
-  EXIT_PREEMPTED, step 4 committed and step 8 not. A rerun, through the same faults and on the
-  same short retries, resumes from step 4: the log holds exactly the losses of the clean
+  EXIT_PREEMPTED, step 2 committed and step 4 not. A rerun, through the same faults and on the
+  same short retries, resumes from step 2: the log holds exactly the losses of the clean
   reference run, and the same checkpoints."""
   workdir = gcs.url('faults')
   rules = [dict(object='faults/checkpoints/', status=503, every=25, burst=2),
@@ -191,7 +195,7 @@ def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losse
            dict(object='faults/events.out.tfevents', status=503, limit=2),
            dict(object='faults/run.lock', status=503, limit=1),
            dict(object='faults/config.json', method='POST', status='reset', limit=1)]
-  outage = 'faults/checkpoints/8/params/ocdbt.process_0/'
+  outage = f'faults/checkpoints/{REFERENCE_STEPS}/params/ocdbt.process_0/'
   overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
   gcs.reset_log()
   gcs.inject([dict(object=outage, status=503)] + rules)
@@ -204,14 +208,17 @@ def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losse
   assert err.strip().splitlines()[-1] == (
       f'bert-jax pretrain: error: gs://{gcs_server.BUCKET}/{outage}: Cloud Storage kept failing '
       '(Backend Error) past the retries (README: Cloud Storage); the last complete checkpoint, '
-      'step 4, is intact: rerun the same command to resume once Cloud Storage answers')
+      f'step {SAVE_EVERY}, is intact: rerun the same command to resume once Cloud Storage '
+      'answers')
   assert 'Traceback' not in err, err[-5000:]
-  assert ckpt_lib.checkpoint_steps(workdir) == [4]  # Step 8's folder is there, uncommitted.
-  assert fileio.exists(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, '8'))
-  # Step 4's input position, written through 429s, is the clean run's, byte for byte.
+  # Step 4's folder is there, uncommitted.
+  assert ckpt_lib.checkpoint_steps(workdir) == [SAVE_EVERY]
+  assert fileio.exists(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR, str(REFERENCE_STEPS)))
+  # Step 2's input position, written through 429s, is the clean run's, byte for byte.
   for name in ('process_0.index', 'process_0.data-00000-of-00001'):
-    written, clean = (fileio.gfile().GFile(os.path.join(w, ckpt_lib.DATA_STATE_DIR, '4', name),
-                                           'rb').read() for w in (workdir, reference[0]))
+    written, clean = (fileio.gfile().GFile(
+        os.path.join(w, ckpt_lib.DATA_STATE_DIR, str(SAVE_EVERY), name), 'rb').read()
+                      for w in (workdir, reference[0]))
     assert written == clean, (name, len(written), len(clean))
 
   gcs.inject(rules)
@@ -221,7 +228,7 @@ def test_pretraining_through_faults_and_an_outage_at_a_save_logs_the_clean_losse
   finally:
     gcs.inject([])
   assert proc.returncode == 0, err[-5000:]
-  assert 'Resumed from step 4' in err, err[-5000:]
+  assert f'Resumed from step {SAVE_EVERY}' in err, err[-5000:]
   faulted = {}
   for q in gcs.requests():
     if q['status'] in (0, 429, 503) or q['status'] < 0:
@@ -273,7 +280,7 @@ def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounde
   gcs.reset_log()
   try:
     proc = _pretrain(gcs, cache, workdir, overrides, env=_SHORT_RETRIES)
-    down = _down_after(gcs, proc, 'down/checkpoints/4/commit_success.txt',
+    down = _down_after(gcs, proc, f'down/checkpoints/{SAVE_EVERY}/commit_success.txt',
                        'down/checkpoints/')
     _, err = _communicate(proc, 900)
     ended = time.time()
@@ -283,10 +290,10 @@ def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounde
   assert re.fullmatch(line, err.strip().splitlines()[-1]), err[-3000:]
   assert 'Traceback' not in err, err[-5000:]
   assert ended - down < _DOWN_BOUND_S, (ended - down, err[-3000:])
-  assert ckpt_lib.checkpoint_steps(workdir) == [4]
+  assert ckpt_lib.checkpoint_steps(workdir) == [SAVE_EVERY]
   proc = _pretrain(gcs, cache, workdir, overrides)
   _, err = _communicate(proc, 900)
-  assert proc.returncode == 0 and 'Resumed from step 4' in err, err[-5000:]
+  assert proc.returncode == 0 and f'Resumed from step {SAVE_EVERY}' in err, err[-5000:]
   assert sorted(_losses(workdir)) == list(range(1, REFERENCE_STEPS + 1))
 
   # Fine-tuning (its saves wait for their commit), from a tiny local checkpoint. On the suite's
@@ -362,14 +369,14 @@ def _ends(procs, timeout):
 
 def test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143(gcs, cache, data,
                                                                        tmp_path):
-  """Two processes on a gs:// workdir; process 1's arrays of step 8 (its own OCDBT folder) meet
+  """Two processes on a gs:// workdir; process 1's arrays of step 4 (its own OCDBT folder) meet
   503s past tensorstore's retries, process 0's writes succeed. Both stop within a bound, with
   EXIT_PREEMPTED (so a scheduler reruns the job) and one line each: process 1 names the object,
   process 0 says process 1's part failed and names it too. (Without the processes' exchange of
   their outcomes, both still ran 7 minutes after the start, waiting in two different barriers
-  of Orbax's.) Step 4 stays committed, and the rerun of both resumes from it."""
+  of Orbax's.) Step 2 stays committed, and the rerun of both resumes from it."""
   workdir = gcs.url('pair')
-  outage = 'pair/checkpoints/8/params/ocdbt.process_1/'
+  outage = f'pair/checkpoints/{REFERENCE_STEPS}/params/ocdbt.process_1/'
   overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
   gcs.inject([dict(object=outage, status=503)])
   try:
@@ -382,21 +389,22 @@ def test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143(gcs, c
     assert 'Traceback' not in err, f'process {i}:\n{err[-5000:]}'
   assert abs(ended[0] - ended[1]) < 60, ended
   line = (f'gs://{gcs_server.BUCKET}/{outage}: Cloud Storage kept failing (Backend Error) past '
-          'the retries (README: Cloud Storage); the last complete checkpoint, step 4, is intact: '
-          'rerun the same command to resume once Cloud Storage answers')
+          'the retries (README: Cloud Storage); the last complete checkpoint, '
+          f'step {SAVE_EVERY}, is intact: rerun the same command to resume once Cloud Storage '
+          'answers')
   assert results[1][1].strip().splitlines()[-1] == f'bert-jax pretrain: error: {line}'
   assert results[0][1].strip().splitlines()[-1] == (
       'bert-jax pretrain: error: stopped because process 1\'s part of the checkpoint save '
       f'failed: {line}')
-  assert ckpt_lib.checkpoint_steps(workdir) == [4]
+  assert ckpt_lib.checkpoint_steps(workdir) == [SAVE_EVERY]
 
   pair = _pretrain_pair(gcs, cache, workdir, overrides)
   results, _ = _ends(pair, 400)
   for i, (p, (_, err)) in enumerate(zip(pair, results)):
     assert p.returncode == 0, f'process {i}:\n{err[-5000:]}'
-    assert 'Resumed from step 4' in err, f'process {i}:\n{err[-5000:]}'
+    assert f'Resumed from step {SAVE_EVERY}' in err, f'process {i}:\n{err[-5000:]}'
   assert sorted(_losses(workdir)) == list(range(1, REFERENCE_STEPS + 1))
-  assert ckpt_lib.checkpoint_steps(workdir) == [4, REFERENCE_STEPS]
+  assert ckpt_lib.checkpoint_steps(workdir) == [SAVE_EVERY, REFERENCE_STEPS]
 
 
 # Runs `bert-jax pretrain`, SIGKILLed as Orbax is about to commit step BERT_JAX_TEST_KILL_AT. On
@@ -421,7 +429,7 @@ cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
 def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
     gcs, cache, data, reference, tmp_path):
   """On a gs:// workdir: SIGTERM mid-run saves where it stops (the lock is in the bucket while
-  it runs); a rerun SIGKILLed while step 8 is being committed leaves step 8 uncommitted; the
+  it runs); a rerun SIGKILLed while step 4 is being committed leaves step 4 uncommitted; the
   next rerun resumes from the last complete checkpoint. The log ends up with exactly the
   reference run's losses, each step once."""
   workdir = gcs.url('interrupted')
