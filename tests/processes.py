@@ -118,7 +118,10 @@ for r in range(rounds):
   try:
     with run_lock.hold(workdir):
       print(f'held {r}', flush=True)
-      time.sleep(1.5)
+      # Held until every racer has answered (the test says so), however late the machine's load
+      # starts one of them: a fixed hold let a racer started after it ended take the lock too.
+      while not os.path.exists(f'{go}_{r}_answered'):
+        time.sleep(0.0005)
     print(f'released {r}', flush=True)
   except UserError as e:
     print(f'refused {r} {e}', flush=True)
@@ -153,6 +156,7 @@ def race_for_lock(workdir: str, folder: str, rounds: int = 6, racers: int = 3,
       for i, line in enumerate(results):
         if i not in held:
           assert line.startswith(f'refused {r} --workdir={workdir}'), (r, line)
+      open(f'{go}_{r}_answered', 'w').close()
       assert procs[held[0]].stdout.readline().strip() == f'released {r}'
     for p in procs:
       assert p.wait(60) == 0, p.stderr.read()[-3000:]
