@@ -338,14 +338,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   dataset_for = functools.partial(_dataset, vocab_file, batch_size)
   # The datasets the check builds also give the compiles their shapes: a build traces the
   # pipeline's TensorFlow functions (seconds on a CPU, in every run), so it is done once.
-  checked_datasets = {}
-
-  def checked_dataset_for(phase, train, local_batch_size=None):
-    key = (phase.index, train, local_batch_size)
-    if key not in checked_datasets:
-      checked_datasets[key] = dataset_for(phase, train, local_batch_size)
-    return checked_datasets[key]
-
+  checked_dataset_for = functools.cache(dataset_for)
   logging.info('Checking the input of %d phase(s)', len(phases))
   _check_phase_data(phases, checked_dataset_for, eval_batch_size // jax.process_count())
   preemption.check()

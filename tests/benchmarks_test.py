@@ -265,60 +265,27 @@ def test_benchmark_flags_are_never_abbreviated(script):
       _gpu_module().parse_args(['--output=/tmp/x', '--size=tiny'])
 
 
-def test_gpu_benchmark_runs_each_layer_norm_impl_as_its_own_case():
+@pytest.mark.parametrize('flag, key, values, suffixes, bad', [
+    ('--layernorm', 'layer_norm_impl', ['xla', 'pallas'], ['_lnxla', '_lnpallas'], 'triton'),
+    ('--matmul_precision', 'matmul_precision', ['default', 'fp8'], ['', '_fp8'], 'bf16'),
+    ('--qkv_projection', 'qkv_projection', ['stacked', 'separate'], ['', '_qkvseparate'],
+     'fused'),
+])
+def test_gpu_benchmark_runs_each_model_option_value_as_its_own_case(flag, key, values, suffixes,
+                                                                   bad):
   gpu = _gpu_module()
   args = gpu.parse_args(['--output=/tmp/x', '--sizes=base', '--seq_lens=128', '--attention=cudnn',
-                         '--packing=true', '--layernorm=xla,pallas',
+                         '--packing=true', f'{flag}={",".join(values)}',
                          '--no-attention_dropout_case'])
   jax_specs, _ = gpu.case_specs(args)
-  assert [s['layer_norm_impl'] for s in jax_specs] == ['xla', 'pallas']
+  assert [s[key] for s in jax_specs] == values
   names = [gpu.JaxCase(args, s).name() for s in jax_specs]
-  assert names == ['base_128_packed_cudnn_unscanned_lnxla',
-                   'base_128_packed_cudnn_unscanned_lnpallas'], names
-  with pytest.raises(SystemExit):
-    gpu.parse_args(['--output=/tmp/x', '--layernorm=triton'])
-
-
-def test_gpu_benchmark_refuses_an_attention_impl_before_any_case(capsys):
-  """--attention takes model.attention_impl's values, checked as a config is: the removed
-  cudnn_varlen says so when the arguments are read, not as an error in every case's row."""
-  gpu = _gpu_module()
-  with pytest.raises(SystemExit):
-    gpu.parse_args(['--output=/tmp/x', '--attention=xla,cudnn_varlen'])
-  assert "--attention: --config.model.attention_impl='cudnn_varlen' was removed" in (
-      capsys.readouterr().err)
-  with pytest.raises(SystemExit):
-    gpu.parse_args(['--output=/tmp/x', '--attention=flash'])
-
-
-def test_gpu_benchmark_runs_each_matmul_precision_as_its_own_case():
-  gpu = _gpu_module()
-  args = gpu.parse_args(['--output=/tmp/x', '--sizes=base', '--seq_lens=128', '--attention=cudnn',
-                         '--packing=true', '--matmul_precision=default,fp8',
-                         '--no-attention_dropout_case'])
-  jax_specs, _ = gpu.case_specs(args)
-  assert [s['matmul_precision'] for s in jax_specs] == ['default', 'fp8']
-  names = [gpu.JaxCase(args, s).name() for s in jax_specs]
-  assert names == ['base_128_packed_cudnn_unscanned', 'base_128_packed_cudnn_unscanned_fp8']
-  with pytest.raises(SystemExit):
-    gpu.parse_args(['--output=/tmp/x', '--matmul_precision=bf16'])
-
-
-def test_gpu_benchmark_runs_each_qkv_projection_as_its_own_case():
-  gpu = _gpu_module()
-  args = gpu.parse_args(['--output=/tmp/x', '--sizes=base', '--seq_lens=128', '--attention=cudnn',
-                         '--packing=true', '--qkv_projection=stacked,separate',
-                         '--no-attention_dropout_case'])
-  jax_specs, _ = gpu.case_specs(args)
-  assert [s['qkv_projection'] for s in jax_specs] == ['stacked', 'separate']
-  names = [gpu.JaxCase(args, s).name() for s in jax_specs]
-  assert names == ['base_128_packed_cudnn_unscanned',
-                   'base_128_packed_cudnn_unscanned_qkvseparate'], names
+  assert names == ['base_128_packed_cudnn_unscanned' + x for x in suffixes], names
   config = gpu._bert_jax_config(args, 'base', 128, 8, 20, True, 'cudnn', 0.0, False,
-                                qkv_projection='separate')
-  assert config.model.qkv_projection == 'separate'
+                                **{key: values[-1]})
+  assert config.model[key] == values[-1]
   with pytest.raises(SystemExit):
-    gpu.parse_args(['--output=/tmp/x', '--qkv_projection=fused'])
+    gpu.parse_args(['--output=/tmp/x', f'{flag}={bad}'])
 
 
 def test_gpu_benchmark_records_the_loss_of_every_step(tmp_path):
