@@ -268,7 +268,10 @@ class _HeldBackOrbaxErrors(std_logging.Filter):
   A save that fails logs its error's traceback from three of Orbax's threads, and once more as
   `wait_until_finished` re-raises it: about 350 lines above the message. A storage problem (a
   full disk) is the user's to fix and ends as one line (`checkpoint._save_failed`'s UserError),
-  so they are dropped; with any other outcome they are logged as they were. Meanwhile Orbax's
+  so they are dropped, and so are the ones Orbax logs after it: a failed save's other writes (each
+  its own thread, `_SignalingThread`) go on after the first failure ends the save, and fail and
+  log in turn, up to the process's exit, after the one line. With any other outcome they are
+  logged as they were. Meanwhile Orbax's
   event loops end their tasks when closed (`_TaskEndingLoop`): the writes still under way when
   one fails would otherwise each print an uncatchable "Event loop is closed" traceback as they
   finish.
@@ -280,30 +283,38 @@ class _HeldBackOrbaxErrors(std_logging.Filter):
     self._lock = threading.Lock()
     self._logger = std_logging.getLogger('absl')  # Orbax logs through absl.
     self._policy: asyncio.AbstractEventLoopPolicy | None = None
+    self._dropping = False
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     if record.levelno < std_logging.ERROR or f'{os.sep}orbax{os.sep}' not in record.pathname:
       return True
     with self._lock:
-      self._held.append(record)
+      if not self._dropping:
+        self._held.append(record)
     return False
 
   def hold(self) -> None:
+    with self._lock:
+      self._dropping = False
     if self not in self._logger.filters:
       self._logger.addFilter(self)
+    if self._policy is None:
       self._policy = asyncio.get_event_loop_policy()
       asyncio.set_event_loop_policy(_TaskEndingPolicy())
 
   def release(self, show: bool) -> None:
-    """Stops holding back; logs what was held if `show`."""
-    self._logger.removeFilter(self)
+    """Stops holding back: logs what was held if `show`; else drops it and every error line
+    Orbax logs from now until the next `hold` (the failed save's writes still under way)."""
     if self._policy is not None:
       asyncio.set_event_loop_policy(self._policy)
       self._policy = None
     with self._lock:
       held, self._held = self._held, []
-    for record in held if show else []:
-      self._logger.handle(record)
+      self._dropping = not show
+    if show:
+      self._logger.removeFilter(self)
+      for record in held:
+        self._logger.handle(record)
 
 
 ORBAX_ERRORS = _HeldBackOrbaxErrors()

@@ -368,7 +368,9 @@ def test_orbax_runs_its_reads_in_an_event_loop_of_the_policy():
 
 def test_orbaxs_error_lines_of_a_failed_save_are_held_back():
   """`ORBAX_ERRORS` tells Orbax's records by the file that logs them: the error Orbax's
-  background save logs when its writes fail is held back, and shown or dropped on release."""
+  background save logs when its writes fail is held back, and shown or dropped on release; after
+  a drop, the lines a failed save's other writes log later are dropped too, until the next hold;
+  after a show, Orbax's error lines pass again."""
   import logging  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
   from orbax.checkpoint._src.checkpointers import async_checkpointer  # pylint: disable=g-import-not-at-top
@@ -379,13 +381,23 @@ def test_orbaxs_error_lines_of_a_failed_save_are_held_back():
   try:
     background = async_checkpointer._AsyncManager(  # pylint: disable=protected-access
         barrier_sync_fn=lambda key, timeout_ms: None, timeout_secs=60)
-    for show in (False, True):
-      orbax_hooks.ORBAX_ERRORS.hold()
+
+    def fail():
       background._thread_func(epath.Path('/tmp/8'), [_Written(OSError(28, 'disk full'))],  # pylint: disable=protected-access
-                              lambda: None)
-      assert not shown
-      orbax_hooks.ORBAX_ERRORS.release(show=show)
+                               lambda: None)
+
+    orbax_hooks.ORBAX_ERRORS.hold()
+    fail()
+    orbax_hooks.ORBAX_ERRORS.release(show=False)
+    fail()  # A write of the failed save that fails after its outcome is known.
+    assert not shown
+    orbax_hooks.ORBAX_ERRORS.hold()
+    fail()
+    assert not shown
+    orbax_hooks.ORBAX_ERRORS.release(show=True)
     assert len(shown) == 1 and 'Failed to run 1 Handler Commit' in shown[0].getMessage()
+    fail()
+    assert len(shown) == 2
   finally:
     logging.getLogger('absl').removeHandler(handler)
 
