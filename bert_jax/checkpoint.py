@@ -74,9 +74,14 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
   is committed (Orbax's asynchronous checkpointer either way: with several processes, only its
   commit can be agreed on, `orbax_hooks.CommitOutcome`)."""
   commit = orbax_hooks.CommitOutcome() if jax.process_count() > 1 else None
+  # The step's folders are made before `save` returns, not in Orbax's background: made there, a
+  # failure (Cloud Storage down at that moment) never sends the signal the item writes wait for,
+  # and a save that waits for its commit (fine-tuning's) sat out their timeout (~8 min) and ended
+  # in its traceback. Made here, it raises from `save`, as one line (`_save_failed`).
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, enable_async_checkpointing=True,
-      async_options=ocp.AsyncOptions(barrier_sync_fn=commit.barrier) if commit else None)
+      async_options=ocp.AsyncOptions(barrier_sync_fn=commit.barrier if commit else None,
+                                     create_directories_asynchronously=False))
   registry = _registry(replica_parallel)
   trees = ('params', 'opt_state', *extras)
   handlers = {name: orbax_hooks.agreeing(

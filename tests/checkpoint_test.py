@@ -3,6 +3,8 @@ stands in for Cloud Storage, which the machines that run these tests cannot reac
 order's corrupt checkpoints. Several processes' agreement on a save: orbax_hooks_test.py."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
@@ -10,6 +12,8 @@ from clu import data as clu_data
 
 from bert_jax import checkpoint
 from bert_jax import fileio
+
+import processes
 
 
 class _Manager:
@@ -105,3 +109,42 @@ def test_restore_or_init_moves_a_corrupt_checkpoint_aside(tmp_path):
   assert checkpoint.restore_or_init(manager, empty, abstract, init=lambda: 'fresh') == (
       None, 'fresh', {})
   manager.close()
+
+
+_FOLDER_FAILS = '''
+import errno, os, sys, time, types
+import jax.numpy as jnp
+from bert_jax import checkpoint
+from bert_jax.errors import UserError
+workdir = sys.argv[1]
+manager = checkpoint.make_manager(workdir, keep=None, async_save=False)
+state = types.SimpleNamespace(params={'w': jnp.ones((4, 4))}, opt_state={'m': jnp.zeros(4)},
+                              saved_extras=dict)
+checkpoint.save(manager, workdir, 2, state, {})
+mkdir = os.mkdir
+def full(path, *args, **kwargs):
+  if '4.orbax-checkpoint-tmp' in str(path):
+    raise OSError(errno.ENOSPC, 'No space left on device', str(path))
+  return mkdir(path, *args, **kwargs)
+os.mkdir = full
+try:
+  checkpoint.save(manager, workdir, 4, state, {})
+except UserError as e:
+  print(e)
+'''
+
+
+def test_a_step_folder_that_cannot_be_made_ends_the_save_at_once(tmp_path):
+  """A save that waits for its commit (fine-tuning's) whose step folder cannot be made (the disk
+  full, Cloud Storage down at that moment) raises at once, as one line that names step 2 as
+  intact. Orbax made the folders in its background, and a failure there never sent the signal
+  its item writes wait for: the save sat out their timeout (20 min)."""
+  workdir = str(tmp_path / 'run')
+  proc = subprocess.run([sys.executable, '-c', _FOLDER_FAILS, workdir], cwd=processes.ROOT,
+                        env=processes.env(str(tmp_path / 'cache')), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = proc.stdout.strip()
+  assert line.startswith('saving a checkpoint failed: No space left on device'), line
+  assert 'The last complete checkpoint, step 2, is intact.' in line, line
+  assert sorted(os.listdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR))) == ['2']

@@ -264,8 +264,8 @@ def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounde
     gcs, cache, data, tmp_path):
   """From the commit of a run's first checkpoint on, pre-training's checkpoint folder answers
   only 503 (its next save's arrays and metadata, while metrics.jsonl and the rest answer), and
-  every object of a fine-tuning run's gs:// workdir does (metrics.jsonl, events, the lock, the
-  checkpoints): each run ends within _DOWN_BOUND_S with one line naming an object of its workdir
+  from the first request of a fine-tuning run's second save (its step folder) on, every object
+  of its gs:// workdir does (metrics.jsonl, events, the lock, the checkpoints): each run ends within _DOWN_BOUND_S with one line naming an object of its workdir
   and exit status 143, the committed checkpoint intact, and each rerun resumes from it. Every
   layer retries on the budget of GCS_RETRY_CONFIG_* (shortened here): before, tensorstore
   retried a checkpoint's arrays for about 15 minutes, and an asynchronous save's failure
@@ -296,10 +296,10 @@ def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounde
   assert proc.returncode == 0 and f'Resumed from step {SAVE_EVERY}' in err, err[-5000:]
   assert sorted(_losses(workdir)) == list(range(1, REFERENCE_STEPS + 1))
 
-  # Fine-tuning (its saves wait for their commit), from a tiny local checkpoint. On the suite's
-  # 8 devices: on one, the run reached the save of step 4 before the store went down, and the
-  # outage at that step's folder creation left Orbax's signalling threads waiting for
-  # 'step_directory_creation' past the bound (their timeout's traceback as the last line).
+  # Fine-tuning (its saves wait for their commit), from a tiny local checkpoint. The store goes
+  # down at the save of step 4, at its first request (the step's folder): made in Orbax's
+  # background, a failed folder left the item writes waiting for its signal past the bound (and
+  # their timeout's traceback was the last line).
   from bert_jax import convert, model as model_lib  # pylint: disable=g-import-not-at-top
   init = str(tmp_path / 'init')
   bert_config = model_lib.BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
@@ -324,8 +324,9 @@ def test_a_store_down_past_the_retries_ends_pretraining_and_finetuning_in_bounde
       gcs.command(argv), cwd=processes.ROOT, env=dict(processes.env(cache), **env),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
+    gcs.inject([dict(object='ft_down/checkpoints/4', status=503)])
     proc = run(_SHORT_RETRIES)
-    down = _down_after(gcs, proc, 'ft_down/checkpoints/2/commit_success.txt', 'ft_down/')
+    down = _down_after(gcs, proc, 'ft_down/checkpoints/4', 'ft_down/')
     _, err = _communicate(proc, 900)
     ended = time.time()
   finally:
