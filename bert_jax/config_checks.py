@@ -165,7 +165,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     'data.objective': ('nsp', 'sop', 'none'),
     'train.optimizer': ('adamw', 'lamb'),
     'train.decay': ('linear', 'constant'),
-    'train.rng_impl': ('threefry2x32', 'rbg', 'unsafe_rbg'),
+    'train.rng_impl': ('auto', 'threefry2x32', 'rbg', 'unsafe_rbg'),
     'task.data_source': ('tsv', 'tfds'),
 }
 

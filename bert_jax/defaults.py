@@ -224,10 +224,12 @@ def pretrain() -> ml_collections.ConfigDict:
   # data.max_seq_length. The paper: 90% of steps at 128, then 10% at 512.
   config.train.phases = '0.9:128:20,0.1:512:80'
   config.train.seed = 0
-  # PRNG of dropout: 'rbg' (XLA's RngBitGenerator; keys still derived with threefry) is
-  # cheaper than 'threefry2x32' on every backend (about 7% of a CPU step of BERT-mini) and
-  # gives the same bits on any mesh; 'threefry2x32' is jax's default.
-  config.train.rng_impl = 'rbg'
+  # PRNG of dropout: 'auto' is 'rbg' (XLA's RngBitGenerator; keys still derived with threefry)
+  # on one device, where it is cheaper than 'threefry2x32' (about 7% of a CPU step of
+  # BERT-mini), and 'threefry2x32' on several: XLA cannot partition the RngBitGenerator, so with
+  # 'rbg' every device generates the bits of the whole batch (`train_state.dropout_rng`). Both
+  # give the same bits on any mesh of several devices.
+  config.train.rng_impl = 'auto'
   # A checkpoint to start from when the workdir has none (resume order: latest checkpoint in
   # workdir, then this, then a fresh init): any format `bert_jax.load_pretrained` reads, or
   # hf://ORG/NAME[@REVISION] on the Hugging Face Hub.
@@ -337,7 +339,7 @@ def finetune(task: str) -> ml_collections.ConfigDict:
   # Head initialization, dropout and the order of the examples.
   config.train.seed = 0
   # Dropout's PRNG (see `pretrain`).
-  config.train.rng_impl = 'rbg'
+  config.train.rng_impl = 'auto'
 
   config.checkpoint = ml_collections.ConfigDict()
   # Also save the train state every this many steps inside an epoch (it is always saved after

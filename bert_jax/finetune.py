@@ -312,7 +312,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   batch_sharding = sharding_lib.batch_sharding(mesh)
   train_step = state_lib.jit_step(
       tasks.train_apply(task.model), state_lib.with_rate_counts(task.loss_fn, tasks.rate_counts),
-      tx, mesh, rules, shardings, state_lib.dropout_rng(config.train),
+      tx, mesh, rules, shardings, state_lib.dropout_rng(config.train, mesh),
       config.train.grad_accum_steps)
   predict_step = jax.jit(functools.partial(tasks.predict_step, model=task.model,
                                            head=task.head),

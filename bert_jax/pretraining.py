@@ -207,7 +207,7 @@ def build_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh,
   tx, schedule = optim.make_optimizer(config.train)
   abstract, shardings, init = abstract_state_and_shardings(model, tx, mesh, rules)
   train_step_ = build_train_step(model, tx, mesh, rules, shardings,
-                                 state_lib.dropout_rng(config.train),
+                                 state_lib.dropout_rng(config.train, mesh),
                                  config.train.grad_accum_steps, objective)
   eval_step_ = jax.jit(functools.partial(eval_step, model=model, objective=objective),
                        in_shardings=(shardings.params, sharding_lib.batch_sharding(mesh)))

@@ -117,15 +117,17 @@ def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps, mesh,
   as with the float32 parameters cast in the forward; the copy is the parameters cast, sharded
   as they are (fsdp and tensor axes too). Rematerialized layers recompute the forward in
   another program, where XLA (allowed excess precision) may skip a bfloat16 rounding that the
-  other keeps: a few elements of two gradients differ in their last bits (measured 1.2e-7 in a
-  parameter after one step, about 0.1% of the step), nothing more."""
+  other keeps: a few elements of two gradients differ in their last bits, which Adam's update
+  can scale up where an element's second moment is tiny (after two steps on 8 devices: 1 of
+  32,768 elements of a parameter off by 3.8e-6 with threefry2x32's masks, 1.2e-7 with rbg's),
+  nothing more."""
   config, mesh, rules, built = _built(model=model, **mesh)
   with sharding_lib.activate(mesh, rules):
     state = jax.jit(built.init, out_shardings=built.shardings)(jax.random.key(0))
     step = jax.jit(lambda s, b: state_lib.step(
         s, b, apply=pretraining.pretraining_apply(built.model),
         loss=pretraining.pretraining_loss(objectives.get(config.data.objective)), tx=built.tx,
-        base_rng=state_lib.dropout_rng(config.train), accum_steps=accum_steps))
+        base_rng=state_lib.dropout_rng(config.train, mesh), accum_steps=accum_steps))
     states = {'copy': state, 'none': state.replace(extras={})}
     metrics = {}
     for name in states:
@@ -138,7 +140,7 @@ def test_a_step_with_the_copy_is_bit_identical_to_one_without(accum_steps, mesh,
                   jax.tree.leaves((states['none'].params, states['none'].opt_state,
                                    metrics['none'])), strict=True):
     if model.get('remat_policy'):
-      np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     else:
       np.testing.assert_array_equal(a, b)
   expected = state_extras.compute_copy(states['copy'].params, built.abstract.extras[COPY])

@@ -741,13 +741,21 @@ def test_tfrecord_phase_inputs_need_their_vocab(tmp_path):
     train.train_and_evaluate(config, str(tmp_path))
 
 
-def test_dropout_rng_impl_is_checked():
+def test_dropout_rng_impl_is_resolved_by_mesh_and_checked():
+  """'auto' (the default): rbg on one device, threefry2x32 on several (rbg's generator cannot
+  be partitioned); a value set is kept; an unknown one is refused."""
   config = config_files.load_config('smoke')
-  assert jax.random.key_impl(train_state.dropout_rng(config.train)) == jax.random.key_impl(
-      jax.random.key(0, impl='rbg'))
+  assert config.train.rng_impl == 'auto'
+  one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('data',))
+  eight = jax.sharding.Mesh(np.array(jax.devices()[:8]), ('data',))
+  impl = lambda mesh: jax.random.key_impl(train_state.dropout_rng(config.train, mesh))
+  key_impl = lambda name: jax.random.key_impl(jax.random.key(0, impl=name))
+  assert (impl(one), impl(eight)) == (key_impl('rbg'), key_impl('threefry2x32'))
+  config.train.rng_impl = 'rbg'
+  assert impl(eight) == key_impl('rbg')
   config.train.rng_impl = 'philox'
   with pytest.raises(ValueError, match=r"config.train.rng_impl='philox': expected one of"):
-    train_state.dropout_rng(config.train)
+    train_state.dropout_rng(config.train, one)
 
 
 def test_a_lopsided_sop_evaluation_is_named_as_sop():
