@@ -148,3 +148,52 @@ def test_a_step_folder_that_cannot_be_made_ends_the_save_at_once(tmp_path):
   assert line.startswith('saving a checkpoint failed: No space left on device'), line
   assert 'The last complete checkpoint, step 2, is intact.' in line, line
   assert sorted(os.listdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR))) == ['2']
+
+
+_LATE_WRITE = '''
+import asyncio, errno, os, sys, types
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from bert_jax import checkpoint
+from bert_jax.errors import UserError
+workdir = sys.argv[1]
+save = ocp.JsonCheckpointHandler.async_save
+async def meta_save(self, directory, *args, **kwargs):
+  """Step 4's meta: one write fails at once (the disk full); another ends 3 s later, making its
+  folders as tensorstore does."""
+  if '4.orbax-checkpoint-tmp' not in str(directory):
+    return await save(self, directory, *args, **kwargs)
+  async def full():
+    raise OSError(errno.ENOSPC, 'No space left on device', str(directory))
+  async def late():
+    await asyncio.sleep(3)
+    os.makedirs(os.path.join(directory, 'late'), exist_ok=True)
+    open(os.path.join(directory, 'late', 'chunk'), 'w').write('x')
+  return [ocp.future.CommitFutureAwaitingContractedSignals(full(), name='full'),
+          ocp.future.CommitFutureAwaitingContractedSignals(late(), name='late')]
+ocp.JsonCheckpointHandler.async_save = meta_save
+manager = checkpoint.make_manager(workdir, keep=None, async_save=False)
+state = types.SimpleNamespace(params={'w': jnp.ones((4, 4))}, opt_state={'m': jnp.zeros(4)},
+                              saved_extras=dict)
+checkpoint.save(manager, workdir, 2, state, {})
+try:
+  checkpoint.save(manager, workdir, 4, state, {})
+except UserError as e:
+  print(e)
+'''
+
+
+def test_a_failed_saves_folder_stays_removed_after_its_late_writes(tmp_path):
+  """A save whose first write fails (the disk full) while another is still under way: Orbax
+  ends the save at once, the other write goes on and makes its folders again (tensorstore does).
+  The failed save's folder is removed only after it has ended, so it stays removed (CI saw
+  `8.orbax-checkpoint-tmp` come back after the full-disk run)."""
+  workdir = str(tmp_path / 'run')
+  proc = subprocess.run([sys.executable, '-c', _LATE_WRITE, workdir], cwd=processes.ROOT,
+                        env=processes.env(str(tmp_path / 'cache')), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = proc.stdout.strip()
+  assert line.startswith('saving a checkpoint failed: No space left on device'), line
+  assert 'The last complete checkpoint, step 2, is intact.' in line, line
+  assert sorted(os.listdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR))) == ['2']
