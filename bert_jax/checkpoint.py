@@ -33,7 +33,6 @@ local one (Orbax handles its own paths).
 
 import os
 import re
-import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -104,15 +103,11 @@ class _Manager(ocp.CheckpointManager):
   waits = False
   committed: int | None = None  # The latest step known committed when a save began.
   extras = frozenset()
-  # The threads the latest save started (Orbax writes each item in one of its own).
-  writers: tuple[threading.Thread, ...] = ()
+  writers = ()  # The threads the latest save started, for `_save_failed` to wait for.
 
   def save(self, *args, **kwargs) -> bool:
-    before = set(threading.enumerate())
-    try:
+    with orbax_hooks.writer_threads() as self.writers:
       saved = super().save(*args, **kwargs)
-    finally:
-      self.writers = tuple(t for t in threading.enumerate() if t not in before and not t.daemon)
     if self.waits:
       self.wait_until_finished()
     return saved
@@ -199,6 +194,10 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
   ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
   elsewhere = orbax_hooks.failed_elsewhere(error)
   report = elsewhere.report if elsewhere else orbax_hooks.report(error)
+  # Another process's part failed (`orbax_hooks`): this one stops with the same status, saying
+  # which process and why.
+  prefix = (f'stopped because process {elsewhere.process}\'s {elsewhere.part} failed: '
+            if elsewhere else '')
   if report['outage'] is not None:
     # Cloud Storage past the retries: nothing to clean up there (a step folder without
     # commit_success.txt is never resumed from), and every request to it would wait out the
@@ -207,10 +206,8 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
     kept = getattr(manager, 'committed', None)
     intact = (f'the last complete checkpoint, step {kept},' if kept is not None
               else 'the last committed checkpoint')
-    prefix = (f'stopped because process {elsewhere.process}\'s {elsewhere.part} failed: '
-              if elsewhere else '')
     raise Outage(prefix + gcs.outage_message(*report['outage'], intact)) from error
-  _join_writers(manager)
+  orbax_hooks.join_writers(getattr(manager, 'writers', ()))
   partial = []
   if jax.process_index() == 0 and fileio.gfile().isdir(ckpt_dir):
     for name in fileio.gfile().listdir(ckpt_dir):
@@ -225,10 +222,6 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
   kept = manager.latest_step()
   intact = (f'the last complete checkpoint, step {kept},' if kept is not None
             else 'every file written before')
-  # Another process's part failed (`orbax_hooks`): this one stops with the same status, saying
-  # which process and why.
-  prefix = (f'stopped because process {elsewhere.process}\'s {elsewhere.part} failed: '
-            if elsewhere else '')
   cause = report['disk']
   orbax_hooks.ORBAX_ERRORS.release(show=cause is None and not elsewhere)
   if cause is None:
@@ -242,29 +235,6 @@ def _save_failed(manager: ocp.CheckpointManager, workdir: str, error: Exception)
          'No checkpoint was saved before it. ')
       + f'Free space in {workdir} (or fix its permissions) and rerun the same command to '
       f'resume. [{str(error).splitlines()[0][:300]}]') from error
-
-
-# How long a failed save's other writes get to end before its folder is removed. On a full disk
-# each fails at its next write; Cloud Storage's (past the retries) are not waited for at all.
-WRITERS_TIMEOUT_S = 60
-
-
-def _join_writers(manager: ocp.CheckpointManager) -> None:
-  """Waits for the failed save's other writes: Orbax ends the save at the first failure while
-  the others go on, and tensorstore makes the folders it writes to, so one that ended after the
-  failed save's folder was removed made it again (CI saw `8.orbax-checkpoint-tmp` come back)."""
-  deadline = time.monotonic() + WRITERS_TIMEOUT_S
-  for thread in getattr(manager, 'writers', ()):
-    if thread is not threading.current_thread():
-      try:
-        thread.join(max(0., deadline - time.monotonic()))
-      except Exception:  # pylint: disable=broad-except
-        pass  # Orbax's writer threads raise their own failure from `join`: this save's, known.
-  alive = [t.name for t in getattr(manager, 'writers', ()) if t.is_alive()]
-  if alive:
-    logging.warning('%d write(s) of the failed save still run after %d s (%s): its folder may '
-                    'come back; a later run ignores it (no commit).', len(alive),
-                    WRITERS_TIMEOUT_S, ', '.join(alive))
 
 
 def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: int) -> None:

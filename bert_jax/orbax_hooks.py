@@ -40,10 +40,11 @@ import logging as std_logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 
 from bert_jax import fileio
 from bert_jax import gcs
@@ -63,9 +64,9 @@ from bert_jax import gcs
 # metadata, the merge of the processes' OCDBT files, commit_success.txt) while the others go
 # to Orbax's last barrier, which process 0 never reaches if its commit fails: it publishes the
 # commit's outcome, and the others read it before that barrier (`CommitOutcome`). Not
-# covered: the step folders, which process 0 creates at the start of a save (with Orbax's
-# default, in the background) while the others' writes wait for them; a failure there still
-# stops process 0 alone.
+# covered: the step folders, which process 0 creates at the start of a save while the others
+# wait in Orbax's barrier after them; a failure there stops process 0 at once, the others at
+# that barrier's timeout.
 
 # The key-value store's prefix; the input positions and each item of each save are one exchange
 # each, numbered in the order every process makes them (the same in every process).
@@ -403,3 +404,37 @@ def reads_end_their_tasks() -> Iterator[None]:
     yield
   finally:
     asyncio.set_event_loop_policy(previous)
+
+
+@contextlib.contextmanager
+def writer_threads() -> Iterator[list[threading.Thread]]:
+  """Collects the (non-daemon) threads started inside the block: an Orbax save's, whose writes
+  each run in a thread of its own (`join_writers`)."""
+  before = set(threading.enumerate())
+  started = []
+  try:
+    yield started
+  finally:
+    started.extend(t for t in threading.enumerate() if t not in before and not t.daemon)
+
+
+# How long a failed save's other writes get to end. On a full disk each fails at its next write.
+WRITERS_TIMEOUT_S = 60
+
+
+def join_writers(threads: Iterable[threading.Thread]) -> None:
+  """Waits for a failed save's writer `threads` (`writer_threads`), at most WRITERS_TIMEOUT_S:
+  Orbax ends a save at its first failed write while the others go on, and tensorstore makes the
+  folders it writes to, so a write that ends after the failed save's folder was removed makes it
+  again (CI saw `8.orbax-checkpoint-tmp` come back after a full disk)."""
+  deadline = time.monotonic() + WRITERS_TIMEOUT_S
+  threads = [t for t in threads if t is not threading.current_thread()]
+  for thread in threads:
+    try:
+      thread.join(max(0., deadline - time.monotonic()))
+    except Exception:  # pylint: disable=broad-except
+      pass  # Orbax's writer threads raise their own failure from `join`: this save's, known.
+  if alive := [t.name for t in threads if t.is_alive()]:
+    logging.warning('%d write(s) of the failed save still run after %d s (%s): its folder may '
+                    'come back; a later run ignores it (never committed).', len(alive),
+                    WRITERS_TIMEOUT_S, ', '.join(alive))

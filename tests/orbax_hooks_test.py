@@ -331,6 +331,36 @@ def test_orbax_saves_each_item_through_its_handlers_async_save(tmp_path):
   manager.close()
 
 
+def test_orbax_writes_each_item_in_a_thread_its_save_starts(tmp_path, monkeypatch):
+  """`writer_threads` finds a failed save's writes, for `join_writers` to wait for, as the
+  non-daemon threads started inside Orbax's `save`: the arrays' and the JSON item's writes must
+  stay such threads (as daemon threads or a shared pool they would be missed, and a late write
+  would make a removed folder again)."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  started, start = [], threading.Thread.start
+
+  def spy(self):
+    started.append(self)
+    return start(self)
+
+  workdir = str(tmp_path)
+  manager = checkpoint.make_manager(workdir, keep=None, replica_parallel=False)
+  state = types.SimpleNamespace(params={'w': jnp.ones((4, 4))}, opt_state={'m': jnp.zeros(4)},
+                                saved_extras=dict)
+  monkeypatch.setattr(threading.Thread, 'start', spy)
+  checkpoint.save(manager, workdir, 1, state, {})
+  during = list(started)
+  monkeypatch.undo()
+  checkpoint.wait_for_saves(manager, workdir)
+  names = {t.name for t in during if not t.daemon}
+  assert {'array_type_handler', 'json_ch_save'} <= names, names
+  assert set(manager.writers) <= {t for t in during if not t.daemon}
+  assert manager.latest_step() == 1
+  manager.close()
+
+
 def test_orbaxs_background_save_has_the_barrier_after_the_commit(monkeypatch):
   """`CommitOutcome.barrier` knows the barrier after process 0's commit by its key: Orbax's
   background save calls its barriers, with those keys, around the commit."""
