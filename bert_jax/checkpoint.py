@@ -126,9 +126,9 @@ def save(manager: ocp.CheckpointManager, workdir: str, step: int, state: Any, me
   (`orbax_hooks.agree`).
   """
   wait_for_saves(manager, workdir)
-  # Every save before this one is committed now: the step an outage's message names as intact
-  # (`_save_failed` asks the failing store nothing more).
-  manager.committed = manager.latest_step()
+  # Every save before this one is committed, its writes ended (none for `_save_failed` to wait
+  # for): the step an outage's message names as intact (it asks the failing store no more).
+  manager.writers, manager.committed = (), manager.latest_step()
   orbax_hooks.ORBAX_ERRORS.hold()
   try:
     if data_iterator is not None:

@@ -271,7 +271,8 @@ class _HeldBackOrbaxErrors(std_logging.Filter):
   full disk) is the user's to fix and ends as one line (`checkpoint._save_failed`'s UserError),
   so they are dropped, and so are the ones Orbax logs after it: a failed save's other writes (each
   its own thread, `_SignalingThread`) go on after the first failure ends the save, and fail and
-  log in turn, up to the process's exit, after the one line. With any other outcome they are
+  log in turn while `join_writers` waits for them, or later still when they outlast it (and on
+  Cloud Storage past the retries, where nothing waits for them). With any other outcome they are
   logged as they were. Meanwhile Orbax's
   event loops end their tasks when closed (`_TaskEndingLoop`): the writes still under way when
   one fails would otherwise each print an uncatchable "Event loop is closed" traceback as they
@@ -406,27 +407,38 @@ def reads_end_their_tasks() -> Iterator[None]:
     asyncio.set_event_loop_policy(previous)
 
 
+def _is_orbax_thread(thread: threading.Thread) -> bool:
+  # Orbax's writes run in threads of its own class (`_SignalingThread`, a threading.Thread);
+  # daemon or not (inside a running event loop they inherit its thread's flag). Thread-pool
+  # workers and other libraries' threads are plain threading.Threads: never waited for.
+  return type(thread).__module__.split('.')[0] == 'orbax'
+
+
 @contextlib.contextmanager
 def writer_threads() -> Iterator[list[threading.Thread]]:
-  """Collects the (non-daemon) threads started inside the block: an Orbax save's, whose writes
-  each run in a thread of its own (`join_writers`)."""
+  """Collects Orbax's threads started inside the block (a save's: each item's writes run in
+  one of their own) and still running at its end, for `join_writers`."""
   before = set(threading.enumerate())
   started = []
   try:
     yield started
   finally:
-    started.extend(t for t in threading.enumerate() if t not in before and not t.daemon)
+    started.extend(t for t in threading.enumerate() if t not in before and _is_orbax_thread(t))
 
 
 # How long a failed save's other writes get to end. On a full disk each fails at its next write.
 WRITERS_TIMEOUT_S = 60
+# The key-value store's prefix where each process says its writes of a failed save ended.
+_WRITES_ENDED_KEY = 'bert_jax/failed_save_writes_ended'
+_writes_ended = itertools.count()
 
 
 def join_writers(threads: Iterable[threading.Thread]) -> None:
-  """Waits for a failed save's writer `threads` (`writer_threads`), at most WRITERS_TIMEOUT_S:
-  Orbax ends a save at its first failed write while the others go on, and tensorstore makes the
-  folders it writes to, so a write that ends after the failed save's folder was removed makes it
-  again (CI saw `8.orbax-checkpoint-tmp` come back after a full disk)."""
+  """Waits for a failed save's writer `threads` (`writer_threads`), and with several processes
+  process 0 (which removes the save's folder) for every process's, at most WRITERS_TIMEOUT_S in
+  all: Orbax ends a save at its first failed write while the others go on, and tensorstore makes
+  the folders it writes to, so a write that ends after the failed save's folder was removed
+  makes it again (CI saw `8.orbax-checkpoint-tmp` come back after a full disk)."""
   deadline = time.monotonic() + WRITERS_TIMEOUT_S
   threads = [t for t in threads if t is not threading.current_thread()]
   for thread in threads:
@@ -438,3 +450,21 @@ def join_writers(threads: Iterable[threading.Thread]) -> None:
     logging.warning('%d write(s) of the failed save still run after %d s (%s): its folder may '
                     'come back; a later run ignores it (never committed).', len(alive),
                     WRITERS_TIMEOUT_S, ', '.join(alive))
+  if jax.process_count() == 1:
+    return
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+  client = multihost.get_jax_distributed_client()
+  me, key = jax.process_index(), f'{_WRITES_ENDED_KEY}/{next(_writes_ended)}'
+  client.key_value_set(f'{key}/{me}', json.dumps(not alive))
+  if me != 0:
+    return
+  for other in range(1, jax.process_count()):
+    try:
+      ended = json.loads(client.blocking_key_value_get(
+          f'{key}/{other}', max(int((deadline - time.monotonic()) * 1000), 1)))
+    except Exception:  # pylint: disable=broad-except  (jax's DEADLINE_EXCEEDED)
+      ended = False
+    if not ended:
+      logging.warning('Process %d\'s writes of the failed save did not end within %d s: its '
+                      'folder may come back; a later run ignores it (never committed).', other,
+                      WRITERS_TIMEOUT_S)

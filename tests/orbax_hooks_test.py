@@ -332,33 +332,53 @@ def test_orbax_saves_each_item_through_its_handlers_async_save(tmp_path):
 
 
 def test_orbax_writes_each_item_in_a_thread_its_save_starts(tmp_path, monkeypatch):
-  """`writer_threads` finds a failed save's writes, for `join_writers` to wait for, as the
-  non-daemon threads started inside Orbax's `save`: the arrays' and the JSON item's writes must
-  stay such threads (as daemon threads or a shared pool they would be missed, and a late write
-  would make a removed folder again)."""
+  """`writer_threads` finds a failed save's writes, for `join_writers` to wait for, as threads
+  of Orbax's own classes started inside Orbax's `save`: the arrays' and the JSON item's writes
+  must stay such threads (as a shared pool's workers they would be missed, and a late write
+  would make a removed folder again), and nothing else is taken for one."""
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  started, start = [], threading.Thread.start
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  started, start, saving = [], threading.Thread.start, []
 
   def spy(self):
-    started.append(self)
+    if saving:
+      started.append(self)
     return start(self)
 
+  save = ocp.CheckpointManager.save
+
+  def spied_save(self, *args, **kwargs):
+    saving.append(True)
+    try:
+      return save(self, *args, **kwargs)
+    finally:
+      saving.clear()
+
+  monkeypatch.setattr(threading.Thread, 'start', spy)
+  monkeypatch.setattr(ocp.CheckpointManager, 'save', spied_save)
   workdir = str(tmp_path)
   manager = checkpoint.make_manager(workdir, keep=None, replica_parallel=False)
   state = types.SimpleNamespace(params={'w': jnp.ones((4, 4))}, opt_state={'m': jnp.zeros(4)},
                                 saved_extras=dict)
-  monkeypatch.setattr(threading.Thread, 'start', spy)
   checkpoint.save(manager, workdir, 1, state, {})
-  during = list(started)
-  monkeypatch.undo()
   checkpoint.wait_for_saves(manager, workdir)
-  names = {t.name for t in during if not t.daemon}
-  assert {'array_type_handler', 'json_ch_save'} <= names, names
-  assert set(manager.writers) <= {t for t in during if not t.daemon}
+  writers = {t.name for t in started if orbax_hooks._is_orbax_thread(t)}  # pylint: disable=protected-access
+  assert {'array_type_handler', 'json_ch_save'} <= writers, [t.name for t in started]
+  assert set(manager.writers) <= set(started), manager.writers
   assert manager.latest_step() == 1
   manager.close()
+
+  with orbax_hooks.writer_threads() as found:
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    pool.submit(lambda: None).result()
+    plain = threading.Thread(target=threading.Event().wait, args=(0.5,))
+    plain.start()
+  pool.shutdown()
+  plain.join()
+  assert found == []
 
 
 def test_orbaxs_background_save_has_the_barrier_after_the_commit(monkeypatch):
