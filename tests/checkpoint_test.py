@@ -111,6 +111,21 @@ def test_restore_or_init_moves_a_corrupt_checkpoint_aside(tmp_path):
   manager.close()
 
 
+def _assert_step_4_failed_and_step_2_kept(tmp_path, script):
+  """Runs `script` (saves step 2, then a step 4 that fails with a full disk) in a process of
+  its own: it prints the one-line error, which names step 2 as intact, and only step 2 is left
+  in the checkpoint folder."""
+  workdir = str(tmp_path / 'run')
+  proc = subprocess.run([sys.executable, '-c', script, workdir], cwd=processes.ROOT,
+                        env=processes.env(str(tmp_path / 'cache')), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = proc.stdout.strip()
+  assert line.startswith('saving a checkpoint failed: No space left on device'), line
+  assert 'The last complete checkpoint, step 2, is intact.' in line, line
+  assert sorted(os.listdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR))) == ['2']
+
+
 _FOLDER_FAILS = '''
 import errno, os, sys, time, types
 import jax.numpy as jnp
@@ -139,15 +154,7 @@ def test_a_step_folder_that_cannot_be_made_ends_the_save_at_once(tmp_path):
   full, Cloud Storage down at that moment) raises at once, as one line that names step 2 as
   intact. Orbax made the folders in its background, and a failure there never sent the signal
   its item writes wait for: the save sat out their timeout (20 min)."""
-  workdir = str(tmp_path / 'run')
-  proc = subprocess.run([sys.executable, '-c', _FOLDER_FAILS, workdir], cwd=processes.ROOT,
-                        env=processes.env(str(tmp_path / 'cache')), capture_output=True,
-                        text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  line = proc.stdout.strip()
-  assert line.startswith('saving a checkpoint failed: No space left on device'), line
-  assert 'The last complete checkpoint, step 2, is intact.' in line, line
-  assert sorted(os.listdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR))) == ['2']
+  _assert_step_4_failed_and_step_2_kept(tmp_path, _FOLDER_FAILS)
 
 
 _LATE_WRITE = '''
@@ -188,12 +195,4 @@ def test_a_failed_saves_folder_stays_removed_after_its_late_writes(tmp_path):
   ends the save at once, the other write goes on and makes its folders again (tensorstore does).
   The failed save's folder is removed only after it has ended, so it stays removed (CI saw
   `8.orbax-checkpoint-tmp` come back after the full-disk run)."""
-  workdir = str(tmp_path / 'run')
-  proc = subprocess.run([sys.executable, '-c', _LATE_WRITE, workdir], cwd=processes.ROOT,
-                        env=processes.env(str(tmp_path / 'cache')), capture_output=True,
-                        text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  line = proc.stdout.strip()
-  assert line.startswith('saving a checkpoint failed: No space left on device'), line
-  assert 'The last complete checkpoint, step 2, is intact.' in line, line
-  assert sorted(os.listdir(os.path.join(workdir, checkpoint.CHECKPOINT_DIR))) == ['2']
+  _assert_step_4_failed_and_step_2_kept(tmp_path, _LATE_WRITE)
