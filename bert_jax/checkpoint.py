@@ -77,7 +77,8 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
   # The step's folders are made before `save` returns, not in Orbax's background: made there, a
   # failure (Cloud Storage down at that moment) never sends the signal the item writes wait for,
   # and a save that waits for its commit (fine-tuning's) sat out their timeout (~8 min) and ended
-  # in its traceback. Made here, it raises from `save`, as one line (`_save_failed`).
+  # in its traceback. Made here, it raises from `save`, as one line (`_save_failed`; with several
+  # processes, in every process: `orbax_hooks.start_agreed`).
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, enable_async_checkpointing=True,
       async_options=ocp.AsyncOptions(barrier_sync_fn=commit.barrier if commit else None,
@@ -106,7 +107,7 @@ class _Manager(ocp.CheckpointManager):
   writers = ()  # The threads the latest save started, for `_save_failed` to wait for.
 
   def save(self, *args, **kwargs) -> bool:
-    with orbax_hooks.writer_threads() as self.writers:
+    with orbax_hooks.writer_threads() as self.writers, orbax_hooks.start_agreed():
       saved = super().save(*args, **kwargs)
     if self.waits:
       self.wait_until_finished()
@@ -249,10 +250,6 @@ def _clean_data_states(manager: ocp.CheckpointManager, workdir: str, keep_step: 
         fileio.gfile().rmtree(os.path.join(root, name))
       except Exception as e:  # pylint: disable=broad-except  (a leftover is harmless)
         logging.warning('Could not remove %s: %s', os.path.join(root, name), e)
-
-
-def latest_step(manager: ocp.CheckpointManager) -> int | None:
-  return manager.latest_step()
 
 
 def restore_or_init(manager: ocp.CheckpointManager, workdir: str, abstract_state: Any,

@@ -14,6 +14,10 @@ Orbax upgrade would otherwise disable it silently):
     commit failed, and with what error.
   - `CommitOutcome.barrier` (Orbax's public `AsyncOptions.barrier_sync_fn`) knows the barrier
     after the commit by its key, `_AFTER_COMMIT_BARRIER`, a name inside Orbax's background save.
+  - `start_agreed` ends the barriers of Orbax's save (`orbax.checkpoint.multihost`'s
+    `sync_global_processes`: jax's public `multihost_utils.sync_global_devices`, whose
+    documented check of the barrier's name it relies on) by meeting them under another name:
+    Orbax's barriers have no timeout and no way to be left.
   - `agreeing` replaces a handler's `async_save` (a public method of the handler interface) on
     the instance. A subclass would be the documented way, but Orbax pairs a handler with its
     CheckpointArgs by exact class (`checkpoint_args.get_registered_args_cls`): a subclass needs
@@ -63,10 +67,9 @@ from bert_jax import gcs
 # After the barrier that follows the writes, process 0 alone commits the save (the step's
 # metadata, the merge of the processes' OCDBT files, commit_success.txt) while the others go
 # to Orbax's last barrier, which process 0 never reaches if its commit fails: it publishes the
-# commit's outcome, and the others read it before that barrier (`CommitOutcome`). Not
-# covered: the step folders, which process 0 creates at the start of a save while the others
-# wait in Orbax's barrier after them; a failure there stops process 0 at once, the others at
-# that barrier's timeout.
+# commit's outcome, and the others read it before that barrier (`CommitOutcome`). Before the
+# writes, on the main thread, process 0 alone checks and makes the save's folders while the
+# others wait in Orbax's barrier after them (`start_agreed`).
 
 # The key-value store's prefix; the input positions and each item of each save are one exchange
 # each, numbered in the order every process makes them (the same in every process).
@@ -216,6 +219,68 @@ class CommitOutcome:
       from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
       self._barrier = multihost.get_barrier_sync_fn()
     self._barrier(key=key, timeout_ms=timeout_ms)
+
+
+# The key-value store's prefix of the failures of a save's start, numbered like the saves (of
+# every manager, in the order every process makes them).
+_START_KEY = 'bert_jax/checkpoint_start'
+_saves = itertools.count()
+_START_PART = 'start of the checkpoint save'
+
+
+@contextlib.contextmanager
+def start_agreed() -> Iterator[None]:
+  """Around each of Orbax's saves, in every process: the start of the save, on each process's
+  main thread, agreed on by every process when there are several.
+
+  Orbax's save starts on the main thread, in parts that process 0 does alone (checking and
+  making the step's folders, listing old steps) between barriers that every process passes:
+  jax's `sync_global_devices`, one allgather of the barrier's name, with no timeout. When a
+  part fails, that process stops there and the others wait in the next barrier (both runs
+  ended in aborts from jax.distributed's shutdown, 5 min later). So a process whose start
+  fails with a storage problem (the only failure there that is not a bug) publishes it, then
+  meets the others in a barrier of its own name: `sync_global_devices` compares the names,
+  and the barrier ends at once in every process with its mismatch error; each of the others
+  then reads who failed and why, and stops with `SaveFailedElsewhere`. Nothing of a save's
+  storage runs on the main thread after its last barrier, so the others are always in (or on
+  their way to) one.
+  """
+  number = next(_saves)
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except  (raised, or what stops it instead)
+    if jax.process_count() == 1 or (stop := _start_failed(number, e)) is e:
+      raise
+    raise stop from e
+
+
+def _start_failed(number: int, error: BaseException) -> BaseException:
+  """What this process stops with, the start of save `number` having raised `error`: `error`
+  itself if it is a storage problem here (published, and the others' barrier ended), a
+  `SaveFailedElsewhere` if another process's start failed so, else `error`."""
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+  client, me = multihost.get_jax_distributed_client(), jax.process_index()
+  outcome = report(error)
+  if outcome['outage'] is not None or outcome['disk'] is not None:
+    client.key_value_set(f'{_START_KEY}/{number}/{me}', json.dumps(outcome))
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    try:
+      # The same name in every process whose start failed: where all did, it passes.
+      multihost_utils.sync_global_devices(f'bert_jax: save {number} failed to start')
+    except AssertionError:  # The others were in (or reached) a barrier of Orbax's.
+      pass
+    return error
+  for other in range(jax.process_count()):
+    if other == me:
+      continue
+    try:
+      value = client.key_value_try_get(f'{_START_KEY}/{number}/{other}')
+    except Exception as e:  # pylint: disable=broad-except  (jax's NOT_FOUND: it did not fail)
+      if 'NOT_FOUND' not in str(e):
+        raise
+      continue
+    return SaveFailedElsewhere(other, json.loads(value), _START_PART)
+  return error
 
 
 class _Agreed:

@@ -370,34 +370,39 @@ def _ends(procs, timeout):
 
 def test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143(gcs, cache, data,
                                                                        tmp_path):
-  """Two processes on a gs:// workdir; process 1's arrays of step 4 (its own OCDBT folder) meet
-  503s past tensorstore's retries, process 0's writes succeed. Both stop within a bound, with
-  EXIT_PREEMPTED (so a scheduler reruns the job) and one line each: process 1 names the object,
-  process 0 says process 1's part failed and names it too. (Without the processes' exchange of
-  their outcomes, both still ran 7 minutes after the start, waiting in two different barriers
-  of Orbax's.) Step 2 stays committed, and the rerun of both resumes from it."""
+  """Two processes on a gs:// workdir. First step 4's folder, which process 0 alone checks and
+  makes on its main thread while process 1 waits in Orbax's barrier after it, meets 503s past
+  the retries; then, on the rerun, process 1's arrays of step 4 (its own OCDBT folder) do, while
+  process 0's writes succeed. Each time both stop within a bound, with EXIT_PREEMPTED (so a
+  scheduler reruns the job) and one line each: the failed process names the object, the other
+  says which process's part failed and names it too. (Before the processes agreed on each
+  part, both ran 7 minutes waiting in two different barriers of Orbax's at the arrays, and both
+  aborted after 5 minutes at the folder.) Step 2 stays committed, and the last rerun of both
+  resumes from it."""
   workdir = gcs.url('pair')
-  outage = f'pair/checkpoints/{REFERENCE_STEPS}/params/ocdbt.process_1/'
+  folder = f'pair/checkpoints/{REFERENCE_STEPS}'
   overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
-  gcs.inject([dict(object=outage, status=503)])
-  try:
-    pair = _pretrain_pair(gcs, cache, workdir, overrides, env=_SHORT_RETRIES)
-    results, ended = _ends(pair, 500)
-  finally:
-    gcs.inject([])
-  for i, (p, (_, err)) in enumerate(zip(pair, results)):
-    assert p.returncode == errors.EXIT_PREEMPTED, f'process {i}:\n{err[-5000:]}'
-    assert 'Traceback' not in err, f'process {i}:\n{err[-5000:]}'
-  assert abs(ended[0] - ended[1]) < 60, ended
-  line = (f'gs://{gcs_server.BUCKET}/{outage}: Cloud Storage kept failing (Backend Error) past '
-          'the retries (README: Cloud Storage); the last complete checkpoint, '
-          f'step {SAVE_EVERY}, is intact: rerun the same command to resume once Cloud Storage '
-          'answers')
-  assert results[1][1].strip().splitlines()[-1] == f'bert-jax pretrain: error: {line}'
-  assert results[0][1].strip().splitlines()[-1] == (
-      'bert-jax pretrain: error: stopped because process 1\'s part of the checkpoint save '
-      f'failed: {line}')
-  assert run_files.checkpoint_steps(workdir) == [SAVE_EVERY]
+  for fault, failed, part in ((dict(object=folder, method='GET'), 0, 'start'),
+                              (dict(object=f'{folder}/params/ocdbt.process_1/'), 1, 'part')):
+    gcs.inject([dict(fault, status=503)])
+    try:
+      pair = _pretrain_pair(gcs, cache, workdir, overrides, env=_SHORT_RETRIES)
+      results, ended = _ends(pair, 500)
+    finally:
+      gcs.inject([])
+    for i, (p, (_, err)) in enumerate(zip(pair, results)):
+      assert p.returncode == errors.EXIT_PREEMPTED, f'process {i}:\n{err[-5000:]}'
+      assert 'Traceback' not in err, f'process {i}:\n{err[-5000:]}'
+    assert abs(ended[0] - ended[1]) < 60, ended
+    line = (f'gs://{gcs_server.BUCKET}/{fault["object"]}: Cloud Storage kept failing (Backend '
+            f'Error) past the retries (README: Cloud Storage); the last complete checkpoint, '
+            f'step {SAVE_EVERY}, is intact: rerun the same command to resume once Cloud Storage '
+            'answers')
+    assert results[failed][1].strip().splitlines()[-1] == f'bert-jax pretrain: error: {line}'
+    assert results[1 - failed][1].strip().splitlines()[-1] == (
+        f'bert-jax pretrain: error: stopped because process {failed}\'s {part} of the '
+        f'checkpoint save failed: {line}')
+    assert run_files.checkpoint_steps(workdir) == [SAVE_EVERY]
 
   pair = _pretrain_pair(gcs, cache, workdir, overrides)
   results, _ = _ends(pair, 400)
@@ -958,3 +963,4 @@ def test_launch_watch_recovers_a_preempted_finetuning_run_on_gs(gcs, tmp_path):
   assert [r['step'] for r in rows if 'loss' in r] == list(range(1, 17))
   assert [r['loss'] for r in rows if 'loss' in r] == [
       l for l in reference_losses if l is not None]
+

@@ -51,6 +51,11 @@ class _KeyValueStore:
       raise RuntimeError(f'DEADLINE_EXCEEDED: {key} not set in {timeout_ms} ms')
     return self.values[key]
 
+  def key_value_try_get(self, key):
+    if key not in self.values:
+      raise RuntimeError(f'NOT_FOUND: Config key {key} not found')
+    return self.values[key]
+
   def key_value_delete(self, key):
     del self.values[key]
 
@@ -279,6 +284,63 @@ def test_a_commit_process_0_cannot_write_stops_every_process_before_orbaxs_last_
     outcomes[1].barrier(key='async_commit_complete', timeout_ms=1000)
 
 
+def test_a_start_one_process_cannot_make_ends_the_others_barrier_and_stops_them_all(
+    monkeypatch, tmp_path):
+  """Process 0 alone checks and makes a save's folders on its main thread, while the others
+  wait in Orbax's next barrier (jax's sync_global_devices, no timeout). Its check fails past the
+  retries: it publishes that and meets them in a barrier of its own name, which ends theirs
+  with sync_global_devices' name mismatch; it stops with 143's line naming the object, process
+  1 naming process 0 and it. A bug is raised as it is, and ends no barrier."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+  store, barriers = _KeyValueStore(), []
+  monkeypatch.setattr(multihost, 'get_jax_distributed_client', lambda: store)
+  monkeypatch.setattr(orbax_hooks.jax, 'process_count', lambda: 2)
+  mismatch = AssertionError("sync_global_devices name mismatch ('create_tmp_directory:post')")
+
+  def sync_global_devices(name):
+    barriers.append(name)
+    if not everyone_failed:
+      raise AssertionError(f"sync_global_devices name mismatch ('{name}')")
+
+  monkeypatch.setattr(multihost_utils, 'sync_global_devices', sync_global_devices)
+  error, line = _outage_at('gs://b/run/checkpoints/8')
+
+  def start(process, number, failure):
+    """What process `process`'s save `number` raises when its start raises `failure`."""
+    monkeypatch.setattr(orbax_hooks.jax, 'process_index', lambda: process)
+    monkeypatch.setattr(orbax_hooks, '_saves', iter([number]))  # Each process's count.
+    with pytest.raises(Exception) as raised:
+      with orbax_hooks.start_agreed():
+        raise failure
+    return raised.value
+
+  everyone_failed = False
+  assert start(0, 3, error) is error
+  assert barriers == ['bert_jax: save 3 failed to start']
+  stopped = start(1, 3, mismatch)
+  assert isinstance(stopped, orbax_hooks.SaveFailedElsewhere) and stopped.__cause__ is mismatch
+  assert barriers == ['bert_jax: save 3 failed to start']  # Only the failed process meets them.
+  for process, raised in ((0, error), (1, stopped)):
+    monkeypatch.setattr(orbax_hooks.jax, 'process_index', lambda p=process: p)
+    with pytest.raises(errors.Outage) as ended:
+      checkpoint._save_failed(_Committed(), str(tmp_path), raised)
+    assert str(ended.value) == line if process == 0 else (
+        f"stopped because process 0's start of the checkpoint save failed: {line}")
+
+  # A bug is raised as it is: nothing published, no barrier met; in the others too.
+  bug = KeyError('meta')
+  assert start(0, 4, bug) is bug and start(1, 4, mismatch) is mismatch
+  assert len(barriers) == 1 and not any('/4/' in k for k in store.values)
+  # Every process's start failed: their barriers of the same name pass.
+  everyone_failed = True
+  assert start(1, 5, error) is error and start(0, 5, error) is error
+  assert barriers[1:] == ['bert_jax: save 5 failed to start'] * 2
+  # One process: raised as it is.
+  monkeypatch.setattr(orbax_hooks.jax, 'process_count', lambda: 1)
+  assert start(0, 6, error) is error and len(barriers) == 3
+
+
 # ---- The internals the hooks rely on, on the installed Orbax ---------------------------------
 # Each test below fails when an Orbax upgrade renames, drops or stops calling what a hook of
 # orbax_hooks.py relies on: the hook would otherwise be turned off without a word.
@@ -381,6 +443,45 @@ def test_orbax_writes_each_item_in_a_thread_its_save_starts(tmp_path, monkeypatc
   assert found == []
 
 
+def test_orbaxs_barriers_in_a_save_are_jaxs_sync_global_devices(tmp_path, monkeypatch):
+  """`start_agreed` ends the barriers of Orbax's save with one of its own name: Orbax's save
+  waits, before and after making its folders, in its `sync_global_processes` for every
+  process, which is jax's `sync_global_devices`; that raises in every process when the
+  processes' names differ."""
+  import zlib  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.multihost import multihost  # pylint: disable=g-import-not-at-top
+  barriers, sync = [], multihost.sync_global_processes
+
+  def spy(name, **kwargs):
+    barriers.append((name.split(':')[-1] if 'create_tmp' in name else 'other',
+                     kwargs.get('processes')))
+    return sync(name, **kwargs)
+
+  monkeypatch.setattr(multihost, 'sync_global_processes', spy)
+  manager = checkpoint.make_manager(str(tmp_path), keep=None)
+  manager.save(1, args=ocp.args.Composite(meta=ocp.args.JsonSave({'a': 1})))
+  manager.wait_until_finished()
+  manager.close()
+  assert [b for b in barriers if b[0] != 'other'] == [('pre', None), ('post', None)] * 2
+  assert {p for _, p in barriers} == {None}  # Every process's.
+  # Orbax's barrier for every process, with several: jax's sync_global_devices.
+  names = []
+  monkeypatch.setattr(multihost, 'should_skip_process_sync', lambda *args, **kwargs: False)
+  monkeypatch.setattr(multihost_utils, 'sync_global_devices', names.append)
+  sync('create_tmp_directory:pre')
+  assert len(names) == 1 and 'create_tmp_directory:pre' in names[0]
+  # Two processes whose names differ (the other one's gathered beside this one's).
+  monkeypatch.undo()
+  monkeypatch.setattr(multihost_utils.jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(multihost_utils, 'process_allgather', lambda x, tiled=False: np.array(
+      [zlib.crc32(b'mine'), zlib.crc32(b'theirs')], np.uint32))
+  with pytest.raises(AssertionError, match='name mismatch'):
+    multihost_utils.sync_global_devices('mine')
+
+
 def test_orbaxs_background_save_has_the_barrier_after_the_commit(monkeypatch):
   """`CommitOutcome.barrier` knows the barrier after process 0's commit by its key: Orbax's
   background save calls its barriers, with those keys, around the commit."""
@@ -453,12 +554,13 @@ def test_orbaxs_error_lines_of_a_failed_save_are_held_back():
 
 
 def test_the_key_value_store_is_reached_as_the_hooks_reach_it():
-  """jax.distributed's key-value store, through Orbax's accessor, with the three calls made."""
+  """jax.distributed's key-value store, through Orbax's accessor, with the calls made."""
   from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
   from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
   assert callable(multihost.get_jax_distributed_client)
   assert callable(multihost.get_barrier_sync_fn)
-  for method in ('key_value_set', 'blocking_key_value_get', 'key_value_delete'):
+  for method in ('key_value_set', 'blocking_key_value_get', 'key_value_try_get',
+                 'key_value_delete'):
     assert callable(getattr(_jax.DistributedRuntimeClient, method)), method
 
 

@@ -405,7 +405,7 @@ def test_uncommitted_checkpoint_is_never_resumed_from(tmp_path, reference, vocab
   os.makedirs(os.path.join(ckpt_dir, '16.orbax-checkpoint-tmp', 'params'))
   assert run_files.checkpoint_steps(workdir) == [4, 8]
   manager = ckpt_lib.make_manager(workdir, keep=3)
-  assert ckpt_lib.latest_step(manager) == 8
+  assert manager.latest_step() == 8
   manager.close()
 
   train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
