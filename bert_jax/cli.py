@@ -149,8 +149,8 @@ def _pretrain_flags():
 
 
 def _record_command() -> None:
-  """The command line, for the driver to record in the workdir once it holds it (process 0;
-  run_frame.entered): a pushed model card says how it was made. Not here: a workdir is touched
+  """The command line, for the driver to record in the workdir as its loop starts (process 0;
+  run_frame.closing): a pushed model card says how it was made. Not here: a workdir is touched
   only after the driver's checks (a missing bucket is one line, a refused run leaves nothing)."""
   from bert_jax import publish  # pylint: disable=g-import-not-at-top
   publish.COMMAND_LINE = sys.argv[1:]

@@ -128,7 +128,7 @@ def push_export(source: str, repo_id: str, output: str = '') -> str:
 
 
 # The command line of this process when `bert-jax` started it (cli sets it; None otherwise):
-# run_frame.entered records it in the workdir it holds.
+# run_frame.closing records it in the workdir as the run's loop starts.
 COMMAND_LINE: list[str] | None = None
 
 

@@ -4,12 +4,11 @@ its loop ends, and the loop's schedules.
 - `entered`: the config checked (as where it was loaded: one changed in Python since, in a
   notebook, is refused the same way), the workdir resolved, SIGTERM heard from here on, the
   workdir's lock held (one run at a time), TensorFlow kept off the accelerators, a workdir of
-  the other kind of run refused, the command line recorded (publish.COMMAND_LINE), and the
-  compilation cache pointed at the workdir's.
-- `closing`: however the loop ends (finished, stopped, failed), the progress bar closed, the
-  last save waited for (a failed one ends the run as one line), the checkpoint manager and the
-  metrics log closed, and the pushes of checkpoint.push_to_hub waited for (not in a preemption
-  notice).
+  the other kind of run refused, and the compilation cache pointed at the workdir's.
+- `closing`: the command line recorded as the loop starts (publish.COMMAND_LINE); however the
+  loop ends (finished, stopped, failed), the progress bar closed, the last save waited for (a
+  failed one ends the run as one line), the checkpoint manager and the metrics log closed, and
+  the pushes of checkpoint.push_to_hub waited for (not in a preemption notice).
 - `itstime`: whether a step is due for something done every n steps (big_vision's `itstime`).
 """
 
@@ -43,8 +42,6 @@ def entered(config: ml_collections.ConfigDict, workdir: str, kind: str,
     preemption.check()
     fileio.hide_accelerators_from_tf()
     run_files.check_workdir_kind(workdir, fine_tuning=kind == 'finetune')
-    if publish.COMMAND_LINE is not None and jax.process_index() == 0:
-      publish.record_command(workdir, publish.COMMAND_LINE)  # For a pushed model card.
     run_files.use_compilation_cache(workdir, config.checkpoint.compilation_cache_dir)
     yield workdir, preemption
 
@@ -57,7 +54,11 @@ def closing(steps: monitor.Steps, manager: Any, workdir: str, log: monitor.Metri
   `manager` (Orbax's CheckpointManager) waited for (`checkpoint.wait_for_saves`: a failed one
   as one line), the manager and the metrics `log` closed; then `pusher`'s pushes waited for
   (they wait for their saves' commits), except once `preemption` was requested: its notice is
-  seconds, an upload may be minutes."""
+  seconds, an upload may be minutes. The command line (publish.COMMAND_LINE) is recorded in
+  the workdir first, for a pushed model card: here, past every refusal of the driver's, a
+  refused run leaves the workdir as it was (and a new one not at all)."""
+  if publish.COMMAND_LINE is not None and jax.process_index() == 0:
+    publish.record_command(workdir, publish.COMMAND_LINE)
   try:
     yield
   finally:

@@ -191,6 +191,18 @@ def test_flag_and_config_mistakes_are_one_message(args, fragments):
   _assert_user_error(_cli(args), args[0], *fragments)
 
 
+def test_a_run_refused_once_it_holds_a_new_workdir_leaves_nothing_behind(tmp_path):
+  """A pre-training run whose input is refused after it took its new workdir's lock (a scheme
+  no reader has) ends as one line, and the folders it made are gone again: the command line
+  is recorded in the workdir only as the run's loop starts (it left command.txt behind)."""
+  workdir = tmp_path / 'new' / 'run'
+  proc = _cli(['pretrain', f'--workdir={workdir}', '--config=smoke',
+               '--config.data.input=s3://bucket/corpus.txt'])
+  _assert_user_error(proc, 'pretrain', 's3://bucket/corpus.txt: paths starting s3:// are not '
+                     'supported')
+  assert os.listdir(tmp_path) == []
+
+
 # cli.main with the named packages made unimportable (an import of one raises ImportError).
 _WITHOUT_PACKAGES = """
 import sys

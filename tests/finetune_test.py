@@ -31,6 +31,7 @@ from bert_jax import monitor
 from bert_jax import ner
 from bert_jax import predict
 from bert_jax import pretrained
+from bert_jax import publish
 from bert_jax import run_files
 from bert_jax import run_lock
 
@@ -242,6 +243,18 @@ def test_resume_and_sigterm_end_as_an_uninterrupted_run(checkpoints, tmp_path, m
   assert any(f'Checkpoint {latest} cannot be read' in r.getMessage() for r in caplog.records)
   assert os.path.isdir(latest + '.corrupt')
   assert _dev_rows(corrupt) == (full_dev, full_steps)
+  # Resumed with another data.max_seq_length: warned of, as pre-training warns (here it stops
+  # again at once, at step 6).
+  longer = str(tmp_path / 'longer')
+  shutil.copytree(stopped, longer)
+  caplog.clear()
+  with caplog.at_level('WARNING'):
+    assert finetune.finetune(_glue_config(
+        checkpoints['bert_jax'], data_dir, **settings,
+        **{'train.stop_at_step': 6, 'data.max_seq_length': 64}), longer) is None
+  assert any(r.getMessage() == 'Resuming at step 6 with data.max_seq_length changed (32 -> 64) '
+             'since its checkpoint was saved: the rest of the run trains and evaluates at the '
+             'new length' for r in caplog.records), [r.getMessage() for r in caplog.records]
   resumed = finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
                               stopped)
   assert resumed == full
@@ -676,10 +689,13 @@ def test_vocab_that_does_not_match_the_checkpoint(checkpoints, glue_dir, tmp_pat
 
 
 def test_a_workdir_of_another_task_is_refused_and_another_length_warned(checkpoints, glue_dir,
-                                                                       tmp_path, caplog):
+                                                                       tmp_path, caplog,
+                                                                       monkeypatch):
   """A finished MRPC run rerun with another task's config printed MRPC's score as the new
-  task's, with exit status 0: refused, before anything is written. A finished (or resumed) run
-  given another data.max_seq_length is warned of, as pre-training warns of a changed input."""
+  task's, with exit status 0: refused, before anything is written (the command line too, as
+  `bert-jax finetune` sets it). A finished (or resumed) run given another data.max_seq_length
+  is warned of, as pre-training warns of a changed input."""
+  monkeypatch.setattr(publish, 'COMMAND_LINE', ['finetune', '--config=finetune_glue:sst2'])
   workdir = str(tmp_path / 'run')
   os.makedirs(workdir)
   config_path, metrics_path = (os.path.join(workdir, name)

@@ -198,7 +198,7 @@ COMMANDS: dict[str, Run | NotHere] = {
         _COMPILE + '; tests/aot_test.py compiles the modern options at tiny sizes'),
     'bert-jax compile --config=configs/modern.py --topology=h100 --config.train.batch_size=1 '
     '--config.train.phases=1:8192:2464 --config.model.attention_impl=cudnn '
-    '--config.model.layer_norm_impl=pallas': NotHere(_COMPILE + ' (with the gpu_aot packages)'),
+    '--config.model.layer_norm_impl=pallas': NotHere(_GPU_COMPILE),
     'nice python benchmarks/recipes.py --paper_steps=600 --seeds=0,1': NotHere(_RECIPES),
     'nice python benchmarks/recipes.py --paper_steps=200 --seeds=0,1 --finetune_epochs=2 '
     '--finetune_lr=1e-4': NotHere(_RECIPES),

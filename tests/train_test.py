@@ -34,6 +34,7 @@ from bert_jax import model as model_lib
 from bert_jax import monitor
 from bert_jax import pretrained
 from bert_jax import pretraining
+from bert_jax import publish
 from bert_jax import run_lock
 from bert_jax import run_files
 from bert_jax import train
@@ -980,11 +981,13 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path, reference, vocab_file)
     assert open(os.path.join(workdir, name), 'rb').read() == data, name
 
 
-def test_another_vocabulary_of_the_same_size_is_refused(tmp_path):
+def test_another_vocabulary_of_the_same_size_is_refused(tmp_path, monkeypatch):
   """Resuming with another vocabulary of the workdir's size would train on, each embedding row
   now another token's, and replace the vocab.txt that says what made the checkpoints;
-  evaluating with it would score garbage. Both are refused, before anything is written."""
+  evaluating with it would score garbage. Both are refused, before anything is written (the
+  command line too, as `bert-jax pretrain` sets it)."""
   import workdirs  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(publish, 'COMMAND_LINE', ['pretrain', '--config=smoke'])
   tokens = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + [f'w{i}' for i in range(27)]
   own, other = tmp_path / 'vocab.txt', tmp_path / 'other_vocab.txt'
   own.write_text('\n'.join(tokens) + '\n')
@@ -1002,6 +1005,7 @@ def test_another_vocabulary_of_the_same_size_is_refused(tmp_path):
     train.train_and_evaluate(_config(str(other)), workdir)
   for name, data in before.items():
     assert open(os.path.join(workdir, name), 'rb').read() == data, name
+  assert not os.path.exists(os.path.join(workdir, publish.COMMAND_FILE))
   assert run_files.checkpoint_steps(workdir) == [1]
   with pytest.raises(UserError, match='^' + message):
     train.evaluate_checkpoint(_config(str(other)), workdir)
