@@ -230,20 +230,21 @@ _START_PART = 'start of the checkpoint save'
 
 @contextlib.contextmanager
 def start_agreed() -> Iterator[None]:
-  """Around each of Orbax's saves, in every process: the start of the save, on each process's
-  main thread, agreed on by every process when there are several.
+  """Around each of Orbax's saves, in every process: the start of the save (before its writes
+  go to the background) agreed on by every process when there are several.
 
-  Orbax's save starts on the main thread, in parts that process 0 does alone (checking and
-  making the step's folders, listing old steps) between barriers that every process passes:
-  jax's `sync_global_devices`, one allgather of the barrier's name, with no timeout. When a
-  part fails, that process stops there and the others wait in the next barrier (both runs
-  ended in aborts from jax.distributed's shutdown, 5 min later). So a process whose start
-  fails with a storage problem (the only failure there that is not a bug) publishes it, then
-  meets the others in a barrier of its own name: `sync_global_devices` compares the names,
-  and the barrier ends at once in every process with its mismatch error; each of the others
-  then reads who failed and why, and stops with `SaveFailedElsewhere`. Nothing of a save's
-  storage runs on the main thread after its last barrier, so the others are always in (or on
-  their way to) one.
+  Orbax's save starts on the main thread, where process 0 alone checks and makes the step's
+  folders (the item folders in a helper thread the main thread waits for), between barriers
+  that every process passes: jax's `sync_global_devices`, one allgather of the barrier's
+  name, with no timeout. When that fails, process 0 stops there and the others wait in the
+  next barrier (both runs ended in aborts from jax.distributed's shutdown, 5 min later). So a
+  process whose start fails with a storage problem (the only failure there that is not a bug)
+  publishes it, then meets the others in a barrier of its own name: `sync_global_devices`
+  compares the names, and the barrier ends at once in every process with its mismatch error;
+  each of the others then reads who failed and why, and stops with `SaveFailedElsewhere`.
+  Nothing of a save's storage runs on the main thread after its last barrier, so the others
+  are in (or on their way to) one; should they not reach one (killed, or in a key-value
+  barrier of Orbax's), the failed process stops after `RELEASE_TIMEOUT_S` all the same.
   """
   number = next(_saves)
   try:
@@ -254,21 +255,24 @@ def start_agreed() -> Iterator[None]:
     raise stop from e
 
 
+# How long a process whose save failed to start waits for the others to meet its barrier:
+# Orbax's own bound on its barriers.
+RELEASE_TIMEOUT_S = 300
+
+
 def _start_failed(number: int, error: BaseException) -> BaseException:
   """What this process stops with, the start of save `number` having raised `error`: `error`
   itself if it is a storage problem here (published, and the others' barrier ended), a
   `SaveFailedElsewhere` if another process's start failed so, else `error`."""
   from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
   client, me = multihost.get_jax_distributed_client(), jax.process_index()
+  if failed_elsewhere(error) is not None:
+    return error  # An earlier save's, agreed on already (every process has it).
   outcome = report(error)
   if outcome['outage'] is not None or outcome['disk'] is not None:
+    # Published before the barrier: the others read it once theirs ends.
     client.key_value_set(f'{_START_KEY}/{number}/{me}', json.dumps(outcome))
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    try:
-      # The same name in every process whose start failed: where all did, it passes.
-      multihost_utils.sync_global_devices(f'bert_jax: save {number} failed to start')
-    except AssertionError:  # The others were in (or reached) a barrier of Orbax's.
-      pass
+    _release(f'bert_jax: save {number} failed to start')
     return error
   for other in range(jax.process_count()):
     if other == me:
@@ -281,6 +285,25 @@ def _start_failed(number: int, error: BaseException) -> BaseException:
       continue
     return SaveFailedElsewhere(other, json.loads(value), _START_PART)
   return error
+
+
+def _release(name: str) -> None:
+  """Meets the other processes in a barrier named `name` (the same in every process whose
+  start failed: where all did, it passes), within RELEASE_TIMEOUT_S."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  def meet():
+    try:
+      multihost_utils.sync_global_devices(name)
+    except AssertionError:  # The others were in (or reached) a barrier of Orbax's.
+      pass
+
+  thread = threading.Thread(target=meet, name='bert_jax_release', daemon=True)
+  thread.start()
+  thread.join(RELEASE_TIMEOUT_S)
+  if thread.is_alive():
+    logging.warning('The other processes did not reach a barrier within %d s of this one\'s '
+                    'failed checkpoint save; stopping without them.', RELEASE_TIMEOUT_S)
 
 
 class _Agreed:

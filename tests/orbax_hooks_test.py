@@ -3,6 +3,7 @@ logging it takes (`bert_jax/orbax_hooks.py`); processes simulated in one, with j
 key-value store stood in for."""
 
 import os
+import threading
 
 import pytest
 
@@ -299,7 +300,12 @@ def test_a_start_one_process_cannot_make_ends_the_others_barrier_and_stops_them_
   mismatch = AssertionError("sync_global_devices name mismatch ('create_tmp_directory:post')")
 
   def sync_global_devices(name):
+    # The failure is published before the barrier: the others read it as theirs ends.
+    number = name.split()[2]
+    assert any(k.startswith(f'{orbax_hooks._START_KEY}/{number}/') for k in store.values)
     barriers.append(name)
+    if blocked:
+      threading.Event().wait(60)  # The others never reach a barrier.
     if not everyone_failed:
       raise AssertionError(f"sync_global_devices name mismatch ('{name}')")
 
@@ -315,7 +321,7 @@ def test_a_start_one_process_cannot_make_ends_the_others_barrier_and_stops_them_
         raise failure
     return raised.value
 
-  everyone_failed = False
+  everyone_failed = blocked = False
   assert start(0, 3, error) is error
   assert barriers == ['bert_jax: save 3 failed to start']
   stopped = start(1, 3, mismatch)
@@ -336,9 +342,16 @@ def test_a_start_one_process_cannot_make_ends_the_others_barrier_and_stops_them_
   everyone_failed = True
   assert start(1, 5, error) is error and start(0, 5, error) is error
   assert barriers[1:] == ['bert_jax: save 5 failed to start'] * 2
+  # An earlier save's failure agreed on already (in every process): raised as it is.
+  elsewhere = orbax_hooks.SaveFailedElsewhere(1, orbax_hooks.report(error))
+  assert start(0, 6, elsewhere) is elsewhere and len(barriers) == 3
+  # The others never reaching a barrier: the failed process stops after RELEASE_TIMEOUT_S.
+  monkeypatch.setattr(orbax_hooks, 'RELEASE_TIMEOUT_S', 0.5)
+  everyone_failed = blocked = True
+  assert start(0, 7, error) is error and len(barriers) == 4
   # One process: raised as it is.
   monkeypatch.setattr(orbax_hooks.jax, 'process_count', lambda: 1)
-  assert start(0, 6, error) is error and len(barriers) == 3
+  assert start(0, 8, error) is error and len(barriers) == 4
 
 
 # ---- The internals the hooks rely on, on the installed Orbax ---------------------------------
