@@ -70,11 +70,22 @@ def read(path: str) -> tuple[bytes, int] | None:
     raise
 
 
+def _upload(blob: Any, data: bytes, generation: int, path: str) -> None:
+  """Uploads `data` as `blob` if its generation is `generation` (0: absent). A failure names
+  `path` (`failing_object`): an upload's URL holds no object name, so its RetryError
+  named none, and a store down at an append ended in a traceback."""
+  try:
+    blob.upload_from_string(data, if_generation_match=generation, retry=_retry())
+  except Exception as e:  # pylint: disable=broad-except  (raised again, with the path)
+    e.gcs_path = path
+    raise
+
+
 def create_if_absent(path: str, data: bytes) -> int | None:
   """Writes a new object; its generation, or None if the object exists (atomic)."""
   blob = _blob(path)
   try:
-    blob.upload_from_string(data, if_generation_match=0, retry=_retry())
+    _upload(blob, data, 0, path)
   except Exception as e:  # pylint: disable=broad-except
     if _precondition_failed(e):
       return None
@@ -86,7 +97,7 @@ def replace_if_generation(path: str, data: bytes, generation: int) -> int | None
   """Replaces the object if it is still at `generation`; the new generation, or None."""
   blob = _blob(path)
   try:
-    blob.upload_from_string(data, if_generation_match=generation, retry=_retry())
+    _upload(blob, data, generation, path)
   except Exception as e:  # pylint: disable=broad-except
     if _precondition_failed(e):
       return None
@@ -138,7 +149,7 @@ def append(path: str, data: bytes) -> None:
     size = _stat_size(path)
   bucket = client().bucket(split(path)[0])
   part = bucket.blob(f'{split(path)[1]}.part-{uuid.uuid4().hex}')
-  part.upload_from_string(data, if_generation_match=0, retry=_retry())
+  _upload(part, data, 0, path)  # Named as the object appended to.
   try:
     _sizes[path] = _compose_once(path, part, size, len(data))
   finally:
@@ -189,7 +200,10 @@ def _reason(error: BaseException) -> str:
   for detail in getattr(error, 'errors', None) or []:
     if isinstance(detail, dict) and detail.get('message'):
       return detail['message']
-  text = getattr(error, 'message', None) or str(error)
+  # An upload's InvalidResponse keeps the answer (requests') whole.
+  body = getattr(getattr(error, 'response', None), 'text', None)
+  text = body if isinstance(body, str) and '"message"' in body else (
+      getattr(error, 'message', None) or str(error))
   if match := re.search(r'"message":\s*"((?:[^"\\]|\\.)*)"', text):
     return match.group(1).replace('\\"', '"')
   # tensorstore quotes the response's body with its quotes escaped.
@@ -303,6 +317,8 @@ def failing_object(error: BaseException) -> tuple[str, str] | None:
         path = match.group(0).rstrip('.,;:)')
       elif match := re.search(r'/b/([^/?\s]+)/o/([^/?\s]+)', text):
         path = f'gs://{match.group(1)}/{urllib.parse.unquote(match.group(2))}'
+      else:
+        path = getattr(error, 'gcs_path', '')  # An upload's (`_upload`).
       if path:
         return path, _reason(error)
     error = error.__cause__ or error.__context__

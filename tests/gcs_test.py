@@ -486,6 +486,38 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   assert run_files.checkpoint_steps(workdir)[-1] == REFERENCE_STEPS
 
 
+def test_pretrainings_metrics_or_input_position_down_past_the_retries_end_the_run(
+    gcs, cache, data, tmp_path):
+  """From the commit of step 2 on (each step after it slowed to 8 s, so that the fault comes
+  first), only metrics.jsonl answers 503 in one run, only data_state/ (the input positions,
+  written as each save starts) in another: each ends within _DOWN_BOUND_S with exit status 143
+  and one line naming an object there, and step 2 stays the committed checkpoint."""
+  slow = tmp_path / 'slow_after_step_2.py'
+  slow.write_text(_SLOW_AFTER_STEP_2)
+  for name, prefix in (('metrics_down', 'metrics.jsonl'), ('position_down', 'data_state/')):
+    workdir = gcs.url(name)
+    overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
+    gcs.reset_log()
+    try:
+      proc = _pretrain(gcs, cache, workdir, overrides, script=str(slow), env=_SHORT_RETRIES)
+      down = _down_after(gcs, proc, f'{name}/checkpoints/{SAVE_EVERY}/commit_success.txt',
+                         f'{name}/{prefix}')
+      _, err = _communicate(proc, 900)
+      ended = time.time()
+    finally:
+      gcs.inject([])
+    assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
+    assert re.fullmatch(
+        rf'bert-jax pretrain: error: gs://{gcs_server.BUCKET}/{name}/{re.escape(prefix)}\S*: '
+        r'Cloud Storage kept failing \(Backend Error\) past the retries \(README: Cloud '
+        rf'Storage\); the last (complete checkpoint, step {SAVE_EVERY},|committed checkpoint) is '
+        'intact: rerun the same command to resume once Cloud Storage answers',
+        err.strip().splitlines()[-1]), err[-3000:]
+    assert 'Traceback' not in err, err[-5000:]
+    assert ended - down < _DOWN_BOUND_S, (ended - down, err[-3000:])
+    assert run_files.checkpoint_steps(workdir) == [SAVE_EVERY]
+
+
 def test_runs_started_at_once_on_a_gs_workdir_one_takes_the_lock(gcs, tmp_path):
   """Three processes race for the lock of one gs:// workdir, released at the same moment, over
   several rounds: each round exactly one holds it and the others are refused, whether the lock
@@ -627,6 +659,20 @@ def test_an_outage_past_the_retries_is_one_line_naming_the_object(gcs, monkeypat
       'once Cloud Storage answers')
   assert _read_text(path) == 'row 1\nrow 2\n'
   assert [os.path.basename(p) for p in fileio.glob(gcs.url('outage/*'))] == ['metrics.jsonl']
+  # The part's upload failing instead (its URL names no object: google-cloud-storage's
+  # RetryError did not either, and the run ended in its traceback): named as the object.
+  # (A row as long as a run's: the test server finds the name in the first half of the body.)
+  gcs.inject([dict(object='outage/metrics.jsonl.part-', method='POST', status=503)])
+  try:
+    with pytest.raises(Exception) as failed:
+      gcs_lib.append(path, b'row 3 ' + b'.' * 300 + b'\n')
+  finally:
+    gcs.inject([])
+  assert cli.user_error_message(failed.value) == (
+      f'{path}: Cloud Storage kept failing (Backend Error) past the retries (README: Cloud '
+      'Storage); the last committed checkpoint is intact: rerun the same command to resume '
+      'once Cloud Storage answers')
+  assert _read_text(path) == 'row 1\nrow 2\n'
   # TensorFlow's file system past its retries (GCS_RETRY_CONFIG_MAX_RETRIES), as Orbax's
   # mkdir of a step met it: an AbortedError, not an UnavailableError.
   folder = gcs.url('run/checkpoints/8/')
