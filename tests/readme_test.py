@@ -45,6 +45,7 @@ tests/notebooks_test.py (with pip and git faked).
 
 import ast
 import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -79,6 +80,9 @@ class Run:
   group: str
   append: str = ''
   says: tuple[str, ...] = ()
+  # A package the README says the command needs beside the install line's (torch, which CI's
+  # current stack does not install: setup.cfg): without it, the command is skipped, said so.
+  needs: str = ''
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +165,7 @@ COMMANDS: dict[str, Run | NotHere] = {
         'hub', '--input={tmp}/domain_bert'),
     'python3 -c "from transformers import pipeline; print(pipeline(\'fill-mask\', '
     'model=\'ORG/domain-bert\')(\'the model reads [MASK] text.\'))"': Run(
-        'hub', '', ("'token_str'",)),
+        'hub', '', ("'token_str'",), needs='torch'),
     'bert-jax fill-mask --checkpoint=hf://ORG/domain-bert@main "the model reads [MASK] text."':
         Run('hub'),
     'pip install -e ".[hub]"': NotHere(_INSTALLS),
@@ -264,7 +268,7 @@ COMMANDS: dict[str, Run | NotHere] = {
     'torch.ones(1, 8, dtype=torch.long); names = ["input_ids", "attention_mask", '
     '"token_type_ids"]; torch.onnx.export(model, (ids, ids, ids), "mrpc.onnx", dynamo=False, '
     'input_names=names, output_names=["logits"], dynamic_axes={n: {0: "batch", 1: "length"} '
-    'for n in names})\'': Run('pretrain'),
+    'for n in names})\'': Run('pretrain', needs='torch'),
     # ---- README.md: performance ------------------------------------------------------------
     'pytest tests/parity_test.py *': NotHere(_SUITE),
     'pytest tests/train_test.py -k sigterm_waits -s': NotHere(_SUITE),
@@ -684,6 +688,9 @@ def _run_group(group: str, tmp_path, extra_env: dict[str, str] | None = None,
     if len(shlex.split(command)) == 1 and '=' in command:
       shell_vars += command + '\n'  # An assignment (launch/README.md's F=...).
       continue
+    if run.needs and importlib.util.find_spec(run.needs) is None:
+      print(f'skipped (no {run.needs} in this Python)  {path}:{number}: {command}')
+      continue
     line = f'{command} {run.append.format(tmp=folder)}'.strip()
     start, cpu = time.monotonic(), _children_cpu()
     proc = subprocess.run(['bash', '-c', shell_vars + line], cwd=folder, env=env,
@@ -798,7 +805,7 @@ def test_the_guide_from_a_corpus_to_a_pushed_model(tmp_path):
 
     results = _run_group('hub', tmp_path, {'HF_ENDPOINT': hub.url, 'HF_TOKEN': hub_server.TOKEN,
                                            'HF_HOME': str(tmp_path / 'hf_home')}, prepare)
-  assert len(results) == 8
+  assert len(results) == (8 if importlib.util.find_spec('torch') else 7)
   pushed = hub.repos[('model', 'ORG/domain-bert')]
   assert {'step-1', 'step-2'} <= set(pushed.tags)  # Every checkpoint of the run, tagged.
   card = pushed.commits[pushed.branches['main']]['README.md'].decode()
@@ -807,7 +814,8 @@ def test_the_guide_from_a_corpus_to_a_pushed_model(tmp_path):
   assert ('model', 'ORG/NAME') in hub.repos
   evaluation = json.loads(_output(results, 'bert-jax eval').splitlines()[-1])
   assert {'mlm_accuracy', 'nsp_accuracy'} <= set(evaluation)
-  assert "'token_str'" in _output(results, 'python3 -c')  # transformers' fill-mask answers.
+  if importlib.util.find_spec('torch'):
+    assert "'token_str'" in _output(results, 'python3 -c')  # transformers' fill-mask answers.
   masks = [json.loads(line) for line in _output(results, 'bert-jax fill-mask --checkpoint=hf://')
            .splitlines() if line.startswith('{')]
   assert len(masks[0]['masks'][0]['predictions']) == 5
