@@ -250,7 +250,7 @@ def _roots(hlo_text: str) -> dict[str, str]:
       if found and line.rstrip().endswith('{'):
         name = found.group(1)
       continue
-    if line.startswith('}'):
+    if line.rstrip() == '}':  # (An instruction's attributes may span lines starting '}}'.)
       name = None
     elif line.lstrip().startswith('ROOT ') and (match := _INSTRUCTION.match(line)):
       out[name] = match.group(3)
@@ -274,7 +274,7 @@ def _in_place_updates(hlo_text: str) -> dict[str, tuple[int, int]]:
       if found and line.rstrip().endswith('{'):
         name, params, shapes = found.group(1), {}, {}
       continue
-    if line.startswith('}'):
+    if line.rstrip() == '}':
       name = None
       continue
     match = _INSTRUCTION.match(line)
@@ -301,7 +301,9 @@ def hbm_bytes(hlo_text: str) -> float:
   for line in hlo_text.split('\n'):
     if line.startswith('ENTRY '):
       entry = True
-    elif entry and line.startswith('}'):
+    elif entry and line.rstrip() == '}':
+      # Its end. (A Mosaic kernel's backend_config spans lines, some starting '}}': taken for
+      # the end, they cut the count of a step with splash attention to a sixth.)
       break
     elif entry:
       lines.append(line)

@@ -76,7 +76,7 @@ def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
         current = computations.setdefault(m.group(2), [])
         entry = m.group(2) if m.group(1) else entry
       continue
-    if line.startswith('}'):
+    if line.rstrip() == '}':  # (An instruction's attributes may span lines starting '}}'.)
       current = None
       continue
     m = _INSTRUCTION.match(line)

@@ -157,6 +157,9 @@ def test_splash_attention_compiles_for_a_v5e_slice():
   assert (report['roofline_bound']['compute_seconds'] * peak >=
           report['flops']['analytic_total'] / 4 * (1 - 1e-9))
   assert '6 Pallas kernel calls' in aot.format_report(report)
+  # The kernels' configs span lines of the HLO text: the count reads past them.
+  hbm = report['hbm_bytes_per_chip']
+  assert 0.98 * hbm['minimum'] <= hbm['counted'] < 2 * hbm['minimum'], hbm
 
 
 def test_the_modern_recipe_compiles_for_a_v5e_slice_with_local_splash_kernels():
@@ -169,6 +172,8 @@ def test_the_modern_recipe_compiles_for_a_v5e_slice_with_local_splash_kernels():
   (report,) = aot.compile_for_topology(config, 'v5e:2x2')
   assert report['attention_impl'] == 'splash' and report['memory']['fits']
   assert report['flops']['pallas_kernel_calls'] == 3 * 2
+  hbm = report['hbm_bytes_per_chip']
+  assert hbm['counted'] >= 0.98 * hbm['minimum'], hbm
 
 
 def test_attention_that_cannot_train_on_a_tpu_is_a_clear_error():
