@@ -637,6 +637,17 @@ def test_an_append_after_the_object_was_cut_back_goes_onto_what_is_there(gcs):
   assert _read_text(path) == 'row 0\nrow 1 again\nrow 2 again\n'
 
 
+def test_the_default_retry_budget_is_the_one_the_readme_bounds_an_outage_by(monkeypatch):
+  """The README: a run whose store stays down ends "within 10 minutes with the defaults (3 x
+  191 s ...)": TensorFlow's defaults, 10 retries 1 s doubling to 32 s, for every client."""
+  for name in gcs_lib._TF_RETRY_DEFAULTS:  # pylint: disable=protected-access
+    monkeypatch.delenv(name, raising=False)
+  assert gcs_lib.retry_budget() == (10, 1.0, 32.0)
+  assert gcs_lib.retry_seconds() == 191 and 3 * gcs_lib.retry_seconds() < 600
+  assert gcs_lib.tensorstore_retries() == {'max_retries': 10, 'initial_delay': '1.0s',
+                                           'max_delay': '32.0s'}
+
+
 def test_an_outage_past_the_retries_is_one_line_naming_the_object(gcs, monkeypatch):
   """Every compose onto one object answers 503: the append gives up at the end of the retry
   budget (`gcs.retry_budget`, shortened here from 10 retries 1 s doubling to 32 s), and the
