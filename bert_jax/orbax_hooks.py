@@ -264,10 +264,10 @@ def _start_failed(number: int, error: BaseException) -> BaseException:
   """What this process stops with, the start of save `number` having raised `error`: `error`
   itself if it is a storage problem here (published, and the others' barrier ended), a
   `SaveFailedElsewhere` if another process's start failed so, else `error`."""
-  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
-  client, me = multihost.get_jax_distributed_client(), jax.process_index()
   if failed_elsewhere(error) is not None:
     return error  # An earlier save's, agreed on already (every process has it).
+  from orbax.checkpoint import multihost  # pylint: disable=g-import-not-at-top
+  client, me = multihost.get_jax_distributed_client(), jax.process_index()
   outcome = report(error)
   if outcome['outage'] is not None or outcome['disk'] is not None:
     # Published before the barrier: the others read it once theirs ends.
