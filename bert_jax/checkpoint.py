@@ -53,9 +53,9 @@ DATA_STATE_DIR = 'data_state'
 
 def _registry(replica_parallel: bool):
   """Orbax's type handlers, whose tensorstore requests to Cloud Storage retry on the run's
-  budget (`orbax_hooks.bounded_retries`); without replica-parallel saving when not `replica_parallel`: that
-  compiles a slicing program per distinct parameter shape on the first save (tens of seconds on
-  CPU) and gains nothing for a few saves of a small model. The files are the same either way."""
+  budget (`orbax_hooks.bounded_retries`); with replica-parallel saving (each replica of a
+  replicated array writes a slice of it) only when `replica_parallel`. The files are the same
+  either way."""
   scalar = orbax_hooks.bounded_retries(ocp.type_handlers.ScalarHandler)()
   return ocp.type_handlers.create_type_handler_registry(
       (jax.Array, orbax_hooks.bounded_retries(ocp.type_handlers.ArrayHandler)(
@@ -65,14 +65,19 @@ def _registry(replica_parallel: bool):
 
 
 def make_manager(workdir: str, keep: int | None, async_save: bool = True,
-                 replica_parallel: bool = True, extras: Iterable[str] = ()
+                 replica_parallel: bool | None = None, extras: Iterable[str] = ()
                  ) -> ocp.CheckpointManager:
   """The manager of `<workdir>/checkpoints`: items params, opt_state and `extras` (Orbax
   PyTrees: the items of the train state's saved extras, `state_extras.saved_names()`, which a
   checkpoint holds when its state has them), meta (JSON). `keep`: how many recent steps are
   kept (None: all; the caller deletes). `async_save=False`: its `save` returns once the save
   is committed (Orbax's asynchronous checkpointer either way: with several processes, only its
-  commit can be agreed on, `orbax_hooks.CommitOutcome`)."""
+  commit can be agreed on, `orbax_hooks.CommitOutcome`). `replica_parallel` (default: with
+  several processes) spreads the writes of replicated arrays over the processes holding them;
+  with one process they go through the same host either way, and slicing compiles a program
+  per parameter shape and replica at the first save (about 5 s of a tiny model's CPU run)."""
+  if replica_parallel is None:
+    replica_parallel = jax.process_count() > 1
   commit = orbax_hooks.CommitOutcome() if jax.process_count() > 1 else None
   # The step's folders are made before `save` returns, not in Orbax's background: made there, a
   # failure (Cloud Storage down at that moment) never sends the signal the item writes wait for,

@@ -66,16 +66,19 @@ def _max_over_processes(n: int) -> int:
 def evaluate_params(phase: pretraining.Phase, params: Any, p_eval_step: Callable,
                     mesh: jax.sharding.Mesh, rules, vocab_file: str, *, batch_size: int,
                     steps: int, check_nsp_share: bool = False,
-                    stop: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
+                    stop: Callable[[], bool] = lambda: False,
+                    dataset: Any = None) -> dict[str, float] | None:
   """MLM (and NSP) metrics of `params` on `steps` batches of `batch_size` (eval.*) of the
   phase's held-out data; None when `stop()` turns true between batches (SIGTERM: the notice is
   too short to finish).
 
-  With check_nsp_share, NSP/SOP metrics of labels far from half NotNext are refused
-  (`check_label_share`)."""
+  `dataset`: those batches (this process's share) as a tf.data dataset the caller built
+  already: a run's evaluations read the one it checked, each from its start (a build traces
+  the pipeline's functions again, seconds on a CPU). With check_nsp_share, NSP/SOP metrics of
+  labels far from half NotNext are refused (`check_label_share`)."""
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
   sharding_lib.check_batch_size(batch_size, mesh, 'eval.batch_size')
-  ds = input_pipeline.make_pretraining_dataset(
+  ds = dataset if dataset is not None else input_pipeline.make_pretraining_dataset(
       phase.data, batch_size=batch_size // jax.process_count(), seq_len=phase.seq_len,
       max_predictions=phase.max_predictions, train=False, process_index=jax.process_index(),
       process_count=jax.process_count(), vocab_file=vocab_file)
@@ -234,6 +237,7 @@ class _Run:
   vocab_file: str
   # (phase, train, batch_size=local batch, seed=None) -> this process's tf.data dataset.
   dataset_for: Callable[..., Any]
+  eval_dataset_for: Callable[..., Any]  # phase -> its held-out batches (built once, checked).
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
   manager: Any  # Orbax's CheckpointManager.
   log: monitor.MetricsLog
@@ -386,6 +390,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
   return _Run(workdir=workdir, phases=phases, mesh=mesh, rules=rules,
               batch_sharding=batch_sharding, vocab_file=vocab_file, dataset_for=dataset_for,
+              eval_dataset_for=lambda phase: checked_dataset_for(phase, False, eval_local),
               built=built, manager=manager, log=monitor.MetricsLog(workdir, config),
               pusher=publish.make_pusher(config, workdir),
               batch_size=batch_size, seed=seed, steps=int(config.train.steps), stop_at=stop_at,
@@ -519,7 +524,8 @@ def _evaluate(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,
     ckpt_lib.wait_for_saves(run.manager, run.workdir)
     evaluated = evaluate_params(phase, run.state.params, run.built.eval_step, run.mesh,
                                 run.rules, run.vocab_file, batch_size=run.eval_batch_size,
-                                steps=run.eval_steps, stop=preemption.cut_short)
+                                steps=run.eval_steps, stop=preemption.cut_short,
+                                dataset=run.eval_dataset_for(phase))
   if evaluated is None:
     if run.last_saved != run.step:
       _save(run, steps, phase, data_it)
