@@ -235,9 +235,9 @@ class _Run:
   rules: Any
   batch_sharding: jax.sharding.NamedSharding
   vocab_file: str
-  # (phase, train, batch_size=local batch, seed=None) -> this process's tf.data dataset.
+  # (phase, train, batch_size=local batch, seed=None) -> this process's tf.data dataset, each
+  # built once.
   dataset_for: Callable[..., Any]
-  eval_dataset_for: Callable[..., Any]  # phase -> its held-out batches (built once, checked).
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
   manager: Any  # Orbax's CheckpointManager.
   log: monitor.MetricsLog
@@ -339,12 +339,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
     vocab_file = input_pipeline.resolve_vocab(phases[0].data, workdir)
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   _check_resumed_vocab(workdir, vocab_file, tokenizer.vocab)
-  dataset_for = functools.partial(_dataset, vocab_file, batch_size)
-  # The datasets the check builds also give the compiles their shapes: a build traces the
-  # pipeline's TensorFlow functions (seconds on a CPU, in every run), so it is done once.
-  checked_dataset_for = functools.cache(dataset_for)
+  # A build traces the pipeline's TensorFlow functions (seconds on a CPU, in every run), so each
+  # dataset is built once: the check's give the compiles their shapes, the training input its
+  # first stream and every evaluation its batches (each iteration starts from the beginning).
+  built_datasets = functools.cache(functools.partial(_dataset, vocab_file, batch_size))
+  dataset_for = lambda phase, train, batch_size=None, seed=None: built_datasets(
+      phase, train, batch_size, seed)
   logging.info('Checking the input of %d phase(s)', len(phases))
-  _check_phase_data(phases, checked_dataset_for, eval_batch_size // jax.process_count())
+  _check_phase_data(phases, dataset_for, eval_batch_size // jax.process_count())
   preemption.check()
 
   # ---- Model, optimizer, abstract init and shardings, steps (nothing allocated yet) ----------
@@ -382,15 +384,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   def steps_to_compile():  # Lazy: a phase's shapes are read on the compiling thread.
     for phase in remaining:
       yield built.train_step.jitted, (built.abstract, _global_batch_spec(
-          checked_dataset_for(phase, True).element_spec, batch_sharding))
+          dataset_for(phase, True).element_spec, batch_sharding))
       yield built.eval_step, (built.abstract.params, _global_batch_spec(
-          checked_dataset_for(phase, False, eval_local).element_spec, batch_sharding))
+          dataset_for(phase, False, eval_local).element_spec, batch_sharding))
 
   preemption.wait(lambda: state_lib.compile_ahead(
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
   return _Run(workdir=workdir, phases=phases, mesh=mesh, rules=rules,
               batch_sharding=batch_sharding, vocab_file=vocab_file, dataset_for=dataset_for,
-              eval_dataset_for=lambda phase: checked_dataset_for(phase, False, eval_local),
               built=built, manager=manager, log=monitor.MetricsLog(workdir, config),
               pusher=publish.make_pusher(config, workdir),
               batch_size=batch_size, seed=seed, steps=int(config.train.steps), stop_at=stop_at,
@@ -525,7 +526,8 @@ def _evaluate(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,
     evaluated = evaluate_params(phase, run.state.params, run.built.eval_step, run.mesh,
                                 run.rules, run.vocab_file, batch_size=run.eval_batch_size,
                                 steps=run.eval_steps, stop=preemption.cut_short,
-                                dataset=run.eval_dataset_for(phase))
+                                dataset=run.dataset_for(
+                                    phase, False, run.eval_batch_size // jax.process_count()))
   if evaluated is None:
     if run.last_saved != run.step:
       _save(run, steps, phase, data_it)
