@@ -14,6 +14,7 @@ start-up notes held back, the log filter, those signals before a run listens) is
 
 import contextlib
 import difflib
+import gc
 import os
 import re
 import signal
@@ -615,6 +616,10 @@ def _start_up(name: str, quiet: bool) -> None:
     import jax  # pylint: disable=g-import-not-at-top
     with hold():
       jax.devices()
+  # The ~460,000 objects of the modules loaded so far (TensorFlow's, JAX's) live as long as the
+  # process: out of the cyclic collector's sight, each of its full collections skips them (half
+  # of a short pre-training run's 3.3 s of collections on a CPU).
+  gc.freeze()
 
 
 def _check_before_imports(name: str) -> None:

@@ -237,6 +237,26 @@ def test_mistakes_found_before_tensorflow_and_jax_load(tmp_path, blocked, args, 
   _assert_user_error(proc, args[0], fragment.replace('FILE', str(path)))
 
 
+def test_start_up_freezes_the_loaded_modules_for_the_collector(tmp_path):
+  """After its start-up (TensorFlow and JAX loaded), a command has moved the objects alive then
+  into the collector's permanent generation (gc.freeze): its full collections skip them."""
+  script = ('import gc, sys\n'
+            'from bert_jax import cli\n'
+            'start_up = cli._start_up\n'
+            'def counted(*args, **kwargs):\n'
+            '  start_up(*args, **kwargs)\n'
+            '  print("frozen", gc.get_freeze_count(), flush=True)\n'
+            'cli._start_up = counted\n'
+            'cli.main(["bert-jax"] + sys.argv[1:])\n')
+  proc = subprocess.run([sys.executable, '-c', script, 'fill-mask',
+                         f'--checkpoint={tmp_path / "missing"}', 'a [MASK] b'], cwd=_ROOT,
+                        env=dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu'),
+                        capture_output=True, text=True, timeout=300)
+  frozen = re.search(r'^frozen (\d+)$', proc.stdout, re.M)
+  assert frozen and int(frozen.group(1)) > 100_000, proc.stdout + proc.stderr[-3000:]
+  assert proc.returncode == 2, proc.stderr[-3000:]  # The missing checkpoint, after start-up.
+
+
 def test_unknown_command_suggests_the_closest():
   proc = _cli(['pretrian'])
   assert proc.returncode == 2
