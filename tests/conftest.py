@@ -53,6 +53,28 @@ def xla_optimizations(request):
 
 
 @pytest.fixture(scope='module')
+def compilation_cache(tmp_path_factory):
+  """A persistent compilation cache (its path) for a module's runs, every program kept: set in
+  this process while the module runs (restored afterwards), handed to its subprocesses with
+  `processes.env`. Runs of one configuration in several workdirs then compile once; a run's
+  own cache (checkpoint.compilation_cache_dir) gives way to one set outside bert_jax."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental.compilation_cache import compilation_cache as cc  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path_factory.mktemp('jax_cache'))
+  settings = {'jax_compilation_cache_dir': path,
+              'jax_persistent_cache_min_compile_time_secs': 0.0,
+              'jax_persistent_cache_min_entry_size_bytes': 0}
+  previous = {name: getattr(jax.config, name) for name in settings}
+  for name, value in settings.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+  yield path
+  for name, value in previous.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+
+
+@pytest.fixture(scope='module')
 def gcs(tmp_path_factory):
   """A Cloud Storage server on loopback with one bucket (tests/gcs_server.py), stopped after
   the module that uses it. Its client settings (https_proxy among them) are in this process's

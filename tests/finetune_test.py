@@ -39,6 +39,9 @@ import processes
 
 # Runs of many steps: compiled with XLA's optimizations (conftest.xla_optimizations).
 OPTIMIZE_XLA = True
+# Many runs of one configuration in fresh workdirs (resumes, SIGTERMs): compiled once
+# (conftest.compilation_cache).
+pytestmark = pytest.mark.usefixtures('compilation_cache')
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POSITIVE = ['good', 'great', 'fine', 'nice', 'happy', 'superb', 'lovely', 'brilliant']
 NEGATIVE = ['bad', 'awful', 'poor', 'sad', 'terrible', 'dull', 'boring', 'ugly']

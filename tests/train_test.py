@@ -78,22 +78,8 @@ TRAIN_KEYS = ('step', 'loss', 'mlm_loss', 'mlm_accuracy', 'nsp_loss', 'nsp_accur
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope='module', autouse=True)
-def compilation_cache(tmp_path_factory):
-  """A persistent compilation cache for this module's runs (restored afterwards)."""
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  path = str(tmp_path_factory.mktemp('jax_cache'))
-  settings = {'jax_compilation_cache_dir': path,
-              'jax_persistent_cache_min_compile_time_secs': 0.0,
-              'jax_persistent_cache_min_entry_size_bytes': 0}
-  previous = {name: getattr(jax.config, name) for name in settings}
-  for name, value in settings.items():
-    jax.config.update(name, value)
-  cc.reset_cache()
-  yield path
-  for name, value in previous.items():
-    jax.config.update(name, value)
-  cc.reset_cache()
+# A persistent compilation cache for this module's runs and its subprocesses (conftest).
+pytestmark = pytest.mark.usefixtures('compilation_cache')
 
 
 def _flags(overrides):
