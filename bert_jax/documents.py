@@ -24,6 +24,7 @@ split into sentences and pieces as a TFDS article is (`split_into_sentences`, `_
 
 import difflib
 import fnmatch
+import functools
 import gzip
 import os
 import re
@@ -353,7 +354,21 @@ def _split_lines(lines: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.
   return tuple(tf.boolean_mask(t, kept) for t in (texts, blank, first_of_cut, source))
 
 
-def _group_lines(keep):
+# The state of `_group_lines`' scan: (unfinished piece, its offset, its document's id, its cut
+# lines).
+_PIECE_STATE = (tf.TensorSpec([], tf.string), tf.TensorSpec([], tf.int64),
+                tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64))
+
+
+# A cached tf.function with a fixed signature for each selection, traced without AutoGraph (no
+# Python control flow on tensors): traced by tf.data with each build, it took most of a text
+# input's build (0.5 s of CPU); a build now takes 0.07 s once its selection was traced (0.6 s).
+@functools.lru_cache(maxsize=16)
+def _group_lines(holdout: bool | None, shard: tuple[int, int] | None):
+  keep = selector(holdout, shard)
+
+  @tf.function(autograph=False,
+               input_signature=[_PIECE_STATE, tf.TensorSpec([None], tf.string)])
   def step(state, lines: tf.Tensor):
     """(unfinished piece, next lines) -> (unfinished piece, finished and kept pieces).
 
@@ -412,7 +427,7 @@ def _group_lines(keep):
   return step
 
 
-def _text_file_reader(keep):
+def _text_file_reader(holdout: bool | None, shard: tuple[int, int] | None):
   def read(path: tf.Tensor) -> tf.data.Dataset:
     """Documents of one text file, in file order, in pieces."""
     compression = tf.where(tf.strings.regex_full_match(path, r'.*\.gz'), 'GZIP', '')
@@ -420,7 +435,7 @@ def _text_file_reader(keep):
     lines = lines.concatenate(tf.data.Dataset.from_tensors(tf.constant('')))  # Ends the last.
     initial = (tf.constant(''), tf.constant(0, tf.int64), tf.constant(-1, tf.int64),
                tf.constant(0, tf.int64))
-    return lines.batch(LINES_PER_READ).scan(initial, _group_lines(keep)).unbatch()
+    return lines.batch(LINES_PER_READ).scan(initial, _group_lines(holdout, shard)).unbatch()
   return read
 
 
@@ -435,11 +450,11 @@ def text_documents(files: list[str], *, holdout: bool | None = None, shuffle_fil
   by_document = len(files) < process_count
   if not by_document:
     files = files[process_index::process_count]
-  keep = selector(holdout, (process_index, process_count) if by_document else None)
+  shard = (process_index, process_count) if by_document else None
   ds = tf.data.Dataset.from_tensor_slices(files)
   if shuffle_files and len(files) > 1:
     ds = ds.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
-  return ds.interleave(_text_file_reader(keep), cycle_length=min(len(files), 16),
+  return ds.interleave(_text_file_reader(holdout, shard), cycle_length=min(len(files), 16),
                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
