@@ -72,12 +72,13 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
   checkpoint holds when its state has them), meta (JSON). `keep`: how many recent steps are
   kept (None: all; the caller deletes). `async_save=False`: its `save` returns once the save
   is committed (Orbax's asynchronous checkpointer either way: with several processes, only its
-  commit can be agreed on, `orbax_hooks.CommitOutcome`). `replica_parallel` (default: with
-  several processes) spreads the writes of replicated arrays over the processes holding them;
-  with one process they go through the same host either way, and slicing compiles a program
-  per parameter shape and replica at the first save (about 5 s of a tiny model's CPU run)."""
+  commit can be agreed on, `orbax_hooks.CommitOutcome`). `replica_parallel` (default: on,
+  except for one process on the CPU) spreads the copies and writes of replicated arrays over
+  their replicas (accelerators, hosts); one CPU process's replicas share its memory and disk,
+  and slicing only compiles a program per parameter shape and replica at the first save (about
+  5 s of a tiny model's run)."""
   if replica_parallel is None:
-    replica_parallel = jax.process_count() > 1
+    replica_parallel = jax.process_count() > 1 or jax.default_backend() != 'cpu'
   commit = orbax_hooks.CommitOutcome() if jax.process_count() > 1 else None
   # The step's folders are made before `save` returns, not in Orbax's background: made there, a
   # failure (Cloud Storage down at that moment) never sends the signal the item writes wait for,

@@ -238,6 +238,7 @@ class _Run:
   # (phase, train, batch_size=local batch, seed=None) -> this process's tf.data dataset, each
   # built once.
   dataset_for: Callable[..., Any]
+  fingerprints: dict[int, dict[str, Any]]  # Phase index -> its training input's fingerprint.
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
   manager: Any  # Orbax's CheckpointManager.
   log: monitor.MetricsLog
@@ -340,13 +341,21 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   tokenizer = tokenization.load_tokenizer(vocab_file, lower_case=config.data.lower_case)
   _check_resumed_vocab(workdir, vocab_file, tokenizer.vocab)
   # A build traces the pipeline's TensorFlow functions (seconds on a CPU, in every run), so each
-  # dataset is built once: the check's give the compiles their shapes, the training input its
-  # first stream and every evaluation its batches (each iteration starts from the beginning).
+  # dataset is built once: the check's give the compiles their shapes, each phase's training
+  # input its first stream (iterated once: its shuffles draw anew with each iteration) and every
+  # evaluation its batches (the same each time).
   built_datasets = functools.cache(functools.partial(_dataset, vocab_file, batch_size))
   dataset_for = lambda phase, train, batch_size=None, seed=None: built_datasets(
       phase, train, batch_size, seed)
   logging.info('Checking the input of %d phase(s)', len(phases))
   _check_phase_data(phases, dataset_for, eval_batch_size // jax.process_count())
+  # What a saved input position is valid for, taken as the training streams were built: their
+  # files as listed then, not at a phase's start thousands of steps on.
+  fingerprints = {
+      phase.index: input_pipeline.input_fingerprint(
+          phase.data, batch_size=batch_size // jax.process_count(), seq_len=phase.seq_len,
+          max_predictions=phase.max_predictions, process_count=jax.process_count())
+      for phase in phases}
   preemption.check()
 
   # ---- Model, optimizer, abstract init and shardings, steps (nothing allocated yet) ----------
@@ -392,6 +401,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
   return _Run(workdir=workdir, phases=phases, mesh=mesh, rules=rules,
               batch_sharding=batch_sharding, vocab_file=vocab_file, dataset_for=dataset_for,
+              fingerprints=fingerprints,
               built=built, manager=manager, log=monitor.MetricsLog(workdir, config),
               pusher=publish.make_pusher(config, workdir),
               batch_size=batch_size, seed=seed, steps=int(config.train.steps), stop_at=stop_at,
@@ -496,11 +506,9 @@ def _training_input(run: _Run, phase: pretraining.Phase):
   """The phase's training input (`input_pipeline.TrainingInput`) from `run.step`; a saved
   position is restored only where it fits."""
   from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  fingerprint = input_pipeline.input_fingerprint(
-      phase.data, batch_size=run.batch_size // jax.process_count(), seq_len=phase.seq_len,
-      max_predictions=phase.max_predictions, process_count=jax.process_count())
   return input_pipeline.TrainingInput(lambda seed: run.dataset_for(phase, True, seed=seed),
-                                      fingerprint, run.step, int(phase.data.seed))
+                                      run.fingerprints[phase.index], run.step,
+                                      int(phase.data.seed))
 
 
 def _save(run: _Run, steps: monitor.Steps, phase: pretraining.Phase, data_it) -> None:

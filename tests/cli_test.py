@@ -239,7 +239,9 @@ def test_mistakes_found_before_tensorflow_and_jax_load(tmp_path, blocked, args, 
 
 def test_start_up_freezes_the_loaded_modules_for_the_collector(tmp_path):
   """After its start-up (TensorFlow and JAX loaded), a command has moved the objects alive then
-  into the collector's permanent generation (gc.freeze): its full collections skip them."""
+  into the collector's permanent generation (gc.freeze): its full collections skip them. When
+  `cli.main` returns (here: exits, status 2), they are the collector's again, for a process
+  that goes on."""
   script = ('import gc, sys\n'
             'from bert_jax import cli\n'
             'start_up = cli._start_up\n'
@@ -247,13 +249,17 @@ def test_start_up_freezes_the_loaded_modules_for_the_collector(tmp_path):
             '  start_up(*args, **kwargs)\n'
             '  print("frozen", gc.get_freeze_count(), flush=True)\n'
             'cli._start_up = counted\n'
-            'cli.main(["bert-jax"] + sys.argv[1:])\n')
+            'try:\n'
+            '  cli.main(["bert-jax"] + sys.argv[1:])\n'
+            'finally:\n'
+            '  print("after main", gc.get_freeze_count(), flush=True)\n')
   proc = subprocess.run([sys.executable, '-c', script, 'fill-mask',
                          f'--checkpoint={tmp_path / "missing"}', 'a [MASK] b'], cwd=_ROOT,
                         env=dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu'),
                         capture_output=True, text=True, timeout=300)
   frozen = re.search(r'^frozen (\d+)$', proc.stdout, re.M)
   assert frozen and int(frozen.group(1)) > 100_000, proc.stdout + proc.stderr[-3000:]
+  assert re.search(r'^after main 0$', proc.stdout, re.M), proc.stdout
   assert proc.returncode == 2, proc.stderr[-3000:]  # The missing checkpoint, after start-up.
 
 
