@@ -53,9 +53,8 @@ DATA_STATE_DIR = 'data_state'
 
 def _registry(replica_parallel: bool):
   """Orbax's type handlers, whose tensorstore requests to Cloud Storage retry on the run's
-  budget (`orbax_hooks.bounded_retries`); with replica-parallel saving (each replica of a
-  replicated array writes a slice of it) only when `replica_parallel`. The files are the same
-  either way."""
+  budget (`orbax_hooks.bounded_retries`); with `replica_parallel`, each replica of a replicated
+  array copies and writes a slice of it. The files are the same either way."""
   scalar = orbax_hooks.bounded_retries(ocp.type_handlers.ScalarHandler)()
   return ocp.type_handlers.create_type_handler_registry(
       (jax.Array, orbax_hooks.bounded_retries(ocp.type_handlers.ArrayHandler)(
@@ -72,13 +71,9 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
   checkpoint holds when its state has them), meta (JSON). `keep`: how many recent steps are
   kept (None: all; the caller deletes). `async_save=False`: its `save` returns once the save
   is committed (Orbax's asynchronous checkpointer either way: with several processes, only its
-  commit can be agreed on, `orbax_hooks.CommitOutcome`). `replica_parallel` (default: on,
-  except for one process on the CPU) spreads the copies and writes of replicated arrays over
-  their replicas (accelerators, hosts); one CPU process's replicas share its memory and disk,
-  and slicing only compiles a program per parameter shape and replica at the first save (about
-  5 s of a tiny model's run)."""
-  if replica_parallel is None:
-    replica_parallel = jax.process_count() > 1 or jax.default_backend() != 'cpu'
+  commit can be agreed on, `orbax_hooks.CommitOutcome`). `replica_parallel` (None: on, except
+  for one CPU process, whose replicas share one memory and disk: slicing there only compiles a
+  program per shape and replica at the first save, 5 s of a tiny model's run)."""
   commit = orbax_hooks.CommitOutcome() if jax.process_count() > 1 else None
   # The step's folders are made before `save` returns, not in Orbax's background: made there, a
   # failure (Cloud Storage down at that moment) never sends the signal the item writes wait for,
@@ -89,7 +84,8 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
       max_to_keep=keep, create=True, enable_async_checkpointing=True,
       async_options=ocp.AsyncOptions(barrier_sync_fn=commit.barrier if commit else None,
                                      create_directories_asynchronously=False))
-  registry = _registry(replica_parallel)
+  registry = _registry(jax.process_count() > 1 or jax.default_backend() != 'cpu'
+                       if replica_parallel is None else replica_parallel)
   trees = ('params', 'opt_state', *extras)
   handlers = {name: orbax_hooks.agreeing(
       ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) for name in trees}
