@@ -345,6 +345,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   # input its first stream (iterated once: its shuffles draw anew with each iteration) and every
   # evaluation its batches (the same each time).
   built_datasets = functools.cache(functools.partial(_dataset, vocab_file, batch_size))
+  # Positional, so that a call with seed=None and one without find the same build.
   dataset_for = lambda phase, train, batch_size=None, seed=None: built_datasets(
       phase, train, batch_size, seed)
   logging.info('Checking the input of %d phase(s)', len(phases))
