@@ -84,8 +84,9 @@ def make_manager(workdir: str, keep: int | None, async_save: bool = True,
       max_to_keep=keep, create=True, enable_async_checkpointing=True,
       async_options=ocp.AsyncOptions(barrier_sync_fn=commit.barrier if commit else None,
                                      create_directories_asynchronously=False))
-  registry = _registry(jax.process_count() > 1 or jax.default_backend() != 'cpu'
-                       if replica_parallel is None else replica_parallel)
+  if replica_parallel is None:
+    replica_parallel = jax.process_count() > 1 or jax.default_backend() != 'cpu'
+  registry = _registry(replica_parallel)
   trees = ('params', 'opt_state', *extras)
   handlers = {name: orbax_hooks.agreeing(
       ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) for name in trees}
