@@ -285,17 +285,27 @@ def _assert_wandb_run_is_the_log(workdir, runs):
     assert logged[row['step']]['eval/mlm_accuracy'] == row['mlm_accuracy']
 
 
-def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, vocab_file,
-                                                          compilation_cache):
+def test_sigterm_saves_where_it_stops_and_the_rerun_resumes_exactly_from_its_cache(
+    tmp_path, reference, vocab_file, compilation_cache):
   """SIGTERM mid-run: the run saves the step it reached, exits with EXIT_PREEMPTED (143), and
-  resumes exactly."""
+  the rerun resumes exactly.
+
+  With no cache set outside the config, a run keeps its compiled train and eval steps in
+  <workdir>/compilation_cache (checkpoint.compilation_cache_dir; both are compiled before the
+  first step, so the interrupted run has them); the rerun loads them from there and compiles
+  nothing new. A cache set outside the config (this module's) is kept."""
+  assert run_files.use_compilation_cache(str(tmp_path), 'compilation_cache') == compilation_cache
   workdir = str(tmp_path / 'run')
+  cache = os.path.join(workdir, 'compilation_cache')
+  env = processes.env(compilation_cache)
+  del env['JAX_COMPILATION_CACHE_DIR'], env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']
+  env['JAX_LOG_COMPILES'] = '1'  # Logs each cache hit.
   # No periodic checkpoint: the only one is the one the signal asks for.
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'checkpoint.every_steps': 1000})
   proc = subprocess.Popen(
       [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
-      _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+      _flags(overrides), cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True)
   try:
     deadline = time.time() + 300
     while len(_rows(workdir)[0]) < 2:
@@ -313,21 +323,36 @@ def test_sigterm_saves_where_it_stops_and_resumes_exactly(tmp_path, reference, v
   assert stopped < TOTAL_STEPS
   assert f'step {stopped}/{TOTAL_STEPS}' in out
   assert run_files.checkpoint_steps(workdir) == [stopped]
+  entries, logs = [sorted(os.listdir(cache))], [err]
 
-  end = stopped + 3
+  # The rerun: to the reference's last step, or a few steps on where the signal landed late.
+  end = max(REFERENCE_STEPS, stopped + 3)
   lines = _num_lines(workdir)
-  train.train_and_evaluate(_config(vocab_file, train__stop_at_step=end), workdir)
+  proc = subprocess.run(
+      [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+      _flags(dict(overrides, **{'train.stop_at_step': end})), cwd=_ROOT, env=env,
+      capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  entries.append(sorted(os.listdir(cache)))
+  logs.append(proc.stderr)
   resumed = _losses(workdir, skip=lines)
   assert sorted(resumed) == list(range(stopped + 1, end + 1))
-  expected = _losses(reference)
+  expected = reference
   if end > REFERENCE_STEPS:  # The signal landed late: extend the reference.
-    longer = str(tmp_path / 'longer')
-    train.train_and_evaluate(_config(vocab_file, train__stop_at_step=end), longer)
-    expected = _losses(longer)
-  before = _losses(workdir)
-  assert {s: expected[s] for s in range(1, stopped + 1)} == {
-      s: before[s] for s in range(1, stopped + 1)}
-  assert {s: expected[s] for s in resumed} == resumed
+    expected = str(tmp_path / 'longer')
+    train.train_and_evaluate(_config(vocab_file, train__stop_at_step=end), expected)
+  assert _losses(workdir) == _losses(expected)
+  _assert_same_params(_params(workdir), _params(expected))
+
+  assert any(e.startswith('jit_step-') for e in entries[0]), entries[0]
+  assert any(e.startswith('jit_eval_step-') for e in entries[0]), entries[0]
+  # The steps come from the cache: no new entry of theirs. (Small programs that happened to
+  # take over the 0.2 s threshold only on a loaded machine may add entries of their own.)
+  steps = lambda e: [x for x in e if x.startswith(('jit_step-', 'jit_eval_step-'))]
+  assert steps(entries[1]) == steps(entries[0])
+  for name in ('jit_step', 'jit_eval_step'):
+    assert f"Persistent compilation cache hit for '{name}'" not in logs[0]
+    assert f"Persistent compilation cache hit for '{name}'" in logs[1], logs[1][-5000:]
 
 
 def test_eval_command_agrees_with_the_runs_last_evaluation(tmp_path, reference, vocab_file,
@@ -1140,37 +1165,6 @@ def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, voca
   assert run_files.checkpoint_steps(workdir) == [16, 21]
   assert 'bert-jax pretrain: stopped by Ctrl-C: saved step 21; rerun the same command' in out
   assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
-
-
-def test_a_rerun_loads_its_steps_from_the_workdirs_compilation_cache(tmp_path, vocab_file,
-                                                                      compilation_cache):
-  """With no cache set outside the config, a run keeps its compiled train and eval steps in
-  <workdir>/compilation_cache (checkpoint.compilation_cache_dir); the rerun loads them from
-  there and compiles nothing new. A cache set outside the config (this module's) is kept."""
-  assert run_files.use_compilation_cache(str(tmp_path), 'compilation_cache') == compilation_cache
-  workdir = str(tmp_path / 'run')
-  cache = os.path.join(workdir, 'compilation_cache')
-  env = processes.env(compilation_cache)
-  del env['JAX_COMPILATION_CACHE_DIR'], env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']
-  env['JAX_LOG_COMPILES'] = '1'  # Logs each cache hit.
-  entries, logs = [], []
-  for stop_at in (2, 3):
-    overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'train.stop_at_step': stop_at})
-    proc = subprocess.run(
-        [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
-        _flags(overrides), cwd=_ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    entries.append(sorted(os.listdir(cache)))
-    logs.append(proc.stderr)
-  assert any(e.startswith('jit_step-') for e in entries[0]), entries[0]
-  assert any(e.startswith('jit_eval_step-') for e in entries[0]), entries[0]
-  # The steps come from the cache: no new entry of theirs. (Small programs that happened to
-  # take over the 0.2 s threshold only on a loaded machine may add entries of their own.)
-  steps = lambda e: [x for x in e if x.startswith(('jit_step-', 'jit_eval_step-'))]
-  assert steps(entries[1]) == steps(entries[0])
-  for name in ('jit_step', 'jit_eval_step'):
-    assert f"Persistent compilation cache hit for '{name}'" not in logs[0]
-    assert f"Persistent compilation cache hit for '{name}'" in logs[1], logs[1][-5000:]
 
 
 # The checkpoint item of FP8 runs' scales, named so since they exist: checkpoints written then
