@@ -401,47 +401,6 @@ def test_resume_with_another_corpus_and_batch_size_restarts_the_input(tmp_path, 
   assert sorted(resumed) == [REFERENCE_STEPS + 1, REFERENCE_STEPS + 2]
 
 
-def test_uncommitted_and_corrupt_checkpoints_are_never_resumed_from(tmp_path, reference,
-                                                                    vocab_file, caplog):
-  """A save cut off before Orbax's commit (on a local disk: the rename of
-  `<step>.orbax-checkpoint-tmp` to `<step>`) is ignored; a committed checkpoint with a truncated
-  file (the last committed one, below the uncommitted one) is named, moved aside and never
-  loaded in part. The run resumes from the committed step before it and redoes the rest
-  exactly. (Both faults in one workdir: one resume checks both.)"""
-  workdir = str(tmp_path / 'run')
-  shutil.copytree(reference, workdir)
-  ckpt_dir = os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)
-  assert run_files.checkpoint_steps(workdir) == [4, 8, 12]
-  # Step 12 as an interrupted save leaves it: complete files, no commit marker, not renamed.
-  partial = os.path.join(ckpt_dir, '12.orbax-checkpoint-tmp')
-  os.rename(os.path.join(ckpt_dir, '12'), partial)
-  os.remove(os.path.join(partial, 'commit_success.txt'))
-  # And a bare step directory that never got past its first file.
-  os.makedirs(os.path.join(ckpt_dir, '16.orbax-checkpoint-tmp', 'params'))
-  assert run_files.checkpoint_steps(workdir) == [4, 8]
-  manager = ckpt_lib.make_manager(workdir, keep=3)
-  assert manager.latest_step() == 8
-  manager.close()
-  # Step 8, the last committed one, with a truncated file.
-  last_committed = os.path.join(ckpt_dir, '8')
-  data_files = sorted(glob.glob(os.path.join(last_committed, 'params', '**', 'd', '*'), recursive=True),
-                      key=os.path.getsize)
-  assert data_files
-  with open(data_files[-1], 'r+b') as f:  # The largest array file, cut in half.
-    f.truncate(os.path.getsize(data_files[-1]) // 2)
-
-  with caplog.at_level('WARNING'):
-    train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
-  assert any(f'Checkpoint {last_committed} cannot be read' in r.getMessage() for r in caplog.records)
-  assert os.path.isdir(last_committed + '.corrupt')
-  # The rows of steps 5-12 the copied log held were dropped on resume and logged again: the
-  # log reads like the uninterrupted run's.
-  assert _losses(workdir) == _losses(reference)
-  assert run_files.checkpoint_steps(workdir) == [4, 8, 12]
-  assert not os.path.exists(partial)
-  _assert_same_params(_params(workdir), _params(reference))
-
-
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, vocab_file):
   """An absurd learning rate blows the loss up; the run stops with a UserError that
   names the last good checkpoint, and that checkpoint is kept and loads. Without any
@@ -796,7 +755,7 @@ def test_a_lopsided_sop_evaluation_is_named_as_sop():
 
 
 # ---------------------------------------------------------------------------------------------
-# Faults: SIGKILL at any moment, a second run, corrupt checkpoints, a full disk
+# Faults: SIGKILL at any moment, a second run, uncommitted and corrupt checkpoints, a full disk
 # ---------------------------------------------------------------------------------------------
 
 # Runs `bert-jax pretrain` with a fault at a chosen point (BERT_JAX_TEST_FAULT):
@@ -968,6 +927,47 @@ def test_sigkill_mid_step_mid_save_mid_eval_resumes_exactly(tmp_path, reference,
   assert _losses(workdir) == _losses(reference)
   _assert_same_params(_params(workdir), _params(reference))
   assert not os.path.exists(os.path.join(workdir, run_lock.LOCK_FILE))
+
+
+def test_uncommitted_and_corrupt_checkpoints_are_never_resumed_from(tmp_path, reference,
+                                                                    vocab_file, caplog):
+  """A save cut off before Orbax's commit (on a local disk: the rename of
+  `<step>.orbax-checkpoint-tmp` to `<step>`) is ignored; a committed checkpoint with a truncated
+  file (the last committed one, below the uncommitted one) is named, moved aside and never
+  loaded in part. The run resumes from the committed step before it and redoes the rest
+  exactly. (Both faults in one workdir: one resume checks both.)"""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(reference, workdir)
+  ckpt_dir = os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)
+  assert run_files.checkpoint_steps(workdir) == [4, 8, 12]
+  # Step 12 as an interrupted save leaves it: complete files, no commit marker, not renamed.
+  partial = os.path.join(ckpt_dir, '12.orbax-checkpoint-tmp')
+  os.rename(os.path.join(ckpt_dir, '12'), partial)
+  os.remove(os.path.join(partial, 'commit_success.txt'))
+  # And a bare step directory that never got past its first file.
+  os.makedirs(os.path.join(ckpt_dir, '16.orbax-checkpoint-tmp', 'params'))
+  assert run_files.checkpoint_steps(workdir) == [4, 8]
+  manager = ckpt_lib.make_manager(workdir, keep=3)
+  assert manager.latest_step() == 8
+  manager.close()
+  # Step 8, the last committed one, with a truncated file.
+  corrupt = os.path.join(ckpt_dir, '8')
+  data_files = sorted(glob.glob(os.path.join(corrupt, 'params', '**', 'd', '*'), recursive=True),
+                      key=os.path.getsize)
+  assert data_files
+  with open(data_files[-1], 'r+b') as f:  # The largest array file, cut in half.
+    f.truncate(os.path.getsize(data_files[-1]) // 2)
+
+  with caplog.at_level('WARNING'):
+    train.train_and_evaluate(_config(vocab_file, train__stop_at_step=REFERENCE_STEPS), workdir)
+  assert any(f'Checkpoint {corrupt} cannot be read' in r.getMessage() for r in caplog.records)
+  assert os.path.isdir(corrupt + '.corrupt')
+  # The rows of steps 5-12 the copied log held were dropped on resume and logged again: the
+  # log reads like the uninterrupted run's.
+  assert _losses(workdir) == _losses(reference)
+  assert run_files.checkpoint_steps(workdir) == [4, 8, 12]
+  assert not os.path.exists(partial)
+  _assert_same_params(_params(workdir), _params(reference))
 
 
 def test_checkpoint_of_another_shape_is_refused(tmp_path, reference, vocab_file):
