@@ -302,10 +302,13 @@ def test_sigterm_saves_where_it_stops_and_the_rerun_resumes_exactly_from_its_cac
   env['JAX_LOG_COMPILES'] = '1'  # Logs each cache hit.
   # No periodic checkpoint: the only one is the one the signal asks for.
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'checkpoint.every_steps': 1000})
-  proc = subprocess.Popen(
-      [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
-      _flags(overrides), cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True)
+  # Its output goes to files, not pipes: the compile log could fill a pipe that nothing reads
+  # while the test waits for the second step.
+  out_file, err_file = tmp_path / 'stdout.txt', tmp_path / 'stderr.txt'
+  with open(out_file, 'w') as stdout, open(err_file, 'w') as stderr:
+    proc = subprocess.Popen(
+        [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+        _flags(overrides), cwd=_ROOT, env=env, stdout=stdout, stderr=stderr)
   try:
     deadline = time.time() + 300
     while len(_rows(workdir)[0]) < 2:
@@ -316,8 +319,15 @@ def test_sigterm_saves_where_it_stops_and_the_rerun_resumes_exactly_from_its_cac
     proc.send_signal(signal.SIGTERM)
   except BaseException:
     proc.kill()
+    proc.wait()
     raise
-  out, err = _communicate(proc, timeout=120)
+  try:
+    proc.wait(timeout=120)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+    pytest.fail(f'the run did not stop within 120 s of SIGTERM:\n{err_file.read_text()[-5000:]}')
+  out, err = out_file.read_text(), err_file.read_text()
   assert proc.returncode == EXIT_PREEMPTED, err[-5000:]
   stopped = max(_losses(workdir))
   assert stopped < TOTAL_STEPS
