@@ -72,16 +72,18 @@ def _flags(overrides):
   return [f'--config.{k}={v}' for k, v in overrides.items()]
 
 
-# Runs `bert-jax pretrain` with 8 s after each logged training row from step 2 on: the test's
-# SIGTERM, sent once it sees 2 rows in the bucket, lands before step 4 (REFERENCE_STEPS),
-# however loaded the machine.
+# Runs `bert-jax pretrain` with 8 s after the logged training rows of steps 2 and 3, so that
+# steps 3 and 4 (REFERENCE_STEPS) start late: the test's SIGTERM, sent once it sees 2 rows in the
+# bucket, lands before step 4, however loaded the machine, and so do the outages that the tests
+# start after step 2's commit or step 3's row. (Nothing waits after step 4: a sleep there only
+# delayed the run's end.)
 _SLOW_AFTER_STEP_2 = '''
 import sys, time
 from bert_jax import cli, monitor
 train = monitor.MetricsLog.train
 def slow_train(self, step, *args, **kwargs):
   train(self, step, *args, **kwargs)
-  if step >= 2:
+  if step in (2, 3):
     time.sleep(8)
 monitor.MetricsLog.train = slow_train
 cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
@@ -189,7 +191,8 @@ def _down_after(gcs, proc, trigger, prefix, timeout=1500):
     time.sleep(0.2)
   proc.kill()
   out, err = proc.communicate()
-  pytest.fail(f'no request for {trigger} (returncode {proc.returncode}):\n{err[-5000:]}')
+  what = f'request for {trigger}' if isinstance(trigger, str) else 'trigger of the outage'
+  pytest.fail(f'no {what} (returncode {proc.returncode}):\n{err[-5000:]}')
 
 
 # The longest a run may take to end once its workdir's store is down, with the retries of
