@@ -214,11 +214,11 @@ def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
   Then a rerun without the faults (each step after step 2 slowed to 8 s, so that the outage
   comes first) resumes from step 2, and once it has logged step 3 the whole checkpoint folder
   answers only 503 (step 4's arrays and metadata, while metrics.jsonl and the rest answer): it
-  ends within _DOWN_BOUND_S with one line naming an object there and EXIT_PREEMPTED, step 2
-  still the last committed. Every layer retries on the budget of GCS_RETRY_CONFIG_*: before,
-  tensorstore retried a checkpoint's arrays for about 15 minutes, and an asynchronous save's
-  failure surfaced only at the next save (a run whose checkpoint folder failed had not ended
-  after 300 s).
+  ends within _DOWN_BOUND_S with one line naming an object of the workdir and EXIT_PREEMPTED,
+  step 2 still the last committed. Every layer retries on the budget of GCS_RETRY_CONFIG_*:
+  before, tensorstore retried a checkpoint's arrays for about 15 minutes, and an asynchronous
+  save's failure surfaced only at the next save (a run whose checkpoint folder failed had not
+  ended after 300 s).
 
   The last rerun, through the same faults as the first run and on the same short retries,
   resumes from step 2: the log holds exactly the losses of the clean reference run, and the
@@ -282,7 +282,7 @@ def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
   assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
   assert f'Resumed from step {SAVE_EVERY}' in err, err[-5000:]
   assert re.fullmatch(
-      rf'bert-jax pretrain: error: gs://{gcs_server.BUCKET}/faults/checkpoints/\S+: Cloud '
+      rf'bert-jax pretrain: error: gs://{gcs_server.BUCKET}/faults/\S+: Cloud '
       r'Storage kept failing \(Backend Error\) past the retries \(README: Cloud Storage\); the '
       r'last (complete checkpoint, step \d+,|committed checkpoint) is intact: rerun the same '
       'command to resume once Cloud Storage answers', err.strip().splitlines()[-1]), err[-3000:]
