@@ -66,6 +66,7 @@ def test_the_writes_of_a_failed_save_that_end_as_their_loop_stops_are_retrieved(
   gc.collect()
   assert not unretrieved
 
+
 class _KeyValueStore:
   """jax.distributed's key-value store (what `orbax_hooks._exchange` uses of it)."""
 
