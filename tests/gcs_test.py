@@ -807,7 +807,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, cache, data, reference
   gcs.inject(faults)
   gcs.reset_log()
   try:
-    with caplog.at_level('INFO'):
+    with caplog.at_level('INFO', logger='absl'):  # Whatever absl's verbosity.
       assert finetune.finetune(config, workdir) == full
   finally:
     gcs.inject([])
