@@ -202,6 +202,22 @@ def _down_after(gcs, proc, trigger, prefix, timeout=1500):
 _DOWN_BOUND_S = 120
 
 
+def _assert_ended_by_the_outage(command, workdir, step, proc, err, seconds):
+  """A rerun that resumed from `step` and met its workdir's store down (`_down_after`) ended as
+  the README says: status 143 within _DOWN_BOUND_S, one line naming an object of the workdir,
+  no traceback, `step` still the last committed."""
+  assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
+  assert f'Resumed from step {step}' in err, err[-5000:]
+  assert re.fullmatch(
+      rf'bert-jax {command}: error: {re.escape(workdir)}/\S+: Cloud Storage kept failing '
+      r'\(Backend Error\) past the retries \(README: Cloud Storage\); the last (complete '
+      r'checkpoint, step \d+,|committed checkpoint) is intact: rerun the same command to resume '
+      'once Cloud Storage answers', err.strip().splitlines()[-1]), err[-3000:]
+  assert 'Traceback' not in err, err[-5000:]
+  assert seconds < _DOWN_BOUND_S, (seconds, err[-3000:])
+  assert run_files.checkpoint_steps(workdir) == [step]
+
+
 def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
     gcs, cache, data, reference, tmp_path):
   """The proxy answers 503 and 429 (single and in bursts) and resets connections halfway through
@@ -279,16 +295,7 @@ def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
     ended = time.time()
   finally:
     gcs.inject([])
-  assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
-  assert f'Resumed from step {SAVE_EVERY}' in err, err[-5000:]
-  assert re.fullmatch(
-      rf'bert-jax pretrain: error: gs://{gcs_server.BUCKET}/faults/\S+: Cloud '
-      r'Storage kept failing \(Backend Error\) past the retries \(README: Cloud Storage\); the '
-      r'last (complete checkpoint, step \d+,|committed checkpoint) is intact: rerun the same '
-      'command to resume once Cloud Storage answers', err.strip().splitlines()[-1]), err[-3000:]
-  assert 'Traceback' not in err, err[-5000:]
-  assert ended - down < _DOWN_BOUND_S, (ended - down, err[-3000:])
-  assert run_files.checkpoint_steps(workdir) == [SAVE_EVERY]
+  _assert_ended_by_the_outage('pretrain', workdir, SAVE_EVERY, proc, err, ended - down)
 
   gcs.reset_log()
   gcs.inject(rules)
@@ -792,16 +799,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, cache, data, reference
     ended = time.time()
   finally:
     gcs.inject([])
-  assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
-  assert 'Resumed from step 2' in err, err[-5000:]
-  assert re.fullmatch(
-      rf'bert-jax finetune: error: gs://{gcs_server.BUCKET}/sst2/\S+: Cloud Storage kept failing '
-      r'\(Backend Error\) past the retries \(README: Cloud Storage\); the last (complete '
-      r'checkpoint, step \d+,|committed checkpoint) is intact: rerun the same command to resume '
-      'once Cloud Storage answers', err.strip().splitlines()[-1]), err[-3000:]
-  assert 'Traceback' not in err, err[-5000:]
-  assert ended - down < _DOWN_BOUND_S, (ended - down, err[-3000:])
-  assert run_files.checkpoint_steps(workdir) == [2]
+  _assert_ended_by_the_outage('finetune', workdir, 2, proc, err, ended - down)
 
   capsys.readouterr()  # What the runs before printed.
   gcs.inject(faults)
