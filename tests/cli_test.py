@@ -1,6 +1,7 @@
 """The `bert-jax` entry point as users run it: from any directory, with neither the current
 directory nor the checkout on sys.path (the console script's situation)."""
 
+import importlib.util
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import time
 
 import pytest
 
+from bert_jax import cli
 from bert_jax import run_lock
 from bert_jax import config_files
 from bert_jax.errors import UserError
@@ -237,29 +239,41 @@ def test_mistakes_found_before_tensorflow_and_jax_load(tmp_path, blocked, args, 
   _assert_user_error(proc, args[0], fragment.replace('FILE', str(path)))
 
 
-def test_start_up_freezes_the_loaded_modules_for_the_collector(tmp_path):
+def test_start_up_freezes_the_loaded_modules_and_skips_kerass_optional_imports(tmp_path):
   """After its start-up (TensorFlow and JAX loaded), a command has moved the objects alive then
   into the collector's permanent generation (gc.freeze): its full collections skip them. When
   `cli.main` returns (here: exits, status 2), they are the collector's again, for a process
-  that goes on."""
-  script = ('import gc, sys\n'
+  that goes on. The start-up did not load what Keras imports when installed and no command uses
+  (cli._UNUSED_BY_TENSORFLOWS_IMPORT: IPython, matplotlib, pandas; the test extra installs
+  them), and each can be imported after it (pandas by `datasets`)."""
+  unused = cli._UNUSED_BY_TENSORFLOWS_IMPORT  # pylint: disable=protected-access
+  assert all(importlib.util.find_spec(m) for m in unused)  # Else this checks nothing.
+  script = ('import gc, importlib, sys\n'
             'from bert_jax import cli\n'
             'start_up = cli._start_up\n'
             'def counted(*args, **kwargs):\n'
             '  start_up(*args, **kwargs)\n'
             '  print("frozen", gc.get_freeze_count(), flush=True)\n'
+            '  assert "keras" in sys.modules and "jax" in sys.modules\n'
+            '  print("loaded", [m for m in cli._UNUSED_BY_TENSORFLOWS_IMPORT\n'
+            '                   if m in sys.modules], flush=True)\n'
             'cli._start_up = counted\n'
             'try:\n'
             '  cli.main(["bert-jax"] + sys.argv[1:])\n'
             'finally:\n'
-            '  print("after main", gc.get_freeze_count(), flush=True)\n')
+            '  print("after main", gc.get_freeze_count(), flush=True)\n'
+            '  for m in cli._UNUSED_BY_TENSORFLOWS_IMPORT:\n'
+            '    importlib.import_module(m)\n'
+            '  print("imported after", flush=True)\n')
   proc = subprocess.run([sys.executable, '-c', script, 'fill-mask',
                          f'--checkpoint={tmp_path / "missing"}', 'a [MASK] b'], cwd=_ROOT,
                         env=dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu'),
                         capture_output=True, text=True, timeout=300)
   frozen = re.search(r'^frozen (\d+)$', proc.stdout, re.M)
   assert frozen and int(frozen.group(1)) > 100_000, proc.stdout + proc.stderr[-3000:]
+  assert re.search(r'^loaded \[\]$', proc.stdout, re.M), proc.stdout
   assert re.search(r'^after main 0$', proc.stdout, re.M), proc.stdout
+  assert re.search(r'^imported after$', proc.stdout, re.M), proc.stdout + proc.stderr[-3000:]
   assert proc.returncode == 2, proc.stderr[-3000:]  # The missing checkpoint, after start-up.
 
 
