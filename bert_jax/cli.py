@@ -586,28 +586,21 @@ def _run_command(name: str, args: list[str]) -> None:
 _WITHOUT_TENSORFLOW = ('compile',)
 _WITHOUT_JAX = ('vocab', 'data')
 
-# `import tensorflow` loads Keras 3 whole (to register its optimizers), and Keras imports these
-# when they are installed (Colab, the test extra): IPython to tell a notebook, matplotlib.pyplot
-# for an image gallery, pandas for a data adapter. No command uses any of them through Keras;
-# they added about 0.9 s of CPU to every command's start (`bert-jax pretrain`: 4.1 s to its
-# devices, now 3.1 s). Keras catches their ImportError.
+# `import tensorflow` loads Keras 3, which imports these when installed (Colab, the test extra);
+# no command uses them: 0.9 s of CPU a start-up (README, CI). Keras catches their ImportError.
 _UNUSED_BY_TENSORFLOWS_IMPORT = ('IPython', 'matplotlib', 'pandas')
 
 
 @contextlib.contextmanager
 def _without_unused_imports():
-  """Imports inside make `import IPython` (matplotlib, pandas) fail, as if not installed; a
-  module already loaded is left alone, and after the block each can be imported again (pandas
-  by `datasets`, for a Hub corpus)."""
+  """Inside, those not loaded yet import as if not installed; afterwards each imports again."""
   blocked = [m for m in _UNUSED_BY_TENSORFLOWS_IMPORT if m not in sys.modules]
-  for module in blocked:
-    sys.modules[module] = None  # Python's import answers a None entry with ImportError.
+  sys.modules.update(dict.fromkeys(blocked))  # Python's import answers None with ImportError.
   try:
     yield
   finally:
-    for module in blocked:
-      if sys.modules.get(module, False) is None:
-        del sys.modules[module]
+    for module in [m for m in blocked if sys.modules.get(m, False) is None]:
+      del sys.modules[module]
 
 
 def _start_up(name: str, quiet: bool) -> None:
