@@ -72,20 +72,21 @@ def _flags(overrides):
   return [f'--config.{k}={v}' for k, v in overrides.items()]
 
 
-# Runs `bert-jax pretrain` with 8 s after the logged training rows of steps 2 and 3, so that
-# steps 3 and 4 (REFERENCE_STEPS) start late: the test's SIGTERM, sent once it sees 2 rows in the
-# bucket, lands before step 4, however loaded the machine, and so do the outages that the tests
-# start after step 2's commit or step 3's row. (Nothing waits after step 4: a sleep there only
-# delayed the run's end.)
-_SLOW_AFTER_STEP_2 = '''
-import sys, time
+# Runs `bert-jax pretrain` held after the logged training row of step BERT_JAX_TEST_HOLD_STEP
+# until the file BERT_JAX_TEST_GO exists: the test acts (a SIGTERM, an outage) while the run
+# waits, then lets it go on, so what it does lands before the next step however loaded the
+# machine. (8 s of sleep after steps 2 and 3 did this before: 16 s of each such run.)
+_HELD_AFTER_A_STEP = '''
+import os, sys, time
 from bert_jax import cli, monitor
 train = monitor.MetricsLog.train
-def slow_train(self, step, *args, **kwargs):
+hold, go = int(os.environ['BERT_JAX_TEST_HOLD_STEP']), os.environ['BERT_JAX_TEST_GO']
+def held_train(self, step, *args, **kwargs):
   train(self, step, *args, **kwargs)
-  if step in (2, 3):
-    time.sleep(8)
-monitor.MetricsLog.train = slow_train
+  deadline = time.time() + 600  # A safety net: each test lets go, or kills the run.
+  while step == hold and not os.path.exists(go) and time.time() < deadline:
+    time.sleep(0.05)
+monitor.MetricsLog.train = held_train
 cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
 '''
 
@@ -107,6 +108,18 @@ def _pretrain(gcs, cache, workdir, overrides, script=None, env=None):
       env=_env(cache, env),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True)
+
+
+def _held_pretrain(gcs, cache, workdir, overrides, folder, step, env=None):
+  """`_pretrain` held after step `step`'s logged row (_HELD_AFTER_A_STEP): (the process, a
+  function that lets it go on)."""
+  os.makedirs(folder, exist_ok=True)
+  script, go = os.path.join(folder, 'held_after_a_step.py'), os.path.join(folder, f'go_{step}')
+  with open(script, 'w') as f:
+    f.write(_HELD_AFTER_A_STEP)
+  proc = _pretrain(gcs, cache, workdir, overrides, script=script, env=dict(
+      env or {}, BERT_JAX_TEST_HOLD_STEP=str(step), BERT_JAX_TEST_GO=go))
+  return proc, lambda: open(go, 'w').close()
 
 
 def _communicate(proc, timeout):
@@ -227,8 +240,8 @@ def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
   tensorstore's retries (shortened here): the run ends with one line naming the folder and
   EXIT_PREEMPTED, step 2 committed and step 4 not.
 
-  Then a rerun without the faults (each step after step 2 slowed to 8 s, so that the outage
-  comes first) resumes from step 2, and once it has logged step 3 the whole checkpoint folder
+  Then a rerun without the faults (held after step 3 until the outage has begun) resumes
+  from step 2, and once it has logged step 3 the whole checkpoint folder
   answers only 503 (step 4's arrays and metadata, while metrics.jsonl and the rest answer): it
   ends within _DOWN_BOUND_S with one line naming an object of the workdir and EXIT_PREEMPTED,
   step 2 still the last committed. Every layer retries on the budget of GCS_RETRY_CONFIG_*:
@@ -284,13 +297,13 @@ def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
 
   # Once a rerun (without the faults) has resumed from step 2 and logged step 3 (after it cut
   # back the first run's rows 3 and 4), the whole checkpoint folder is down.
-  slow = tmp_path / 'slow_after_step_2.py'
-  slow.write_text(_SLOW_AFTER_STEP_2)
   gcs.reset_log()
   try:
-    proc = _pretrain(gcs, cache, workdir, overrides, script=str(slow), env=_SHORT_RETRIES)
+    proc, let_go = _held_pretrain(gcs, cache, workdir, overrides, str(tmp_path), SAVE_EVERY + 1,
+                                  env=_SHORT_RETRIES)
     down = _down_after(gcs, proc, lambda: [r['step'] for r in _rows(workdir)[0]][-1:] == [
         SAVE_EVERY + 1], 'faults/checkpoints/')
+    let_go()
     _, err = _communicate(proc, 900)
     ended = time.time()
   finally:
@@ -412,13 +425,11 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   reference run's losses, each step once."""
   workdir = gcs.url('interrupted')
   overrides = _overrides(data, checkpoint__every_steps=1000)
-  slow = tmp_path / 'slow_after_step_2.py'
-  slow.write_text(_SLOW_AFTER_STEP_2)
   # This workdir's runs keep their compiled steps in its gs:// compilation cache (the default
   # checkpoint.compilation_cache_dir), not in the suite's local one.
   own_cache = {'JAX_COMPILATION_CACHE_DIR': None,
                'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': None, 'JAX_LOG_COMPILES': '1'}
-  proc = _pretrain(gcs, cache, workdir, overrides, script=str(slow), env=own_cache)
+  proc, let_go = _held_pretrain(gcs, cache, workdir, overrides, str(tmp_path), 2, env=own_cache)
   try:
     deadline = time.time() + 400
     while len(_rows(workdir)[0]) < 2 and proc.poll() is None and time.time() < deadline:
@@ -426,6 +437,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
     assert proc.poll() is None, 'the run ended before it could be interrupted'
     assert fileio.exists(os.path.join(workdir, run_lock.LOCK_FILE))
     proc.send_signal(signal.SIGTERM)
+    let_go()
   except BaseException:
     proc.kill()
     raise
@@ -460,20 +472,20 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
 
 def test_pretrainings_metrics_or_input_position_down_past_the_retries_end_the_run(
     gcs, cache, data, tmp_path):
-  """From the commit of step 2 on (each step after it slowed to 8 s, so that the fault comes
-  first), only metrics.jsonl answers 503 in one run, only data_state/ (the input positions,
-  written as each save starts) in another: each ends within _DOWN_BOUND_S with exit status 143
+  """From the commit of step 2 on (the run held after step 3 until the fault has begun), only
+  metrics.jsonl answers 503 in one run, only data_state/ (the input positions, written as each
+  save starts) in another: each ends within _DOWN_BOUND_S with exit status 143
   and one line naming an object there, and step 2 stays the committed checkpoint."""
-  slow = tmp_path / 'slow_after_step_2.py'
-  slow.write_text(_SLOW_AFTER_STEP_2)
   for name, prefix in (('metrics_down', 'metrics.jsonl'), ('position_down', 'data_state/')):
     workdir = gcs.url(name)
     overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
     gcs.reset_log()
     try:
-      proc = _pretrain(gcs, cache, workdir, overrides, script=str(slow), env=_SHORT_RETRIES)
+      proc, let_go = _held_pretrain(gcs, cache, workdir, overrides, str(tmp_path / name),
+                                    SAVE_EVERY + 1, env=_SHORT_RETRIES)
       down = _down_after(gcs, proc, f'{name}/checkpoints/{SAVE_EVERY}/commit_success.txt',
                          f'{name}/{prefix}')
+      let_go()
       _, err = _communicate(proc, 900)
       ended = time.time()
     finally:
