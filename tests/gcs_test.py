@@ -83,9 +83,10 @@ train = monitor.MetricsLog.train
 hold, go = int(os.environ['BERT_JAX_TEST_HOLD_STEP']), os.environ['BERT_JAX_TEST_GO']
 def held_train(self, step, *args, **kwargs):
   train(self, step, *args, **kwargs)
-  deadline = time.time() + 600  # A safety net: each test lets go, or kills the run.
-  while step == hold and not os.path.exists(go) and time.time() < deadline:
-    time.sleep(0.05)
+  if step == hold:
+    deadline = time.time() + 600  # A safety net: each test lets go, or kills the run.
+    while not os.path.exists(go) and time.time() < deadline:
+      time.sleep(0.05)
 monitor.MetricsLog.train = held_train
 cli.main(['bert-jax', 'pretrain'] + sys.argv[1:])
 '''
@@ -240,9 +241,9 @@ def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
   tensorstore's retries (shortened here): the run ends with one line naming the folder and
   EXIT_PREEMPTED, step 2 committed and step 4 not.
 
-  Then a rerun without the faults (held after step 3 until the outage has begun) resumes
-  from step 2, and once it has logged step 3 the whole checkpoint folder
-  answers only 503 (step 4's arrays and metadata, while metrics.jsonl and the rest answer): it
+  Then a rerun without the faults (held after step 3 until the outage has begun) resumes from
+  step 2, and once it has logged step 3 the whole checkpoint folder answers only 503 (step 4's
+  arrays and metadata, while metrics.jsonl and the rest answer): it
   ends within _DOWN_BOUND_S with one line naming an object of the workdir and EXIT_PREEMPTED,
   step 2 still the last committed. Every layer retries on the budget of GCS_RETRY_CONFIG_*:
   before, tensorstore retried a checkpoint's arrays for about 15 minutes, and an asynchronous
@@ -474,8 +475,8 @@ def test_pretrainings_metrics_or_input_position_down_past_the_retries_end_the_ru
     gcs, cache, data, tmp_path):
   """From the commit of step 2 on (the run held after step 3 until the fault has begun), only
   metrics.jsonl answers 503 in one run, only data_state/ (the input positions, written as each
-  save starts) in another: each ends within _DOWN_BOUND_S with exit status 143
-  and one line naming an object there, and step 2 stays the committed checkpoint."""
+  save starts) in another: each ends within _DOWN_BOUND_S with exit status 143 and one line
+  naming an object there, and step 2 stays the committed checkpoint."""
   for name, prefix in (('metrics_down', 'metrics.jsonl'), ('position_down', 'data_state/')):
     workdir = gcs.url(name)
     overrides = _overrides(data, train__stop_at_step=REFERENCE_STEPS)
