@@ -86,12 +86,18 @@ def gcs(tmp_path_factory):
   except RuntimeError as e:  # A missing binary fails the tests that need it: never a skip.
     server.stop()
     pytest.fail(f'Cloud Storage test server: {e}', pytrace=False)
+  from bert_jax import gcs as gcs_lib  # pylint: disable=g-import-not-at-top
   saved = {k: os.environ.get(k) for k in server.env}
   os.environ.update(server.env)
+  # google-cloud-storage's client, made once per process, keeps the server it was made for: a
+  # worker that comes back to a module (--dist worksteal) after another, or to another module
+  # with a server, would still call the stopped one.
+  gcs_lib.client.cache_clear()
   yield server
   for k, v in saved.items():
     if v is None:
       os.environ.pop(k, None)
     else:
       os.environ[k] = v
+  gcs_lib.client.cache_clear()
   server.stop()
