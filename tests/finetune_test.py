@@ -148,9 +148,11 @@ def test_glue_learns_keeps_the_best_checkpoint_and_writes_submission(checkpoints
   config_ft, params = pretrained.load_pretrained(workdir)
   assert set(params) == {'bert', 'classifier'}
   output = str(tmp_path / 'dev_predictions.jsonl')
-  cmd = [sys.executable, '-m', 'bert_jax.cli', 'predict', f'--workdir={workdir}',
-         f'--input={os.path.join(data_dir, "SST-2", "dev.tsv")}', f'--output={output}']
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+  env = dict(os.environ, PYTHONPATH=REPO)
+  cmd = processes.python(env) + [
+      '-m', 'bert_jax.cli', 'predict', f'--workdir={workdir}',
+      f'--input={os.path.join(data_dir, "SST-2", "dev.tsv")}', f'--output={output}']
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads(proc.stdout.strip().splitlines()[-1])
   assert summary['metrics']['accuracy'] == result['score']
@@ -397,11 +399,13 @@ def _finetune_processes(workdir, settings, cache_dir, num_processes=2, sigterm_l
   # the others while this test waits for one at a time.
   logs = [[open(f'{workdir}.{i}.{kind}', 'w+', encoding='utf-8') for kind in ('out', 'err')]
           for i in range(num_processes)]
+  env = processes.env(cache_dir, devices=2)
   procs = [subprocess.Popen(
-      [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=finetune_glue:sst2',
-       f'--workdir={workdir}', f'--coordinator_address=127.0.0.1:{port}',
-       f'--num_processes={num_processes}', f'--process_id={i}'] + flags,
-      cwd=REPO, env=processes.env(cache_dir, devices=2), stdout=out, stderr=err, text=True)
+      processes.python(env) + [
+          '-m', 'bert_jax.cli', 'finetune', '--config=finetune_glue:sst2', f'--workdir={workdir}',
+          f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={num_processes}',
+          f'--process_id={i}'] + flags,
+      cwd=REPO, env=env, stdout=out, stderr=err, text=True)
       for i, (out, err) in enumerate(logs)]
 
   def sigterm():
@@ -586,15 +590,16 @@ def test_ner_sweep_through_the_cli(checkpoints, tmp_path):
   for name, n in (('train.txt', 24), ('valid.txt', 6), ('test.txt', 5)):
     _write_lines(os.path.join(data_dir, name), _conll(rng, n))
   workdir = str(tmp_path / 'ner')
-  cmd = [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=configs/finetune_ner.py',
-         f'--config.train.init_checkpoint={checkpoints["bert_jax"]}',
-         f'--config.task.data_dir={data_dir}', '--config.train.epochs=1',
-         '--config.train.batch_size=8', '--config.data.max_seq_length=16',
-         '--config.data.buckets=()', '--config.eval.predict_test=True',
-         '--config.log.progress=False',
-         '--config.model.hidden_dropout_prob=0', '--config.model.attention_probs_dropout_prob=0',
-         f'--workdir={workdir}', '--sweep', '--learning_rates=1e-3,5e-4']
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+  env = dict(os.environ, PYTHONPATH=REPO)
+  cmd = processes.python(env) + [
+      '-m', 'bert_jax.cli', 'finetune', '--config=configs/finetune_ner.py',
+      f'--config.train.init_checkpoint={checkpoints["bert_jax"]}',
+      f'--config.task.data_dir={data_dir}', '--config.train.epochs=1',
+      '--config.train.batch_size=8', '--config.data.max_seq_length=16',
+      '--config.data.buckets=()', '--config.eval.predict_test=True', '--config.log.progress=False',
+      '--config.model.hidden_dropout_prob=0', '--config.model.attention_probs_dropout_prob=0',
+      f'--workdir={workdir}', '--sweep', '--learning_rates=1e-3,5e-4']
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -102,13 +102,12 @@ def _env(cache, env=None):
 
 def _pretrain(gcs, cache, workdir, overrides, script=None, env=None):
   """`bert-jax pretrain` (or `script` with the same flags) in the server's namespace."""
-  argv = [sys.executable, script] if script else [sys.executable, '-m', 'bert_jax.cli',
-                                                  'pretrain']
-  return subprocess.Popen(
-      gcs.command(argv + [f'--workdir={workdir}'] + _flags(overrides)), cwd=processes.ROOT,
-      env=_env(cache, env),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+  env = _env(cache, env)
+  argv = processes.python(env, gcs.command) + ([script] if script else ['-m', 'bert_jax.cli',
+                                                                        'pretrain'])
+  return subprocess.Popen(gcs.command(argv + [f'--workdir={workdir}'] + _flags(overrides)),
+                          cwd=processes.ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
 
 
 def _held_pretrain(gcs, cache, workdir, overrides, folder, step, env=None):
@@ -333,14 +332,14 @@ def _pretrain_pair(gcs, cache, workdir, overrides, script=None, env=None):
   devices each, jax.distributed on loopback), in the server's namespace. gRPC (jax.distributed)
   would send its requests to the coordinator through https_proxy, the proxy of the server."""
   port = processes.free_port()
-  argv = [sys.executable, script] if script else [sys.executable, '-m', 'bert_jax.cli',
-                                                  'pretrain']
+  env = dict(processes.env(cache, devices=2), no_grpc_proxy='127.0.0.1', **(env or {}))
+  argv = processes.python(env, gcs.command) + ([script] if script else ['-m', 'bert_jax.cli',
+                                                                        'pretrain'])
   return [subprocess.Popen(
       gcs.command(argv + [f'--workdir={workdir}', f'--coordinator_address=127.0.0.1:{port}',
                           '--num_processes=2', f'--process_id={i}'] + _flags(overrides)),
-      cwd=processes.ROOT, env=dict(processes.env(cache, devices=2), no_grpc_proxy='127.0.0.1',
-                                   **(env or {})),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+      cwd=processes.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
 
 
 def _ends(procs, timeout):
@@ -799,14 +798,15 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, cache, data, reference
   # lock, the checkpoints) answers 503. Made in Orbax's background, a failed folder left the
   # item writes waiting for its signal past the bound (and their timeout's traceback was the
   # last line).
-  argv = [sys.executable, '-m', 'bert_jax.cli', 'finetune', '--config=finetune_glue:sst2',
-          f'--workdir={workdir}'] + _flags(dict(settings, **{'data.buckets': '()'}))
+  env = dict(processes.env(cache), **_SHORT_RETRIES)
+  argv = processes.python(env, gcs.command) + [
+      '-m', 'bert_jax.cli', 'finetune', '--config=finetune_glue:sst2', f'--workdir={workdir}'
+  ] + _flags(dict(settings, **{'data.buckets': '()'}))
   gcs.reset_log()
   try:
     gcs.inject([dict(object='sst2/checkpoints/4', status=503)])
-    proc = subprocess.Popen(
-        gcs.command(argv), cwd=processes.ROOT, env=dict(processes.env(cache), **_SHORT_RETRIES),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(gcs.command(argv), cwd=processes.ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     down = _down_after(gcs, proc, 'sst2/checkpoints/4', 'sst2/')
     _, err = _communicate(proc, 900)
     ended = time.time()

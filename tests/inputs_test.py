@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import processes
 import records
 
 from bert_jax import cli
@@ -1161,7 +1162,7 @@ def test_label_share_tolerance_follows_the_number_of_examples():
 def _cli(args, cwd):
   env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu')
   env.pop('BERT_JAX_TRACEBACK', None)
-  return subprocess.run([sys.executable, '-m', 'bert_jax.cli'] + args, cwd=cwd, env=env,
+  return subprocess.run(processes.python(env) + ['-m', 'bert_jax.cli'] + args, cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=600)
 
 

@@ -2,6 +2,7 @@
 shell with the installed entry point), what a successful command's console may hold, a free
 port, and a race of processes for a workdir's lock."""
 
+import atexit
 import os
 import re
 import shlex
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from typing import Callable
 
 import pytest
@@ -165,3 +167,46 @@ def race_for_lock(workdir: str, folder: str, rounds: int = 6, racers: int = 3,
       if p.poll() is None:
         p.kill()
       p.communicate()
+
+
+# ---- Forked interpreters (tests/forkserver.py) ------------------------------------------------
+
+_FORKSERVER = os.path.join(ROOT, 'tests', 'forkserver.py')
+_SERVERS: dict[tuple, tuple[subprocess.Popen, str]] = {}  # Most recently used last.
+_MAX_SERVERS = 3  # Each holds about 0.9 GB of imported modules (most of it shared).
+_RETIRED: list[tuple[subprocess.Popen, str]] = []  # Ending once their running forks end.
+
+
+def python(env: dict[str, str], wrap: Callable[[list[str]], list[str]] = list) -> list[str]:
+  """The argv prefix that runs `python` (`-m module`, `-c code` or a script, and its arguments)
+  as a fork of a server that has imported TensorFlow, JAX and bert_jax (tests/forkserver.py),
+  for a subprocess started with `env` (wrapped in `wrap`, e.g. a network namespace): where a
+  test would put `[sys.executable]`. Its pid is the client's, not the program's."""
+  import forkserver  # pylint: disable=g-import-not-at-top
+  import_env = forkserver.import_environment(env)
+  key = (tuple(sorted(import_env.items())), tuple(wrap(['python'])))
+  if key in _SERVERS:
+    _SERVERS[key] = _SERVERS.pop(key)
+  else:
+    while len(_SERVERS) >= _MAX_SERVERS:
+      server, path = _SERVERS.pop(next(iter(_SERVERS)))
+      server.terminate()  # It serves no new request, and ends after its running forks.
+      _RETIRED.append((server, path))
+    folder = tempfile.mkdtemp(prefix='forkserver')
+    path = os.path.join(folder, 'socket')
+    with open(os.path.join(folder, 'log'), 'w') as log:
+      server = subprocess.Popen(wrap([sys.executable, _FORKSERVER, 'serve', path]), cwd=ROOT,
+                                env=import_env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+    _SERVERS[key] = server, path
+  return [sys.executable, _FORKSERVER, 'client', _SERVERS[key][1]]
+
+
+@atexit.register
+def _stop_servers() -> None:
+  for server, path in list(_SERVERS.values()) + _RETIRED:
+    server.kill()
+    server.wait()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+  _SERVERS.clear()
+  _RETIRED.clear()

@@ -159,10 +159,11 @@ def cli_run(tmp_path_factory, compilation_cache):
   overrides.update({'train.steps': CLI_STEPS, 'train.warmup_steps': 1,
                     'data.vocab_size': VOCAB_SIZE, 'eval.every_steps': 2,
                     'checkpoint.every_steps': 2})
+  env = processes.env(compilation_cache)
   proc = subprocess.Popen(
-      [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
-      _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+      processes.python(env) + ['-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+      _flags(overrides), cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True)
   out, err = _communicate(proc, timeout=400)
   return workdir, proc.returncode, out, err
 
@@ -307,7 +308,7 @@ def test_sigterm_saves_where_it_stops_and_the_rerun_resumes_exactly_from_its_cac
   out_file, err_file = tmp_path / 'stdout.txt', tmp_path / 'stderr.txt'
   with open(out_file, 'w') as stdout, open(err_file, 'w') as stderr:
     proc = subprocess.Popen(
-        [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+        processes.python(env) + ['-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
         _flags(overrides), cwd=_ROOT, env=env, stdout=stdout, stderr=stderr)
   try:
     deadline = time.time() + 300
@@ -339,7 +340,7 @@ def test_sigterm_saves_where_it_stops_and_the_rerun_resumes_exactly_from_its_cac
   end = max(REFERENCE_STEPS, stopped + 3)
   lines = _num_lines(workdir)
   proc = subprocess.run(
-      [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+      processes.python(env) + ['-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
       _flags(dict(overrides, **{'train.stop_at_step': end})), cwd=_ROOT, env=env,
       capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stderr[-5000:]
@@ -371,10 +372,10 @@ def test_eval_command_agrees_with_the_runs_last_evaluation(tmp_path, reference, 
   weights converted to Hugging Face's format give the same numbers."""
   overrides = dict(TINY, **{'data.vocab_file': vocab_file,
                             'train.stop_at_step': REFERENCE_STEPS})
+  env = processes.env(compilation_cache)
   proc = subprocess.run(
-      [sys.executable, '-m', 'bert_jax.cli', 'eval', f'--checkpoint={reference}'] +
-      _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache), capture_output=True,
-      text=True, timeout=400)
+      processes.python(env) + ['-m', 'bert_jax.cli', 'eval', f'--checkpoint={reference}'] +
+      _flags(overrides), cwd=_ROOT, env=env, capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0, proc.stderr[-5000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   last = _rows(reference)[1][-1]
@@ -487,11 +488,13 @@ def test_two_processes_match_one_and_stop_together(tmp_path, vocab_file, compila
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'checkpoint.every_steps': 1000})
   port = processes.free_port()
   pair_dir, single_dir = str(tmp_path / 'two'), str(tmp_path / 'one')
+  env = processes.env(compilation_cache, devices=2)
   pair = [subprocess.Popen(
-      [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={pair_dir}',
-       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'] +
-      _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache, devices=2),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+      processes.python(env) + [
+          '-m', 'bert_jax.cli', 'pretrain', f'--workdir={pair_dir}',
+          f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'] +
+      _flags(overrides), cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True) for i in range(2)]
   interrupted = []
 
   def interrupt():
@@ -769,7 +772,8 @@ def test_a_lopsided_sop_evaluation_is_named_as_sop():
 # ---------------------------------------------------------------------------------------------
 
 # Runs `bert-jax pretrain` with a fault at a chosen point (BERT_JAX_TEST_FAULT):
-#   hang_step:N   the N-th train step is dispatched, then the process waits to be killed
+#   hang_step:N   the N-th train step is dispatched, then the process writes its pid to the
+#                 marker and waits to be killed
 #   kill_commit:S SIGKILL just before Orbax commits step S (its files are written, the rename
 #                 that commits them is not done)
 #   kill_eval     SIGKILL as the evaluation starts
@@ -804,7 +808,9 @@ if fault == 'hang_step':
       calls[0] += 1
       out = run(state, batch)
       if calls[0] == int(arg):
-        open(marker, 'w').close()
+        with open(marker + '.tmp', 'w') as f:  # Whole when it appears.
+          f.write(str(os.getpid()))
+        os.replace(marker + '.tmp', marker)
         time.sleep(600)
       return out
     step.jitted = run.jitted  # Compiled before the first step.
@@ -881,7 +887,7 @@ def _faulty_run(tmp_path, workdir, fault, overrides, cache):
   script.write_text(_FAULTY_RUN)
   marker = str(tmp_path / f'fault_{fault.replace(":", "_")}')
   env = dict(processes.env(cache), BERT_JAX_TEST_FAULT=fault, BERT_JAX_TEST_MARKER=marker)
-  proc = subprocess.Popen([sys.executable, str(script), f'--workdir={workdir}'] +
+  proc = subprocess.Popen(processes.python(env) + [str(script), f'--workdir={workdir}'] +
                           _flags(overrides), cwd=_ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   return proc, marker
@@ -904,14 +910,16 @@ def test_sigkill_mid_step_mid_save_mid_eval_resumes_exactly(tmp_path, reference,
     while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
       time.sleep(0.2)
     assert os.path.exists(marker), _communicate(proc, 10)[1][-5000:]
+    with open(marker) as f:
+      pid = f.read()  # The run's own, not that of the client that started it (forkserver.py).
+    env = processes.env(compilation_cache)
     second = subprocess.run(
-        [sys.executable, '-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
-        _flags(overrides), cwd=_ROOT, env=processes.env(compilation_cache), capture_output=True,
-        text=True, timeout=300)
+        processes.python(env) + ['-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
+        _flags(overrides), cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 2, second.stderr[-3000:]
     last = second.stderr.strip().splitlines()[-1]
     assert last.startswith('bert-jax pretrain: error: --workdir=') and 'is in use by another run' \
-        f' (pid {proc.pid} on ' in last, last
+        f' (pid {pid} on ' in last, last
   finally:
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
@@ -1266,11 +1274,13 @@ def test_smoke_run_in_bf16_stays_within_the_noise_of_the_step_before_issue_30(
       pytest.skip('the sample corpus is the running Python\'s documentation: the reference '
                   f'was recorded with Python {recorded["python"]}\'s')
   workdir = str(tmp_path / 'smoke')
+  env = processes.env(compilation_cache, devices=1)
   proc = subprocess.run(
-      [sys.executable, '-m', 'bert_jax.cli', 'pretrain', '--config=configs/smoke.py',
-       f'--workdir={workdir}', '--config.model.dtype=bfloat16', '--config.log.every_steps=10',
-       '--config.train.seed=0'], cwd=_ROOT, env=processes.env(compilation_cache, devices=1),
-      capture_output=True, text=True, timeout=900)
+      processes.python(env) + [
+          '-m', 'bert_jax.cli', 'pretrain', '--config=configs/smoke.py', f'--workdir={workdir}',
+          '--config.model.dtype=bfloat16', '--config.log.every_steps=10',
+          '--config.train.seed=0'], cwd=_ROOT, env=env, capture_output=True, text=True,
+      timeout=900)
   assert proc.returncode == 0, proc.stderr[-5000:]
   now = _losses(workdir)
   before, other_seed = ({int(s): v for s, v in recorded['losses'][k].items()} for k in '01')
