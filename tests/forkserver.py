@@ -86,16 +86,20 @@ def client(path: str, args: list[str]) -> None:
     else:
       signals.append(signum)
 
-  for signum in _PASSED_ON:
+  # Signals ignored here (a background job of a script ignores SIGINT and SIGQUIT) are ignored
+  # in the fork too, as in a fresh interpreter started here.
+  ignored = [s for s in _PASSED_ON if signal.getsignal(s) == signal.SIG_IGN]
+  for signum in set(_PASSED_ON) - set(ignored):
     signal.signal(signum, pass_on)
-  request = json.dumps({'args': args, 'cwd': os.getcwd(), 'env': dict(os.environ)}).encode()
+  request = json.dumps({'args': args, 'cwd': os.getcwd(), 'env': dict(os.environ),
+                        'ignored': [int(s) for s in ignored]}).encode()
   socket.send_fds(conn, [len(request).to_bytes(8, 'big')], [0, 1, 2])
   conn.sendall(request)
   pending = bytearray()
   answer = _read_line(conn, pending)
   if answer is None or 'fresh' in answer:
     conn.close()
-    for signum in _PASSED_ON:
+    for signum in set(_PASSED_ON) - set(ignored):
       signal.signal(signum, signal.SIG_DFL)
     if signals:
       os.kill(os.getpid(), signals[0])
@@ -263,6 +267,9 @@ def run_fork(request: dict, imported: dict[str, str | None], fds: list[int]) -> 
   for target, fd in enumerate(fds):
     os.dup2(fd, target)
     os.close(fd)
+  for signum in _PASSED_ON:  # As a fresh interpreter started by the client sets them.
+    signal.signal(signum, signal.SIG_IGN if signum in request['ignored'] else
+                  signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
   os.chdir(request['cwd'])
   os.environ.clear()
   os.environ.update(request['env'])

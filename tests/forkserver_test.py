@@ -76,12 +76,21 @@ def test_signals_reach_the_fork_and_its_death_is_the_clients():
   proc = subprocess.Popen(processes.python(_ENV) + ['-c', 'import os, signal; os.kill('
                                                     'os.getpid(), signal.SIGKILL)'], env=_ENV)
   assert proc.wait(60) == -signal.SIGKILL
-  proc = subprocess.Popen(processes.python(_ENV) + [
-      '-c', 'import time; print("ready", flush=True); time.sleep(600)'], env=_ENV,
-                          stdout=subprocess.PIPE, text=True)
-  assert proc.stdout.readline() == 'ready\n'
-  proc.send_signal(signal.SIGINT)  # Python's KeyboardInterrupt, uncaught.
-  assert proc.wait(60) == -signal.SIGINT
+
+  # Each signal handled as by a fresh interpreter started here: ignored where this process
+  # ignores it (a background job of a script ignores SIGINT and SIGQUIT), else as Python sets it.
+  code = ('import signal; print([str(signal.getsignal(s)) for s in (signal.SIGHUP, '
+          'signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1)])')
+  fresh = subprocess.run([sys.executable, '-c', code], env=_ENV, capture_output=True, text=True,
+                         timeout=60)
+  assert _run(['-c', code]).stdout == fresh.stdout != ''
+  if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+    proc = subprocess.Popen(processes.python(_ENV) + [
+        '-c', 'import time; print("ready", flush=True); time.sleep(600)'], env=_ENV,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == 'ready\n'
+    proc.send_signal(signal.SIGINT)  # Python's KeyboardInterrupt, uncaught.
+    assert proc.wait(60) == -signal.SIGINT
 
 
 def test_a_killed_client_takes_its_fork_with_it():
