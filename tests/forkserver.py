@@ -21,6 +21,7 @@ process itself (its pid in a lock, its signal handlers, the modules a command lo
 console at start-up) start real interpreters.
 """
 
+import ctypes
 import json
 import os
 import select
@@ -28,6 +29,7 @@ import signal
 import socket
 import sys
 import time
+import warnings
 
 # Read after the imports (by JAX at its first compile or backend, by bert_jax when it runs): a
 # fork takes them from its request. JAX's are applied to jax.config as JAX reads its variables.
@@ -36,6 +38,7 @@ _LATE_JAX = {'JAX_COMPILATION_CACHE_DIR': str, 'JAX_PERSISTENT_CACHE_MIN_COMPILE
              'JAX_DISABLE_MOST_OPTIMIZATIONS': bool, 'JAX_LOG_COMPILES': bool}
 _LATE = set(_LATE_JAX) | {'XLA_FLAGS', 'PYTEST_CURRENT_TEST', 'PWD', 'OLDPWD'}
 _LATE_PREFIX = 'BERT_JAX_'
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 # Signals a test may send; the client passes them on to the fork.
 _PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
               signal.SIGUSR2)
@@ -68,51 +71,69 @@ def client(path: str, args: list[str]) -> None:
   """Runs `python args` in a fork of the server at `path` (or fresh, see the module's doc)."""
   if not args or not (args[0] in ('-m', '-c') and len(args) > 1 or not args[0].startswith('-')):
     _run_fresh(args)
+  # The signals this process ignores (a background job of a script ignores SIGINT and SIGQUIT)
+  # start ignored in the fork too, as in a fresh interpreter started here; every one is still
+  # passed on, for a program that handles it anyway.
+  dispositions = {s: signal.getsignal(s) for s in _PASSED_ON}
+  ignored = [int(s) for s, d in dispositions.items() if d == signal.SIG_IGN]
+  child, signals, ended = [], [], []
+
+  def pass_on(signum, frame):  # pylint: disable=unused-argument
+    if ended:
+      return
+    if not child:
+      signals.append(signum)
+      return
+    try:
+      os.kill(child[0], signum)
+    except ProcessLookupError:  # It has just ended: its status is on the way.
+      pass
+
+  def fresh():
+    conn.close()
+    for signum, disposition in dispositions.items():
+      signal.signal(signum, disposition)
+    for signum in signals:  # What a fresh interpreter would have got meanwhile.
+      os.kill(os.getpid(), signum)
+    _run_fresh(args)
+
+  for signum in _PASSED_ON:
+    signal.signal(signum, pass_on)
   conn = socket.socket(socket.AF_UNIX)
   deadline = time.time() + 60  # The server binds its socket as it starts, before its imports.
   while True:
     try:
       conn.connect(path)
       break
-    except (FileNotFoundError, ConnectionRefusedError):
+    except FileNotFoundError:  # Not bound yet.
       if time.time() > deadline:
-        _run_fresh(args)
+        fresh()
       time.sleep(0.02)
-  child, signals = [], []
-
-  def pass_on(signum, frame):  # pylint: disable=unused-argument
-    if child:
-      os.kill(child[0], signum)
-    else:
-      signals.append(signum)
-
-  # Signals ignored here (a background job of a script ignores SIGINT and SIGQUIT) are ignored
-  # in the fork too, as in a fresh interpreter started here.
-  ignored = [s for s in _PASSED_ON if signal.getsignal(s) == signal.SIG_IGN]
-  for signum in set(_PASSED_ON) - set(ignored):
-    signal.signal(signum, pass_on)
+    except OSError:  # Bound, but no longer listening (ended, or ending).
+      fresh()
   request = json.dumps({'args': args, 'cwd': os.getcwd(), 'env': dict(os.environ),
-                        'ignored': [int(s) for s in ignored]}).encode()
-  socket.send_fds(conn, [len(request).to_bytes(8, 'big')], [0, 1, 2])
-  conn.sendall(request)
+                        'ignored': ignored}).encode()
   pending = bytearray()
-  answer = _read_line(conn, pending)
+  try:
+    socket.send_fds(conn, [len(request).to_bytes(8, 'big')], [0, 1, 2])
+    conn.sendall(request)
+    answer = _read_line(conn, pending)
+  except OSError:  # The server ended before it forked.
+    answer = None
   if answer is None or 'fresh' in answer:
-    conn.close()
-    for signum in set(_PASSED_ON) - set(ignored):
-      signal.signal(signum, signal.SIG_DFL)
-    if signals:
-      os.kill(os.getpid(), signals[0])
-    _run_fresh(args)
+    fresh()
   child.append(answer['pid'])
   for signum in signals:
-    os.kill(child[0], signum)
-  ended = _read_line(conn, pending)
-  if ended is None:
+    pass_on(signum, None)
+  try:
+    status = (_read_line(conn, pending) or {}).get('status')
+  except OSError:
+    status = None
+  ended.append(True)
+  if status is None:
     sys.stderr.write(f'tests/forkserver.py: the server at {path} ended before pid '
                      f'{child[0]}\n')
     os._exit(1)  # pylint: disable=protected-access
-  status = ended['status']
   if os.WIFSIGNALED(status):
     signum = os.WTERMSIG(status)
     if signum not in (signal.SIGKILL, signal.SIGSTOP):
@@ -151,14 +172,24 @@ def _import_everything() -> None:
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+  conn.settimeout(30)  # A client sends its request as it connects.
   head, fds, _, _ = socket.recv_fds(conn, 8, 3)
-  size, body = int.from_bytes(head, 'big'), bytearray()
-  while len(body) < size:
-    chunk = conn.recv(size - len(body))
-    if not chunk:
-      raise ConnectionError('the client left mid-request')
-    body += chunk
-  return json.loads(body), fds
+  try:
+    size, body = int.from_bytes(head, 'big'), bytearray()
+    while len(body) < size:
+      chunk = conn.recv(size - len(body))
+      if not chunk:
+        raise ConnectionError('the client left mid-request')
+      body += chunk
+    request = json.loads(body)
+    if len(fds) != 3:
+      raise ConnectionError(f'{len(fds)} file descriptors, not 3')
+  except (OSError, ValueError):
+    for fd in fds:  # Held here, they would keep the test's pipes open.
+      os.close(fd)
+    raise
+  conn.settimeout(None)
+  return request, fds
 
 
 def _send(conn: socket.socket, message: dict) -> None:
@@ -185,23 +216,18 @@ def serve(path: str) -> tuple[dict, dict[str, str | None], list[int]]:
   listener.bind(path)
   listener.listen(64)
   parent = os.getppid()
+  draining = []  # SIGTERM: no new requests; the running forks end as they would.
+  signal.signal(signal.SIGTERM, lambda signum, frame: draining.append(True))
   started_with = dict(os.environ)
   _import_everything()
   # What the imports set in the environment (TensorFlow's TF2_BEHAVIOR, ...): a fresh process
   # of the same environment has them too.
   imported = {k: os.environ.get(k) for k in set(os.environ) | set(started_with)
               if os.environ.get(k) != started_with.get(k)}
-  import warnings  # pylint: disable=g-import-not-at-top
-  filters = warnings.filters[:]  # A fresh process's, after the imports.
-  # Python 3.12+ warns at each fork of a process with threads (OpenBLAS's, jemalloc's here, which
-  # both prepare for forks); forks start no thread of the parent's.
-  warnings.filterwarnings('ignore', message='.*use of fork\\(\\) may lead to deadlocks')
   wake_r, wake_w = os.pipe()
   os.set_blocking(wake_w, False)
   signal.set_wakeup_fd(wake_w)
   signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-  draining = []  # SIGTERM: no new requests; the running forks end as they would.
-  signal.signal(signal.SIGTERM, lambda signum, frame: draining.append(True))
   forks: dict[socket.socket, int] = {}
   server = os.getpid()
   try:
@@ -240,17 +266,31 @@ def serve(path: str) -> tuple[dict, dict[str, str | None], list[int]]:
         continue
       sys.stdout.flush()
       sys.stderr.flush()
-      pid = os.fork()
+      # Signals wait until the fork has a fresh interpreter's dispositions, not the server's.
+      mask = signal.pthread_sigmask(signal.SIG_BLOCK, _PASSED_ON + (signal.SIGCHLD,))
+      with warnings.catch_warnings():
+        # Python 3.12+ warns at each fork of a process with threads (OpenBLAS's, jemalloc's
+        # here, which both prepare for forks); a fork starts no thread of the server's.
+        warnings.filterwarnings('ignore', message='.*use of fork\\(\\) may lead to deadlocks')
+        pid = os.fork()
       if pid == 0:
         for sock in [listener, conn] + list(forks):
           sock.close()
+        signal.set_wakeup_fd(-1)
         os.close(wake_r)
         os.close(wake_w)
-        signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        warnings.filters[:] = filters
+        for signum in _PASSED_ON:  # As a fresh interpreter started by the client sets them.
+          signal.signal(signum, signal.SIG_IGN if signum in request['ignored'] else
+                        signal.default_int_handler if signum == signal.SIGINT else
+                        signal.SIG_DFL)
+        # Killed with the server (the test worker's exit kills it), not left running.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != server:
+          os._exit(1)  # pylint: disable=protected-access
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return request, imported, fds
+      signal.pthread_sigmask(signal.SIG_SETMASK, mask)
       for fd in fds:
         os.close(fd)
       forks[conn] = pid
@@ -267,9 +307,6 @@ def run_fork(request: dict, imported: dict[str, str | None], fds: list[int]) -> 
   for target, fd in enumerate(fds):
     os.dup2(fd, target)
     os.close(fd)
-  for signum in _PASSED_ON:  # As a fresh interpreter started by the client sets them.
-    signal.signal(signum, signal.SIG_IGN if signum in request['ignored'] else
-                  signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
   os.chdir(request['cwd'])
   os.environ.clear()
   os.environ.update(request['env'])

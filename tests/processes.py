@@ -185,6 +185,8 @@ def python(env: dict[str, str], wrap: Callable[[list[str]], list[str]] = list) -
   import forkserver  # pylint: disable=g-import-not-at-top
   import_env = forkserver.import_environment(env)
   key = (tuple(sorted(import_env.items())), tuple(wrap(['python'])))
+  if key in _SERVERS and _SERVERS[key][0].poll() is not None:  # Ended: its log says why.
+    _RETIRED.append(_SERVERS.pop(key))
   if key in _SERVERS:
     _SERVERS[key] = _SERVERS.pop(key)
   else:
