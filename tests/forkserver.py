@@ -150,7 +150,8 @@ def _import_everything() -> None:
   """What `bert-jax` commands import, in their order (cli.py, then cli._start_up)."""
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # cli.py, before TensorFlow loads.
   import bert_jax  # pylint: disable=g-import-not-at-top,unused-import
-  # cli._start_up imports TensorFlow with these blocked (unused, and slow to import).
+  # cli._start_up imports TensorFlow with these blocked (cli._UNUSED_BY_TENSORFLOWS_IMPORT,
+  # cli._without_unused_imports; not imported from cli, which a fork runs as __main__).
   blocked = [m for m in ('IPython', 'matplotlib', 'pandas') if m not in sys.modules]
   sys.modules.update(dict.fromkeys(blocked))
   try:

@@ -2,6 +2,7 @@
 (arguments, directory, environment, streams, exit status, signals, death), and its console at
 start-up is a fresh `bert-jax`'s."""
 
+import json
 import os
 import signal
 import subprocess
@@ -31,7 +32,6 @@ def _run(args, env=_ENV, **kwargs):
 
 
 def test_a_fork_gets_the_requests_arguments_directory_environment_and_streams(tmp_path):
-  import json  # pylint: disable=g-import-not-at-top
   proc = _run(['-c', _REPORT, '3', 'x'], cwd=str(tmp_path), input='from stdin')
   assert proc.returncode == 3, proc.stderr[-3000:]
   assert proc.stderr.endswith('to stderr\n')
