@@ -123,12 +123,15 @@ def test_config_names_resolve_to_the_shipped_files():
 # ---- User mistakes end in one message and exit status 2; bugs keep their traceback ----------
 
 
-def _cli(args, env=None, cwd=_ROOT):
-  """`python -m bert_jax.cli ARGS` as a user runs it (this checkout, CPU)."""
+def _cli(args, env=None, cwd=_ROOT, fork=True):
+  """`python -m bert_jax.cli ARGS` as a user runs it (this checkout, CPU): forked from a server
+  that imported what it imports (tests/forkserver.py), or (`fork=False`) a fresh interpreter,
+  for an `env` that sets a variable read at import (a server of its own would cost as much)."""
   variables = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu')
   variables.pop('BERT_JAX_TRACEBACK', None)
   variables.update(env or {})
-  return subprocess.run([sys.executable, '-m', 'bert_jax.cli'] + args, cwd=cwd, env=variables,
+  python = processes.python(variables) if fork else [sys.executable]
+  return subprocess.run(python + ['-m', 'bert_jax.cli'] + args, cwd=cwd, env=variables,
                         capture_output=True, text=True, timeout=600)
 
 
@@ -494,7 +497,7 @@ def test_a_platform_this_machine_lacks_is_one_line(files, platforms):
   tracebacks (one naming ROCm, one advising `sudo rm` of libtpu's lock file)."""
   _, ckpt = files
   proc = _cli(['fill-mask', f'--checkpoint={ckpt}', 'the [MASK] was good'],
-              env={'JAX_PLATFORMS': platforms})
+              env={'JAX_PLATFORMS': platforms}, fork=False)
   kind = platforms.upper()
   _assert_user_error(proc, 'fill-mask', f'error: JAX_PLATFORMS={platforms}: JAX could not start '
                      f'a {kind} backend: this machine has no usable {kind}',

@@ -36,7 +36,9 @@ import warnings
 _LATE_JAX = {'JAX_COMPILATION_CACHE_DIR': str, 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': float,
              'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': int,
              'JAX_DISABLE_MOST_OPTIMIZATIONS': bool, 'JAX_LOG_COMPILES': bool}
-_LATE = set(_LATE_JAX) | {'XLA_FLAGS', 'PYTEST_CURRENT_TEST', 'PWD', 'OLDPWD'}
+# The shell's bookkeeping (`bash -c` sets SHLVL and `_`, the command's path) is read by nothing
+# that imports.
+_LATE = set(_LATE_JAX) | {'XLA_FLAGS', 'PYTEST_CURRENT_TEST', 'PWD', 'OLDPWD', 'SHLVL', '_'}
 _LATE_PREFIX = 'BERT_JAX_'
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 # Signals a test may send; the client passes them on to the fork.
