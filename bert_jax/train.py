@@ -63,29 +63,37 @@ def _max_over_processes(n: int) -> int:
   return int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
 
 
-def evaluate_params(phase: pretraining.Phase, params: Any, p_eval_step: Callable,
-                    mesh: jax.sharding.Mesh, rules, vocab_file: str, *, batch_size: int,
-                    steps: int, check_nsp_share: bool = False,
-                    stop: Callable[[], bool] = lambda: False,
-                    dataset: Any = None) -> dict[str, float] | None:
-  """MLM (and NSP) metrics of `params` on `steps` batches of `batch_size` (eval.*) of the
-  phase's held-out data; None when `stop()` turns true between batches (SIGTERM: the notice is
-  too short to finish).
-
-  `dataset`: those batches (this process's share) as a tf.data dataset the caller built
-  already: a run's evaluations read the one it checked, each from its start (a build traces
-  the pipeline's functions again, seconds on a CPU). With check_nsp_share, NSP/SOP metrics of
-  labels far from half NotNext are refused (`check_label_share`)."""
-  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
-  sharding_lib.check_batch_size(batch_size, mesh, 'eval.batch_size')
-  ds = dataset if dataset is not None else input_pipeline.make_pretraining_dataset(
-      phase.data, batch_size=batch_size // jax.process_count(), seq_len=phase.seq_len,
-      max_predictions=phase.max_predictions, train=False, process_index=jax.process_index(),
-      process_count=jax.process_count(), vocab_file=vocab_file)
+def held_out_batches(ds, steps: int) -> list[dict[str, Any]]:
+  """The first `steps` batches of `ds`, this process's share of the held-out data, as numpy
+  (`eval_batches`: the same number on every process); a UserError when there is none."""
   batches = eval_batches(ds.as_numpy_iterator(), steps, _empty_batch(ds.element_spec))
   if not batches:
     raise UserError('the evaluation data gave no batch: data.eval_input (or the held-out '
                     'share of data.input) is smaller than eval.batch_size')
+  return batches
+
+
+def evaluate_params(phase: pretraining.Phase, params: Any, p_eval_step: Callable,
+                    mesh: jax.sharding.Mesh, rules, vocab_file: str, *, batch_size: int,
+                    steps: int, check_nsp_share: bool = False,
+                    stop: Callable[[], bool] = lambda: False,
+                    batches: list[dict[str, Any]] | None = None) -> dict[str, float] | None:
+  """MLM (and NSP) metrics of `params` on `steps` batches of `batch_size` (eval.*) of the
+  phase's held-out data; None when `stop()` turns true between batches (SIGTERM: the notice is
+  too short to finish).
+
+  `batches`: those batches (this process's share, `held_out_batches`) as the caller read them
+  already: a run's evaluations of a phase read the same batches, so it reads them once (each
+  read made an iterator and ran the pipeline again: about 0.4 s of a CPU for the smoke
+  config's). With check_nsp_share, NSP/SOP metrics of labels far from half NotNext are refused
+  (`check_label_share`)."""
+  from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  sharding_lib.check_batch_size(batch_size, mesh, 'eval.batch_size')
+  if batches is None:
+    batches = held_out_batches(input_pipeline.make_pretraining_dataset(
+        phase.data, batch_size=batch_size // jax.process_count(), seq_len=phase.seq_len,
+        max_predictions=phase.max_predictions, train=False, process_index=jax.process_index(),
+        process_count=jax.process_count(), vocab_file=vocab_file), steps)
   if check_nsp_share:
     check_label_share(batches, phase.data)
   batch_sharding = sharding_lib.batch_sharding(mesh)
@@ -238,6 +246,9 @@ class _Run:
   # (phase, train, batch_size=local batch, seed=None) -> this process's tf.data dataset, each
   # built once.
   dataset_for: Callable[..., Any]
+  # Phase -> this process's evaluation batches of it (`held_out_batches`), read at its first
+  # evaluation and kept while the phase trains: every evaluation reads the same ones.
+  held_out: Callable[[pretraining.Phase], list[dict[str, Any]]]
   fingerprints: dict[int, dict[str, Any]]  # Phase index -> its training input's fingerprint.
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
   manager: Any  # Orbax's CheckpointManager.
@@ -258,7 +269,6 @@ class _Run:
   state: state_lib.TrainState
   step: int
   last_saved: int | None
-  pusher: Any = None  # publish.Pusher of checkpoint.push_to_hub (process 0), or None.
 
   @property
   def is_main(self) -> bool:
@@ -400,8 +410,14 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
 
   preemption.wait(lambda: state_lib.compile_ahead(
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
+  # One phase's at a time (eval.steps batches of this process's share: 100 x 256 rows of 512
+  # tokens, as an evaluation held them before, are about 180 MB).
+  held_out = functools.lru_cache(maxsize=1)(
+      lambda phase: held_out_batches(dataset_for(phase, False, eval_local),
+                                     int(config.eval.steps)))
   return _Run(workdir=workdir, phases=phases, mesh=mesh, rules=rules,
               batch_sharding=batch_sharding, vocab_file=vocab_file, dataset_for=dataset_for,
+              held_out=held_out,
               fingerprints=fingerprints,
               built=built, manager=manager, log=monitor.MetricsLog(workdir, config),
               pusher=publish.make_pusher(config, workdir),
@@ -535,8 +551,7 @@ def _evaluate(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,
     evaluated = evaluate_params(phase, run.state.params, run.built.eval_step, run.mesh,
                                 run.rules, run.vocab_file, batch_size=run.eval_batch_size,
                                 steps=run.eval_steps, stop=preemption.cut_short,
-                                dataset=run.dataset_for(
-                                    phase, False, run.eval_batch_size // jax.process_count()))
+                                batches=run.held_out(phase))
   if evaluated is None:
     if run.last_saved != run.step:
       _save(run, steps, phase, data_it)
