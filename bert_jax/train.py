@@ -352,8 +352,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   _check_resumed_vocab(workdir, vocab_file, tokenizer.vocab)
   # A build traces the pipeline's TensorFlow functions (seconds on a CPU, in every run), so each
   # dataset is built once: the check's give the compiles their shapes, each phase's training
-  # input its first stream (iterated once: its shuffles draw anew with each iteration) and every
-  # evaluation its batches (the same each time).
+  # input its first stream (iterated once: its shuffles draw anew with each iteration) and the
+  # phase's evaluations their batches (the same each time, read once: `_Run.held_out`).
   built_datasets = functools.cache(functools.partial(_dataset, vocab_file, batch_size))
   # Positional, so that a call with seed=None and one without find the same build.
   dataset_for = lambda phase, train, batch_size=None, seed=None: built_datasets(

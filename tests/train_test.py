@@ -529,17 +529,30 @@ def test_two_processes_match_one_and_stop_together(tmp_path, vocab_file, compila
         os.path.join(pair_dir, ckpt_lib.DATA_STATE_DIR, str(stopped), f'process_{i}*'))
 
 
-def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vocab_file):
+def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vocab_file,
+                                                                    monkeypatch):
   """Phases '0.03:32:5,0.97:64:10' of the 200-step schedule: steps 1-6 at 32 tokens, then 64;
   resuming from the step-8 checkpoint (inside the second phase) reproduces steps 9-12 exactly.
-  (Phase one's step is the other tests' compiled step.)"""
-  phases = dict(train__phases='0.03:32:5,0.97:64:10', train__stop_at_step=12)
+  Each phase's evaluation batches are read once, at its first evaluation. (Phase one's step is
+  the other tests' compiled step.)"""
+  phases = dict(train__phases='0.03:32:5,0.97:64:10', train__stop_at_step=12,
+                eval__every_steps=3)
+  reads, eval_batches = [], train.eval_batches
+
+  def counted(*args, **kwargs):
+    batches = eval_batches(*args, **kwargs)
+    reads.append(batches[0]['input_ids'].shape[1])
+    return batches
+
+  monkeypatch.setattr(train, 'eval_batches', counted)
   full = str(tmp_path / 'full')
   train.train_and_evaluate(_config(vocab_file, **phases), full)
-  train_rows, _ = _rows(full)
+  train_rows, eval_rows = _rows(full)
   # tokens_per_second / sequences_per_second is the sequence length of the step's phase.
   lengths = [round(r['tokens_per_second'] / r['sequences_per_second']) for r in train_rows]
   assert lengths == [32] * 6 + [64] * 6
+  assert [r['step'] for r in eval_rows] == [3, 6, 9, 12]
+  assert reads == [32, 64]
   assert run_files.checkpoint_steps(full) == [4, 8, 12]
 
   # The run as it would be had it died after saving step 8.
