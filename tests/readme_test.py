@@ -17,19 +17,20 @@ prefix of it that ends at a word (the longest wins), so one entry serves a famil
   Run(group, append, says)  runs it in the group's scratch folder (the checkout's files linked,
                       a small corpus, sentences.txt and GLUE's MRPC files there) as a user's
                       shell would: `bash -c`, the `bert-jax` entry point installed for this
-                      interpreter first on PATH (running this checkout: PYTHONPATH), and none
-                      of the variables tests/conftest.py sets (CONFTEST_VARIABLES), unless the
+                      interpreter first on PATH (running this checkout: PYTHONPATH), and none of
+                      the variables tests/conftest.py sets (CONFTEST_VARIABLES), unless the
                       command sets them. A group's first `bert-jax` command starts the entry
                       point's interpreter; the later ones run the entry point in a fork of a
-                      server that has imported what it imports (tests/forkserver.py). `append` is added at the end: absl and argparse keep
-                      a flag's last value, so appended flags make sizes tiny and move inputs and
-                      outputs into the folder ({tmp}); the command itself is never edited. It
-                      must exit 0 with no traceback and print each string of `says` (what the
-                      README says it prints); bert-jax and this checkout's scripts also with no
-                      line at error level and none of the start-up lines bert-jax holds back
-                      (`processes.check_console`). A group's commands run
-                      in README order, in one test, so later ones use what earlier ones wrote
-                      (one pre-training workdir serves every command that reads a checkpoint).
+                      server that has imported what it imports (tests/forkserver.py). `append`
+                      is added at the end: absl and argparse keep a flag's last value, so
+                      appended flags make sizes tiny and move inputs and outputs into the folder
+                      ({tmp}); the command itself is never edited. It must exit 0 with no
+                      traceback and print each string of `says` (what the README says it
+                      prints); bert-jax and this checkout's scripts also with no line at error
+                      level and none of the start-up lines bert-jax holds back
+                      (`processes.check_console`). A group's commands run in README order, in
+                      one test, so later ones use what earlier ones wrote (one pre-training
+                      workdir serves every command that reads a checkpoint).
   NotHere(reason)     cannot run on a CPU machine without accounts (a TPU, a GPU, a cloud
                       project, a cluster), installs packages, takes minutes to hours (a
                       benchmark, a compile of BERT-large), or runs the test suite or CI itself;
