@@ -247,8 +247,8 @@ class _Run:
   # built once.
   dataset_for: Callable[..., Any]
   # Phase -> this process's evaluation batches of it (`held_out_batches`), read at its first
-  # evaluation and kept while the phase trains: every evaluation reads the same ones.
-  held_out: Callable[[pretraining.Phase], list[dict[str, Any]]]
+  # evaluation and kept until the phase ends (`_train`): every evaluation reads the same ones.
+  held_out: Any  # functools.lru_cache of one phase's.
   fingerprints: dict[int, dict[str, Any]]  # Phase index -> its training input's fingerprint.
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
   manager: Any  # Orbax's CheckpointManager.
@@ -410,8 +410,9 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
 
   preemption.wait(lambda: state_lib.compile_ahead(
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
-  # One phase's at a time (eval.steps batches of this process's share: 100 x 256 rows of 512
-  # tokens, as an evaluation held them before, are about 180 MB).
+  # One phase's at a time, dropped as the next phase starts (eval.steps batches of this
+  # process's share, as an evaluation held them before: 100 x 256 rows of 512 tokens are about
+  # 180 MB).
   held_out = functools.lru_cache(maxsize=1)(
       lambda phase: held_out_batches(dataset_for(phase, False, eval_local),
                                      int(config.eval.steps)))
@@ -459,6 +460,7 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
   with run_frame.closing(steps, run.manager, run.workdir, run.log, run.pusher, preemption):
     while run.step < run.stop_at and not preemption.stopping:
       phase = pretraining.phase_at(run.phases, run.step)
+      run.held_out.cache_clear()  # The last phase's evaluation batches, before this one trains.
       data_it = _training_input(run, phase)
       if (run.step > 0 and run.meta.get('data_phase') == phase.index
           and run.start == run.step):

@@ -14,11 +14,11 @@ kills the fork before it serves anything else.
 
 What a fork cannot take from its request the server started with: variables read as TensorFlow
 and JAX are imported. So there is one server per environment, less the variables read later
-(`_LATE`: JAX's compilation cache and optimization settings, applied to `jax.config` in the
-fork as JAX would read them, XLA_FLAGS, bert_jax's own). Anything else the client runs itself with
-os.execv (another interpreter option): the same program, only slower. Tests about the
-process itself (its pid in a lock, its signal handlers, the modules a command loads, its
-console at start-up) start real interpreters.
+(`_LATE`: JAX's compilation cache and optimization settings, applied to `jax.config` in the fork
+as JAX would read them, XLA_FLAGS, bert_jax's own, the shell's PWD, OLDPWD, SHLVL and _).
+Anything else the client runs itself with os.execv (another interpreter option): the same
+program, only slower. Tests about the process itself (its pid in a lock, its signal handlers,
+the modules a command loads, its console at start-up) start real interpreters.
 """
 
 import ctypes

@@ -686,12 +686,7 @@ def _run_group(group: str, tmp_path, extra_env: dict[str, str] | None = None,
   # entry point imports (tests/forkserver.py), given the entry point as its program: the same
   # arguments, environment, directory and streams, without the 8 s of imports each.
   forking = os.path.join(folder, 'forked')
-  os.makedirs(forking)
   forked_env = dict(env, PATH=os.pathsep.join([forking, env['PATH']]))
-  with open(os.path.join(forking, 'bert-jax'), 'w') as f:
-    f.write('#!/bin/sh\nexec ' + shlex.join(processes.python(forked_env) +
-                                             [processes.entry_point()]) + ' "$@"\n')
-  os.chmod(os.path.join(forking, 'bert-jax'), 0o755)
   results, shell_vars, first = {}, '', True
   for path, number, command in _all():
     found = entry(command)
@@ -709,6 +704,12 @@ def _run_group(group: str, tmp_path, extra_env: dict[str, str] | None = None,
     bert_jax = program(command) == 'bert-jax'
     forked = bert_jax and not first
     first = first and not bert_jax
+    if forked and not os.path.exists(forking):  # Its server starts with the first fork.
+      os.makedirs(forking)
+      with open(os.path.join(forking, 'bert-jax'), 'w') as f:
+        f.write('#!/bin/sh\nexec ' + shlex.join(processes.python(forked_env) +
+                                                 [processes.entry_point()]) + ' "$@"\n')
+      os.chmod(os.path.join(forking, 'bert-jax'), 0o755)
     start, cpu = time.monotonic(), _children_cpu()
     proc = subprocess.run(['bash', '-c', shell_vars + line], cwd=folder,
                           env=forked_env if forked else env, capture_output=True, text=True,
