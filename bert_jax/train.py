@@ -246,9 +246,6 @@ class _Run:
   # (phase, train, batch_size=local batch, seed=None) -> this process's tf.data dataset, each
   # built once.
   dataset_for: Callable[..., Any]
-  # Phase -> this process's evaluation batches of it (`held_out_batches`), read at its first
-  # evaluation and kept until the phase ends (`_train`): every evaluation reads the same ones.
-  held_out: Any  # functools.lru_cache of one phase's.
   fingerprints: dict[int, dict[str, Any]]  # Phase index -> its training input's fingerprint.
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
   manager: Any  # Orbax's CheckpointManager.
@@ -353,7 +350,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   # A build traces the pipeline's TensorFlow functions (seconds on a CPU, in every run), so each
   # dataset is built once: the check's give the compiles their shapes, each phase's training
   # input its first stream (iterated once: its shuffles draw anew with each iteration) and the
-  # phase's evaluations their batches (the same each time, read once: `_Run.held_out`).
+  # phase's evaluations their batches (the same each time, read once: `_train`).
   built_datasets = functools.cache(functools.partial(_dataset, vocab_file, batch_size))
   # Positional, so that a call with seed=None and one without find the same build.
   dataset_for = lambda phase, train, batch_size=None, seed=None: built_datasets(
@@ -410,15 +407,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
 
   preemption.wait(lambda: state_lib.compile_ahead(
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
-  # One phase's at a time, dropped as the next phase starts (eval.steps batches of this
-  # process's share, as an evaluation held them before: 100 x 256 rows of 512 tokens are about
-  # 180 MB).
-  held_out = functools.lru_cache(maxsize=1)(
-      lambda phase: held_out_batches(dataset_for(phase, False, eval_local),
-                                     int(config.eval.steps)))
   return _Run(workdir=workdir, phases=phases, mesh=mesh, rules=rules,
               batch_sharding=batch_sharding, vocab_file=vocab_file, dataset_for=dataset_for,
-              held_out=held_out,
               fingerprints=fingerprints,
               built=built, manager=manager, log=monitor.MetricsLog(workdir, config),
               pusher=publish.make_pusher(config, workdir),
@@ -460,7 +450,12 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
   with run_frame.closing(steps, run.manager, run.workdir, run.log, run.pusher, preemption):
     while run.step < run.stop_at and not preemption.stopping:
       phase = pretraining.phase_at(run.phases, run.step)
-      run.held_out.cache_clear()  # The last phase's evaluation batches, before this one trains.
+      # Every evaluation of the phase reads the same batches: read at its first, kept until the
+      # phase ends (eval.steps batches of this process's share, as an evaluation held them
+      # before: 100 x 256 rows of 512 tokens are about 180 MB).
+      held_out = functools.cache(lambda phase=phase: held_out_batches(
+          run.dataset_for(phase, False, run.eval_batch_size // jax.process_count()),
+          run.eval_steps))
       data_it = _training_input(run, phase)
       if (run.step > 0 and run.meta.get('data_phase') == phase.index
           and run.start == run.step):
@@ -510,7 +505,8 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
             _save(run, steps, phase, data_it)
         # After the save: a failing or killed evaluation never costs the steps before it.
         if run_frame.itstime(run.step, run.eval_every, run.stop_at) and not preemption.stopping:
-          eval_metrics = _evaluate(run, steps, preemption, phase, data_it) or eval_metrics
+          eval_metrics = _evaluate(run, steps, preemption, phase, data_it,
+                                   held_out) or eval_metrics
     if preemption.stopping:
       logging.warning('Stopped for preemption at step %d; rerun to resume.', run.step)
 
@@ -543,9 +539,11 @@ def _save(run: _Run, steps: monitor.Steps, phase: pretraining.Phase, data_it) ->
 
 
 def _evaluate(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,
-              phase: pretraining.Phase, data_it) -> dict[str, float] | None:
-  """Evaluates the state at `run.step` and logs it; None when SIGTERM cut the evaluation
-  short (`cut_short`): it is dropped, the step saved, and the loop stops."""
+              phase: pretraining.Phase, data_it,
+              held_out: Callable[[], list[dict[str, Any]]]) -> dict[str, float] | None:
+  """Evaluates the state at `run.step` on the phase's `held_out()` batches and logs it; None
+  when SIGTERM cut the evaluation short (`cut_short`): it is dropped, the step saved, and the
+  loop stops."""
   steps.drain()
   jax.block_until_ready(run.state)
   with steps.chrono.excluded():
@@ -553,7 +551,7 @@ def _evaluate(run: _Run, steps: monitor.Steps, preemption: monitor.Preemption,
     evaluated = evaluate_params(phase, run.state.params, run.built.eval_step, run.mesh,
                                 run.rules, run.vocab_file, batch_size=run.eval_batch_size,
                                 steps=run.eval_steps, stop=preemption.cut_short,
-                                batches=run.held_out(phase))
+                                batches=held_out())
   if evaluated is None:
     if run.last_saved != run.step:
       _save(run, steps, phase, data_it)
