@@ -176,10 +176,10 @@ def _compile(config: ml_collections.ConfigDict, vocab_size: int, devices, seq_le
     built = pretraining.build_step(config, mesh, vocab_size)
     with sharding_lib.activate(mesh, rules):
       lowered = built.train_step.jitted.lower(built.abstract, batch)
-  # A GPU compiled without one cannot be timed, so XLA's autotuner only assigns its default
-  # configurations; level 0 assigns the same ones without the search around them (the same
-  # kernels, bytes and memory at BERT-base/128 and BERT-large/512 on jax 0.10 and 0.12, and
-  # 31 -> 26 s a BERT-base/128 compile on 0.12).
+  # Compiled without a GPU, nothing can be timed, so XLA's autotuners only assign their
+  # default configurations; level 0 assigns the same ones without the search around them (the
+  # same kernels, bytes and memory at BERT-base/128 and BERT-large/512 on jax 0.10 and 0.12,
+  # and a BERT-base/128 compile 31 -> 26 s on 0.12).
   options = {'xla_gpu_autotune_level': 0} if platform == 'gpu' else None
   with _without_persistent_cache():
     compiled = lowered.compile(compiler_options=options)

@@ -23,21 +23,23 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 def tensorflow_without_grappler() -> None:
   """TensorFlow's graph optimizer (Grappler) off in this process, for its tf.data functions.
 
-  Each iterator made optimizes the input pipeline's functions (the tokenizer, the pairs, the
+  Each new iterator optimizes the input pipeline's functions (the tokenizer, the pairs, the
   masking) again: about 0.3 s each, 3 s of CPU of a 29 s tiny pre-training run (3 runs each,
   alternating, 2026-11-30), where the tests make some hundred runs. What the optimized
   functions compute is the same (the run's losses, bit for bit); what they buy is throughput
   (benchmarks/input_pipeline.py: 7-12% more tokens/s), which no test measures. bert_jax itself
   keeps it: the commands a test starts as fresh interpreters run as a user's do.
   Only Python state is set (applied when TensorFlow's runtime starts), so the fork server
-  (tests/forkserver.py) calls it before it forks."""
+  (tests/forkserver.py) does the same before it forks. Every test process imports TensorFlow
+  here, as nearly every test module would."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})
 
 
-def pytest_configure(config):
-  # In the processes that run tests (xdist's workers, or pytest alone), not xdist's controller.
-  if hasattr(config, 'workerinput') or not getattr(config.option, 'numprocesses', None):
+def pytest_configure(config: pytest.Config) -> None:
+  """Grappler off in the processes that run tests: xdist's workers, or pytest alone (no
+  xdist, or -n 0), not xdist's controller."""
+  if hasattr(config, 'workerinput') or getattr(config.option, 'dist', 'no') == 'no':
     tensorflow_without_grappler()
 
 
