@@ -18,9 +18,9 @@ and JAX are imported. So there is one server per environment, less the variables
 as JAX would read them, XLA_FLAGS, bert_jax's own, the shell's PWD, OLDPWD, SHLVL and _).
 Anything else the client runs itself with os.execv (another interpreter option): the same
 program, only slower. Tests about the process itself (its pid in a lock, its signal handlers,
-the modules a command loads, its console at start-up) start real interpreters. One setting
-differs from a fresh interpreter's, as in the tests' own processes: TensorFlow's Grappler is off
-(`conftest.tensorflow_without_grappler`).
+the modules a command loads, its console at start-up) start real interpreters. A fork keeps
+TensorFlow's Grappler on, as a fresh interpreter does (`conftest.tensorflow_without_grappler`:
+the tests' own processes run it off).
 """
 
 import ctypes
@@ -180,10 +180,6 @@ def _import_everything() -> None:
   # lower-casing check runs ops, and stays with each fork.
   from bert_jax import tokenization  # pylint: disable=g-import-not-at-top
   tokenization._classes()  # pylint: disable=protected-access
-  # Grappler off, as in the tests' own processes (conftest.tensorflow_without_grappler says
-  # why; not imported from there: conftest sets the tests' environment as it loads).
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
