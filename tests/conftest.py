@@ -20,8 +20,9 @@ os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
-def tensorflow_without_grappler() -> None:
-  """TensorFlow's graph optimizer (Grappler) off in this process, for its tf.data functions.
+@pytest.fixture(scope='session', autouse=True)
+def without_grappler():
+  """TensorFlow's graph optimizer (Grappler) off in each process that runs tests.
 
   Each new iterator optimizes the input pipeline's functions (the tokenizer, the pairs, the
   masking) again: about 0.3 s each, 3 s of CPU of a 29 s tiny pre-training run (3 runs each,
@@ -29,19 +30,11 @@ def tensorflow_without_grappler() -> None:
   functions compute is the same (the run's losses, bit for bit); what they buy is throughput
   (benchmarks/input_pipeline.py: 7-12% more tokens/s), which no test measures. bert_jax itself
   keeps it, and so do the commands a test starts (fresh or forked, tests/forkserver.py): the
-  README's longer runs, forked with it off, took 8% more CPU (readme_test, two runs each,
-  alternating), where the input's throughput outweighs what its iterators cost."""
+  README's longer runs, forked with it off, took 7-10% more CPU (readme_test, two runs each,
+  alternating). A fixture, not pytest_configure: its set-up captures TensorFlow's start-up lines.
+  Set after TensorFlow's runtime started, the option holds for the iterators made later."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})
-
-
-@pytest.fixture(scope='session', autouse=True)
-def without_grappler():
-  """Grappler off in each process that runs tests (never xdist's controller), from its first
-  test's set-up on: there TensorFlow's start-up lines are captured, where pytest_configure's
-  import printed them above the run. Set after TensorFlow's runtime started, it holds for the
-  iterators made later (four iterators of the smoke input: 3.7-4.1 -> 3.3-3.7 s of CPU)."""
-  tensorflow_without_grappler()
 
 
 def pytest_sessionfinish(session):  # pylint: disable=unused-argument

@@ -19,8 +19,8 @@ as JAX would read them, XLA_FLAGS, bert_jax's own, the shell's PWD, OLDPWD, SHLV
 Anything else the client runs itself with os.execv (another interpreter option): the same
 program, only slower. Tests about the process itself (its pid in a lock, its signal handlers,
 the modules a command loads, its console at start-up) start real interpreters. A fork keeps
-TensorFlow's Grappler on, as a fresh interpreter does (`conftest.tensorflow_without_grappler`:
-the tests' own processes run it off).
+TensorFlow's Grappler on, as a fresh interpreter does (`conftest.without_grappler`: the
+tests' own processes run it off).
 """
 
 import ctypes
