@@ -661,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
 
   `main()` is the program (the entry point, `python -m bert_jax.cli`): the process ends with
   it, and what the start-up froze stays frozen, so that the interpreter's exit does not walk it
-  (its collections at exit took about 1.3 s of CPU more with it unfrozen). `main(argv)` returns
+  (its collections at exit took about 1 s of CPU more with it unfrozen). `main(argv)` returns
   it to the collector, for a caller that goes on."""
   program = argv is None
   argv = list(sys.argv if argv is None else argv)

@@ -246,7 +246,8 @@ def test_start_up_freezes_the_loaded_modules_and_skips_kerass_optional_imports(t
   """After its start-up (TensorFlow and JAX loaded), a command has moved the objects alive then
   into the collector's permanent generation (gc.freeze): its full collections skip them. When
   `cli.main(argv)` returns (here: exits, status 2), they are the collector's again, for a
-  process that goes on; the program (`main()`) leaves them frozen to its exit. The start-up did not load what Keras imports when installed and no command uses
+  process that goes on; the program (`main()`) leaves them frozen to its exit. The start-up did
+  not load what Keras imports when installed and no command uses
   (cli._UNUSED_BY_TENSORFLOWS_IMPORT: IPython, matplotlib, pandas; the test extra installs
   them), and each can be imported after it (pandas by `datasets`)."""
   unused = cli._UNUSED_BY_TENSORFLOWS_IMPORT  # pylint: disable=protected-access
@@ -281,9 +282,8 @@ def test_start_up_freezes_the_loaded_modules_and_skips_kerass_optional_imports(t
   # As the program (`python -m bert_jax.cli`, as the entry point runs it: `main()`), the process
   # ends with the command: they stay frozen through the interpreter's exit, whose collections
   # then skip them.
-  program = ('import atexit, gc, runpy, sys\n'
+  program = ('import atexit, gc, runpy\n'
              'atexit.register(lambda: print("at exit", gc.get_freeze_count(), flush=True))\n'
-             'sys.argv = ["bert-jax"] + sys.argv[1:]\n'
              'runpy.run_module("bert_jax.cli", run_name="__main__", alter_sys=True)\n')
   proc = subprocess.run([sys.executable, '-c', program, 'fill-mask',
                          f'--checkpoint={tmp_path / "missing"}', 'a [MASK] b'], cwd=_ROOT,
