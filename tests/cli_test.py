@@ -269,10 +269,12 @@ def test_start_up_freezes_the_loaded_modules_and_skips_kerass_optional_imports(t
             '  for m in cli._UNUSED_BY_TENSORFLOWS_IMPORT:\n'
             '    importlib.import_module(m)\n'
             '  print("imported after", flush=True)\n')
-  proc = subprocess.run([sys.executable, '-c', script, 'fill-mask',
-                         f'--checkpoint={tmp_path / "missing"}', 'a [MASK] b'], cwd=_ROOT,
-                        env=dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu'),
-                        capture_output=True, text=True, timeout=300)
+  # fill-mask on a missing checkpoint: status 2 after the start-up.
+  run = lambda code: subprocess.run(
+      [sys.executable, '-c', code, 'fill-mask', f'--checkpoint={tmp_path / "missing"}',
+       'a [MASK] b'], cwd=_ROOT, env=dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu'),
+      capture_output=True, text=True, timeout=300)
+  proc = run(script)
   frozen = re.search(r'^frozen (\d+)$', proc.stdout, re.M)
   assert frozen and int(frozen.group(1)) > 100_000, proc.stdout + proc.stderr[-3000:]
   assert re.search(r'^loaded \[\]$', proc.stdout, re.M), proc.stdout
@@ -285,10 +287,7 @@ def test_start_up_freezes_the_loaded_modules_and_skips_kerass_optional_imports(t
   program = ('import atexit, gc, runpy\n'
              'atexit.register(lambda: print("at exit", gc.get_freeze_count(), flush=True))\n'
              'runpy.run_module("bert_jax.cli", run_name="__main__", alter_sys=True)\n')
-  proc = subprocess.run([sys.executable, '-c', program, 'fill-mask',
-                         f'--checkpoint={tmp_path / "missing"}', 'a [MASK] b'], cwd=_ROOT,
-                        env=dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu'),
-                        capture_output=True, text=True, timeout=300)
+  proc = run(program)
   assert proc.returncode == 2, proc.stderr[-3000:]
   at_exit = re.search(r'^at exit (\d+)$', proc.stdout, re.M)
   assert at_exit and int(at_exit.group(1)) > 100_000, proc.stdout + proc.stderr[-3000:]
