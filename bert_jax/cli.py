@@ -8,11 +8,11 @@ A user's mistake (`errors.UserError`, a bad flag or config override) ends as one
 traceback (status 1). `--traceback` or BERT_JAX_TRACEBACK=1 shows the traceback of a mistake too.
 SIGTERM or Ctrl-C, in any phase of any command, ends with one line and status 143 (training
 saves first), and so does Cloud Storage failing past the retries (`errors.Outage`): rerun to
-resume (`EXIT_STATUSES`, also in `bert-jax --help`). What else shows on the console (native
+resume (`EXIT_STATUSES`, also in `bert-jax --help`). What a command starts before it runs
+(TensorFlow, jax.distributed, JAX) is `start_up.py`'s; what else shows on the console (native
 start-up notes held back, the log filter, those signals before a run listens) is `console.py`'s.
 """
 
-import contextlib
 import difflib
 import gc
 import os
@@ -39,6 +39,7 @@ from bert_jax import console
 from bert_jax import errors
 from bert_jax import fileio
 from bert_jax import gcs
+from bert_jax import start_up
 from bert_jax.errors import UserError
 
 FLAGS = flags.FLAGS
@@ -103,31 +104,6 @@ def _define_distributed_flags() -> None:
   flags.DEFINE_enum('distributed', 'auto', ['auto', 'on', 'off'],
                     'jax.distributed: auto = on Cloud TPU VMs, SLURM jobs of several tasks, or '
                     'when --coordinator_address is given.')
-
-
-def initialize_distributed(coordinator_address: str = '', num_processes: int = 0,
-                           process_id: int = -1, mode: str = 'auto') -> None:
-  """Starts jax.distributed when this is (or may be) one process of several."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if mode == 'off':
-    return
-  explicit = bool(coordinator_address)
-  slurm = int(os.environ.get('SLURM_NTASKS', '1')) > 1
-  tpu_vm = os.path.exists('/dev/accel0') or bool(os.environ.get('TPU_WORKER_HOSTNAMES'))
-  if not (mode == 'on' or explicit or slurm or tpu_vm):
-    return
-  kwargs = {}
-  if explicit:
-    if num_processes <= 0 or process_id < 0:
-      raise UserError(f'--coordinator_address={coordinator_address} needs --num_processes (got '
-                      f'{num_processes}) and --process_id (got {process_id}) too')
-    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
-                  process_id=process_id)
-    if os.environ.get('JAX_PLATFORMS', '').startswith('cpu'):
-      # CPU collectives across processes go over gloo (tests, laptops).
-      jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  jax.distributed.initialize(**kwargs)
-  logging.info('jax.distributed: process %d of %d', jax.process_index(), jax.process_count())
 
 
 # ---- Subcommands -------------------------------------------------------------------------------
@@ -575,69 +551,15 @@ def _run_command(name: str, args: list[str]) -> None:
 
   def run_after_start_up(argv):
     _check_before_imports(name)
-    _start_up(name, quiet=not _traceback_wanted(args) and logging.get_verbosity() <= 0)
+    compiles = name == 'compile'
+    distributed = dict(coordinator_address=FLAGS.coordinator_address,
+                       num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
+                       mode=FLAGS.distributed) if 'distributed' in FLAGS else None
+    start_up.start(name, quiet=not _traceback_wanted(args) and logging.get_verbosity() <= 0,
+                   packed_compile=compiles and FLAGS.config.data.packing,
+                   topology=FLAGS.topology if compiles else '', distributed=distributed)
     run(argv)
   app.run(run_after_start_up, argv=list(_ARGV), flags_parser=_parse_flags)
-
-
-# Commands that never load TensorFlow: `compile` reads only its config (a Python file) and
-# compiles through JAX (packed rows excepted); loading TensorFlow would cost it about 4 s of CPU
-# for nothing. `vocab` and `data` never start JAX.
-_WITHOUT_TENSORFLOW = ('compile',)
-_WITHOUT_JAX = ('vocab', 'data')
-
-# `import tensorflow` loads Keras 3, which imports these when installed (Colab, the test extra);
-# no command uses them: 0.9 s of CPU a start-up (README, CI). Keras catches their ImportError.
-_UNUSED_BY_TENSORFLOWS_IMPORT = ('IPython', 'matplotlib', 'pandas')
-
-
-@contextlib.contextmanager
-def _without_unused_imports():
-  """Inside, those not loaded yet import as if not installed; afterwards each imports again."""
-  blocked = [m for m in _UNUSED_BY_TENSORFLOWS_IMPORT if m not in sys.modules]
-  sys.modules.update(dict.fromkeys(blocked))  # Python's import answers None with ImportError.
-  try:
-    yield
-  finally:
-    for module in [m for m in blocked if sys.modules.get(m, False) is None]:
-      del sys.modules[module]
-
-
-def _start_up(name: str, quiet: bool) -> None:
-  """Starts what the command runs on, in this order: TensorFlow (hiding the accelerators from it
-  starts its device platforms), jax.distributed (multi-host: before JAX's backends), then JAX's
-  backends, or for `compile` the target's platform (libtpu or JAX's CUDA plugin).
-
-  Their native start-up lines (TensorFlow's oneDNN and cuInit notes; libtpu's block about the
-  TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES it cannot find on a machine without a TPU, one
-  line at error level) are held back when `quiet`, and shown if starting fails. Not quiet
-  (--traceback, --verbosity=1 and up) they all show, for a bug report. After the flags: --help
-  and flag mistakes do not wait for any of it.
-  """
-  hold = console.native_stderr_held_back if quiet else contextlib.nullcontext
-  packed_compile = name == 'compile' and FLAGS.config.data.packing  # packing.py: TensorFlow.
-  if name not in _WITHOUT_TENSORFLOW or packed_compile:
-    with hold(), _without_unused_imports():
-      # The pipeline's import loads TensorFlow Text too, whose notes are held back with it.
-      from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top,unused-import
-      fileio.hide_accelerators_from_tf()
-  if 'distributed' in FLAGS:
-    initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                           FLAGS.distributed)
-  if name == 'compile':
-    from bert_jax import aot  # pylint: disable=g-import-not-at-top
-    with hold():
-      aot.target_devices(aot.parse_topology(FLAGS.topology))
-  elif name not in _WITHOUT_JAX:
-    import jax  # pylint: disable=g-import-not-at-top
-    with hold():
-      jax.devices()
-  # The ~460,000 objects of the modules loaded so far (TensorFlow's, JAX's) live as long as the
-  # process: out of the cyclic collector's sight (after one collection, which frees what the
-  # start-up left), each of its full collections skips them (half of a short pre-training run's
-  # 3.3 s of collections on a CPU). `main(argv)` gives them back to it when it returns.
-  gc.collect()
-  gc.freeze()
 
 
 def _check_before_imports(name: str) -> None:

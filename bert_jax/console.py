@@ -1,7 +1,7 @@
 """What a `bert-jax` command shows on the console besides its own output.
 
 - `native_stderr_held_back`: TensorFlow's and libtpu's native start-up notes, held back while
-  they start and shown only if starting fails (`cli._start_up`).
+  they start and shown only if starting fails (`start_up.start`).
 - `ours_or_a_warning`: the log filter: warnings and errors from anywhere, info lines from
   bert_jax only, and not the CUDA plugin's failed start on a machine without NVIDIA's driver.
 - `stop_at_once_on_signals`: SIGTERM and Ctrl-C where no training run listens for them: one

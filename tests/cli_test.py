@@ -14,6 +14,7 @@ import pytest
 
 from bert_jax import cli
 from bert_jax import run_lock
+from bert_jax import start_up
 from bert_jax import config_files
 from bert_jax.errors import UserError
 import processes
@@ -248,25 +249,25 @@ def test_start_up_freezes_the_loaded_modules_and_skips_kerass_optional_imports(t
   `cli.main(argv)` returns (here: exits, status 2), they are the collector's again, for a
   process that goes on; the program (`main()`) leaves them frozen to its exit. The start-up did
   not load what Keras imports when installed and no command uses
-  (cli._UNUSED_BY_TENSORFLOWS_IMPORT: IPython, matplotlib, pandas; the test extra installs
-  them), and each can be imported after it (pandas by `datasets`)."""
-  unused = cli._UNUSED_BY_TENSORFLOWS_IMPORT  # pylint: disable=protected-access
+  (start_up.UNUSED_BY_TENSORFLOWS_IMPORT: IPython, matplotlib, pandas; the test extra
+  installs them), and each can be imported after it (pandas by `datasets`)."""
+  unused = start_up.UNUSED_BY_TENSORFLOWS_IMPORT
   assert all(importlib.util.find_spec(m) for m in unused)  # Else this checks nothing.
   script = ('import gc, importlib, sys\n'
-            'from bert_jax import cli\n'
-            'start_up = cli._start_up\n'
+            'from bert_jax import cli, start_up\n'
+            'start = start_up.start\n'
             'def counted(*args, **kwargs):\n'
-            '  start_up(*args, **kwargs)\n'
+            '  start(*args, **kwargs)\n'
             '  print("frozen", gc.get_freeze_count(), flush=True)\n'
             '  assert "keras" in sys.modules and "jax" in sys.modules\n'
-            '  print("loaded", [m for m in cli._UNUSED_BY_TENSORFLOWS_IMPORT\n'
+            '  print("loaded", [m for m in start_up.UNUSED_BY_TENSORFLOWS_IMPORT\n'
             '                   if m in sys.modules], flush=True)\n'
-            'cli._start_up = counted\n'
+            'start_up.start = counted\n'
             'try:\n'
             '  cli.main(["bert-jax"] + sys.argv[1:])\n'
             'finally:\n'
             '  print("after main", gc.get_freeze_count(), flush=True)\n'
-            '  for m in cli._UNUSED_BY_TENSORFLOWS_IMPORT:\n'
+            '  for m in start_up.UNUSED_BY_TENSORFLOWS_IMPORT:\n'
             '    importlib.import_module(m)\n'
             '  print("imported after", flush=True)\n')
   # fill-mask on a missing checkpoint: status 2 after the start-up.
@@ -417,7 +418,7 @@ def test_start_up_lines_are_held_back_as_a_user_runs_the_commands(files, tmp_pat
   as a user runs them (the installed entry point, none of conftest's variables): a command that
   runs JAX (fill-mask) and a packed `compile` (TensorFlow, then libtpu's topology) print none of
   their start-up lines: TensorFlow's oneDNN and cuInit notes, libtpu's block with its
-  INVALID_ARGUMENT line. --traceback and --verbosity=1 show them (cli._start_up)."""
+  INVALID_ARGUMENT line. --traceback and --verbosity=1 show them (start_up.start)."""
   _, ckpt = files
   env = processes.user_env(str(tmp_path))
   # libtpu starts (and prints its block) even while another process holds its lock

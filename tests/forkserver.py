@@ -152,18 +152,12 @@ def client(path: str, args: list[str]) -> None:
 
 
 def _import_everything() -> None:
-  """What `bert-jax` commands import, in their order (cli.py, then cli._start_up)."""
+  """What `bert-jax` commands import, in their order (cli.py, then start_up.start)."""
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # cli.py, before TensorFlow loads.
-  import bert_jax  # pylint: disable=g-import-not-at-top,unused-import
-  # cli._start_up imports TensorFlow with these blocked (cli._UNUSED_BY_TENSORFLOWS_IMPORT,
-  # cli._without_unused_imports; not imported from cli, which a fork runs as __main__).
-  blocked = [m for m in ('IPython', 'matplotlib', 'pandas') if m not in sys.modules]
-  sys.modules.update(dict.fromkeys(blocked))
-  try:
+  from bert_jax import start_up  # pylint: disable=g-import-not-at-top
+  # As start_up.start imports TensorFlow: without what Keras would import and no command uses.
+  with start_up.without_unused_imports():
     from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top,unused-import
-  finally:
-    for module in [m for m in blocked if sys.modules.get(m, False) is None]:
-      del sys.modules[module]
   import jax  # pylint: disable=g-import-not-at-top,unused-import
   # The drivers and what they load (not `cli` itself: `-m bert_jax.cli` runs it as __main__).
   from bert_jax import checkpoint, finetune, pretrained, train  # pylint: disable=g-import-not-at-top,unused-import,g-multiple-import
@@ -238,7 +232,7 @@ def serve(path: str) -> tuple[dict, dict[str, str | None], list[int]]:
               if os.environ.get(k) != started_with.get(k)}
   # The half a million objects of the imports live as long as each fork: frozen here, before
   # any fork (as the gc module's documentation advises for a pre-forking server), a fork's
-  # collections (cli._start_up's full one among them) skip them, instead of walking them all
+  # collections (start_up.start's full one among them) skip them, instead of walking them all
   # and copying each memory page they touch.
   gc.collect()
   gc.freeze()

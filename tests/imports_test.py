@@ -15,7 +15,8 @@ PACKAGE = os.path.join(ROOT, 'bert_jax')
 # The package's layers, top to bottom (README, "How the code is organised"): a module imports
 # from its own layer and the layers below it only.
 LAYERS = (
-    ('entry points', {'__init__', 'cli', 'console', 'aot', 'hlo_kernels'}),
+    ('entry points', {'__init__', 'cli', 'start_up', 'console', 'aot',
+                      'hlo_kernels'}),
     ('drivers', {'train', 'finetune'}),
     ('commands that use a model', {'predict', 'features', 'fill_mask', 'export', 'serving'}),
     # The task modules are the table's (task_table.py imports none of them).

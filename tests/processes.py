@@ -34,7 +34,7 @@ def env(cache_dir: str, devices: int | None = None) -> dict[str, str]:
 
 # Lines a successful command never prints: an error-level line (absl's or native code's E/F
 # lines, Python's), a traceback, and the start-up lines of TensorFlow, libtpu and JAX's CUDA
-# plugin that bert-jax holds back (cli._start_up).
+# plugin that bert-jax holds back (start_up.start).
 _ERROR_LINE = re.compile(r'^(?:[EF]\d{4} |ERROR\b|FATAL\b|CRITICAL\b|\S+: error: |'
                          r'Traceback \(most recent call last\))')
 _HELD_BACK = ('oneDNN custom operations', 'cuInit', 'TPU_ACCELERATOR_TYPE',

@@ -1,0 +1,83 @@
+"""Tests of bert_jax.start_up: what a command starts before it runs. The start-up as users run
+it (its freeze, its held-back lines, signals during it) is cli_test.py's; jax.distributed
+across real processes is train_test.py's and finetune_test.py's."""
+
+import os
+import sys
+
+import jax
+import pytest
+
+from bert_jax import start_up
+from bert_jax.errors import UserError
+
+
+@pytest.fixture
+def initialize_calls(monkeypatch):
+  """jax.distributed.initialize's calls, recorded instead of made."""
+  calls = []
+  monkeypatch.setattr(jax.distributed, 'initialize', lambda **kwargs: calls.append(kwargs))
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  for name in ('SLURM_NTASKS', 'TPU_WORKER_HOSTNAMES'):
+    monkeypatch.delenv(name, raising=False)
+  assert not os.path.exists('/dev/accel0')  # Else 'auto' would start it: not a TPU VM here.
+  return calls
+
+
+def test_distributed_starts_only_for_one_process_of_several(initialize_calls, monkeypatch):
+  start_up.initialize_distributed()  # One process: nothing says otherwise.
+  assert not initialize_calls
+  start_up.initialize_distributed(mode='on')  # The launcher's environment says how many.
+  assert initialize_calls == [{}]
+  monkeypatch.setenv('SLURM_NTASKS', '1')
+  start_up.initialize_distributed()
+  monkeypatch.setenv('SLURM_NTASKS', '4')
+  start_up.initialize_distributed()
+  start_up.initialize_distributed(mode='off')  # Off wins over SLURM and a coordinator.
+  start_up.initialize_distributed('host:1234', 2, 0, mode='off')
+  monkeypatch.setenv('TPU_WORKER_HOSTNAMES', 'a,b')
+  monkeypatch.delenv('SLURM_NTASKS')
+  start_up.initialize_distributed()
+  assert initialize_calls == [{}, {}, {}]
+
+
+def test_a_coordinator_needs_the_process_count_and_index(initialize_calls):
+  with pytest.raises(UserError, match=r'--coordinator_address=host:1234 needs --num_processes '
+                     r'\(got 0\) and --process_id \(got -1\) too'):
+    start_up.initialize_distributed('host:1234')
+  with pytest.raises(UserError, match=r'\(got 2\) and --process_id \(got -1\)'):
+    start_up.initialize_distributed('host:1234', 2)
+  assert not initialize_calls
+  start_up.initialize_distributed('host:1234', 2, 1)
+  assert initialize_calls == [dict(coordinator_address='host:1234', num_processes=2,
+                                   process_id=1)]
+
+
+def test_unused_imports_are_blocked_inside_only(tmp_path, monkeypatch):
+  """Inside, a module not loaded yet imports as if not installed (Keras then skips it); one
+  already loaded stays; afterwards the blocked one imports as usual."""
+  for name in ('unused_by_tf_a', 'unused_by_tf_b'):
+    (tmp_path / f'{name}.py').write_text('VALUE = 1\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  import unused_by_tf_b  # pylint: disable=g-import-not-at-top,import-error,unused-import
+  monkeypatch.setattr(start_up, 'UNUSED_BY_TENSORFLOWS_IMPORT',
+                      ('unused_by_tf_a', 'unused_by_tf_b'))
+  with start_up.without_unused_imports():
+    with pytest.raises(ImportError):
+      import unused_by_tf_a  # pylint: disable=g-import-not-at-top,import-error,unused-import
+    assert sys.modules['unused_by_tf_b'].VALUE == 1
+  import unused_by_tf_a  # pylint: disable=g-import-not-at-top,import-error,reimported
+  assert unused_by_tf_a.VALUE == 1
+  del sys.modules['unused_by_tf_a'], sys.modules['unused_by_tf_b']
+
+
+def test_unused_imports_stay_blocked_nowhere_after_an_error(tmp_path, monkeypatch):
+  (tmp_path / 'unused_by_tf_c.py').write_text('VALUE = 3\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(start_up, 'UNUSED_BY_TENSORFLOWS_IMPORT', ('unused_by_tf_c',))
+  with pytest.raises(RuntimeError, match='in the block'):
+    with start_up.without_unused_imports():
+      raise RuntimeError('in the block')
+  import unused_by_tf_c  # pylint: disable=g-import-not-at-top,import-error
+  assert unused_by_tf_c.VALUE == 3
+  del sys.modules['unused_by_tf_c']
