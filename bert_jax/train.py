@@ -14,7 +14,7 @@ import functools
 import itertools
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import ml_collections
@@ -63,10 +63,15 @@ def _max_over_processes(n: int) -> int:
   return int(np.max(multihost_utils.process_allgather(np.asarray(n, np.int32))))
 
 
-def held_out_batches(ds, steps: int) -> list[dict[str, Any]]:
+def held_out_batches(ds, steps: int, started=None) -> list[dict[str, Any]]:
   """The first `steps` batches of `ds`, this process's share of the held-out data, as numpy
-  (`eval_batches`: the same number on every process); a UserError when there is none."""
-  batches = eval_batches(ds.as_numpy_iterator(), steps, _empty_batch(ds.element_spec))
+  (`eval_batches`: the same number on every process); a UserError when there is none.
+
+  `started`: a numpy iterator of `ds` already begun (the input check's, `_check_phase_data`),
+  its batches read so far chained before it: read on from there instead of from a new one.
+  Evaluation's pass is deterministic, so it holds the batches a new iterator would."""
+  batches = eval_batches(ds.as_numpy_iterator() if started is None else started, steps,
+                         _empty_batch(ds.element_spec))
   if not batches:
     raise UserError('the evaluation data gave no batch: data.eval_input (or the held-out '
                     'share of data.input) is smaller than eval.batch_size')
@@ -246,6 +251,9 @@ class _Run:
   # (phase, train, batch_size=local batch, seed=None) -> this process's tf.data dataset, each
   # built once.
   dataset_for: Callable[..., Any]
+  # Phase index -> the input check's iterator of the phase's held-out batches (its first batch
+  # chained back before it), for the phase's first read of them: taken (popped) by it.
+  held_out_started: dict[int, Iterator[dict[str, Any]]]
   fingerprints: dict[int, dict[str, Any]]  # Phase index -> its training input's fingerprint.
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
   manager: Any  # Orbax's CheckpointManager.
@@ -356,7 +364,8 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   dataset_for = lambda phase, train, batch_size=None, seed=None: built_datasets(
       phase, train, batch_size, seed)
   logging.info('Checking the input of %d phase(s)', len(phases))
-  _check_phase_data(phases, dataset_for, eval_batch_size // jax.process_count())
+  held_out_started = _check_phase_data(phases, dataset_for,
+                                       eval_batch_size // jax.process_count())
   # What a saved input position is valid for, taken as the training streams were built: their
   # files as listed then, not at a phase's start thousands of steps on.
   fingerprints = {
@@ -409,7 +418,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
       steps_to_compile(), mesh, rules, f'the train and eval steps of {len(remaining)} phase(s)'))
   return _Run(workdir=workdir, phases=phases, mesh=mesh, rules=rules,
               batch_sharding=batch_sharding, vocab_file=vocab_file, dataset_for=dataset_for,
-              fingerprints=fingerprints,
+              held_out_started=held_out_started, fingerprints=fingerprints,
               built=built, manager=manager, log=monitor.MetricsLog(workdir, config),
               pusher=publish.make_pusher(config, workdir),
               batch_size=batch_size, seed=seed, steps=int(config.train.steps), stop_at=stop_at,
@@ -455,7 +464,7 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
       # before: 100 x 256 rows of 512 tokens are about 180 MB).
       held_out = functools.cache(lambda phase=phase: held_out_batches(
           run.dataset_for(phase, False, run.eval_batch_size // jax.process_count()),
-          run.eval_steps))
+          run.eval_steps, run.held_out_started.pop(phase.index, None)))
       data_it = _training_input(run, phase)
       if (run.step > 0 and run.meta.get('data_phase') == phase.index
           and run.start == run.step):
@@ -587,20 +596,30 @@ def _print_summary(run: _Run, eval_metrics: dict[str, float]) -> None:
 
 
 def _check_phase_data(phases: list[pretraining.Phase], dataset_for: Callable,
-                      eval_local: int) -> None:
+                      eval_local: int) -> dict[int, Iterator[dict[str, Any]]]:
   """Every phase's training and held-out data (in batches of `eval_local`, this process's
   share of eval.batch_size), checked before the first step: not when phase 2 starts 900,000
   steps in (TFRecords fix the sequence length) or at the first evaluation (the held-out set
-  must give a batch)."""
+  must give a batch).
+
+  Returns each phase's held-out iterator as the check left it (its first batch chained back
+  before it): the phase's evaluations read on from it. A new iterator instantiates the
+  pipeline's functions again, about a second of a CPU for a tiny run's."""
   from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  started = {}
   for phase in phases:
     for train in (True, False):
       try:
         ds = dataset_for(phase, train) if train else dataset_for(phase, train, eval_local)
-        if not train and not any(True for _ in ds.take(1)):
+        if train:
+          continue
+        it = ds.as_numpy_iterator()
+        first = next(it, None)
+        if first is None:
           source = ('data.eval_input' if phase.data.eval_input
                     else 'the held-out share of data.input')
           raise UserError(f'{source} gives no evaluation batch')
+        started[phase.index] = itertools.chain([first], it)
       except ValueError as e:
         raise UserError(
             f'train.phases phase {phase.index + 1} ({phase.seq_len} tokens, '
@@ -609,6 +628,7 @@ def _check_phase_data(phases: list[pretraining.Phase], dataset_for: Callable,
                             '(and data.phase_eval_inputs), separated by ";".'
                             if documents.input_kind(phase.data.input) == 'tfrecord' else '')
         ) from e
+  return started
 
 
 def _with_rates(summary: dict[str, float], timing: dict[str, float], batch_size: int,

@@ -533,20 +533,31 @@ def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vo
                                                                     monkeypatch):
   """Phases '0.03:32:5,0.97:64:10' of the 200-step schedule: steps 1-6 at 32 tokens, then 64;
   resuming from the step-8 checkpoint (inside the second phase) reproduces steps 9-12 exactly.
-  Each phase's evaluation batches are read once, at its first evaluation. (Phase one's step is
-  the other tests' compiled step.)"""
+  Each phase's evaluation batches are read once, at its first evaluation, and its held-out
+  pipeline is iterated once: the input check's iterator reads on into that first evaluation.
+  (Phase one's step is the other tests' compiled step.)"""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   phases = dict(train__phases='0.03:32:5,0.97:64:10', train__stop_at_step=12,
                 eval__every_steps=3)
   reads, eval_batches = [], train.eval_batches
+  iterated, new_iterator = [], tf.data.Dataset.__iter__
 
   def counted(*args, **kwargs):
     batches = eval_batches(*args, **kwargs)
     reads.append(batches[0]['input_ids'].shape[1])
     return batches
 
+  def counted_iterator(ds):  # Held-out batches: features, not documents; not endless.
+    if (isinstance(ds.element_spec, dict) and 'masked_lm_ids' in ds.element_spec
+        and ds.cardinality() != tf.data.INFINITE_CARDINALITY):
+      iterated.append(ds.element_spec['input_ids'].shape[-1])
+    return new_iterator(ds)
+
   monkeypatch.setattr(train, 'eval_batches', counted)
+  monkeypatch.setattr(tf.data.Dataset, '__iter__', counted_iterator)
   full = str(tmp_path / 'full')
   train.train_and_evaluate(_config(vocab_file, **phases), full)
+  assert iterated == [32, 64]
   train_rows, eval_rows = _rows(full)
   # tokens_per_second / sequences_per_second is the sequence length of the step's phase.
   lengths = [round(r['tokens_per_second'] / r['sequences_per_second']) for r in train_rows]
