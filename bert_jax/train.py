@@ -251,8 +251,9 @@ class _Run:
   # (phase, train, batch_size=local batch, seed=None) -> this process's tf.data dataset, each
   # built once.
   dataset_for: Callable[..., Any]
-  # Phase index -> the input check's iterator of the phase's held-out batches (its first batch
-  # chained back before it), for the phase's first read of them: taken (popped) by it.
+  # The phase the run starts in -> the input check's iterator of its held-out batches (the first
+  # batch chained back before it), for the phase's first read of them: taken (popped) by it,
+  # or dropped when the phase ends without one.
   held_out_started: dict[int, Iterator[dict[str, Any]]]
   fingerprints: dict[int, dict[str, Any]]  # Phase index -> its training input's fingerprint.
   built: pretraining.Step  # Model, optimizer, schedule, abstract state, jitted steps.
@@ -406,6 +407,12 @@ def _setup(config: ml_collections.ConfigDict, workdir: str,
   batch_sharding = sharding_lib.batch_sharding(mesh)
   eval_local = eval_batch_size // jax.process_count()
   remaining = [p for p in phases if p.end > step and p.start < stop_at]
+  # Only the phase the run starts in keeps its check's held-out iterator open (its prefetch
+  # buffers and threads): a later phase's evaluations may be days away; one behind the restored
+  # step has none left in this run.
+  first_phase = pretraining.phase_at(phases, step).index
+  held_out_started = {i: it for i, it in held_out_started.items()
+                      if i == first_phase and step < stop_at}
 
   def steps_to_compile():  # Lazy: a phase's shapes are read on the compiling thread.
     for phase in remaining:
@@ -516,6 +523,7 @@ def _train(run: _Run, preemption: monitor.Preemption) -> dict[str, float]:
         if run_frame.itstime(run.step, run.eval_every, run.stop_at) and not preemption.stopping:
           eval_metrics = _evaluate(run, steps, preemption, phase, data_it,
                                    held_out) or eval_metrics
+      run.held_out_started.pop(phase.index, None)  # Closed, if the phase ended unevaluated.
     if preemption.stopping:
       logging.warning('Stopped for preemption at step %d; rerun to resume.', run.step)
 
@@ -603,8 +611,9 @@ def _check_phase_data(phases: list[pretraining.Phase], dataset_for: Callable,
   must give a batch).
 
   Returns each phase's held-out iterator as the check left it (its first batch chained back
-  before it): the phase's evaluations read on from it. A new iterator instantiates the
-  pipeline's functions again, about a second of a CPU for a tiny run's."""
+  before it), for the first read of that phase's evaluation batches (`_setup` keeps the one of
+  the phase the run starts in): a new iterator instantiates the pipeline's functions again,
+  about a second of a CPU for a tiny run's."""
   from bert_jax import documents  # pylint: disable=g-import-not-at-top  (TensorFlow)
   started = {}
   for phase in phases:

@@ -14,13 +14,16 @@ from bert_jax.errors import UserError
 
 @pytest.fixture
 def initialize_calls(monkeypatch):
-  """jax.distributed.initialize's calls, recorded instead of made."""
+  """jax.distributed.initialize's calls and jax.config's updates, recorded instead of made, on
+  a machine that is no TPU VM (no /dev/accel0) nor SLURM job."""
   calls = []
   monkeypatch.setattr(jax.distributed, 'initialize', lambda **kwargs: calls.append(kwargs))
+  monkeypatch.setattr(jax.config, 'update', lambda *args: calls.append(args))
   monkeypatch.setattr(jax, 'process_count', lambda: 2)
   for name in ('SLURM_NTASKS', 'TPU_WORKER_HOSTNAMES'):
     monkeypatch.delenv(name, raising=False)
-  assert not os.path.exists('/dev/accel0')  # Else 'auto' would start it: not a TPU VM here.
+  exists = os.path.exists
+  monkeypatch.setattr(os.path, 'exists', lambda p: p != '/dev/accel0' and exists(p))
   return calls
 
 
@@ -41,7 +44,8 @@ def test_distributed_starts_only_for_one_process_of_several(initialize_calls, mo
   assert initialize_calls == [{}, {}, {}]
 
 
-def test_a_coordinator_needs_the_process_count_and_index(initialize_calls):
+def test_a_coordinator_needs_the_process_count_and_index(initialize_calls, monkeypatch):
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
   with pytest.raises(UserError, match=r'--coordinator_address=host:1234 needs --num_processes '
                      r'\(got 0\) and --process_id \(got -1\) too'):
     start_up.initialize_distributed('host:1234')
@@ -49,16 +53,31 @@ def test_a_coordinator_needs_the_process_count_and_index(initialize_calls):
     start_up.initialize_distributed('host:1234', 2)
   assert not initialize_calls
   start_up.initialize_distributed('host:1234', 2, 1)
-  assert initialize_calls == [dict(coordinator_address='host:1234', num_processes=2,
+  # On CPUs (conftest's JAX_PLATFORMS=cpu) the processes' collectives go over gloo.
+  assert initialize_calls == [('jax_cpu_collectives_implementation', 'gloo'),
+                              dict(coordinator_address='host:1234', num_processes=2,
                                    process_id=1)]
 
 
-def test_unused_imports_are_blocked_inside_only(tmp_path, monkeypatch):
+@pytest.fixture
+def modules(tmp_path, monkeypatch):
+  """Writes importable modules {name}.py (VALUE = 1); each is unloaded after the test."""
+  monkeypatch.syspath_prepend(str(tmp_path))
+  names = []
+
+  def write(*new):
+    for name in new:
+      (tmp_path / f'{name}.py').write_text('VALUE = 1\n')
+    names.extend(new)
+  yield write
+  for name in names:
+    sys.modules.pop(name, None)
+
+
+def test_unused_imports_are_blocked_inside_only(modules, monkeypatch):
   """Inside, a module not loaded yet imports as if not installed (Keras then skips it); one
   already loaded stays; afterwards the blocked one imports as usual."""
-  for name in ('unused_by_tf_a', 'unused_by_tf_b'):
-    (tmp_path / f'{name}.py').write_text('VALUE = 1\n')
-  monkeypatch.syspath_prepend(str(tmp_path))
+  modules('unused_by_tf_a', 'unused_by_tf_b')
   import unused_by_tf_b  # pylint: disable=g-import-not-at-top,import-error,unused-import
   monkeypatch.setattr(start_up, 'UNUSED_BY_TENSORFLOWS_IMPORT',
                       ('unused_by_tf_a', 'unused_by_tf_b'))
@@ -68,16 +87,13 @@ def test_unused_imports_are_blocked_inside_only(tmp_path, monkeypatch):
     assert sys.modules['unused_by_tf_b'].VALUE == 1
   import unused_by_tf_a  # pylint: disable=g-import-not-at-top,import-error,reimported
   assert unused_by_tf_a.VALUE == 1
-  del sys.modules['unused_by_tf_a'], sys.modules['unused_by_tf_b']
 
 
-def test_unused_imports_stay_blocked_nowhere_after_an_error(tmp_path, monkeypatch):
-  (tmp_path / 'unused_by_tf_c.py').write_text('VALUE = 3\n')
-  monkeypatch.syspath_prepend(str(tmp_path))
+def test_unused_imports_stay_blocked_nowhere_after_an_error(modules, monkeypatch):
+  modules('unused_by_tf_c')
   monkeypatch.setattr(start_up, 'UNUSED_BY_TENSORFLOWS_IMPORT', ('unused_by_tf_c',))
   with pytest.raises(RuntimeError, match='in the block'):
     with start_up.without_unused_imports():
       raise RuntimeError('in the block')
   import unused_by_tf_c  # pylint: disable=g-import-not-at-top,import-error
-  assert unused_by_tf_c.VALUE == 3
-  del sys.modules['unused_by_tf_c']
+  assert unused_by_tf_c.VALUE == 1

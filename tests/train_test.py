@@ -533,9 +533,9 @@ def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vo
                                                                     monkeypatch):
   """Phases '0.03:32:5,0.97:64:10' of the 200-step schedule: steps 1-6 at 32 tokens, then 64;
   resuming from the step-8 checkpoint (inside the second phase) reproduces steps 9-12 exactly.
-  Each phase's evaluation batches are read once, at its first evaluation, and its held-out
-  pipeline is iterated once: the input check's iterator reads on into that first evaluation.
-  (Phase one's step is the other tests' compiled step.)"""
+  Each phase's evaluation batches are read once, at its first evaluation. The input check reads
+  every phase's first held-out batch; the phase the run starts in reads on from that iterator,
+  a later phase makes its own. (Phase one's step is the other tests' compiled step.)"""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   phases = dict(train__phases='0.03:32:5,0.97:64:10', train__stop_at_step=12,
                 eval__every_steps=3)
@@ -557,7 +557,7 @@ def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vo
   monkeypatch.setattr(tf.data.Dataset, '__iter__', counted_iterator)
   full = str(tmp_path / 'full')
   train.train_and_evaluate(_config(vocab_file, **phases), full)
-  assert iterated == [32, 64]
+  assert iterated == [32, 64, 64]
   train_rows, eval_rows = _rows(full)
   # tokens_per_second / sequences_per_second is the sequence length of the step's phase.
   lengths = [round(r['tokens_per_second'] / r['sequences_per_second']) for r in train_rows]
@@ -571,6 +571,7 @@ def test_phases_switch_sequence_length_and_resume_inside_the_second(tmp_path, vo
   shutil.copytree(full, resumed)
   shutil.rmtree(os.path.join(resumed, ckpt_lib.CHECKPOINT_DIR, '12'))
   train.train_and_evaluate(_config(vocab_file, **phases), resumed)
+  assert iterated == [32, 64, 64] + [32, 64]  # Resumed in phase two, which reads on.
   expected = _losses(full)
   # The resumed run drops the log rows past its checkpoint: the log reads as one run.
   assert _losses(resumed) == expected
