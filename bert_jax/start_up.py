@@ -22,8 +22,8 @@ from bert_jax.errors import UserError
 # Commands that never load TensorFlow: `compile` reads only its config (a Python file) and
 # compiles through JAX (packed rows excepted); loading TensorFlow would cost it about 4 s of CPU
 # for nothing. `vocab` and `data` never start JAX.
-WITHOUT_TENSORFLOW = ('compile',)
-WITHOUT_JAX = ('vocab', 'data')
+_WITHOUT_TENSORFLOW = ('compile',)
+_WITHOUT_JAX = ('vocab', 'data')
 
 # `import tensorflow` loads Keras 3, which imports these when installed (Colab, the test extra);
 # no command uses them: 0.9 s of CPU a start-up (README, CI). Keras catches their ImportError.
@@ -84,7 +84,7 @@ def start(command: str, quiet: bool, *, packed_compile: bool = False, topology: 
       its flags.
   """
   hold = console.native_stderr_held_back if quiet else contextlib.nullcontext
-  if command not in WITHOUT_TENSORFLOW or packed_compile:
+  if command not in _WITHOUT_TENSORFLOW or packed_compile:
     with hold(), without_unused_imports():
       # The pipeline's import loads TensorFlow Text too, whose notes are held back with it.
       from bert_jax import input_pipeline  # pylint: disable=g-import-not-at-top,unused-import
@@ -95,7 +95,7 @@ def start(command: str, quiet: bool, *, packed_compile: bool = False, topology: 
     from bert_jax import aot  # pylint: disable=g-import-not-at-top
     with hold():
       aot.target_devices(aot.parse_topology(topology))
-  elif command not in WITHOUT_JAX:
+  elif command not in _WITHOUT_JAX:
     import jax  # pylint: disable=g-import-not-at-top
     with hold():
       jax.devices()
