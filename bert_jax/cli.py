@@ -603,9 +603,7 @@ def main(argv: list[str] | None = None) -> None:
   except errors.Preempted as e:
     print(f'\nbert-jax {name}: {e}', flush=True)
     sys.stderr.flush()
-    # A compile cut short by SIGTERM still runs on a worker thread; the interpreter's exit
-    # would abort it (and the process, status 134): leave without that clean-up.
-    os._exit(errors.EXIT_PREEMPTED)  # pylint: disable=protected-access
+    start_up.exit_now(errors.EXIT_PREEMPTED)  # Past a compile SIGTERM left running.
   except Exception as e:  # pylint: disable=broad-except
     message = user_error_message(e)
     memory = errors.out_of_memory(e)

@@ -383,7 +383,7 @@ class Preemption:
 
     Python runs signal handlers only between the main thread's bytecodes, never inside a
     compile. Stopped by SIGTERM, the worker is left to finish on its own: an XLA compile cut
-    short by the interpreter's exit aborts the process, so the CLI ends with `os._exit`.
+    short by the interpreter's exit aborts the process, so the CLI ends with `start_up.exit_now`.
     """
     result: list[Any] = []
     error: list[BaseException] = []

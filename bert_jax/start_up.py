@@ -68,6 +68,20 @@ def initialize_distributed(coordinator_address: str = '', num_processes: int = 0
   logging.info('jax.distributed: process %d of %d', jax.process_index(), jax.process_count())
 
 
+def exit_now(status: int) -> None:
+  """Ends the process with `status` without the interpreter's clean-up, which would abort a
+  compile that SIGTERM left running on a worker thread (and the process, status 134).
+
+  One process of several shuts jax.distributed down first (the one part of that clean-up that
+  matters): its shutdown waits for every process. Process 0 runs the coordination service; left
+  at once, it would take the service down under the processes still closing their run, and
+  their agents would abort them (status -6 instead of `status`)."""
+  jax = sys.modules.get('jax')
+  if jax is not None and jax.distributed.is_initialized():
+    jax.distributed.shutdown()
+  os._exit(status)  # pylint: disable=protected-access
+
+
 def start(command: str, quiet: bool, *, packed_compile: bool = False, topology: str = '',
           distributed: dict[str, str | int] | None = None) -> None:
   """Starts what `command` runs on (module docstring).

@@ -3,6 +3,7 @@ it (its freeze, its held-back lines, signals during it) is cli_test.py's; jax.di
 across real processes is train_test.py's and finetune_test.py's."""
 
 import os
+import subprocess
 import sys
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 
 from bert_jax import start_up
 from bert_jax.errors import UserError
+import processes
 
 
 @pytest.fixture
@@ -97,3 +99,31 @@ def test_unused_imports_stay_blocked_nowhere_after_an_error(modules, monkeypatch
       raise RuntimeError('in the block')
   import unused_by_tf_c  # pylint: disable=g-import-not-at-top,import-error
   assert unused_by_tf_c.VALUE == 1
+
+
+_EXIT_AFTER = """
+import sys, time
+from bert_jax import start_up
+process_id, port = int(sys.argv[1]), sys.argv[2]
+start_up.initialize_distributed(f'127.0.0.1:{port}', 2, process_id)
+time.sleep(3 * process_id)  # Process 0 (the coordination service's) leaves first.
+start_up.exit_now(143)
+"""
+
+
+def test_exit_now_waits_for_the_other_processes(tmp_path):
+  """A preempted multi-process run leaves with `exit_now`. Process 0 may get there first, and
+  its coordination service must not stop under process 1, still closing its run: that process
+  would abort (status -6), as it did in a CI run of the two-process test of train_test.py."""
+  port = processes.free_port()
+  env = processes.env(str(tmp_path / 'jax_cache'))
+  pair = [subprocess.Popen(processes.python(env) + ['-c', _EXIT_AFTER, str(i), str(port)],
+                           cwd=processes.ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=120) for p in pair]
+  finally:
+    for p in pair:
+      p.kill()
+  for i, (p, (_, err)) in enumerate(zip(pair, outputs)):
+    assert p.returncode == 143, f'process {i}: exit {p.returncode}\n{err[-3000:]}'
