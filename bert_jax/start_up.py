@@ -77,9 +77,15 @@ def exit_now(status: int) -> None:
   at once, it would take the service down under the processes still closing their run, and
   their agents would abort them (status -6 instead of `status`)."""
   jax = sys.modules.get('jax')
-  if jax is not None and jax.distributed.is_initialized():
-    jax.distributed.shutdown()
-  os._exit(status)  # pylint: disable=protected-access
+  try:
+    if jax is not None and jax.distributed.is_initialized():
+      jax.distributed.shutdown()
+  except Exception as e:  # pylint: disable=broad-except  (a peer gone: leave all the same)
+    logging.warning('jax.distributed did not shut down cleanly: %s', e)
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
 
 
 def start(command: str, quiet: bool, *, packed_compile: bool = False, topology: str = '',

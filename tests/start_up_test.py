@@ -127,3 +127,26 @@ def test_exit_now_waits_for_the_other_processes(tmp_path):
       p.kill()
   for i, (p, (_, err)) in enumerate(zip(pair, outputs)):
     assert p.returncode == 143, f'process {i}: exit {p.returncode}\n{err[-3000:]}'
+
+
+def test_exit_now_leaves_with_its_status_when_the_shutdown_fails(monkeypatch, caplog):
+  """A peer already gone can fail the shutdown: the process still leaves at once, with its
+  status, and says why the shutdown did not finish."""
+  class Left(Exception):
+    pass
+
+  def shutdown():
+    raise RuntimeError('the coordination service is unavailable')
+
+  def leave(status):
+    exits.append(status)
+    raise Left
+
+  exits = []
+  monkeypatch.setattr(jax.distributed, 'is_initialized', lambda: True)
+  monkeypatch.setattr(jax.distributed, 'shutdown', shutdown)
+  monkeypatch.setattr(os, '_exit', leave)
+  with pytest.raises(Left):
+    start_up.exit_now(143)
+  assert exits == [143]
+  assert 'did not shut down cleanly: the coordination service is unavailable' in caplog.text
