@@ -603,7 +603,8 @@ def main(argv: list[str] | None = None) -> None:
   except errors.Preempted as e:
     print(f'\nbert-jax {name}: {e}', flush=True)
     sys.stderr.flush()
-    start_up.exit_now(errors.EXIT_PREEMPTED)  # Past a compile SIGTERM left running.
+    # Not sys.exit: the interpreter's exit would abort a compile SIGTERM left running.
+    start_up.exit_now(errors.EXIT_PREEMPTED)
   except Exception as e:  # pylint: disable=broad-except
     message = user_error_message(e)
     memory = errors.out_of_memory(e)

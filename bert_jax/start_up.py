@@ -72,10 +72,11 @@ def exit_now(status: int) -> None:
   """Ends the process with `status` without the interpreter's clean-up, which would abort a
   compile that SIGTERM left running on a worker thread (and the process, status 134).
 
-  One process of several shuts jax.distributed down first (the one part of that clean-up that
-  matters): its shutdown waits for every process. Process 0 runs the coordination service; left
+  Where jax.distributed runs, it is shut down first (the one part of that clean-up that matters):
+  its shutdown waits for every process. Process 0 runs the coordination service; left
   at once, it would take the service down under the processes still closing their run, and
-  their agents would abort them (status -6 instead of `status`)."""
+  their agents would abort them (status -6 instead of `status`). A shutdown that fails (a peer
+  gone) is logged, and the process leaves all the same."""
   jax = sys.modules.get('jax')
   try:
     if jax is not None and jax.distributed.is_initialized():

@@ -1,6 +1,7 @@
 """Tests of bert_jax.start_up: what a command starts before it runs. The start-up as users run
-it (its freeze, its held-back lines, signals during it) is cli_test.py's; jax.distributed
-across real processes is train_test.py's and finetune_test.py's."""
+it (its freeze, its held-back lines, signals during it) is cli_test.py's; runs of
+jax.distributed across real processes are train_test.py's and finetune_test.py's (here, only how
+its processes leave)."""
 
 import os
 import subprocess
@@ -146,7 +147,7 @@ def test_exit_now_leaves_with_its_status_when_the_shutdown_fails(monkeypatch, ca
   monkeypatch.setattr(jax.distributed, 'is_initialized', lambda: True)
   monkeypatch.setattr(jax.distributed, 'shutdown', shutdown)
   monkeypatch.setattr(os, '_exit', leave)
-  with pytest.raises(Left):
+  with pytest.raises(Left), caplog.at_level('WARNING', logger='absl'):
     start_up.exit_now(143)
   assert exits == [143]
   assert 'did not shut down cleanly: the coordination service is unavailable' in caplog.text
