@@ -602,7 +602,6 @@ def main(argv: list[str] | None = None) -> None:
     _run_command(name, argv[2:])
   except errors.Preempted as e:
     print(f'\nbert-jax {name}: {e}', flush=True)
-    sys.stderr.flush()
     # Not sys.exit: the interpreter's exit would abort a compile SIGTERM left running.
     start_up.exit_now(errors.EXIT_PREEMPTED)
   except Exception as e:  # pylint: disable=broad-except

@@ -122,15 +122,6 @@ def _held_pretrain(gcs, cache, workdir, overrides, folder, step, env=None):
   return proc, lambda: open(go, 'w').close()
 
 
-def _communicate(proc, timeout):
-  try:
-    return proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    out, err = proc.communicate()
-    pytest.fail(f'subprocess timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err[-5000:]}')
-
-
 def _read_text(path):
   """The whole object, read through tf.io.gfile."""
   with fileio.gfile().GFile(path, 'rb') as f:
@@ -159,7 +150,7 @@ def reference(gcs, cache, data):
   corpus and vocabulary read from the bucket."""
   workdir = gcs.url('reference')
   proc = _pretrain(gcs, cache, workdir, _overrides(data, train__stop_at_step=REFERENCE_STEPS))
-  out, err = _communicate(proc, 600)
+  out, err = processes.communicate(proc, 600)
   assert proc.returncode == 0, err[-5000:]
   return workdir, out
 
@@ -274,7 +265,7 @@ def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
   gcs.inject([dict(object=outage, status=503)] + rules)
   try:
     proc = _pretrain(gcs, cache, workdir, overrides, env=_SHORT_RETRIES)
-    _, err = _communicate(proc, 400)
+    _, err = processes.communicate(proc, 400)
   finally:
     gcs.inject([])
   assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
@@ -304,7 +295,7 @@ def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
     down = _down_after(gcs, proc, lambda: [r['step'] for r in _rows(workdir)[0]][-1:] == [
         SAVE_EVERY + 1], 'faults/checkpoints/')
     let_go()
-    _, err = _communicate(proc, 900)
+    _, err = processes.communicate(proc, 900)
     ended = time.time()
   finally:
     gcs.inject([])
@@ -314,7 +305,7 @@ def test_pretraining_through_faults_and_outages_at_a_save_logs_the_clean_losses(
   gcs.inject(rules)
   try:  # The faults come at most 2 in a row: the short retries see them through.
     proc = _pretrain(gcs, cache, workdir, overrides, env=_SHORT_RETRIES)
-    _, err = _communicate(proc, 400)
+    _, err = processes.communicate(proc, 400)
   finally:
     gcs.inject([])
   assert proc.returncode == 0, err[-5000:]
@@ -350,7 +341,7 @@ def _ends(procs, timeout):
       if ended[i] is None and p.poll() is not None:
         ended[i] = time.time()
     time.sleep(0.2)
-  return [_communicate(p, 1) for p in procs], ended
+  return [processes.communicate(p, 1) for p in procs], ended
 
 
 def test_an_outage_in_one_process_of_two_stops_both_with_one_line_and_143(gcs, cache, data,
@@ -441,7 +432,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   except BaseException:
     proc.kill()
     raise
-  out, err = _communicate(proc, 200)
+  out, err = processes.communicate(proc, 200)
   assert proc.returncode == errors.EXIT_PREEMPTED, err[-5000:]
   stopped = max(_losses(workdir))
   assert run_files.checkpoint_steps(workdir) == [stopped]
@@ -454,7 +445,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
   script.write_text(_KILLED_AT_COMMIT)
   proc = _pretrain(gcs, cache, workdir, _overrides(data, train__stop_at_step=REFERENCE_STEPS),
                    script=str(script), env={'BERT_JAX_TEST_KILL_AT': str(REFERENCE_STEPS)})
-  _, err = _communicate(proc, 400)
+  _, err = processes.communicate(proc, 400)
   assert proc.returncode == -signal.SIGKILL, err[-5000:]
   committed = run_files.checkpoint_steps(workdir)
   assert REFERENCE_STEPS not in committed and max(committed) >= stopped
@@ -462,7 +453,7 @@ def test_sigterm_and_sigkill_mid_save_then_rerun_log_the_uninterrupted_losses(
 
   proc = _pretrain(gcs, cache, workdir, _overrides(data, train__stop_at_step=REFERENCE_STEPS),
                    env=own_cache)
-  _, err = _communicate(proc, 400)
+  _, err = processes.communicate(proc, 400)
   assert proc.returncode == 0, err[-5000:]
   assert 'Taking over the stale lock' in err
   assert "Persistent compilation cache hit for 'jit_step'" in err  # Read back from gs://.
@@ -486,7 +477,7 @@ def test_pretrainings_metrics_or_input_position_down_past_the_retries_end_the_ru
       down = _down_after(gcs, proc, f'{name}/checkpoints/{SAVE_EVERY}/commit_success.txt',
                          f'{name}/{prefix}')
       let_go()
-      _, err = _communicate(proc, 900)
+      _, err = processes.communicate(proc, 900)
       ended = time.time()
     finally:
       gcs.inject([])
@@ -808,7 +799,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, cache, data, reference
     proc = subprocess.Popen(gcs.command(argv), cwd=processes.ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     down = _down_after(gcs, proc, 'sst2/checkpoints/4', 'sst2/')
-    _, err = _communicate(proc, 900)
+    _, err = processes.communicate(proc, 900)
     ended = time.time()
   finally:
     gcs.inject([])
@@ -858,7 +849,7 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, cache, data, reference
 
 def test_a_bucket_that_does_not_exist_is_one_line_before_anything_runs(gcs, data, cache):
   proc = _pretrain(gcs, cache, 'gs://no-such-bucket/run', _overrides(data))
-  out, err = _communicate(proc, 300)
+  out, err = processes.communicate(proc, 300)
   assert proc.returncode == 2, err[-3000:]
   assert err.strip().splitlines()[-1] == (
       'bert-jax pretrain: error: --workdir=gs://no-such-bucket/run: the bucket '
@@ -909,7 +900,7 @@ def test_a_missing_permission_is_one_line_naming_the_key_and_the_role(gcs, data,
                                                              for k, v in extra.items()}))
            for workdir, extra, *_ in cases]  # At once: each stops within seconds.
   for proc, (workdir, extra, key, bucket, access) in zip(procs, cases):
-    out, err = _communicate(proc, 300)
+    out, err = processes.communicate(proc, 300)
     value = workdir if key == '--workdir' else extra[key]
     role = 'objectAdmin' if access == 'write to' else 'objectViewer'
     assert proc.returncode == 2, err[-3000:]

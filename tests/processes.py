@@ -92,6 +92,17 @@ def user_env(folder: str) -> dict[str, str]:
   return env
 
 
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+  """`proc`'s (stdout, stderr) once it ends; past `timeout` seconds it is killed and the test
+  fails with what it printed."""
+  try:
+    return proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, err = proc.communicate()
+    pytest.fail(f'subprocess timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err[-5000:]}')
+
+
 def free_port() -> int:
   """A loopback port for a subprocess's coordinator (free now; bound by the first process)."""
   with socket.socket() as s:

@@ -122,7 +122,7 @@ def test_exit_now_waits_for_the_other_processes(tmp_path):
                            cwd=processes.ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True) for i in range(2)]
   try:
-    outputs = [p.communicate(timeout=120) for p in pair]
+    outputs = [processes.communicate(p, 120) for p in pair]
   finally:
     for p in pair:
       p.kill()

@@ -127,16 +127,6 @@ def _assert_same_params(a, b):
     assert np.array_equal(x, y), f'{jax.tree_util.keystr(path)} differs'
 
 
-def _communicate(proc, timeout):
-  try:
-    out, err = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    out, err = proc.communicate()
-    pytest.fail(f'subprocess timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err[-5000:]}')
-  return out, err
-
-
 # ---------------------------------------------------------------------------------------------
 # Shared runs
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +154,7 @@ def cli_run(tmp_path_factory, compilation_cache):
       processes.python(env) + ['-m', 'bert_jax.cli', 'pretrain', f'--workdir={workdir}'] +
       _flags(overrides), cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True)
-  out, err = _communicate(proc, timeout=400)
+  out, err = processes.communicate(proc, timeout=400)
   return workdir, proc.returncode, out, err
 
 
@@ -510,7 +500,7 @@ def test_two_processes_match_one_and_stop_together(tmp_path, vocab_file, compila
     train.train_and_evaluate(_config(vocab_file, train__stop_at_step=steps), single_dir)
     watcher.join(timeout=450)
   finally:
-    results = [_communicate(p, timeout=120) for p in pair]
+    results = [processes.communicate(p, timeout=120) for p in pair]
   for i, (p, (_, err)) in enumerate(zip(pair, results)):
     assert p.returncode == EXIT_PREEMPTED, f'process {i}:\n{err[-5000:]}'
   assert interrupted == [True], 'the run ended before it could be interrupted'
@@ -934,7 +924,7 @@ def test_sigkill_mid_step_mid_save_mid_eval_resumes_exactly(tmp_path, reference,
     deadline = time.time() + 400
     while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
       time.sleep(0.2)
-    assert os.path.exists(marker), _communicate(proc, 10)[1][-5000:]
+    assert os.path.exists(marker), processes.communicate(proc, 10)[1][-5000:]
     with open(marker) as f:
       pid = f.read()  # The run's own, not that of the client that started it (forkserver.py).
     env = processes.env(compilation_cache)
@@ -952,7 +942,7 @@ def test_sigkill_mid_step_mid_save_mid_eval_resumes_exactly(tmp_path, reference,
 
   # 2. Resumed (the dead run's lock is stale) and killed just before step 8 is committed.
   proc, marker = _faulty_run(tmp_path, workdir, 'kill_commit:8', overrides, compilation_cache)
-  _, err = _communicate(proc, 400)
+  _, err = processes.communicate(proc, 400)
   assert proc.returncode == -signal.SIGKILL and os.path.exists(marker), err[-5000:]
   assert 'Taking over the stale lock' in err
   assert run_files.checkpoint_steps(workdir) == [4]
@@ -960,7 +950,7 @@ def test_sigkill_mid_step_mid_save_mid_eval_resumes_exactly(tmp_path, reference,
 
   # 3. Resumed from 4 again; killed as the final evaluation starts, after step 12 is saved.
   proc, marker = _faulty_run(tmp_path, workdir, 'kill_eval', overrides, compilation_cache)
-  _, err = _communicate(proc, 400)
+  _, err = processes.communicate(proc, 400)
   assert proc.returncode == -signal.SIGKILL and os.path.exists(marker), err[-5000:]
   assert run_files.checkpoint_steps(workdir) == [4, 8, 12]
 
@@ -1138,7 +1128,7 @@ def test_sigterm_in_every_phase_stops_inside_the_notice(tmp_path, reference, voc
   def run(fault, **more):
     proc, marker = _faulty_run(tmp_path, workdir, fault, dict(overrides, **more),
                                compilation_cache)
-    out, err = _communicate(proc, 400)
+    out, err = processes.communicate(proc, 400)
     ended = time.time()
     assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
     with open(marker) as f:
@@ -1180,7 +1170,7 @@ def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, voca
   overrides = dict(TINY, **{'data.vocab_file': vocab_file, 'log.every_steps': 1000,
                             'checkpoint.every_steps': 1000, 'log.progress': True})
   proc, marker = _faulty_run(tmp_path, workdir, 'sigterm_slow:16', overrides, compilation_cache)
-  out, err = _communicate(proc, 400)
+  out, err = processes.communicate(proc, 400)
   ended = time.time()
   assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
   with open(marker) as f:
@@ -1196,7 +1186,7 @@ def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, voca
   assert 'bert-jax pretrain: stopped by SIGTERM: saved step 16; rerun the same command' in out
 
   proc, marker = _faulty_run(tmp_path, workdir, 'sigint_slow:5', overrides, compilation_cache)
-  out, err = _communicate(proc, 400)
+  out, err = processes.communicate(proc, 400)
   assert proc.returncode == EXIT_PREEMPTED and os.path.exists(marker), err[-5000:]
   assert run_files.checkpoint_steps(workdir) == [16, 21]
   assert 'bert-jax pretrain: stopped by Ctrl-C: saved step 21; rerun the same command' in out
