@@ -35,9 +35,11 @@ import processes
      {'padding', 'fixed', 'bucketed', 'speedup'}),
 ])
 def test_benchmark_prints_json(tmp_path, script, args, keys):
-  proc = subprocess.run([sys.executable, os.path.join(processes.ROOT, 'benchmarks', script)] +
-                        args, cwd=tmp_path, env=processes.env(str(tmp_path / 'jax_cache'), 1),
-                        capture_output=True, text=True, timeout=600)
+  # Forked (tests/forkserver.py): each script imports JAX and bert_jax, most TensorFlow too.
+  env = processes.env(str(tmp_path / 'jax_cache'), 1)
+  proc = subprocess.run(processes.python(env) + [os.path.join(processes.ROOT, 'benchmarks',
+                                                              script)] + args,
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-5000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{')]
   assert rows, proc.stdout[-3000:]
@@ -150,8 +152,8 @@ def test_torch_side_without_torch_says_what_to_install(tmp_path, script, args, m
           f'sys.argv = {[script] + args!r}; '
           f'runpy.run_path({os.path.join(processes.ROOT, "benchmarks", script)!r}, '
           'run_name="__main__")')
-  proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path,
-                        env=processes.env(str(tmp_path / 'jax_cache'), 1),
+  env = processes.env(str(tmp_path / 'jax_cache'), 1)
+  proc = subprocess.run(processes.python(env) + ['-c', code], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
   assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]

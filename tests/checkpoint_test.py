@@ -152,9 +152,9 @@ def _assert_step_4_failed_and_step_2_kept(tmp_path, script):
   its own: it prints the one-line error, which names step 2 as intact, and only step 2 is left
   in the checkpoint folder."""
   workdir = str(tmp_path / 'run')
-  proc = subprocess.run([sys.executable, '-c', script, workdir], cwd=processes.ROOT,
-                        env=processes.env(str(tmp_path / 'cache')), capture_output=True,
-                        text=True, timeout=120)
+  env = processes.env(str(tmp_path / 'cache'))
+  proc = subprocess.run(processes.python(env) + ['-c', script, workdir], cwd=processes.ROOT,
+                        env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = proc.stdout.strip()
   assert line.startswith('saving a checkpoint failed: No space left on device'), line

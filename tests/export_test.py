@@ -30,6 +30,7 @@ from bert_jax import squad
 from bert_jax import swag
 from bert_jax import tokenization
 from bert_jax import train
+import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ['good', 'great', 'fine', 'bad', 'awful', 'dull', 'the', 'a', 'movie', 'plot', 'was',
@@ -463,8 +464,10 @@ def test_features_and_fill_mask_equal_the_commands(served, tmp_path):
 
 
 def _cli(*args):
-  return subprocess.run([sys.executable, '-m', 'bert_jax.cli', 'export', *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=600)
+  """`bert-jax export`, forked (tests/forkserver.py) as a fresh interpreter would run it."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  return subprocess.run(processes.python(env) + ['-m', 'bert_jax.cli', 'export', *args],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_bad_input_gets_one_line(runs, exports, tmp_path, monkeypatch):

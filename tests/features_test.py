@@ -5,7 +5,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -15,6 +14,7 @@ from bert_jax import convert
 from bert_jax import features
 from bert_jax import model as model_lib
 from bert_jax.errors import UserError
+import processes
 from tolerance import assert_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,11 +133,13 @@ def test_concat_order_npy_and_jsonl(setup):
 
 def test_cli_writes_concatenated_jsonl(setup):
   out = str(setup['root'] / 'cli.jsonl')
-  proc = subprocess.run(
-      [sys.executable, '-m', 'bert_jax.cli', 'features', f'--init_checkpoint={setup["ckpt"]}',
-       f'--input={setup["input"]}', f'--output={out}', '--layers=-1,-2,-3,-4', '--concat',
-       f'--max_seq_length={MAX_LEN}', '--batch_size=4'],
-      cwd=REPO, capture_output=True, text=True, timeout=300)
+  env = processes.env(str(setup['root'] / 'jax_cache'))
+  proc = subprocess.run(  # Forked (tests/forkserver.py): the command as a fresh one runs it.
+      processes.python(env) + [
+          '-m', 'bert_jax.cli', 'features', f'--init_checkpoint={setup["ckpt"]}',
+          f'--input={setup["input"]}', f'--output={out}', '--layers=-1,-2,-3,-4', '--concat',
+          f'--max_seq_length={MAX_LEN}', '--batch_size=4'],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f'Wrote features of 3 texts (layers [-1, -2, -3, -4]) to {out}; 1 truncated' in proc.stdout
   ref = setup['npz']

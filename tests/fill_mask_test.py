@@ -4,12 +4,12 @@ torch is not installed, as recorded where it is: tests/torch_reference.py)."""
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from bert_jax import fill_mask
+import processes
 from tolerance import assert_close
 import torch_reference
 
@@ -72,8 +72,10 @@ def test_top_k_equals_transformers(hf_dir):
 
 def test_command_prints_one_json_object_per_text_and_a_table(hf_dir):
   path, _ = hf_dir
-  cmd = [sys.executable, '-m', 'bert_jax.cli', 'fill-mask', f'--checkpoint={path}', '--top_k=3']
   env = dict(os.environ, PYTHONPATH=_ROOT)
+  # Forked (tests/forkserver.py): the command as a fresh one runs it.
+  cmd = processes.python(env) + ['-m', 'bert_jax.cli', 'fill-mask', f'--checkpoint={path}',
+                                 '--top_k=3']
   proc = subprocess.run(cmd + TEXTS, cwd=_ROOT, env=env, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]

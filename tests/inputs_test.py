@@ -1179,9 +1179,9 @@ HELP_ROWS = [
 @pytest.mark.parametrize('args, fragments', HELP_ROWS, ids=[a[0] for a, _ in HELP_ROWS])
 def test_help_lists_the_commands_flags(tmp_path, args, fragments):
   env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS='cpu')
-  proc = subprocess.run([sys.executable, '-c', 'import sys; from bert_jax import cli; '
-                         'cli.main(["bert-jax"] + sys.argv[1:])'] + args, cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(processes.python(env) + [  # Forked: as a fresh interpreter runs it.
+      '-c', 'import sys; from bert_jax import cli; cli.main(["bert-jax"] + sys.argv[1:])'] + args,
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.startswith(f'usage: bert-jax {args[0]} [--flags]'), proc.stdout
   for fragment in fragments:
