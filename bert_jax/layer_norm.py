@@ -85,13 +85,21 @@ def keep_threshold(rate: float) -> int:
 
 
 def dropout_seed(rng: Array) -> Array:
-  """uint32[2]: the words of a dropout mask's seed, from a JAX PRNG key (typed or raw; keys
-  of more than two words are folded into two)."""
+  """uint32[2]: the words of a dropout mask's seed, from a JAX PRNG key (typed or raw). A
+  threefry key's seed is its two words. Longer keys are folded into two: the first pair of
+  words xor the murmur3-mixed later pairs. A plain xor of the pairs, as before, cancelled out
+  for 'rbg' keys, whose two halves are equal (jax.random derives both with threefry from the
+  same words, through every fold_in): every key gave 0, and every step and layer of a
+  one-device run (train.rng_impl='auto' picks rbg there) drew the same hidden-dropout masks."""
   data = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
   data = data.reshape(-1).astype(jnp.uint32)
-  if data.size % 2:
+  if data.size < 2 or data.size % 2:
     raise ValueError(f'a PRNG key of {data.size} words cannot seed dropout')
-  return jnp.bitwise_xor.reduce(data.reshape(-1, 2), axis=0)
+  pairs = data.reshape(-1, 2)
+  seed = pairs[0]
+  for i in range(1, pairs.shape[0]):
+    seed = seed ^ _fmix32(pairs[i] + jnp.uint32(i * 0x9E3779B9 % 2**32))
+  return seed
 
 
 def _fmix32(h: Array) -> Array:

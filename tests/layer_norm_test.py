@@ -150,8 +150,26 @@ def test_dropout_masks_rate_and_independence():
   assert np.all(np.abs(counts - 1 / 16) < 0.006), counts
   other = _mask_bytes(layer_norm.dropout_seed(jax.random.key(1)), (64, 513))
   assert (other != byte).mean() > 0.9
-  rbg = layer_norm.dropout_seed(jax.random.key(0, impl='rbg'))
-  assert rbg.shape == (2,) and rbg.dtype == jnp.uint32
+
+
+@pytest.mark.parametrize('impl', ['threefry2x32', 'rbg', 'unsafe_rbg'])
+def test_every_key_gives_its_own_dropout_seed(impl):
+  """The seeds of keys folded as the steps and flax's modules fold them differ from each other
+  and from 0, for every train.rng_impl. (An 'rbg' key's two halves are equal: their xor, which
+  dropout_seed took before, was 0 for every key, so every step and layer of a one-device run
+  drew the same masks.) unsafe_rbg folds commutatively, folding 1 twice undoes it (jax.random's
+  documented trade-off), so its keys here are seeded apart."""
+  base = jax.random.fold_in(jax.random.key(0, impl=impl), 1)
+  keys = ([jax.random.key(i, impl=impl) for i in range(12)] if impl == 'unsafe_rbg' else
+          [jax.random.fold_in(jax.random.fold_in(base, step), module)
+           for step in range(4) for module in range(3)])
+  seeds = [tuple(np.asarray(layer_norm.dropout_seed(k)).tolist()) for k in keys]
+  assert all(len(s) == 2 for s in seeds) and (0, 0) not in seeds, seeds
+  assert len(set(seeds)) == len(seeds), seeds
+  if impl == 'threefry2x32':  # A threefry key's seed is the key: masks as before.
+    np.testing.assert_array_equal(layer_norm.dropout_seed(keys[0]), jax.random.key_data(keys[0]))
+  with pytest.raises(ValueError, match='3 words cannot seed dropout'):
+    layer_norm.dropout_seed(jnp.zeros(3, jnp.uint32))
 
 
 def test_dropout_multiplies_and_keeps_the_expectation():

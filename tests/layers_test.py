@@ -287,6 +287,27 @@ def test_pre_layer_norm_training_with_dropout_keeps_the_stream_and_its_norm_toge
                what='final norm of the last stream')
 
 
+@pytest.mark.parametrize('impl', ['threefry2x32', 'rbg'])
+def test_every_hidden_dropout_of_a_step_and_of_the_next_draws_its_own_mask(impl, monkeypatch):
+  """The seeds of a training step's hidden-dropout masks (the embeddings' and two per layer)
+  all differ, and the next step's differ from them, with either PRNG that train.rng_impl='auto'
+  picks (rbg on one device). Before, an rbg key gave every mask the seed 0."""
+  seeds = []
+  dropout_seed = layers.layer_norm.dropout_seed
+  monkeypatch.setattr(layers.layer_norm, 'dropout_seed',
+                      lambda key: seeds.append(dropout_seed(key)) or seeds[-1])
+  config = PAPER.replace(hidden_dropout_prob=0.1)
+  params = _params(config)
+  ids, mask, seg = _batch()
+  base = jax.random.fold_in(jax.random.key(0, impl=impl), 1)
+  for step in range(2):
+    model_lib.BertModel(config).apply({'params': params}, ids, mask, seg, deterministic=False,
+                                      rngs={'dropout': jax.random.fold_in(base, step)})
+  drawn = [tuple(np.asarray(s).tolist()) for s in seeds]
+  assert len(drawn) == 2 * (1 + 2 * config.num_hidden_layers), drawn
+  assert len(set(drawn)) == len(drawn), drawn
+
+
 # ---- Kernels -----------------------------------------------------------------------------------
 
 
