@@ -187,6 +187,15 @@ def dropout_rng(train_config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
   return jax.random.fold_in(jax.random.key(train_config.seed, impl=impl), 1)
 
 
+def micro_rng(base_rng: jax.Array, step: jax.Array, micro: jax.Array,
+              accum_steps: int) -> jax.Array:
+  """The dropout key of micro-batch `micro` of `step`: `base_rng` folded once with their index
+  in the run (step x accum_steps + micro). Folding the step, then the micro-batch, gave equal
+  keys to step 0's micro-batch 1 and step 1's micro-batch 0 with 'unsafe_rbg', whose fold_in
+  is an xor (jax.random's documented trade-off)."""
+  return jax.random.fold_in(base_rng, step * accum_steps + micro)
+
+
 def split_micro(x: jax.Array, k: int) -> jax.Array:
   """[B, ...] -> [k, B/k, ...] taking every k-th example, so each micro-batch stays spread over
   all data-parallel shards instead of living on B/k of them."""
@@ -292,7 +301,8 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
     def body(carry, xs):
       i, mb = xs
       summed, collections = carry
-      m, g, new_collections = grad_fn(collections, mb, jax.random.fold_in(rng, i))
+      m, g, new_collections = grad_fn(collections, mb,
+                                      micro_rng(base_rng, state.step, i, accum_steps))
       return (jax.tree.map(jnp.add, summed, (g, m)), new_collections), None
 
     m_shape, g_shape, _ = jax.eval_shape(grad_fn, returned,

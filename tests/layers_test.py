@@ -287,11 +287,15 @@ def test_pre_layer_norm_training_with_dropout_keeps_the_stream_and_its_norm_toge
                what='final norm of the last stream')
 
 
-@pytest.mark.parametrize('impl', ['threefry2x32', 'rbg'])
-def test_every_hidden_dropout_of_a_step_and_of_the_next_draws_its_own_mask(impl, monkeypatch):
+@pytest.mark.parametrize('devices, impl', [(1, 'rbg'), (8, 'threefry2x32')])
+def test_every_hidden_dropout_of_a_step_and_of_the_next_draws_its_own_mask(devices, impl,
+                                                                          monkeypatch):
   """The seeds of a training step's hidden-dropout masks (the embeddings' and two per layer)
-  all differ, and the next step's differ from them, with either PRNG that train.rng_impl='auto'
-  picks (rbg on one device). Before, an rbg key gave every mask the seed 0."""
+  all differ, and the next step's differ from them, with the key train.rng_impl='auto' gives
+  on a mesh of one device (rbg) and of eight (threefry). Before, an rbg key gave every mask the
+  seed 0."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from bert_jax import train_state  # pylint: disable=g-import-not-at-top
   seeds = []
   dropout_seed = layers.layer_norm.dropout_seed
   monkeypatch.setattr(layers.layer_norm, 'dropout_seed',
@@ -299,7 +303,10 @@ def test_every_hidden_dropout_of_a_step_and_of_the_next_draws_its_own_mask(impl,
   config = PAPER.replace(hidden_dropout_prob=0.1)
   params = _params(config)
   ids, mask, seg = _batch()
-  base = jax.random.fold_in(jax.random.key(0, impl=impl), 1)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ('data',))
+  base = train_state.dropout_rng(ml_collections.ConfigDict({'rng_impl': 'auto', 'seed': 0}),
+                                 mesh)
+  assert str(jax.random.key_impl(base)) == impl
   for step in range(2):
     model_lib.BertModel(config).apply({'params': params}, ids, mask, seg, deterministic=False,
                                       rngs={'dropout': jax.random.fold_in(base, step)})

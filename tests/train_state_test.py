@@ -355,3 +355,17 @@ def test_fp8_micro_batches_update_the_scales_in_turn():
       assert not history[..., 1:-1].any()
       np.testing.assert_allclose(op[f'{kind}_scale'][..., 0],
                                  np.float32(1) / (np.float32(_max(kind)) / first), rtol=1e-6)
+
+
+@pytest.mark.parametrize('impl', ['threefry2x32', 'rbg', 'unsafe_rbg'])
+def test_every_micro_batch_of_every_step_gets_its_own_dropout_key(impl):
+  """train_state.micro_rng: 6 steps of 3 micro-batches, 18 different keys and hidden-dropout
+  seeds, for every train.rng_impl. (The step folded, then the micro-batch: with unsafe_rbg,
+  whose fold_in is an xor, step 0's micro-batch 1 had step 1's micro-batch 0's key.)"""
+  from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
+  base = jax.random.fold_in(jax.random.key(0, impl=impl), 1)
+  keys = [state_lib.micro_rng(base, jnp.int32(step), jnp.int32(i), 3)
+          for step in range(6) for i in range(3)]
+  words = {tuple(np.asarray(jax.random.key_data(k)).tolist()) for k in keys}
+  seeds = {tuple(np.asarray(layer_norm.dropout_seed(k)).tolist()) for k in keys}
+  assert len(words) == len(seeds) == len(keys), (words, seeds)
