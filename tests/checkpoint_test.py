@@ -4,7 +4,6 @@ order's corrupt checkpoints. Several processes' agreement on a save: orbax_hooks
 
 import os
 import subprocess
-import sys
 
 import pytest
 import tensorflow as tf

@@ -19,7 +19,6 @@ import pathlib
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import ml_collections
