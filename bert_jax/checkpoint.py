@@ -4,7 +4,7 @@ A workdir's checkpoints (its other files, and its committed steps as the command
 train read them: `run_files.py`; its lock: `run_lock.py`):
   checkpoints/<step>/               Orbax items: params, opt_state, meta (step, phase, seed),
                                     and one per saved extra of the train state
-                                    (`state_extras.py`: fp8_meta, FP8 scales and amax
+                                    (`state_extras.py`: fp8_scales, FP8 scales and amax
                                     histories, when model.matmul_precision='fp8')
   data_state/<step>/process_<i>.*   each process's tf.data iterator position at that step
 

@@ -9,8 +9,10 @@ act_mlp, act_heads); compute runs in the config's dtype.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import functools
+from typing import TYPE_CHECKING, Any, Callable
 
+from flax import traverse_util
 import flax.linen as nn
 from flax.linen import fp8_ops
 from flax.linen.dtypes import promote_dtype
@@ -32,21 +34,23 @@ Array = jax.Array
 # How the encoder's dense matmuls (the one QKV projection, the attention output and the two MLP
 # projections) run in training steps (`deterministic=False`):
 # - 'default': in the compute dtype (`BertConfig.dtype`).
-# - 'fp8': FP8 with delayed scaling (flax's `Fp8DirectDotGeneralOp`, Transformer Engine's
-#   recipe): inputs and kernels in float8_e4m3fn, output gradients in float8_e5m2, each scaled
-#   by the largest magnitude of the last FP8_AMAX_HISTORY steps. The scales and amax histories
-#   live in the FP8_COLLECTION variable collection: the "gradient" a step computes for them is
-#   their new value, which replaces them (`state_extras.FP8_SCALES`), never an
-#   optimizer update. Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them
-#   (correct, slower).
-# The embeddings (exact one-hot lookups), the pooler, the MLM transform and the tied decoder,
-# and the task heads stay in the compute dtype: a few percent of the FLOPs, and the decoder's
-# logits feed the loss directly, where FP8's 3-bit mantissa would cost the most accuracy.
-# Evaluation and prediction (`deterministic=True`) run every matmul in the compute dtype,
-# with the parameters alone: the numbers a user of the exported weights gets.
+# - 'fp8': FP8 with delayed scaling (Transformer Engine's recipe, with the numerics of flax's
+#   `Fp8DirectDotGeneralOp`): inputs and kernels in float8_e4m3fn, output gradients in
+#   float8_e5m2, each scaled by the largest magnitude of the last FP8_AMAX_HISTORY steps. The
+#   scales and amax histories of every FP8 matmul of the encoder are two stacked variables of
+#   the FP8_COLLECTION collection at the encoder's scope, [layers, matmuls, 3] and [layers,
+#   matmuls, 3, FP8_AMAX_HISTORY] (3: input, kernel, output gradient), so that a step updates
+#   them all in a few kernels: `fp8_step_scales` before the model is applied, `fp8_advance`
+#   after its backward pass, whose "gradient" of the scales is this step's amaxes
+#   (`state_extras.FP8_SCALES`), never an optimizer update. flax's op keeps six variables per
+#   matmul and updates each with kernels of its own (~600 tiny kernels a BERT-base step).
+#   Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them (correct, slower).
 MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
 FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
 FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
+# The FP8 formats of a matmul's three tensors, in the order of the stacked variables' last axis.
+FP8_TENSORS = (('input', jnp.float8_e4m3fn), ('kernel', jnp.float8_e4m3fn),
+               ('output_grad', jnp.float8_e5m2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,13 +165,13 @@ class DenseGeneral(nn.Module):
   activation: str | None = None  # A key of ACTIVATIONS applied to the output, or none.
   # False: return (x @ kernel, bias) for a consumer that adds the float32 bias itself.
   add_bias: bool = True
-  fp8: bool = False  # The matmul through `fp8_dot_general` (matmul_precision='fp8').
   use_bias: bool = True  # False: no bias parameter (the returned bias is then None).
   # The output's logical axes, which place the fused GELU kernels under a mesh.
   activation_axes: tuple[str | None, ...] | None = None
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, fp8_scales: Array | None = None) -> Array:
+    """`fp8_scales`: the matmul's FP8 scales [3] (`fp8_dot_general`), or None (no FP8)."""
     c, n = self.config, self.num_in
     kernel = self.param('kernel', normal_init(c, self.axes), x.shape[-n:] + self.features,
                         jnp.float32)
@@ -176,8 +180,8 @@ class DenseGeneral(nn.Module):
     f32_bias = bias
     x, kernel = promote_dtype(x, kernel, dtype=c.compute_dtype)
     dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
-    y = (fp8_dot_general(x, kernel, dims) if self.fp8
-         else jax.lax.dot_general(x, kernel, dims))
+    y = (jax.lax.dot_general(x, kernel, dims) if fp8_scales is None
+         else fp8_dot_general(x, kernel, dims, fp8_scales))
     if not self.add_bias:
       return y, f32_bias
     # The paper's dense GELU takes model.gelu_impl's kernel: the float32 bias as it is stored
@@ -202,12 +206,97 @@ def activate(config: BertConfig, y: Array, bias: Array | None, activation: str |
   return ACTIVATIONS[activation](y) if activation else y
 
 
-def fp8_dot_general(x: Array, kernel: Array, dims, name: str = 'fp8') -> Array:
-  """`lax.dot_general(x, kernel, dims)` in FP8 with delayed scaling, its scales and amax
-  histories in the calling module's FP8_COLLECTION (see MATMUL_PRECISIONS). Call it inside
-  a compact module."""
-  return fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=FP8_AMAX_HISTORY, name=name)(
-      x, kernel, dims)
+def fp8_dot_general(x: Array, kernel: Array, dims, scales: Array) -> Array:
+  """`lax.dot_general(x, kernel, dims)` in FP8 with delayed scaling (see MATMUL_PRECISIONS),
+  in the kernel's dtype: x and kernel quantized to e4m3 by `scales`[0] and [1], the output
+  gradient to e5m2 by [2]. The "gradient" of `scales` [3] is this step's amaxes of x, kernel
+  and output gradient (what `fp8_advance` puts in the histories). The numerics of flax's
+  `Fp8DirectDotGeneralOp` given the scales it computes (`fp8_step_scales`)."""
+  # The three scales apart, [1] each as flax's variables are.
+  return _fp8_dot(jnp.asarray(x, kernel.dtype), kernel,
+                  *jax.lax.split(scales, [1] * len(FP8_TENSORS)), dims)
+
+
+def _amax(x: Array) -> Array:
+  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fp8_dot(x: Array, kernel: Array, x_scale: Array, kernel_scale: Array, grad_scale: Array,
+             dims) -> Array:
+  return _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, dims)[0]
+
+
+def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, dims):
+  dtype = kernel.dtype
+  (_, e4m3), _, _ = FP8_TENSORS
+  qx = fp8_ops.quantize(x, e4m3, x_scale, dtype)
+  qk = fp8_ops.quantize(kernel, e4m3, kernel_scale, dtype)
+  y = jax.lax.dot_general(qx, qk, dims, preferred_element_type=dtype,
+                          precision=jax.lax.Precision.DEFAULT)
+  y = fp8_ops.dequantize(y, dtype, x_scale * kernel_scale)
+  return y, (x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, _amax(x), _amax(kernel))
+
+
+def _fp8_dot_bwd(dims, res, g):
+  x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax = res
+  dtype = kernel.dtype
+  qg = fp8_ops.quantize(g, FP8_TENSORS[2][1], grad_scale, dtype)
+  dx = fp8_ops.dot_general_transpose_lhs(qg, x, qk, dimension_numbers=dims,
+                                         precision=jax.lax.Precision.HIGHEST,
+                                         preferred_element_type=dtype)
+  dx = fp8_ops.dequantize(dx, dtype, kernel_scale * grad_scale)
+  dk = fp8_ops.dot_general_transpose_rhs(qg, qx, kernel, dimension_numbers=dims,
+                                         precision=jax.lax.Precision.HIGHEST,
+                                         preferred_element_type=dtype)
+  dk = fp8_ops.dequantize(dk, dtype, x_scale * grad_scale)
+  # The scales' "gradients": this step's amaxes, [1] each as the scales are.
+  return dx, dk, x_amax[None], kernel_amax[None], _amax(g)[None]
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+# The encoder's FP8 variables (FP8_COLLECTION): [layers, matmuls, 3] scales and, beside them,
+# [layers, matmuls, 3, FP8_AMAX_HISTORY] amax histories, newest first.
+FP8_SCALE, FP8_HISTORY = 'fp8_scale', 'fp8_amax_history'
+_FP8_MAX = tuple(float(jnp.finfo(t).max) for _, t in FP8_TENSORS)
+
+
+def _next_scales(scale: Array, history: Array) -> Array:
+  """flax's `compute_scale` of each history's largest amax (the previous scale where that is 0
+  or not finite), for every matmul and tensor at once."""
+  return fp8_ops.compute_scale(jnp.max(history, axis=-1), scale,
+                               jnp.asarray(_FP8_MAX, jnp.float32))
+
+
+def fp8_step_scales(meta: Any) -> Any:
+  """The FP8 collection a training step applies the model to: `meta` (the state's, as
+  `model.initial_fp8_meta` makes it and `fp8_advance` continues it) with each scale computed
+  from its amax history, as flax's op computes it at the start of its forward pass."""
+  flat = traverse_util.flatten_dict(meta)
+  return traverse_util.unflatten_dict({
+      k: _next_scales(v, flat[k[:-1] + (FP8_HISTORY,)]) if k[-1] == FP8_SCALE else v
+      for k, v in flat.items()})
+
+
+def fp8_advance(meta: Any, amaxes: Any) -> Any:
+  """The FP8 state after a step (or micro-batch) applied to `fp8_step_scales(meta)`: those
+  scales, and each history rolled with this step's amax in front (flax's `update_fp8_meta`).
+  `amaxes`: what the backward pass returned for the collection (the amaxes at the scales')."""
+  flat, got = traverse_util.flatten_dict(meta), traverse_util.flatten_dict(amaxes)
+  new = {}
+  for k, v in flat.items():
+    if k[-1] == FP8_SCALE:
+      history = flat[k[:-1] + (FP8_HISTORY,)]
+      new[k] = _next_scales(v, history)
+      new[k[:-1] + (FP8_HISTORY,)] = jnp.roll(history, -1, axis=-1).at[..., 0].set(got[k])
+  return traverse_util.unflatten_dict(new)
+
+
+def fp8_matmuls_per_layer(config: BertConfig) -> int:
+  """The encoder layer's FP8 matmuls: the attention's input projection(s) (one stacked QKV
+  or three), its output, the MLP's input (one, gated or not) and output."""
+  return (3 if config.qkv_projection == 'separate' else 1) + 3
 
 
 def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
@@ -218,13 +307,13 @@ def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
 
 def dense(config: BertConfig, features, axes, name: str, in_axes=-1,
            activation: str | None = None, add_bias: bool = True,
-           fp8: bool = False, use_bias: bool = True, activation_axes=None) -> nn.Module:
+           use_bias: bool = True, activation_axes=None) -> nn.Module:
   features = features if isinstance(features, tuple) else (features,)
   in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,)
   if in_axes != tuple(range(-len(in_axes), 0)):
     raise ValueError(f'in_axes {in_axes} are not the trailing axes')
   return DenseGeneral(config, features, tuple(axes), num_in=len(in_axes),
-                      activation=activation, add_bias=add_bias, fp8=fp8, use_bias=use_bias,
+                      activation=activation, add_bias=add_bias, use_bias=use_bias,
                       activation_axes=activation_axes, name=name)
 
 
@@ -326,10 +415,11 @@ class DenseParams(nn.Module):
     return kernel, bias
 
 
-def _stacked_matmul(module: nn.Module, x: Array, params: list, fp8: bool, fp8_name: str,
+def _stacked_matmul(module: nn.Module, x: Array, params: list, fp8_scales: Array | None,
                     scope: str) -> Array:
   """x @ the kernels of `params` (DenseParams' (kernel, bias) pairs) stacked on a new axis 1,
-  as one matmul (named `scope`), plus their biases (if any): [..., len(params), *features]."""
+  as one matmul (named `scope`; in FP8 with `fp8_scales` [3]), plus their biases (if any):
+  [..., len(params), *features]."""
   c = module.config
   kernel = jnp.stack([k.astype(c.compute_dtype) for k, _ in params], axis=1)
   bias = (None if params[0][1] is None else
@@ -337,8 +427,8 @@ def _stacked_matmul(module: nn.Module, x: Array, params: list, fp8: bool, fp8_na
   x = x.astype(c.compute_dtype)
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   with jax.named_scope(scope):  # Named so that the GPU step budget test finds it as one.
-    y = (fp8_dot_general(x, kernel, dims, name=fp8_name) if fp8
-         else jax.lax.dot_general(x, kernel, dims))
+    y = (jax.lax.dot_general(x, kernel, dims) if fp8_scales is None
+         else fp8_dot_general(x, kernel, dims, fp8_scales))
     return y if bias is None else y + bias
 
 
@@ -349,9 +439,10 @@ class SelfAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, sequence_ids: Array, positions: Array | None = None,
-               local: bool | Array = False) -> Array:
+               local: bool | Array = False, fp8_scales: list[Array] | None = None) -> Array:
     """`positions` [B, T]: rotary models' token positions; `local`: whether this layer
-    attends locally (a traced bool in scanned layers of both kinds)."""
+    attends locally (a traced bool in scanned layers of both kinds); `fp8_scales`: the FP8
+    scales [3] of its matmuls, input projection(s) first (`fp8_matmuls_per_layer`), or None."""
     c = self.config
     heads, head_dim = c.num_attention_heads, c.head_dim
     # Q, K and V are one matmul against the three kernels stacked as [embed, 3, heads, kv]:
@@ -361,17 +452,19 @@ class SelfAttention(nn.Module):
     # weights per step costs next to nothing. Heads stay the sharded axis.
     params = [DenseParams(c, (x.shape[-1],), (heads, head_dim), ('embed', 'heads', 'kv'),
                           name=name)() for name in ('query', 'key', 'value')]
-    fp8 = use_fp8(self, c, self.deterministic)
+    fp8 = fp8_scales or [None] * 4
     if c.qkv_projection == 'separate':
       # Three matmuls, each writing its own dense [batch, length, heads, kv] buffer: the
       # attention kernel reads q, k and v in place and writes dq, dk and dv where the three
       # backward matmuls read them (no slice of a fused output, no concatenate of its
       # gradient), at the price of three K=hidden input-gradient matmuls summed.
-      q, k, v = (constrain(_stacked_matmul(self, x, [p], fp8, f'{name}_fp8', name)[:, :, 0],
+      q, k, v = (constrain(_stacked_matmul(self, x, [p], s, name)[:, :, 0],
                            ('batch', 'length', 'act_heads', 'kv'))
-                 for p, name in zip(params, ('query', 'key', 'value')))
+                 for p, s, name in zip(params, fp8, ('query', 'key', 'value')))
+      fp8 = fp8[3:]
     else:
-      qkv = _stacked_matmul(self, x, params, fp8, 'qkv_fp8', 'qkv')
+      qkv = _stacked_matmul(self, x, params, fp8[0], 'qkv')
+      fp8 = fp8[1:]
       qkv = constrain(qkv, ('batch', 'length', None, 'act_heads', 'kv'))
       q, k, v = (constrain(qkv[:, :, i], ('batch', 'length', 'act_heads', 'kv'))
                  for i in range(3))
@@ -392,7 +485,7 @@ class SelfAttention(nn.Module):
     out = constrain(out, ('batch', 'length', 'act_heads', 'kv'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
     return dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1),
-                  add_bias=False, fp8=fp8, use_bias=c.use_bias)(out)
+                  add_bias=False, use_bias=c.use_bias)(out, fp8[0])
 
 
 class Mlp(nn.Module):
@@ -402,25 +495,26 @@ class Mlp(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, fp8_scales: list[Array] | None = None) -> Array:
+    """`fp8_scales`: the FP8 scales [3] of its input and output matmuls, or None."""
     c = self.config
-    fp8 = use_fp8(self, c, self.deterministic)
+    fp8 = fp8_scales or [None, None]
     if c.mlp_type == 'gated':
       params = [DenseParams(c, (x.shape[-1],), (c.intermediate_size,), ('embed', 'mlp'),
                             name=name)() for name in ('intermediate', 'gate')]
-      y = constrain(_stacked_matmul(self, x, params, fp8, 'gated_fp8', 'gated'),
+      y = constrain(_stacked_matmul(self, x, params, fp8[0], 'gated'),
                      ('batch', 'length', None, 'act_mlp'))
       # The biases are in y already: the activation's own is none. XLA's GELU (gelu_impl's
       # kernel fuses a dense layer's bias add and GELU: config_checks refuses it here).
       h = activate(c, y[:, :, 0], None, c.hidden_act) * y[:, :, 1]
     else:
       h = dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
-                activation=c.hidden_act, fp8=fp8, use_bias=c.use_bias,
-                activation_axes=('batch', 'length', 'act_mlp'))(x)
+                activation=c.hidden_act, use_bias=c.use_bias,
+                activation_axes=('batch', 'length', 'act_mlp'))(x, fp8[0])
     h = constrain(h, ('batch', 'length', 'act_mlp'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
-    return dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False, fp8=fp8,
-                  use_bias=c.use_bias)(h)
+    return dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False,
+                  use_bias=c.use_bias)(h, fp8[1])
 
 
 class EncoderLayer(nn.Module):
@@ -445,27 +539,33 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, carry, sequence_ids: Array, positions: Array | None,
-               local: Array | None = None):
+               local: Array | None = None, fp8_scales: Array | None = None):
+    """`fp8_scales`: this layer's FP8 scales [matmuls, 3] (`Encoder`), or None."""
     c = self.config
     local = self.local if self.local is not None else local
+    fp8 = ([None] * fp8_matmuls_per_layer(c) if fp8_scales is None else
+           [s[0] for s in jax.lax.split(fp8_scales, [1] * fp8_scales.shape[0])])
+    attention_fp8, mlp_fp8 = fp8[:-2], fp8[-2:]
     drop = lambda: hidden_dropout_seed(self, c, self.deterministic)
     embed = lambda x: constrain(x, ('batch', 'length', 'act_embed'))
     attention_ = SelfAttention(c, self.deterministic, name='attention')
     if not c.pre_layer_norm:
       x, residual = carry
       # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
-      attn, attn_bias = attention_(x, sequence_ids, positions, local)
+      attn, attn_bias = attention_(x, sequence_ids, positions, local, attention_fp8)
       x, residual = map(embed, ResidualLayerNorm(c, name='attention_layer_norm')(
           attn, residual, attn_bias, drop()))
-      y, y_bias = Mlp(c, self.deterministic, name='mlp')(x)
+      y, y_bias = Mlp(c, self.deterministic, name='mlp')(x, mlp_fp8)
       x, residual = map(embed, ResidualLayerNorm(c, name='output_layer_norm')(
           y, residual, y_bias, drop()))
       # The carry for the next layer, and the per-layer output (hidden states).
       return (x, residual), (x if self.hidden_states else None)
     h, normed = carry
     rate = 0.0 if self.deterministic else c.hidden_dropout_prob
-    for name, sublayer in (('mlp_norm', lambda n: attention_(n, sequence_ids, positions, local)),
-                           ('output_norm', Mlp(c, self.deterministic, name='mlp'))):
+    mlp = Mlp(c, self.deterministic, name='mlp')
+    for name, sublayer in (
+        ('mlp_norm', lambda n: attention_(n, sequence_ids, positions, local, attention_fp8)),
+        ('output_norm', lambda n: mlp(n, mlp_fp8))):
       y, y_bias = sublayer(normed)
       seed = drop()
       # One mask (one seed) for the LayerNorm's sum and the stream's: the same sum.
@@ -491,26 +591,36 @@ class Encoder(nn.Module):
     # Post-LN: (x, residual), the input twice; pre-LN: (h, LN(h)), the embeddings' LayerNorm
     # being layer 0's input norm.
     carry = (x, x)
+    fp8 = None
+    if use_fp8(self, c, deterministic):
+      # Every FP8 matmul's scales (and histories, which only the step reads: fp8_advance) in
+      # one variable: a step updates them in a few kernels (see MATMUL_PRECISIONS).
+      shape = (c.num_hidden_layers, fp8_matmuls_per_layer(c), len(FP8_TENSORS))
+      fp8 = self.variable(FP8_COLLECTION, FP8_SCALE, jnp.ones, shape, jnp.float32).value
+      self.variable(FP8_COLLECTION, FP8_HISTORY, jnp.zeros, shape + (FP8_AMAX_HISTORY,),
+                    jnp.float32)
     if c.scan_layers:
-      # FP8 scales and histories are per layer, stacked like the parameters.
-      axes = {'params': 0, **({FP8_COLLECTION: 0} if c.matmul_precision == 'fp8' else {})}
-      # Layers of two kinds share one trace: each gets its kind as a scanned input.
+      # Layers of two kinds share one trace: each gets its kind as a scanned input; each its
+      # FP8 scales likewise.
       mixed = len(set(kinds)) > 1
-      scanned = nn.scan(layer_cls, variable_axes=axes,
+      scanned = nn.scan(layer_cls, variable_axes={'params': 0},
                         split_rngs={'params': True, 'dropout': True},
-                        in_axes=(nn.broadcast, nn.broadcast) + ((0,) if mixed else ()),
+                        in_axes=(nn.broadcast, nn.broadcast, 0 if mixed else nn.broadcast,
+                                 nn.broadcast if fp8 is None else 0),
                         length=c.num_hidden_layers,
                         metadata_params={nn.PARTITION_NAME: 'layers'})
-      args = (jnp.asarray(kinds),) if mixed else ()
       carry, stacked = scanned(c, deterministic, return_hidden_states,
                                None if mixed else kinds[0], name='layers')(
-                                   carry, sequence_ids, positions, *args)
+                                   carry, sequence_ids, positions,
+                                   jnp.asarray(kinds) if mixed else None, fp8)
       hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
     else:
       hidden = []
+      per_layer = (None if fp8 is None else
+                   [s[0] for s in jax.lax.split(fp8, [1] * c.num_hidden_layers)])
       for i in range(c.num_hidden_layers):
         carry, h = layer_cls(c, deterministic, True, kinds[i], name=f'layer_{i}')(
-            carry, sequence_ids, positions)
+            carry, sequence_ids, positions, None, None if fp8 is None else per_layer[i])
         hidden.append(h)
       if not return_hidden_states:
         hidden = []

@@ -33,10 +33,10 @@ Parameter layout (unscanned; with `scan_layers` the per-layer trees are stacked 
   nsp/{kernel,bias}
   classifier/{kernel,bias}  (sequence / token classification), qa_outputs/{kernel,bias}
 
-With matmul_precision='fp8' the encoder's matmuls also keep FP8 scales and amax histories, in
-the FP8_COLLECTION variable collection (not parameters): .../attention/qkv_fp8/*,
-.../attention/output/fp8/*, .../mlp/{intermediate,output}/fp8/* (a gated MLP: mlp/gated_fp8/*
-for its stacked input matmul).
+With matmul_precision='fp8' the encoder also keeps the FP8 scales and amax histories of its
+matmuls in the FP8_COLLECTION variable collection (not parameters), each stacked over every
+layer and matmul: bert/encoder/fp8_scale [layers, matmuls, 3] and
+bert/encoder/fp8_amax_history [layers, matmuls, 3, FP8_AMAX_HISTORY] (see MATMUL_PRECISIONS).
 """
 
 import dataclasses
@@ -56,7 +56,7 @@ from bert_jax.errors import UserError
 # The layers' names that users of the model reach for, here too (layers.py defines them).
 from bert_jax.layers import (  # pylint: disable=unused-import
     Embeddings, Encoder, FP8_AMAX_HISTORY, FP8_COLLECTION, MATMUL_PRECISIONS, SelfAttention,
-    fp8_dot_general)
+    fp8_advance, fp8_dot_general, fp8_step_scales)
 
 Array = jax.Array
 

@@ -12,9 +12,10 @@ declaration to `EXTRAS`.
 
 - `COMPUTE_COPY` ('compute_params', derived): the parameters the model reads only cast to its
   compute dtype (bfloat16), kept in that dtype and written by the optimizer's update.
-- `FP8_SCALES` ('fp8_meta', saved): the scales and amax histories of
-  model.matmul_precision='fp8' (the model's `FP8_COLLECTION`), replaced by what each backward
-  pass returns for them.
+- `FP8_SCALES` ('fp8_scales', saved): the scales and amax histories of
+  model.matmul_precision='fp8' (the model's `FP8_COLLECTION`), the scales computed from the
+  histories before each step and this step's amaxes, which the backward pass returns, rolled
+  into the histories after it.
 """
 
 import dataclasses
@@ -57,11 +58,18 @@ class Extra:
   # name, a variable collection of the model, whose new value the backward pass returns (flax's
   # overwrite-with-gradient collections); None, the model never reads it.
   collection: str | None
-  # (its value, the updated parameters, the value the backward pass returned for its
-  # collection or None) -> its value after the step; traced inside the optimizer's update.
+  # (its value, the updated parameters, its value after the backward pass(es) (`advance`) or
+  # None) -> its value after the step; traced inside the optimizer's update.
   update: Callable[[Any, Any, Any], Any]
   # What the warning says of a checkpoint without it (a saved extra): 'Checkpoint <step> ...'.
   when_absent: str = ''
+  # For an extra read as a collection of its own: its value -> what the model is applied to
+  # (the FP8 scales a step quantizes with, from their histories).
+  read: Callable[[Any], Any] = lambda value: value
+  # (its value, what the backward pass returned for the collection) -> its value after that
+  # pass: what the next micro-batch reads and `update` receives. By default what was returned
+  # (flax's overwrite-with-gradient collections).
+  advance: Callable[[Any, Any], Any] = lambda value, returned: returned
 
   def absent(self) -> str:
     return self.when_absent or f'has no {self.name}: it starts afresh'
@@ -182,20 +190,24 @@ COMPUTE_COPY = Extra(
 # ---------------------------------------------------------------------------------------------
 # FP8 scales and amax histories
 # ---------------------------------------------------------------------------------------------
-# Run state like the optimizer's (a resumed run continues them exactly), never weights. The
-# "gradient" a backward pass computes for them is their new value (flax's fp8_ops); with
-# micro-batches each one's feeds the next (`train_state.step`). Scalars and short histories:
-# replicated, and every device updates them alike (the amax of a sharded tensor is a global
-# max). A checkpoint without them (saved with FP8 off) resumes with fresh ones; a run with FP8
-# off leaves a checkpoint's unread.
+# Run state like the optimizer's (a resumed run continues them exactly), never weights: the
+# model reads the scales `layers.fp8_step_scales` computes from the histories, and the backward
+# pass returns this step's amaxes, which `layers.fp8_advance` rolls into the histories (with
+# micro-batches, each one's state feeding the next). Two stacked arrays for all the matmuls of
+# the encoder, so that these are a few kernels, not a few per matmul. Small: replicated, and
+# every device updates them alike (the amax of a sharded tensor is a global max). A checkpoint
+# without them (saved with FP8 off) resumes with fresh ones; a run with FP8 off leaves a
+# checkpoint's unread. Checkpoints saved before 2026-12-01 hold them per matmul in flax's
+# layout, as the item 'fp8_meta', which is not read: their FP8 scales start afresh.
 
 FP8_SCALES = Extra(
-    name='fp8_meta', shapes=lambda traced: traced.variables.get(model_lib.FP8_COLLECTION),
+    name='fp8_scales', shapes=lambda traced: traced.variables.get(model_lib.FP8_COLLECTION),
     init=lambda params, shapes: model_lib.initial_fp8_meta(shapes),
     specs=lambda shapes, param_specs: jax.tree.map(lambda _: P(), shapes), saved=True,
-    collection=model_lib.FP8_COLLECTION, update=lambda meta, params, returned: returned,
-    when_absent="has no FP8 scales (saved without model.matmul_precision='fp8'): they start "
-                'afresh')
+    collection=model_lib.FP8_COLLECTION, update=lambda meta, params, advanced: advanced,
+    when_absent="has no FP8 scales (saved without model.matmul_precision='fp8', or before "
+                "2026-12-01 as the item 'fp8_meta', which is not read): they start afresh",
+    read=model_lib.fp8_step_scales, advance=model_lib.fp8_advance)
 
 # Every declared extra; a model has those whose `shapes` it gives.
 EXTRAS: tuple[Extra, ...] = (COMPUTE_COPY, FP8_SCALES)

@@ -132,15 +132,15 @@ def _fresh_extras(params: Any, shapes: dict[str, Any]) -> dict[str, Any]:
 def model_variables(state: TrainState) -> dict[str, Any]:
   """The variables the step applies the model to, built here alone: 'params', with the leaves
   of the extras applied as 'params' (the compute copy) instead of theirs, and each extra applied
-  as a collection of its own (the FP8 scales) under that collection's name."""
+  as a collection of its own (the FP8 scales) under that collection's name, as it `read`s."""
   flat = traverse_util.flatten_dict(state.params)
   collections = {}
   for name, value in state.extras.items():
-    collection = state_extras.get(name).collection
-    if collection == 'params':
+    extra = state_extras.get(name)
+    if extra.collection == 'params':
       flat.update(traverse_util.flatten_dict(value))
-    elif collection is not None:
-      collections[collection] = value
+    elif extra.collection is not None:
+      collections[extra.collection] = extra.read(value)
   return {'params': traverse_util.unflatten_dict(flat), **collections}
 
 
@@ -266,14 +266,17 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
   Metrics: the loss's, 'loss' (the normalized training loss, what the gradient is of) and
   'grad_norm'. The model is applied to `model_variables(state)`; each extra is then updated
   by its `Extra.update`, in the optimizer's update, from the new parameters and, for one the
-  model reads as a collection of its own (FP8 scales), the value the backward pass returns for
-  it (micro-batches: in turn, each one's feeding the next), not an optimizer update.
+  model reads as a collection of its own (FP8 scales), its `Extra.advance` by what the backward
+  pass returns for that collection (micro-batches: in turn, each one's feeding the next), not
+  an optimizer update.
   """
   rng = jax.random.fold_in(base_rng, state.step)
   variables = model_variables(state)
-  # The collections besides 'params': their "gradient" is their new value (flax's
-  # overwrite-with-gradient collections, such as the FP8 scales).
-  returned = {k: v for k, v in variables.items() if k != 'params'}
+  # The extras the model reads as collections of their own, by collection: their "gradient"
+  # says what they become (`Extra.advance`), never an optimizer update.
+  own = {state_extras.get(name).collection: state_extras.get(name)
+         for name in state.extras if state_extras.get(name).collection not in (None, 'params')}
+  returned = {c: state.extras[extra.name] for c, extra in own.items()}
 
   # One batch: the counts come with its loss. Micro-batches: each is normalized by the whole
   # batch's counts, so their gradients add up to the batch's.
@@ -285,13 +288,15 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
     return total, dict({'loss': total}, **metrics)
 
   def grad_fn(collections, micro, micro_rng):
+    read = {c: own[c].read(value) for c, value in collections.items()}
     (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(
-        dict(variables, **collections), micro, micro_rng)
+        dict(variables, **read), micro, micro_rng)
     # The compute copy's gradients (bfloat16) in the master's dtype: what the gradient of the
     # master's cast is, and what micro-batches add up in.
     params_grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads.pop('params'),
                                 state.params)
-    return metrics, params_grads, grads
+    return metrics, params_grads, {c: own[c].advance(value, grads[c])
+                                   for c, value in collections.items()}
 
   if accum_steps == 1:
     metrics, grads, returned = grad_fn(returned, batch, rng)

@@ -324,7 +324,7 @@ def test_fp8_finetuning_resumes_exactly_and_keeps_scales_out_of_the_weights(chec
   finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir,
                                  **settings, **{'train.stop_at_step': 3}), stopped)
   step_dir = os.path.join(stopped, ckpt_lib.CHECKPOINT_DIR, '3')
-  assert {'fp8_meta', 'meta', 'opt_state', 'params'} <= set(os.listdir(step_dir))
+  assert {'fp8_scales', 'meta', 'opt_state', 'params'} <= set(os.listdir(step_dir))
   assert finetune.finetune(_glue_config(checkpoints['bert_jax'], data_dir, **settings),
                            stopped) == full
   assert _losses(stopped) == _losses(str(tmp_path / 'full'))

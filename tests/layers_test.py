@@ -375,10 +375,20 @@ def test_fp8_covers_the_gated_mlp():
   config = MODERN.replace(matmul_precision='fp8')
   ids, mask, seg = map(jnp.asarray, _batch())
   variables = model_lib.BertModel(config).init(jax.random.key(0), ids, mask, seg)
-  fp8 = variables[model_lib.FP8_COLLECTION]['encoder']['layer_0']
-  assert {'gated_fp8', 'output'} <= set(fp8['mlp']) and 'qkv_fp8' in fp8['attention']
-  out, _ = model_lib.BertModel(config).apply(variables, ids, mask, seg, deterministic=False)
-  assert np.isfinite(np.asarray(out)).all()
+  # Four FP8 matmuls a layer: QKV, attention output, the gated MLP's stacked input, its output.
+  scale = variables[model_lib.FP8_COLLECTION]['encoder']['fp8_scale']
+  assert scale.shape == (config.num_hidden_layers, 4, 3)
+  variables[model_lib.FP8_COLLECTION] = model_lib.fp8_step_scales(
+      variables[model_lib.FP8_COLLECTION])
+
+  def out(variables):
+    return model_lib.BertModel(config).apply(variables, ids, mask, seg, deterministic=False)[0]
+  assert np.isfinite(np.asarray(out(variables))).all()
+  # Every one of them reads its scales: the "gradient" of each is an amax, > 0.
+  # (Against random weights: the sum of a LayerNorm's outputs has no gradient.)
+  w = jax.random.normal(jax.random.key(1), out(variables).shape)
+  amaxes = jax.grad(lambda v: jnp.sum(out(v) * w))(variables)[model_lib.FP8_COLLECTION]
+  assert (np.asarray(amaxes['encoder']['fp8_scale']) > 0).all()
 
 
 # ---- Config -------------------------------------------------------------------------------------

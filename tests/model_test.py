@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import flax.linen as nn
+from flax.linen import fp8_ops
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -442,31 +443,95 @@ def _fp8_variables(config, seed=4, abstract=False):
   return params, model_lib.initial_fp8_meta(shapes[1])
 
 
+def _fp8_dots(config, params, meta):
+  """The dot_generals on FP8 operands of one training step's forward and backward (jaxpr)."""
+  ids, mask, seg, pos = _batch()
+
+  def loss(p):
+    return jnp.sum(model_lib.BertForPreTraining(config).apply(
+        {'params': p, model_lib.FP8_COLLECTION: model_lib.fp8_step_scales(meta)}, ids, mask, seg,
+        pos, deterministic=False, rngs={'dropout': jax.random.key(0)})[0])
+
+  def dots(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == 'dot_general' and all(
+          jnp.dtype(v.aval.dtype).itemsize == 1 for v in eqn.invars):
+        yield eqn
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else (value,):
+          sub = getattr(sub, 'jaxpr', sub)  # A ClosedJaxpr's Jaxpr.
+          if hasattr(sub, 'eqns'):
+            yield from dots(sub)
+  return len(list(dots(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)))
+
+
 def test_fp8_keeps_the_parameters_and_adds_scales_only_to_encoder_matmuls():
-  """matmul_precision='fp8': the same parameter tree; scales and amax histories for the four
-  encoder matmuls of each layer (QKV, attention output, the two MLP projections), none for the
-  embeddings, pooler or heads; and no FP8 collection at all by default."""
+  """matmul_precision='fp8': the same parameter tree; the scales and amax histories of the four
+  encoder matmuls of each layer (QKV, attention output, the two MLP projections; six with three
+  separate Q, K, V projections) as two variables of the encoder, stacked [layers, matmuls, 3
+  tensors] (scanned or not); FP8 dots for those matmuls only (forward, input and kernel
+  gradients), none for the embeddings, pooler or heads; no FP8 collection at all by default."""
   fp8 = TINY.replace(matmul_precision='fp8')
   params, meta = _fp8_variables(fp8, abstract=True)
   default_params, default_meta = _fp8_variables(TINY, abstract=True)
   assert jax.tree.structure(params) == jax.tree.structure(default_params)
   assert default_meta is None
-  assert set(meta) == {'bert'} and set(meta['bert']) == {'encoder'}
-  for i in range(TINY.num_hidden_layers):
-    layer = meta['bert']['encoder'][f'layer_{i}']
-    ops = {'attention/qkv_fp8': layer['attention']['qkv_fp8'],
-           'attention/output': layer['attention']['output']['fp8'],
-           'mlp/intermediate': layer['mlp']['intermediate']['fp8'],
-           'mlp/output': layer['mlp']['output']['fp8']}
-    assert len(jax.tree.leaves(layer)) == 4 * 6
-    for name, op in ops.items():
-      assert {k: v.shape for k, v in op.items()} == {
-          f'{t}_{kind}': (model_lib.FP8_AMAX_HISTORY,) if kind == 'amax_history' else (1,)
-          for t in ('input', 'kernel', 'output_grad') for kind in ('scale', 'amax_history')}, name
-  # The scanned layout stacks them per layer, like the parameters.
-  _, scanned = _fp8_variables(fp8.replace(scan_layers=True), abstract=True)
-  assert scanned['bert']['encoder']['layers']['attention']['qkv_fp8']['input_scale'].shape == (
-      TINY.num_hidden_layers, 1)
+  layers = TINY.num_hidden_layers
+  for config, matmuls in ((fp8, 4), (fp8.replace(scan_layers=True), 4),
+                          (fp8.replace(qkv_projection='separate'), 6)):
+    _, meta = _fp8_variables(config, abstract=True)
+    assert jax.tree.map(lambda a: a.shape, meta) == {'bert': {'encoder': {
+        'fp8_scale': (layers, matmuls, 3),
+        'fp8_amax_history': (layers, matmuls, 3, model_lib.FP8_AMAX_HISTORY)}}}, config
+  params, meta = _fp8_variables(fp8)
+  assert _fp8_dots(fp8, params, meta) == 3 * 4 * layers
+
+
+def test_fp8_matmul_is_flax_delayed_scaling_bit_for_bit():
+  """fp8_dot_general with fp8_step_scales before and fp8_advance after each step: the same
+  output, input and kernel gradients, scales and amax histories as flax's
+  Fp8DirectDotGeneralOp, bit for bit, over steps whose magnitudes grow and shrink (the scales
+  follow the largest amax of each history)."""
+  history = model_lib.FP8_AMAX_HISTORY
+  dims = (((1,), (0,)), ((), ()))
+
+  class Flax(nn.Module):
+    @nn.compact
+    def __call__(self, x, k):
+      return fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=history, name='op')(x, k, dims)
+
+  k = jax.random.normal(jax.random.key(2), (256, 128), jnp.bfloat16) * 0.02
+  theirs = Flax().init(jax.random.key(0), jnp.zeros((64, 256), jnp.bfloat16), k)[
+      model_lib.FP8_COLLECTION]
+  ours = {'fp8_scale': jnp.ones((3,)), 'fp8_amax_history': jnp.zeros((3, history))}
+
+  @jax.jit
+  def flax_step(meta, x, k, w):
+    f = lambda x, k, m: jnp.sum(Flax().apply({model_lib.FP8_COLLECTION: m}, x, k) * w)
+    return Flax().apply({model_lib.FP8_COLLECTION: meta}, x, k), jax.grad(
+        f, argnums=(0, 1, 2))(x, k, meta)
+
+  @jax.jit
+  def our_step(meta, x, k, w):
+    scales = model_lib.fp8_step_scales(meta)
+    dot = lambda x, k, s: model_lib.fp8_dot_general(x, k, dims, s['fp8_scale'])
+    dx, dk, amaxes = jax.grad(lambda x, k, s: jnp.sum(dot(x, k, s) * w), argnums=(0, 1, 2))(
+        x, k, scales)
+    return dot(x, k, scales), (dx, dk, model_lib.fp8_advance(meta, amaxes))
+
+  for step, size in enumerate((1.0, 30.0, 0.01, 5.0)):
+    x = jax.random.normal(jax.random.key(10 + step), (64, 256), jnp.bfloat16) * size
+    w = jax.random.normal(jax.random.key(20 + step), (64, 128), jnp.bfloat16) * size
+    y, (dx, dk, theirs) = flax_step(theirs, x, k, w)
+    got_y, (got_dx, got_dk, ours) = our_step(ours, x, k, w)
+    for a, b in ((y, got_y), (dx, got_dx), (dk, got_dk)):
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f'step {step}')
+    for i, t in enumerate(('input', 'kernel', 'output_grad')):
+      np.testing.assert_array_equal(ours['fp8_scale'][i:i + 1], theirs['op'][f'{t}_scale'])
+      np.testing.assert_array_equal(ours['fp8_amax_history'][i],
+                                    theirs['op'][f'{t}_amax_history'])
+  # The scales moved off 1 with the magnitudes.
+  assert len(set(np.asarray(ours['fp8_scale']).tolist())) == 3
 
 
 def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dtype():
@@ -485,14 +550,15 @@ def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dty
   @jax.jit
   def train_forward(p, m):
     return model_lib.BertForPreTraining(fp8).apply(
-        {'params': p, model_lib.FP8_COLLECTION: m}, ids, mask, seg, pos, deterministic=False,
-        rngs={'dropout': jax.random.key(0)})[0]
+        {'params': p, model_lib.FP8_COLLECTION: model_lib.fp8_step_scales(m)}, ids, mask, seg,
+        pos, deterministic=False, rngs={'dropout': jax.random.key(0)})[0]
 
-  # The "gradient" of the scales and histories is their value after this step (delayed
-  # scaling: this step's amax enters the history; the scales follow the history).
-  _, calibrated = jax.jit(jax.grad(lambda p, m: jnp.sum(train_forward(p, m)), argnums=(0, 1)))(
+  # The "gradient" of the scales is this step's amaxes, which enter the histories (delayed
+  # scaling: the next step's scales follow the histories).
+  _, amaxes = jax.jit(jax.grad(lambda p, m: jnp.sum(train_forward(p, m)), argnums=(0, 1)))(
       params, meta)
-  assert all(float(np.max(h)) > 0 for h in jax.tree.leaves(calibrated) if h.shape[-1] > 1)
+  calibrated = model_lib.fp8_advance(meta, amaxes)
+  assert np.all(np.asarray(calibrated['bert']['encoder']['fp8_amax_history'][..., 0]) > 0)
   out = train_forward(params, calibrated)
   assert_close(out, ref, 0.05, what='FP8 logits vs float32')
   assert_close(bf16, ref, 0.05, what='bf16 logits vs float32')
@@ -504,16 +570,13 @@ def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dty
   k = jax.random.normal(jax.random.key(2), (256, 128), jnp.bfloat16) * 0.02
   dims = (((1,), (0,)), ((), ()))
 
-  class Dot(nn.Module):
-    @nn.compact
-    def __call__(self, x, k):
-      return model_lib.fp8_dot_general(x, k, dims)
-
-  variables = Dot().init(jax.random.key(0), x, k)
+  meta = {'fp8_scale': jnp.ones((3,)),
+          'fp8_amax_history': jnp.zeros((3, model_lib.FP8_AMAX_HISTORY))}
+  dot = lambda m: model_lib.fp8_dot_general(x, k, dims, model_lib.fp8_step_scales(m)['fp8_scale'])
   exact = np.asarray(x, np.float64) @ np.asarray(k, np.float64)
-  grads = jax.jit(jax.grad(lambda m: jnp.sum(Dot().apply({model_lib.FP8_COLLECTION: m}, x, k))))(
-      variables[model_lib.FP8_COLLECTION])
-  y = jax.jit(Dot().apply)({model_lib.FP8_COLLECTION: grads}, x, k)
+  amaxes = jax.jit(jax.grad(lambda s: jnp.sum(model_lib.fp8_dot_general(
+      x, k, dims, s['fp8_scale']))))(model_lib.fp8_step_scales(meta))
+  y = jax.jit(dot)(model_lib.fp8_advance(meta, amaxes))
   fp8_err = assert_close(y, exact, 0.1, what='FP8 matmul')
   bf16_err = assert_close(jnp.dot(x, k), exact, 0.02, what='bf16 matmul')
   assert fp8_err > 2 * bf16_err, (fp8_err, bf16_err)

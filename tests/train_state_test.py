@@ -296,10 +296,16 @@ def _run(steps, **overrides):
 
 
 def _ops(fp8_meta):
-  """{path of one FP8 matmul: its scales and histories}."""
+  """{(layer, matmul) of one FP8 matmul: its scales [1] and histories [FP8_AMAX_HISTORY] by
+  tensor, as flax's op names them}, from the encoder's stacked variables."""
+  encoder = fp8_meta['bert']['encoder']
+  scale, history = np.asarray(encoder['fp8_scale']), np.asarray(encoder['fp8_amax_history'])
   ops = {}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(fp8_meta):
-    ops.setdefault(jax.tree_util.keystr(path[:-1]), {})[path[-1].key] = np.asarray(leaf)
+  for layer, matmul in np.ndindex(scale.shape[:2]):
+    op = ops[layer, matmul] = {}
+    for i, kind in enumerate(('input', 'kernel', 'output_grad')):
+      op[f'{kind}_scale'] = scale[layer, matmul, i:i + 1]
+      op[f'{kind}_amax_history'] = history[layer, matmul, i]
   return ops
 
 
@@ -345,11 +351,11 @@ def test_fp8_micro_batches_update_the_scales_in_turn():
   _, (_, state) = _run(1, **{'model.matmul_precision': 'fp8', 'train.grad_accum_steps': 2,
                              'model.scan_layers': True, 'model.remat_policy': 'full'})
   ops = _ops(state.extras[FP8])
-  assert len(ops) == 4
+  assert len(ops) == 4 * 2  # Each layer's own.
   for name, op in ops.items():
     for kind in ('input', 'kernel', 'output_grad'):
       history = op[f'{kind}_amax_history']
-      assert history.shape == (2, 1024)  # [layers, history]: each layer's own.
+      assert history.shape == (1024,)
       first, second = history[..., -1], history[..., 0]
       assert (first > 0).all() and (second > 0).all(), (name, kind)
       assert not history[..., 1:-1].any()

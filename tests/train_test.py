@@ -1193,9 +1193,15 @@ def test_sigterm_waits_for_one_step_not_for_every_step_dispatched(tmp_path, voca
   assert 'Traceback' not in err and 'KeyboardInterrupt' not in err, err[-3000:]
 
 
-# The checkpoint item of FP8 runs' scales, named so since they exist: checkpoints written then
-# restore now.
-FP8_ITEM = 'fp8_meta'
+# The checkpoint item of FP8 runs' scales, named so since they are stacked (2026-12-01); the
+# item before, 'fp8_meta' (flax's layout, per matmul), is not read.
+FP8_ITEM = 'fp8_scales'
+
+
+def _fp8_histories(meta):
+  """Every FP8 tensor's amax history (the encoder's stacked histories, by row)."""
+  history = np.asarray(meta['bert']['encoder']['fp8_amax_history'])
+  return list(history.reshape(-1, history.shape[-1]))
 
 
 def _fp8_meta(workdir, step):
@@ -1216,8 +1222,7 @@ def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_fi
   train.train_and_evaluate(_config(vocab_file, **fp8), full)
   assert run_files.checkpoint_steps(full) == [4, 8]
   meta = _fp8_meta(full, 8)
-  histories = [h for p, h in jax.tree_util.tree_leaves_with_path(meta)
-               if jax.tree_util.keystr(p).endswith("_amax_history']")]
+  histories = _fp8_histories(meta)
   assert len(histories) == 2 * 4 * 3 and all(np.count_nonzero(h) == 8 for h in histories)
 
   resumed = str(tmp_path / 'resumed')
@@ -1243,20 +1248,20 @@ def test_fp8_run_resumes_exactly_and_exports_only_its_weights(tmp_path, vocab_fi
   train.train_and_evaluate(_config(vocab_file, model__matmul_precision='fp8',
                                    train__init_checkpoint=str(tmp_path / 'bert_jax'),
                                    train__stop_at_step=2), started)
-  assert all(np.count_nonzero(h) == 2 for p, h in jax.tree_util.tree_leaves_with_path(
-      _fp8_meta(started, 2)) if jax.tree_util.keystr(p).endswith("_amax_history']"))
+  assert all(np.count_nonzero(h) == 2 for h in _fp8_histories(_fp8_meta(started, 2)))
 
-  # A checkpoint saved without FP8 (here: its scales removed) resumes with fresh scales.
+  # A checkpoint saved without FP8 scales, or with them under the name of flax's layout before
+  # 2026-12-01 (here: the item renamed so), resumes with fresh scales.
   fresh = str(tmp_path / 'fresh')
   shutil.copytree(full, fresh)
   shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '8'))
-  shutil.rmtree(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '4', FP8_ITEM))
+  os.rename(os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '4', FP8_ITEM),
+            os.path.join(fresh, ckpt_lib.CHECKPOINT_DIR, '4', 'fp8_meta'))
   with caplog.at_level('WARNING'):
     train.train_and_evaluate(_config(vocab_file, **fp8), fresh)
-  assert 'Checkpoint 4 has no FP8 scales' in caplog.text
+  assert 'Checkpoint 4 has no FP8 scales' in caplog.text and "'fp8_meta'" in caplog.text
   assert sorted(_losses(fresh)) == list(range(1, 9))
-  assert all(np.count_nonzero(h) == 4 for p, h in jax.tree_util.tree_leaves_with_path(
-      _fp8_meta(fresh, 8)) if jax.tree_util.keystr(p).endswith("_amax_history']"))
+  assert all(np.count_nonzero(h) == 4 for h in _fp8_histories(_fp8_meta(fresh, 8)))
   # And one with scales resumes with FP8 off: they are left unread, not an error.
   off = str(tmp_path / 'off')
   shutil.copytree(full, off)
