@@ -43,10 +43,12 @@ Array = jax.Array
 #   them all in a few kernels: `fp8_step_scales` before the model is applied, `fp8_advance`
 #   after its backward pass, whose "gradient" of the scales is this step's amaxes
 #   (`state_extras.FP8_SCALES`), never an optimizer update. flax's op keeps six variables per
-#   matmul and updates each with kernels of its own (~600 tiny kernels a BERT-base step).
+#   matmul and updates each with kernels of its own (~640 tiny kernels a BERT-base step).
+#   The collection is bert_jax's own: its "gradient" is amaxes, not a new value, so flax's and
+#   optax's helpers for overwrite-with-gradient collections must not take it.
 #   Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them (correct, slower).
 MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
-FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
+FP8_COLLECTION = 'fp8'
 FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
 # The FP8 formats of a matmul's three tensors, in the order of the stacked variables' last axis.
 FP8_TENSORS = (('input', jnp.float8_e4m3fn), ('kernel', jnp.float8_e4m3fn),

@@ -55,8 +55,8 @@ class Extra:
   saved: bool
   # How the model is applied to it (`train_state.model_variables`): 'params', its leaves read
   # instead of the parameters' at their paths (their gradients are the parameters'); another
-  # name, a variable collection of the model, whose new value the backward pass returns (flax's
-  # overwrite-with-gradient collections); None, the model never reads it.
+  # name, a variable collection of the model (as `read` makes it), whose "gradient" the backward
+  # pass returns to `advance`; None, the model never reads it.
   collection: str | None
   # (its value, the updated parameters, its value after the backward pass(es) (`advance`) or
   # None) -> its value after the step; traced inside the optimizer's update.

@@ -443,14 +443,18 @@ def _fp8_variables(config, seed=4, abstract=False):
   return params, model_lib.initial_fp8_meta(shapes[1])
 
 
+def _fp8_loss(config, params, scales):
+  """A training forward's logits against fixed random weights, applied to FP8 `scales`."""
+  ids, mask, seg, pos = _batch()
+  logits = model_lib.BertForPreTraining(config).apply(
+      {'params': params, model_lib.FP8_COLLECTION: scales}, ids, mask, seg, pos,
+      deterministic=False, rngs={'dropout': jax.random.key(0)})[0]
+  return jnp.sum(logits * jax.random.normal(jax.random.key(1), logits.shape))
+
+
 def _fp8_dots(config, params, meta):
   """The dot_generals on FP8 operands of one training step's forward and backward (jaxpr)."""
-  ids, mask, seg, pos = _batch()
-
-  def loss(p):
-    return jnp.sum(model_lib.BertForPreTraining(config).apply(
-        {'params': p, model_lib.FP8_COLLECTION: model_lib.fp8_step_scales(meta)}, ids, mask, seg,
-        pos, deterministic=False, rngs={'dropout': jax.random.key(0)})[0])
+  loss = lambda p: _fp8_loss(config, p, model_lib.fp8_step_scales(meta))
 
   def dots(jaxpr):
     for eqn in jaxpr.eqns:
@@ -485,6 +489,26 @@ def test_fp8_keeps_the_parameters_and_adds_scales_only_to_encoder_matmuls():
         'fp8_amax_history': (layers, matmuls, 3, model_lib.FP8_AMAX_HISTORY)}}}, config
   params, meta = _fp8_variables(fp8)
   assert _fp8_dots(fp8, params, meta) == 3 * 4 * layers
+  # Each row is its matmul's, in the order fp8_matmuls_per_layer gives: the kernel amax a
+  # step returns for it is that matmul's weights' own (each scaled by its own factor here).
+  for config, names in ((fp8, ['attention/qkv', 'attention/output', 'mlp/intermediate',
+                               'mlp/output']),
+                        (fp8.replace(qkv_projection='separate'),
+                         ['attention/query', 'attention/key', 'attention/value',
+                          'attention/output', 'mlp/intermediate', 'mlp/output'])):
+    params, meta = _fp8_variables(config)
+    encoder, want = params['bert']['encoder'], np.zeros((layers, len(names)), np.float32)
+    for i, j in np.ndindex(want.shape):
+      parts = (['query', 'key', 'value'] if names[j] == 'attention/qkv' else
+               [names[j].split('/')[1]])
+      block = encoder[f'layer_{i}'][names[j].split('/')[0]]
+      for part in parts:
+        block[part]['kernel'] = block[part]['kernel'] * (1 + 0.5 * (i * len(names) + j))
+      want[i, j] = max(float(jnp.max(jnp.abs(block[p]['kernel'].astype(config.compute_dtype))))
+                       for p in parts)
+    amaxes = jax.jit(jax.grad(lambda s: _fp8_loss(config, params, s)))(
+        model_lib.fp8_step_scales(meta))
+    np.testing.assert_array_equal(amaxes['bert']['encoder']['fp8_scale'][..., 1], want)
 
 
 def test_fp8_matmul_is_flax_delayed_scaling_bit_for_bit():
@@ -502,13 +526,14 @@ def test_fp8_matmul_is_flax_delayed_scaling_bit_for_bit():
 
   k = jax.random.normal(jax.random.key(2), (256, 128), jnp.bfloat16) * 0.02
   theirs = Flax().init(jax.random.key(0), jnp.zeros((64, 256), jnp.bfloat16), k)[
-      model_lib.FP8_COLLECTION]
+      fp8_ops.OVERWRITE_WITH_GRADIENT]
   ours = {'fp8_scale': jnp.ones((3,)), 'fp8_amax_history': jnp.zeros((3, history))}
 
   @jax.jit
   def flax_step(meta, x, k, w):
-    f = lambda x, k, m: jnp.sum(Flax().apply({model_lib.FP8_COLLECTION: m}, x, k) * w)
-    return Flax().apply({model_lib.FP8_COLLECTION: meta}, x, k), jax.grad(
+    apply = lambda m, x, k: Flax().apply({fp8_ops.OVERWRITE_WITH_GRADIENT: m}, x, k)
+    f = lambda x, k, m: jnp.sum(apply(m, x, k) * w)
+    return apply(meta, x, k), jax.grad(
         f, argnums=(0, 1, 2))(x, k, meta)
 
   @jax.jit
