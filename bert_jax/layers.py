@@ -281,18 +281,16 @@ def fp8_step_scales(meta: Any) -> Any:
       for k, v in flat.items()})
 
 
-def fp8_advance(meta: Any, amaxes: Any) -> Any:
-  """The FP8 state after a step (or micro-batch) applied to `fp8_step_scales(meta)`: those
-  scales, and each history rolled with this step's amax in front (flax's `update_fp8_meta`).
-  `amaxes`: what the backward pass returned for the collection (the amaxes at the scales')."""
-  flat, got = traverse_util.flatten_dict(meta), traverse_util.flatten_dict(amaxes)
-  new = {}
-  for k, v in flat.items():
-    if k[-1] == FP8_SCALE:
-      history = flat[k[:-1] + (FP8_HISTORY,)]
-      new[k] = _next_scales(v, history)
-      new[k[:-1] + (FP8_HISTORY,)] = jnp.roll(history, -1, axis=-1).at[..., 0].set(got[k])
-  return traverse_util.unflatten_dict(new)
+def fp8_advance(stepped: Any, amaxes: Any) -> Any:
+  """The FP8 state after a step (or micro-batch) applied to `stepped` (`fp8_step_scales`'
+  result): its scales, and each history rolled with this step's amax in front (flax's
+  `update_fp8_meta`). `amaxes`: what the backward pass returned for the collection (the amaxes
+  at the scales')."""
+  flat, got = traverse_util.flatten_dict(stepped), traverse_util.flatten_dict(amaxes)
+  return traverse_util.unflatten_dict({
+      k: jnp.roll(v, -1, axis=-1).at[..., 0].set(got[k[:-1] + (FP8_SCALE,)])
+      if k[-1] == FP8_HISTORY else v
+      for k, v in flat.items()})
 
 
 def fp8_matmuls_per_layer(config: BertConfig) -> int:

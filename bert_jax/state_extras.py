@@ -66,10 +66,10 @@ class Extra:
   # For an extra read as a collection of its own: its value -> what the model is applied to
   # (the FP8 scales a step quantizes with, from their histories).
   read: Callable[[Any], Any] = lambda value: value
-  # (its value, what the backward pass returned for the collection) -> its value after that
-  # pass: what the next micro-batch reads and `update` receives. By default what was returned
-  # (flax's overwrite-with-gradient collections).
-  advance: Callable[[Any, Any], Any] = lambda value, returned: returned
+  # (what the model was applied to (`read`'s), what the backward pass returned for the
+  # collection) -> its value after that pass: what the next micro-batch reads and `update`
+  # receives. By default what was returned (flax's overwrite-with-gradient collections).
+  advance: Callable[[Any, Any], Any] = lambda read, returned: returned
 
   def absent(self) -> str:
     return self.when_absent or f'has no {self.name}: it starts afresh'

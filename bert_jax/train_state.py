@@ -296,7 +296,7 @@ def step(state: TrainState, batch: dict[str, jax.Array], *, apply: Apply, loss: 
     params_grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads.pop('params'),
                                 state.params)
     return metrics, params_grads, {c: own[c].advance(value, grads[c])
-                                   for c, value in collections.items()}
+                                   for c, value in read.items()}
 
   if accum_steps == 1:
     metrics, grads, returned = grad_fn(returned, batch, rng)

@@ -542,7 +542,7 @@ def test_fp8_matmul_is_flax_delayed_scaling_bit_for_bit():
     dot = lambda x, k, s: model_lib.fp8_dot_general(x, k, dims, s['fp8_scale'])
     dx, dk, amaxes = jax.grad(lambda x, k, s: jnp.sum(dot(x, k, s) * w), argnums=(0, 1, 2))(
         x, k, scales)
-    return dot(x, k, scales), (dx, dk, model_lib.fp8_advance(meta, amaxes))
+    return dot(x, k, scales), (dx, dk, model_lib.fp8_advance(scales, amaxes))
 
   for step, size in enumerate((1.0, 30.0, 0.01, 5.0)):
     x = jax.random.normal(jax.random.key(10 + step), (64, 256), jnp.bfloat16) * size
@@ -582,7 +582,7 @@ def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dty
   # scaling: the next step's scales follow the histories).
   _, amaxes = jax.jit(jax.grad(lambda p, m: jnp.sum(train_forward(p, m)), argnums=(0, 1)))(
       params, meta)
-  calibrated = model_lib.fp8_advance(meta, amaxes)
+  calibrated = model_lib.fp8_advance(model_lib.fp8_step_scales(meta), amaxes)
   assert np.all(np.asarray(calibrated['bert']['encoder']['fp8_amax_history'][..., 0]) > 0)
   out = train_forward(params, calibrated)
   assert_close(out, ref, 0.05, what='FP8 logits vs float32')
@@ -601,7 +601,7 @@ def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dty
   exact = np.asarray(x, np.float64) @ np.asarray(k, np.float64)
   amaxes = jax.jit(jax.grad(lambda s: jnp.sum(model_lib.fp8_dot_general(
       x, k, dims, s['fp8_scale']))))(model_lib.fp8_step_scales(meta))
-  y = jax.jit(dot)(model_lib.fp8_advance(meta, amaxes))
+  y = jax.jit(dot)(model_lib.fp8_advance(model_lib.fp8_step_scales(meta), amaxes))
   fp8_err = assert_close(y, exact, 0.1, what='FP8 matmul')
   bf16_err = assert_close(jnp.dot(x, k), exact, 0.02, what='bf16 matmul')
   assert fp8_err > 2 * bf16_err, (fp8_err, bf16_err)
