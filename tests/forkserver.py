@@ -219,8 +219,12 @@ def serve(path: str) -> tuple[dict, dict[str, str | None], list[int]]:
   running forks have ended; in a fork, returns its request, what the imports changed in the
   environment (None: removed), and its stdin/stdout/stderr."""
   listener = socket.socket(socket.AF_UNIX)
-  listener.bind(path)
+  # Bound and listening under another name, then renamed: a client that finds the path can
+  # connect. (A connect between bind and listen is refused, which a client takes for a server
+  # that ended: it ran fresh, once in CI on 2026-12-01.)
+  listener.bind(path + '.binding')
   listener.listen(64)
+  os.rename(path + '.binding', path)
   parent = os.getppid()
   draining = []  # SIGTERM: no new requests; the running forks end as they would.
   signal.signal(signal.SIGTERM, lambda signum, frame: draining.append(True))
