@@ -15,6 +15,14 @@ if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '
 # Compile time dominates the tiny models of most tests; modules whose runs take many steps opt
 # out (OPTIMIZE_XLA, below).
 os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
+# TensorFlow's Cloud Storage file system reads its retry budget when TensorFlow is imported: a
+# test cannot shorten it for its own process later. The faults the tests inject come at most 2
+# in a row; on TensorFlow's default budget (1 s doubling) each one that TensorFlow met slept 1-2
+# s (gcs_test's fine-tuning through faults, in this process: 108 s, 67 s on the short budget).
+# A user's shell (processes.user_env) keeps the defaults.
+import processes  # pylint: disable=g-import-not-at-top,wrong-import-position
+for _name, _value in processes.SHORT_GCS_RETRIES.items():
+  os.environ.setdefault(_name, _value)
 
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -174,12 +174,9 @@ def test_pretrain_writes_its_workdir_to_the_bucket(reference):
   assert config.num_hidden_layers == 2
 
 
-# Every layer's Cloud Storage retries (TensorFlow's, tensorstore's, google-cloud-storage's:
-# `gcs.retry_budget`): 4 retries, 0.1 s then 0.2 s apart, instead of 10 from 1 s doubling to
-# 32 s (about 3 minutes).
-_SHORT_RETRIES = {'GCS_RETRY_CONFIG_MAX_RETRIES': '4',
-                  'GCS_RETRY_CONFIG_INIT_DELAY_TIME_US': '100000',
-                  'GCS_RETRY_CONFIG_MAX_DELAY_TIME_US': '200000'}
+# The short retries of the tests' processes (tests/conftest.py), named where a test relies on
+# them.
+_SHORT_RETRIES = processes.SHORT_GCS_RETRIES
 
 
 def _down_after(gcs, proc, trigger, prefix, timeout=1500):
@@ -763,8 +760,8 @@ def test_finetune_and_the_commands_that_read_from_gs(gcs, cache, data, reference
   workdir = gcs.url('sst2')
   # The SIGTERM run and the last rerun meet a few percent of 503s and 429s on every object of
   # the workdir, connection resets halfway through uploads and a lost answer to a compose, at
-  # most 2 in a row: the short retries of google-cloud-storage and tensorstore see them through
-  # (TensorFlow's file system read its budget when this process first used it).
+  # most 2 in a row: the short retries see them through (TensorFlow's since its import,
+  # tests/conftest.py; google-cloud-storage and tensorstore read them at each request).
   for name, value in _SHORT_RETRIES.items():
     monkeypatch.setenv(name, value)
   faults = [dict(object='sst2/', method='POST', status='reset', every=40, limit=3),
