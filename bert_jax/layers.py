@@ -10,6 +10,7 @@ act_mlp, act_heads); compute runs in the config's dtype.
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from flax import traverse_util
@@ -41,15 +42,23 @@ Array = jax.Array
 #   the FP8_COLLECTION collection at the encoder's scope, [layers, matmuls, 3] and [layers,
 #   matmuls, 3, FP8_AMAX_HISTORY] (3: input, kernel, output gradient), so that a step updates
 #   them all in a few kernels: `fp8_step_scales` before the model is applied, `fp8_advance`
-#   after its backward pass, whose "gradient" of the scales is this step's amaxes
+#   after its backward pass, whose "gradient" of the collection is this step's amaxes
 #   (`state_extras.FP8_SCALES`), never an optimizer update. flax's op keeps six variables per
 #   matmul and updates each with kernels of its own (~640 tiny kernels a BERT-base step).
+#   The amaxes come back as each tensor's largest magnitude per row of FP8_AMAX_ROWS rows (the
+#   "gradient" of zeros, the amax slots, that `fp8_step_scales` adds), and `fp8_advance`
+#   reduces them all in one kernel: XLA reduces a large tensor to one value in two kernels,
+#   the second a tiny one, 144 of them a BERT-base step.
 #   The collection is bert_jax's own: its "gradient" is amaxes, not a new value, so flax's and
 #   optax's helpers for overwrite-with-gradient collections must not take it.
 #   Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them (correct, slower).
 MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
 FP8_COLLECTION = 'fp8'
 FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
+# Rows of a tensor's amax slot: BERT-base/128's largest FP8 tensors (the MLP's [256 x 128,
+# 3072] activation and its gradient) reduce in rows of 12,288, which XLA does in one kernel
+# with the tensor's quantizing; and 4 bytes x 3 x 8,192 a matmul is small beside its kernels.
+FP8_AMAX_ROWS = 8192
 # The FP8 formats of a matmul's three tensors, in the order of the stacked variables' last axis.
 FP8_TENSORS = (('input', jnp.float8_e4m3fn), ('kernel', jnp.float8_e4m3fn),
                ('output_grad', jnp.float8_e5m2))
@@ -172,8 +181,9 @@ class DenseGeneral(nn.Module):
   activation_axes: tuple[str | None, ...] | None = None
 
   @nn.compact
-  def __call__(self, x: Array, fp8_scales: Array | None = None) -> Array:
-    """`fp8_scales`: the matmul's FP8 scales [3] (`fp8_dot_general`), or None (no FP8)."""
+  def __call__(self, x: Array, fp8_scales: tuple | None = None) -> Array:
+    """`fp8_scales`: the matmul's FP8 scales [3] and amax slots [3, FP8_AMAX_ROWS] or None
+    (`fp8_dot_general`), or None (no FP8)."""
     c, n = self.config, self.num_in
     kernel = self.param('kernel', normal_init(c, self.axes), x.shape[-n:] + self.features,
                         jnp.float32)
@@ -183,7 +193,7 @@ class DenseGeneral(nn.Module):
     x, kernel = promote_dtype(x, kernel, dtype=c.compute_dtype)
     dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
     y = (jax.lax.dot_general(x, kernel, dims) if fp8_scales is None
-         else fp8_dot_general(x, kernel, dims, fp8_scales))
+         else fp8_dot_general(x, kernel, dims, *fp8_scales))
     if not self.add_bias:
       return y, f32_bias
     # The paper's dense GELU takes model.gelu_impl's kernel: the float32 bias as it is stored
@@ -208,28 +218,46 @@ def activate(config: BertConfig, y: Array, bias: Array | None, activation: str |
   return ACTIVATIONS[activation](y) if activation else y
 
 
-def fp8_dot_general(x: Array, kernel: Array, dims, scales: Array) -> Array:
+def fp8_dot_general(x: Array, kernel: Array, dims, scales: Array,
+                    amax_slots: Array | None = None) -> Array:
   """`lax.dot_general(x, kernel, dims)` in FP8 with delayed scaling (see MATMUL_PRECISIONS),
   in the kernel's dtype: x and kernel quantized to e4m3 by `scales`[0] and [1], the output
-  gradient to e5m2 by [2]. The "gradient" of `scales` [3] is this step's amaxes of x, kernel
-  and output gradient (what `fp8_advance` puts in the histories). The numerics of flax's
-  `Fp8DirectDotGeneralOp` given the scales it computes (`fp8_step_scales`)."""
-  # The three scales apart, [1] each as flax's variables are.
-  return _fp8_dot(jnp.asarray(x, kernel.dtype), kernel,
-                  *jax.lax.split(scales, [1] * len(FP8_TENSORS)), dims)
+  gradient to e5m2 by [2]. This step's amaxes of x, kernel and output gradient (what
+  `fp8_advance` puts in the histories) are the "gradient" of `amax_slots` [3,
+  FP8_AMAX_ROWS] (zeros: `fp8_step_scales`), each tensor's largest magnitude per row
+  (`fp8_amaxes` reduces them); without slots, the "gradient" of `scales` [3], one value each.
+  The numerics of flax's `Fp8DirectDotGeneralOp` given the scales it computes
+  (`fp8_step_scales`)."""
+  # Each scale and slot apart, [1] and [1, rows] (flax's variables are [1]). Without slots the
+  # scales stand in for them: their gradient as scales is zero, as slots the amaxes.
+  split = lambda a: jax.lax.split(a, [1] * len(FP8_TENSORS))
+  return _fp8_dot(jnp.asarray(x, kernel.dtype), kernel, *split(scales),
+                  *split(scales if amax_slots is None else amax_slots), dims)
 
 
-def _amax(x: Array) -> Array:
-  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+def _amax_as(t: Array, slot: Array) -> Array:
+  """The largest magnitude of `t`, in `slot`'s shape and dtype: [1], one value; [1, rows],
+  one per row of `rows` equal rows (fewer where `rows` does not divide t's size: zeros after
+  them, which no amax is below)."""
+  a = jnp.abs(t)
+  if slot.ndim == 1:
+    return jnp.max(a).astype(slot.dtype).reshape(slot.shape)
+  rows = math.gcd(t.size, slot.shape[-1])
+  partial = jnp.max(a.reshape(rows, t.size // rows), axis=1).astype(slot.dtype)
+  if rows < slot.shape[-1]:
+    partial = jnp.pad(partial, (0, slot.shape[-1] - rows))
+  return partial.reshape(slot.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _fp8_dot(x: Array, kernel: Array, x_scale: Array, kernel_scale: Array, grad_scale: Array,
-             dims) -> Array:
-  return _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, dims)[0]
+             x_slot: Array, kernel_slot: Array, grad_slot: Array, dims) -> Array:
+  return _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, x_slot, kernel_slot,
+                      grad_slot, dims)[0]
 
 
-def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, dims):
+def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, x_slot, kernel_slot, grad_slot,
+                 dims):
   dtype = kernel.dtype
   (_, e4m3), _, _ = FP8_TENSORS
   qx = fp8_ops.quantize(x, e4m3, x_scale, dtype)
@@ -237,11 +265,13 @@ def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, dims):
   y = jax.lax.dot_general(qx, qk, dims, preferred_element_type=dtype,
                           precision=jax.lax.Precision.DEFAULT)
   y = fp8_ops.dequantize(y, dtype, x_scale * kernel_scale)
-  return y, (x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, _amax(x), _amax(kernel))
+  # (The slots' values are never read: the output gradient's slot comes along for its shape.)
+  return y, (x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, _amax_as(x, x_slot),
+             _amax_as(kernel, kernel_slot), grad_slot)
 
 
 def _fp8_dot_bwd(dims, res, g):
-  x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax = res
+  x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax, grad_slot = res
   dtype = kernel.dtype
   qg = fp8_ops.quantize(g, FP8_TENSORS[2][1], grad_scale, dtype)
   dx = fp8_ops.dot_general_transpose_lhs(qg, x, qk, dimension_numbers=dims,
@@ -252,15 +282,17 @@ def _fp8_dot_bwd(dims, res, g):
                                          precision=jax.lax.Precision.HIGHEST,
                                          preferred_element_type=dtype)
   dk = fp8_ops.dequantize(dk, dtype, x_scale * grad_scale)
-  # The scales' "gradients": this step's amaxes, [1] each as the scales are.
-  return dx, dk, x_amax[None], kernel_amax[None], _amax(g)[None]
+  zero = jnp.zeros_like(x_scale)
+  # The scales' "gradients": none; the slots': this step's amaxes.
+  return dx, dk, zero, zero, zero, x_amax, kernel_amax, _amax_as(g, grad_slot)
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 # The encoder's FP8 variables (FP8_COLLECTION): [layers, matmuls, 3] scales and, beside them,
-# [layers, matmuls, 3, FP8_AMAX_HISTORY] amax histories, newest first.
-FP8_SCALE, FP8_HISTORY = 'fp8_scale', 'fp8_amax_history'
+# [layers, matmuls, 3, FP8_AMAX_HISTORY] amax histories, newest first; in a training step also
+# [layers, matmuls, 3, FP8_AMAX_ROWS] amax slots (`fp8_step_scales`), never part of the state.
+FP8_SCALE, FP8_HISTORY, FP8_AMAX_SLOTS = 'fp8_scale', 'fp8_amax_history', 'fp8_amax_slots'
 _FP8_MAX = tuple(float(jnp.finfo(t).max) for _, t in FP8_TENSORS)
 
 
@@ -274,23 +306,48 @@ def _next_scales(scale: Array, history: Array) -> Array:
 def fp8_step_scales(meta: Any) -> Any:
   """The FP8 collection a training step applies the model to: `meta` (the state's, as
   `model.initial_fp8_meta` makes it and `fp8_advance` continues it) with each scale computed
-  from its amax history, as flax's op computes it at the start of its forward pass."""
+  from its amax history, as flax's op computes it at the start of its forward pass, and the
+  amax slots (zeros) whose "gradient" is this step's amaxes (`fp8_dot_general`)."""
   flat = traverse_util.flatten_dict(meta)
-  return traverse_util.unflatten_dict({
-      k: _next_scales(v, flat[k[:-1] + (FP8_HISTORY,)]) if k[-1] == FP8_SCALE else v
-      for k, v in flat.items()})
+  out = {}
+  for k, v in flat.items():
+    if k[-1] == FP8_SCALE:
+      out[k] = _next_scales(v, flat[k[:-1] + (FP8_HISTORY,)])
+      out[k[:-1] + (FP8_AMAX_SLOTS,)] = jnp.zeros(v.shape + (FP8_AMAX_ROWS,), jnp.float32)
+    elif k[-1] != FP8_AMAX_SLOTS:
+      out[k] = v
+  return traverse_util.unflatten_dict(out)
 
 
-def fp8_advance(stepped: Any, amaxes: Any) -> Any:
+def fp8_amaxes(grads: Any) -> Any:
+  """This step's amax of every FP8 tensor, [layers, matmuls, 3] under each scale's key, from
+  the backward pass's "gradient" of the collection (`fp8_dot_general`): the largest of its
+  amax slots' rows, or where a matmul was given no slots the scales' own (the other is
+  zero)."""
+  flat = traverse_util.flatten_dict(grads)
+  amax = lambda k: (flat[k] if k[:-1] + (FP8_AMAX_SLOTS,) not in flat else jnp.maximum(
+      flat[k], jnp.max(flat[k[:-1] + (FP8_AMAX_SLOTS,)], axis=-1)))
+  return traverse_util.unflatten_dict({k: amax(k) for k in flat if k[-1] == FP8_SCALE})
+
+
+def fp8_advance(stepped: Any, grads: Any) -> Any:
   """The FP8 state after a step (or micro-batch) applied to `stepped` (`fp8_step_scales`'
   result): its scales, and each history rolled with this step's amax in front (flax's
-  `update_fp8_meta`). `amaxes`: what the backward pass returned for the collection (the amaxes
-  at the scales')."""
-  flat, got = traverse_util.flatten_dict(stepped), traverse_util.flatten_dict(amaxes)
+  `update_fp8_meta`); the slots are not state. `grads`: what the backward pass returned for
+  the collection (`fp8_amaxes`)."""
+  flat = traverse_util.flatten_dict(stepped)
+  got = traverse_util.flatten_dict(fp8_amaxes(grads))
   return traverse_util.unflatten_dict({
       k: jnp.roll(v, -1, axis=-1).at[..., 0].set(got[k[:-1] + (FP8_SCALE,)])
       if k[-1] == FP8_HISTORY else v
-      for k, v in flat.items()})
+      for k, v in flat.items() if k[-1] != FP8_AMAX_SLOTS})
+
+
+def _fp8_rows(fp8: tuple, n: int) -> list[tuple]:
+  """(scales, amax slots or None), each split along its first axis into `n` rows."""
+  scales, slots = fp8
+  rows = lambda a: [r[0] for r in jax.lax.split(a, [1] * n)]
+  return list(zip(rows(scales), [None] * n if slots is None else rows(slots)))
 
 
 def fp8_matmuls_per_layer(config: BertConfig) -> int:
@@ -415,10 +472,11 @@ class DenseParams(nn.Module):
     return kernel, bias
 
 
-def _stacked_matmul(module: nn.Module, x: Array, params: list, fp8_scales: Array | None,
+def _stacked_matmul(module: nn.Module, x: Array, params: list, fp8_scales: tuple | None,
                     scope: str) -> Array:
   """x @ the kernels of `params` (DenseParams' (kernel, bias) pairs) stacked on a new axis 1,
-  as one matmul (named `scope`; in FP8 with `fp8_scales` [3]), plus their biases (if any):
+  as one matmul (named `scope`; in FP8 with `fp8_scales`, its scales and amax slots), plus
+  their biases (if any):
   [..., len(params), *features]."""
   c = module.config
   kernel = jnp.stack([k.astype(c.compute_dtype) for k, _ in params], axis=1)
@@ -428,7 +486,7 @@ def _stacked_matmul(module: nn.Module, x: Array, params: list, fp8_scales: Array
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   with jax.named_scope(scope):  # Named so that the GPU step budget test finds it as one.
     y = (jax.lax.dot_general(x, kernel, dims) if fp8_scales is None
-         else fp8_dot_general(x, kernel, dims, fp8_scales))
+         else fp8_dot_general(x, kernel, dims, *fp8_scales))
     return y if bias is None else y + bias
 
 
@@ -439,10 +497,11 @@ class SelfAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, sequence_ids: Array, positions: Array | None = None,
-               local: bool | Array = False, fp8_scales: list[Array] | None = None) -> Array:
+               local: bool | Array = False, fp8_scales: list[tuple] | None = None) -> Array:
     """`positions` [B, T]: rotary models' token positions; `local`: whether this layer
     attends locally (a traced bool in scanned layers of both kinds); `fp8_scales`: the FP8
-    scales [3] of its matmuls, input projection(s) first (`fp8_matmuls_per_layer`), or None."""
+    scales and amax slots of its matmuls, input projection(s) first
+    (`fp8_matmuls_per_layer`), or None."""
     c = self.config
     heads, head_dim = c.num_attention_heads, c.head_dim
     # Q, K and V are one matmul against the three kernels stacked as [embed, 3, heads, kv]:
@@ -495,8 +554,9 @@ class Mlp(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, fp8_scales: list[Array] | None = None) -> Array:
-    """`fp8_scales`: the FP8 scales [3] of its input and output matmuls, or None."""
+  def __call__(self, x: Array, fp8_scales: list[tuple] | None = None) -> Array:
+    """`fp8_scales`: the FP8 scales and amax slots of its input and output matmuls, or
+    None."""
     c = self.config
     fp8 = fp8_scales or [None, None]
     if c.mlp_type == 'gated':
@@ -539,12 +599,13 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, carry, sequence_ids: Array, positions: Array | None,
-               local: Array | None = None, fp8_scales: Array | None = None):
-    """`fp8_scales`: this layer's FP8 scales [matmuls, 3] (`Encoder`), or None."""
+               local: Array | None = None, fp8_scales: tuple | None = None):
+    """`fp8_scales`: this layer's FP8 scales [matmuls, 3] and amax slots [matmuls, 3,
+    FP8_AMAX_ROWS] or None (`Encoder`), or None."""
     c = self.config
     local = self.local if self.local is not None else local
     fp8 = ([None] * fp8_matmuls_per_layer(c) if fp8_scales is None else
-           [s[0] for s in jax.lax.split(fp8_scales, [1] * fp8_scales.shape[0])])
+           _fp8_rows(fp8_scales, fp8_scales[0].shape[0]))
     attention_fp8, mlp_fp8 = fp8[:-2], fp8[-2:]
     drop = lambda: hidden_dropout_seed(self, c, self.deterministic)
     embed = lambda x: constrain(x, ('batch', 'length', 'act_embed'))
@@ -599,6 +660,9 @@ class Encoder(nn.Module):
       fp8 = self.variable(FP8_COLLECTION, FP8_SCALE, jnp.ones, shape, jnp.float32).value
       self.variable(FP8_COLLECTION, FP8_HISTORY, jnp.zeros, shape + (FP8_AMAX_HISTORY,),
                     jnp.float32)
+      # A training step's amax slots (fp8_step_scales), read where given (not at init).
+      fp8 = (fp8, self.get_variable(FP8_COLLECTION, FP8_AMAX_SLOTS)
+             if self.has_variable(FP8_COLLECTION, FP8_AMAX_SLOTS) else None)
     if c.scan_layers:
       # Layers of two kinds share one trace: each gets its kind as a scanned input; each its
       # FP8 scales likewise.
@@ -616,8 +680,7 @@ class Encoder(nn.Module):
       hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
     else:
       hidden = []
-      per_layer = (None if fp8 is None else
-                   [s[0] for s in jax.lax.split(fp8, [1] * c.num_hidden_layers)])
+      per_layer = None if fp8 is None else _fp8_rows(fp8, c.num_hidden_layers)
       for i in range(c.num_hidden_layers):
         carry, h = layer_cls(c, deterministic, True, kinds[i], name=f'layer_{i}')(
             carry, sequence_ids, positions, None, None if fp8 is None else per_layer[i])

@@ -36,7 +36,9 @@ Parameter layout (unscanned; with `scan_layers` the per-layer trees are stacked 
 With matmul_precision='fp8' the encoder also keeps the FP8 scales and amax histories of its
 matmuls in the FP8_COLLECTION variable collection (not parameters), each stacked over every
 layer and matmul: bert/encoder/fp8_scale [layers, matmuls, 3] and
-bert/encoder/fp8_amax_history [layers, matmuls, 3, FP8_AMAX_HISTORY] (see MATMUL_PRECISIONS).
+bert/encoder/fp8_amax_history [layers, matmuls, 3, FP8_AMAX_HISTORY] (see MATMUL_PRECISIONS);
+a training step applies it with bert/encoder/fp8_amax_slots [layers, matmuls, 3,
+FP8_AMAX_ROWS] beside them (`fp8_step_scales`), never kept.
 """
 
 import dataclasses
@@ -55,8 +57,8 @@ from bert_jax import layers
 from bert_jax.errors import UserError
 # The layers' names that users of the model reach for, here too (layers.py defines them).
 from bert_jax.layers import (  # pylint: disable=unused-import
-    Embeddings, Encoder, FP8_AMAX_HISTORY, FP8_COLLECTION, MATMUL_PRECISIONS, SelfAttention,
-    fp8_advance, fp8_dot_general, fp8_step_scales)
+    Embeddings, Encoder, FP8_AMAX_HISTORY, FP8_AMAX_ROWS, FP8_COLLECTION, MATMUL_PRECISIONS,
+    SelfAttention, fp8_advance, fp8_amaxes, fp8_dot_general, fp8_step_scales)
 
 Array = jax.Array
 

@@ -506,16 +506,24 @@ def test_fp8_keeps_the_parameters_and_adds_scales_only_to_encoder_matmuls():
         block[part]['kernel'] = block[part]['kernel'] * (1 + 0.5 * (i * len(names) + j))
       want[i, j] = max(float(jnp.max(jnp.abs(block[p]['kernel'].astype(config.compute_dtype))))
                        for p in parts)
-    amaxes = jax.jit(jax.grad(lambda s: _fp8_loss(config, params, s)))(
+    grads = jax.jit(jax.grad(lambda s: _fp8_loss(config, params, s)))(
         model_lib.fp8_step_scales(meta))
-    np.testing.assert_array_equal(amaxes['bert']['encoder']['fp8_scale'][..., 1], want)
+    # They come back per row of the amax slots, which fp8_amaxes reduces.
+    assert grads['bert']['encoder']['fp8_amax_slots'].shape == (
+        layers, len(names), 3, model_lib.FP8_AMAX_ROWS)
+    assert not np.any(grads['bert']['encoder']['fp8_scale'])
+    np.testing.assert_array_equal(
+        model_lib.fp8_amaxes(grads)['bert']['encoder']['fp8_scale'][..., 1], want)
 
 
-def test_fp8_matmul_is_flax_delayed_scaling_bit_for_bit():
+@pytest.mark.parametrize('slots', [True, False])
+def test_fp8_matmul_is_flax_delayed_scaling_bit_for_bit(slots):
   """fp8_dot_general with fp8_step_scales before and fp8_advance after each step: the same
   output, input and kernel gradients, scales and amax histories as flax's
   Fp8DirectDotGeneralOp, bit for bit, over steps whose magnitudes grow and shrink (the scales
-  follow the largest amax of each history)."""
+  follow the largest amax of each history); the amaxes returned per row of the amax slots (as
+  the encoder's matmuls return them) or, without slots, as the scales' gradient. FP8_AMAX_ROWS
+  rows divide the kernel's size, not the input's or the output gradient's."""
   history = model_lib.FP8_AMAX_HISTORY
   dims = (((1,), (0,)), ((), ()))
 
@@ -525,7 +533,7 @@ def test_fp8_matmul_is_flax_delayed_scaling_bit_for_bit():
       return fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=history, name='op')(x, k, dims)
 
   k = jax.random.normal(jax.random.key(2), (256, 128), jnp.bfloat16) * 0.02
-  theirs = Flax().init(jax.random.key(0), jnp.zeros((64, 256), jnp.bfloat16), k)[
+  theirs = Flax().init(jax.random.key(0), jnp.zeros((48, 256), jnp.bfloat16), k)[
       fp8_ops.OVERWRITE_WITH_GRADIENT]
   ours = {'fp8_scale': jnp.ones((3,)), 'fp8_amax_history': jnp.zeros((3, history))}
 
@@ -539,14 +547,15 @@ def test_fp8_matmul_is_flax_delayed_scaling_bit_for_bit():
   @jax.jit
   def our_step(meta, x, k, w):
     scales = model_lib.fp8_step_scales(meta)
-    dot = lambda x, k, s: model_lib.fp8_dot_general(x, k, dims, s['fp8_scale'])
+    dot = lambda x, k, s: model_lib.fp8_dot_general(
+        x, k, dims, s['fp8_scale'], s['fp8_amax_slots'] if slots else None)
     dx, dk, amaxes = jax.grad(lambda x, k, s: jnp.sum(dot(x, k, s) * w), argnums=(0, 1, 2))(
         x, k, scales)
     return dot(x, k, scales), (dx, dk, model_lib.fp8_advance(scales, amaxes))
 
   for step, size in enumerate((1.0, 30.0, 0.01, 5.0)):
-    x = jax.random.normal(jax.random.key(10 + step), (64, 256), jnp.bfloat16) * size
-    w = jax.random.normal(jax.random.key(20 + step), (64, 128), jnp.bfloat16) * size
+    x = jax.random.normal(jax.random.key(10 + step), (48, 256), jnp.bfloat16) * size
+    w = jax.random.normal(jax.random.key(20 + step), (48, 128), jnp.bfloat16) * size
     y, (dx, dk, theirs) = flax_step(theirs, x, k, w)
     got_y, (got_dx, got_dk, ours) = our_step(ours, x, k, w)
     for a, b in ((y, got_y), (dx, got_dx), (dk, got_dk)):
@@ -573,18 +582,19 @@ def test_fp8_training_forward_stays_close_and_evaluation_runs_in_the_compute_dty
   ref, bf16 = evaluate(config), evaluate(config.replace(dtype='bfloat16'))
 
   @jax.jit
-  def train_forward(p, m):
+  def train_forward(p, stepped):
     return model_lib.BertForPreTraining(fp8).apply(
-        {'params': p, model_lib.FP8_COLLECTION: model_lib.fp8_step_scales(m)}, ids, mask, seg,
-        pos, deterministic=False, rngs={'dropout': jax.random.key(0)})[0]
+        {'params': p, model_lib.FP8_COLLECTION: stepped}, ids, mask, seg, pos,
+        deterministic=False, rngs={'dropout': jax.random.key(0)})[0]
 
-  # The "gradient" of the scales is this step's amaxes, which enter the histories (delayed
-  # scaling: the next step's scales follow the histories).
-  _, amaxes = jax.jit(jax.grad(lambda p, m: jnp.sum(train_forward(p, m)), argnums=(0, 1)))(
-      params, meta)
-  calibrated = model_lib.fp8_advance(model_lib.fp8_step_scales(meta), amaxes)
+  # The "gradient" of the step's collection is this step's amaxes, which enter the histories
+  # (delayed scaling: the next step's scales follow the histories).
+  stepped = model_lib.fp8_step_scales(meta)
+  _, grads = jax.jit(jax.grad(lambda p, s: jnp.sum(train_forward(p, s)), argnums=(0, 1)))(
+      params, stepped)
+  calibrated = model_lib.fp8_advance(stepped, grads)
   assert np.all(np.asarray(calibrated['bert']['encoder']['fp8_amax_history'][..., 0]) > 0)
-  out = train_forward(params, calibrated)
+  out = train_forward(params, model_lib.fp8_step_scales(calibrated))
   assert_close(out, ref, 0.05, what='FP8 logits vs float32')
   assert_close(bf16, ref, 0.05, what='bf16 logits vs float32')
   assert not np.array_equal(np.asarray(out), np.asarray(bf16))  # FP8 did run.
