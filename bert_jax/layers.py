@@ -314,7 +314,7 @@ def fp8_step_scales(meta: Any) -> Any:
     if k[-1] == FP8_SCALE:
       out[k] = _next_scales(v, flat[k[:-1] + (FP8_HISTORY,)])
       out[k[:-1] + (FP8_AMAX_SLOTS,)] = jnp.zeros(v.shape + (FP8_AMAX_ROWS,), jnp.float32)
-    elif k[-1] != FP8_AMAX_SLOTS:
+    else:
       out[k] = v
   return traverse_util.unflatten_dict(out)
 
