@@ -440,7 +440,7 @@ class Embeddings(nn.Module):
   def attend(self, x: Array, padded: bool = False) -> Array:
     """Logits over the vocabulary with the (tied) word embedding matrix.
 
-    The matmul runs over the vocabulary padded with zero rows to a multiple of
+    Except on TPUs, the matmul runs over the vocabulary padded with zero rows to a multiple of
     `VOCAB_MULTIPLE`: 30522 rows ran a misaligned cuBLAS kernel (2-element alignment,
     247 TFLOP/s on an H100) in both directions. The padding exists only inside this matmul:
     parameters and checkpoints keep `vocab_size`, and so do the logits unless `padded`
@@ -448,7 +448,11 @@ class Embeddings(nn.Module):
     table = self.word_embeddings.embedding
     x, table = promote_dtype(x, table, dtype=self.config.compute_dtype)
     vocab = table.shape[0]
-    table = jnp.pad(table, ((0, -vocab % VOCAB_MULTIPLE), (0, 0)))
+    # Not on TPUs: their compiler tiles the vocabulary itself, and its SPMD partitioner fails
+    # (an XLA RET_CHECK with libtpu 0.0.42 and 0.0.50) on the slice of the padded table's gradient when the
+    # batch is split over both mesh.data and mesh.fsdp and the vocabulary is not split.
+    if attention.target_platform() != 'tpu':
+      table = jnp.pad(table, ((0, -vocab % VOCAB_MULTIPLE), (0, 0)))
     logits = jnp.dot(x, table.T)
     return logits if padded else logits[..., :vocab]
 

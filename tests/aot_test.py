@@ -105,6 +105,16 @@ def test_fsdp_and_tensor_meshes_compile_on_a_v4_slice():
   assert report['memory']['fits']
 
 
+def test_data_and_fsdp_meshes_compile_with_an_unaligned_vocabulary_on_a_v5e_slice():
+  """A vocabulary that is not a multiple of 64 (BERT's 30522), kept whole (mesh.tensor 1) while
+  the batch splits over data and fsdp: the decoder's matmul is not padded on TPUs, whose
+  compiler failed a RET_CHECK on the padded table's gradient in this mesh."""
+  config = _config(**{'mesh.data': 2, 'mesh.fsdp': 2, 'model.vocab_size': 2000})
+  (report,) = aot.compile_for_topology(config, 'v5e:2x2')
+  assert report['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 1}
+  assert report['memory']['fits']
+
+
 def test_bad_topology_and_batch_are_clear_errors():
   with pytest.raises(ValueError, match='--topology'):
     aot.parse_topology('v9:2x2')

@@ -273,8 +273,8 @@ def test_qkv_projection_matches_three_projections(projection, matmuls):
 
 
 def test_decoder_matmul_runs_over_a_padded_vocabulary():
-  """The tied decoder multiplies by the vocabulary padded to a multiple of 64 (99 -> 128) and
-  returns logits over the real vocabulary only: the values and gradients of x @ E^T."""
+  """The tied decoder multiplies by the vocabulary padded to a multiple of 64 (99 -> 128; not
+  for TPUs) and returns logits over the real vocabulary only: the values and gradients of x @ E^T."""
   params = model_lib.init_params(TINY, jax.random.key(10))
   emb = params['bert']['embeddings']
   x = jax.random.normal(jax.random.key(11), (3, 5, TINY.hidden_size))
@@ -294,6 +294,10 @@ def test_decoder_matmul_runs_over_a_padded_vocabulary():
   jaxpr = jax.make_jaxpr(attend)(emb, x)
   (dot,) = [e for e in jaxpr.eqns if e.primitive.name == 'dot_general']
   assert dot.outvars[0].aval.shape == (3, 5, 128)
+  with attention.lowering_for('tpu'):  # Not padded for TPUs (see Embeddings.attend).
+    jaxpr = jax.make_jaxpr(lambda e, x: attend(e, x))(emb, x)  # A new function: a new trace.
+  (dot,) = [e for e in jaxpr.eqns if e.primitive.name == 'dot_general']
+  assert dot.outvars[0].aval.shape == (3, 5, 99)
 
 
 def test_masked_positions_are_gathered_without_a_scatter_in_the_gradient():
