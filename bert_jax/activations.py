@@ -23,6 +23,11 @@ Implementations (`model.gelu_impl`):
           |error| <= 1.5e-7 (below float32 rounding of erf near 1), evaluated on |y| so the
           negative tail keeps its relative accuracy; phi shares its exp. About 16 instructions
           and 2 special-function ops per element, no IEEE divide.
+With FP8 matmuls (`fp8.fp8_gelu_mlp`) the Pallas kernels also quantize: `bias_gelu_fp8` writes
+gelu(x + b) only in FP8 (the next matmul's input) and `bias_gelu_fp8_grad` the input gradient
+only in FP8 (the previous matmul's output gradient), each with the largest magnitudes of what
+it quantized by blocks: flax's `fp8_ops.quantize` of the compute-dtype result, bit for bit,
+without the pass of its own that reads that result again.
 `portable_erf` is `lax.erf` written with StableHLO's core operations (export.py): the served
 model computes xla's GELU.
 
@@ -178,6 +183,8 @@ def _tile(n_rows, n_cols, first_row, cols):
 
 def _load(ref, idx, mask):
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
+  if mask is None:
+    return plgpu.load(ref.at[idx]).astype(jnp.float32)
   return plgpu.load(ref.at[idx], mask=mask, other=0).astype(jnp.float32)
 
 
@@ -210,6 +217,52 @@ def _bwd_kernel(x_ref, b_ref, g_ref, dx_ref, part_ref, *, n_rows, n_cols):
                           jnp.zeros((_TILE_ROWS, _TILE_COLS), jnp.float32))
   # Partials laid out [programs along the rows, C].
   _store(part_ref, pl.program_id(0) * n_cols + cols, jnp.sum(acc, axis=0), cmask)
+
+
+def _quantize(v, s, dtype, fp8_max):
+  """flax's `fp8_ops.quantize(v.astype(dtype), ..., s, dtype)` (the quantizing of the tensor
+  as an unfused step stores it) on float32 values: v and the scale rounded to `dtype`, their
+  quotient rounded to it, clipped to the FP8 format's largest magnitude. The caller's store
+  casts to the format."""
+  v = v.astype(dtype).astype(jnp.float32)
+  q = (v / s.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+  return v, jnp.clip(q, -fp8_max, fp8_max)
+
+
+def _fwd_fp8_kernel(x_ref, b_ref, s_ref, q_ref, amax_ref, *, n_rows, n_cols, dtype, fp8_max):
+  cols = pl.program_id(1) * _TILE_COLS + jnp.arange(_TILE_COLS)
+  bias = _load(b_ref, cols, cols < n_cols)
+  scale = _load(s_ref, jnp.zeros_like(cols), None)
+  idx, mask = _tile(n_rows, n_cols, pl.program_id(0) * _TILE_ROWS, cols)
+  h, q = _quantize(gelu_fast(_load(x_ref, idx, mask) + bias[None, :]), scale[None, :], dtype,
+                   fp8_max)
+  _store(q_ref, idx, q, mask)
+  program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
+  _store(amax_ref, program, jnp.max(jnp.where(mask, jnp.abs(h), 0.0)), None)
+
+
+def _bwd_fp8_kernel(x_ref, b_ref, g_ref, s_ref, q_ref, part_ref, amax_ref, *, n_rows, n_cols,
+                    dtype, fp8_max):
+  cols = pl.program_id(1) * _TILE_COLS + jnp.arange(_TILE_COLS)
+  cmask = cols < n_cols
+  bias = _load(b_ref, cols, cmask)
+  scale = _load(s_ref, jnp.zeros_like(cols), None)[None, :]
+  first = pl.program_id(0) * _BWD_ROWS
+
+  def body(i, carry):
+    acc, amax = carry
+    idx, mask = _tile(n_rows, n_cols, first + i * _TILE_ROWS, cols)
+    dx = _load(g_ref, idx, mask) * gelu_fast_grad(_load(x_ref, idx, mask) + bias[None, :])
+    dx = jnp.where(mask, dx, 0.0)
+    rounded, q = _quantize(dx, scale, dtype, fp8_max)
+    _store(q_ref, idx, q, mask)
+    return acc + dx, jnp.maximum(amax, jnp.abs(rounded))
+
+  zeros = jnp.zeros((_TILE_ROWS, _TILE_COLS), jnp.float32)
+  acc, amax = jax.lax.fori_loop(0, _BWD_ROWS // _TILE_ROWS, body, (zeros, zeros))
+  _store(part_ref, pl.program_id(0) * n_cols + cols, jnp.sum(acc, axis=0), cmask)
+  program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
+  _store(amax_ref, program, jnp.max(amax), None)
 
 
 def _call(kernel, inputs, out_shape, grid, interpret, name, stages):
@@ -250,37 +303,98 @@ def _pallas_backward(x, bias, g, *, interpret):
   return dx.reshape(x.shape), parts.reshape(programs, n_cols).sum(axis=0)
 
 
-def _sharded(fn, axes: tuple[str | None, ...], n_sums: int):
+def _fp8_forward(x, bias, scale, *, q_dtype, interpret):
+  _check_index_range(x)
+  n_cols = x.shape[-1]
+  n_rows = x.size // n_cols
+  grid = (pl.cdiv(n_rows, _TILE_ROWS), pl.cdiv(n_cols, _TILE_COLS))
+  kernel = functools.partial(_fwd_fp8_kernel, n_rows=n_rows, n_cols=n_cols, dtype=x.dtype,
+                             fp8_max=float(jnp.finfo(q_dtype).max))
+  q, amax = _call(kernel, [x.reshape(-1), bias, scale],
+                  (jax.ShapeDtypeStruct((x.size,), q_dtype),
+                   jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.float32)),
+                  grid, interpret, 'bias_gelu_fp8_fwd', 1)
+  return q.reshape(x.shape), amax
+
+
+def _fp8_backward(x, bias, g, scale, *, q_dtype, interpret):
+  n_cols = x.shape[-1]
+  n_rows = x.size // n_cols
+  grid = (pl.cdiv(n_rows, _BWD_ROWS), pl.cdiv(n_cols, _TILE_COLS))
+  kernel = functools.partial(_bwd_fp8_kernel, n_rows=n_rows, n_cols=n_cols, dtype=x.dtype,
+                             fp8_max=float(jnp.finfo(q_dtype).max))
+  q, parts, amax = _call(kernel, [x.reshape(-1), bias, g.reshape(-1), scale],
+                         (jax.ShapeDtypeStruct((x.size,), q_dtype),
+                          jax.ShapeDtypeStruct((grid[0] * n_cols,), jnp.float32),
+                          jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.float32)),
+                         grid, interpret, 'bias_gelu_fp8_bwd', 2)
+  return q.reshape(x.shape), parts.reshape(grid[0], n_cols).sum(axis=0), amax
+
+
+def bias_gelu_fp8(x: Array, bias: Array, scale: Array, q_dtype, *,
+                  axes: tuple[str | None, ...], interpret: bool) -> tuple[Array, Array]:
+  """The Pallas forward of `bias_gelu` with its output quantized for an FP8 matmul: (gelu(x +
+  bias) quantized to `q_dtype` by `scale` as flax's `fp8_ops.quantize` quantizes the
+  x.dtype result, the largest magnitudes of that result by blocks (1-D, any length: their
+  max is the amax)). Not differentiable: `fp8.fp8_gelu_mlp`'s backward calls
+  `bias_gelu_fp8_grad`. bias: [C] float32; scale: [1] float32; axes: x's logical axes."""
+  with jax.named_scope('bias_gelu'):
+    return _run(functools.partial(_fp8_forward, q_dtype=q_dtype, interpret=interpret), axes,
+                ('x', 'parts'), x, bias, scale)
+
+
+def bias_gelu_fp8_grad(x: Array, bias: Array, g: Array, scale: Array, q_dtype, *,
+                       axes: tuple[str | None, ...],
+                       interpret: bool) -> tuple[Array, Array, Array]:
+  """The Pallas backward of `bias_gelu` with its input gradient quantized for an FP8 matmul:
+  (dx = g gelu'(x + bias), rounded to x.dtype, quantized to `q_dtype` by `scale`; the bias
+  gradient [C], summed in float32; the largest magnitudes of the rounded dx by blocks)."""
+  with jax.named_scope('bias_gelu_bwd'):
+    q, dbias, amax = _run(
+        functools.partial(_fp8_backward, q_dtype=q_dtype, interpret=interpret), axes,
+        ('x', 'sum', 'parts'), x, bias, g, scale)
+  return q, dbias, amax
+
+
+def _sharded(fn, axes: tuple[str | None, ...], outs: tuple[str, ...]):
   """`fn` per device under the mesh's rules for x's logical `axes` (rows split as the leading
-  axes say, columns as the last): `fn` returns one x-shaped array, then `n_sums` [C] sums over
-  the rows, whose per-device parts are added with a psum. Without this, a sharded step would
-  gather every row to every device (a Pallas call has no partitioning rule)."""
+  axes say, columns as the last). `fn`'s results, as `outs` names them: 'x', an x-shaped
+  array; 'sum', a [C] sum over the rows, whose per-device parts are added with a psum;
+  'parts', a 1-D array of per-device partial results (amaxes), the devices' arrays side by
+  side. Its arguments: x-shaped ones, [C] ones (split as the columns are) and others
+  (scalars, replicated). Without this, a sharded step would gather every row to every device
+  (a Pallas call has no partitioning rule)."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.get_abstract_mesh()
   spec = nn.logical_to_mesh_axes(axes)
-  rows = tuple(a for part in spec[:-1] if part is not None
-               for a in ((part,) if isinstance(part, str) else part))
-  x_spec, col_spec = jax.sharding.PartitionSpec(*spec), jax.sharding.PartitionSpec(spec[-1])
+  flat = lambda parts: tuple(a for part in parts if part is not None
+                             for a in ((part,) if isinstance(part, str) else part))
+  rows = flat(spec[:-1])
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  x_spec, col_spec, parts_spec = P(*spec), P(spec[-1]), P(flat(spec) or None)
+  out_specs = tuple({'x': x_spec, 'sum': col_spec, 'parts': parts_spec}[o] for o in outs)
 
   def local(*args):
     out = fn(*args)
-    if not n_sums:
-      return out
-    return (out[0],) + tuple(jax.lax.psum(s, rows) if rows else s for s in out[1:])
+    out = out if isinstance(out, tuple) else (out,)
+    return tuple(jax.lax.psum(o, rows) if kind == 'sum' and rows else o
+                 for o, kind in zip(out, outs))
 
   def wrapped(*args):
-    in_specs = tuple(x_spec if a.ndim == len(axes) else col_spec for a in args)
-    out_specs = (x_spec,) + (col_spec,) * n_sums if n_sums else x_spec
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)(*args)
+    x_ndim, n_cols = args[0].ndim, args[0].shape[-1]
+    in_specs = tuple(x_spec if a.ndim == x_ndim else
+                     col_spec if a.shape == (n_cols,) else P() for a in args)
+    out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                        check_vma=False)(*args)
+    return out if len(outs) > 1 else out[0]
   return wrapped
 
 
-def _run(fn, axes, n_sums, *args):
+def _run(fn, axes, outs, *args):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return fn(*args)
-  return _sharded(fn, axes, n_sums)(*args)
+  return _sharded(fn, axes, outs)(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -290,15 +404,15 @@ def _pallas_bias_gelu(x, bias, axes, interpret):
 
 def _pallas_fwd(x, bias, axes, interpret):
   with jax.named_scope('bias_gelu'):
-    y = _run(functools.partial(_pallas_forward, interpret=interpret), axes, 0, x, bias)
+    y = _run(functools.partial(_pallas_forward, interpret=interpret), axes, ('x',), x, bias)
   return y, (x, bias)
 
 
 def _pallas_bwd(axes, interpret, saved, g):
   x, bias = saved
   with jax.named_scope('bias_gelu_bwd'):
-    dx, dbias = _run(functools.partial(_pallas_backward, interpret=interpret), axes, 1,
-                     x, bias, g)
+    dx, dbias = _run(functools.partial(_pallas_backward, interpret=interpret), axes,
+                     ('x', 'sum'), x, bias, g)
   return dx, dbias.astype(bias.dtype)
 
 

@@ -17,6 +17,7 @@ summary and `bert-jax compile`'s GPU report; plain text parsing, no jax.
 """
 
 import dataclasses
+import math
 import re
 
 GROUPS = ('matmul', 'attention', 'layernorm', 'gelu', 'dropout', 'optimizer', 'embedding_mlm',
@@ -227,6 +228,10 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
   residual_grad_adds: kernels that only add activation-sized arrays, between two LayerNorm
     kernels (an input from one, the result read by another): the two gradients of a
     LayerNorm output (the residual path's and the next sub-layer's) summed on their own.
+  fp8_mlp_quantize_passes: XLA fusions of the MLP that write an FP8 array of at least twice
+    the hidden states' size: its [tokens, intermediate] tensors (GELU's output, the first
+    matmul's output gradient) quantized in a pass of their own, not by the GELU kernels that
+    compute them (fp8.fp8_gelu_mlp).
   vocab_pads: pads that widen the minor dimension of an activation-sized array to a multiple
     of 64 (the MLM logits' gradient padded back to the decoder matmul's padded vocabulary).
   """
@@ -305,7 +310,7 @@ def _pass_counts(computations, entry: str, shapes: dict[str, str]) -> dict:
                default=0)
   if not hidden:
     return dict(gelu_per_layer=0, gelu_passes=0, gelu_erf_passes=0, qkv_copies=0,
-                residual_grad_adds=0, vocab_pads=0)
+                residual_grad_adds=0, vocab_pads=0, fp8_mlp_quantize_passes=0)
   sizes = lambda i: _elements(i.shape) + [n for o in i.operands
                                           for n in _elements(shapes.get(o, ''))]
   by_name = {i.name: i for insts in computations.values() for i in insts}
@@ -341,8 +346,12 @@ def _pass_counts(computations, entry: str, shapes: dict[str, str]) -> dict:
           todo.append(u.name)
     return out
 
-  per_layer, gelu_passes, erf_passes, qkv, adds, pads = {}, 0, 0, 0, 0, 0
+  per_layer, gelu_passes, erf_passes, qkv, adds, pads, quantizes = {}, 0, 0, 0, 0, 0, 0
   for inst in kernels:
+    if inst.opcode == 'fusion' and '/mlp/' in inst.op_name and any(
+        dtype.startswith('f8') and math.prod(int(d) for d in dims.split(',') if d) >= 2 * hidden
+        for dtype, dims in _ARRAY.findall(inst.shape)):
+      quantizes += 1
     body = _fused(computations, inst) if inst.opcode == 'fusion' else []
     opcodes = {i.opcode for i in body} or {inst.opcode}
     big = max(sizes(inst), default=0)
@@ -370,4 +379,4 @@ def _pass_counts(computations, entry: str, shapes: dict[str, str]) -> dict:
           pads += 1
   return dict(gelu_per_layer=max(per_layer.values(), default=0), gelu_passes=gelu_passes,
               gelu_erf_passes=erf_passes, qkv_copies=qkv, residual_grad_adds=adds,
-              vocab_pads=pads)
+              vocab_pads=pads, fp8_mlp_quantize_passes=quantizes)

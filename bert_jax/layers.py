@@ -9,13 +9,9 @@ act_mlp, act_heads); compute runs in the config's dtype.
 
 from __future__ import annotations
 
-import functools
-import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-from flax import traverse_util
 import flax.linen as nn
-from flax.linen import fp8_ops
 from flax.linen.dtypes import promote_dtype
 import jax
 import jax.numpy as jnp
@@ -26,42 +22,14 @@ from bert_jax import config_checks
 from bert_jax import layer_norm
 from bert_jax import rotary
 from bert_jax.errors import UserError
+from bert_jax.fp8 import (
+    FP8_AMAX_HISTORY, FP8_AMAX_SLOTS, FP8_COLLECTION, FP8_HISTORY, FP8_SCALE, FP8_TENSORS,
+    fp8_dot_general, fp8_gelu_mlp, fp8_matmuls_per_layer, fp8_rows, use_fp8)
 
 if TYPE_CHECKING:
   from bert_jax.model import BertConfig  # pylint: disable=g-bad-import-order
 
 Array = jax.Array
-
-# How the encoder's dense matmuls (the one QKV projection, the attention output and the two MLP
-# projections) run in training steps (`deterministic=False`):
-# - 'default': in the compute dtype (`BertConfig.dtype`).
-# - 'fp8': FP8 with delayed scaling (Transformer Engine's recipe, with the numerics of flax's
-#   `Fp8DirectDotGeneralOp`): inputs and kernels in float8_e4m3fn, output gradients in
-#   float8_e5m2, each scaled by the largest magnitude of the last FP8_AMAX_HISTORY steps. The
-#   scales and amax histories of every FP8 matmul of the encoder are two stacked variables of
-#   the FP8_COLLECTION collection at the encoder's scope, [layers, matmuls, 3] and [layers,
-#   matmuls, 3, FP8_AMAX_HISTORY] (3: input, kernel, output gradient), so that a step updates
-#   them all in a few kernels: `fp8_step_scales` before the model is applied, `fp8_advance`
-#   after its backward pass, whose "gradient" of the collection is this step's amaxes
-#   (`state_extras.FP8_SCALES`), never an optimizer update. flax's op keeps six variables per
-#   matmul and updates each with kernels of its own (~640 tiny kernels a BERT-base step).
-#   The amaxes come back as each tensor's largest magnitude per row of FP8_AMAX_ROWS rows (the
-#   "gradient" of zeros, the amax slots, that `fp8_step_scales` adds), and `fp8_advance`
-#   reduces them all in one kernel: XLA reduces a large tensor to one value in two kernels,
-#   the second a tiny one, 144 of them a BERT-base step.
-#   The collection is bert_jax's own: its "gradient" is amaxes, not a new value, so flax's and
-#   optax's helpers for overwrite-with-gradient collections must not take it.
-#   Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them (correct, slower).
-MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
-FP8_COLLECTION = 'fp8'
-FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
-# Rows of a tensor's amax slot: BERT-base/128's largest FP8 tensors (the MLP's [256 x 128,
-# 3072] activation and its gradient) reduce in rows of 12,288, which XLA does in one kernel
-# with the tensor's quantizing; and 4 bytes x 3 x 8,192 a matmul is small beside its kernels.
-FP8_AMAX_ROWS = 8192
-# The FP8 formats of a matmul's three tensors, in the order of the stacked variables' last axis.
-FP8_TENSORS = (('input', jnp.float8_e4m3fn), ('kernel', jnp.float8_e4m3fn),
-               ('output_grad', jnp.float8_e5m2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,150 +184,6 @@ def activate(config: BertConfig, y: Array, bias: Array | None, activation: str |
     return activations.bias_gelu(y, bias, impl=impl, axes=axes)
   y = y if bias is None else y + bias.astype(y.dtype)
   return ACTIVATIONS[activation](y) if activation else y
-
-
-def fp8_dot_general(x: Array, kernel: Array, dims, scales: Array,
-                    amax_slots: Array | None = None) -> Array:
-  """`lax.dot_general(x, kernel, dims)` in FP8 with delayed scaling (see MATMUL_PRECISIONS),
-  in the kernel's dtype: x and kernel quantized to e4m3 by `scales`[0] and [1], the output
-  gradient to e5m2 by [2]. This step's amaxes of x, kernel and output gradient (what
-  `fp8_advance` puts in the histories) are the "gradient" of `amax_slots` [3,
-  FP8_AMAX_ROWS] (zeros: `fp8_step_scales`), each tensor's largest magnitude per row
-  (`fp8_amaxes` reduces them); without slots, the "gradient" of `scales` [3], one value each.
-  The numerics of flax's `Fp8DirectDotGeneralOp` given the scales it computes
-  (`fp8_step_scales`)."""
-  # Each scale and slot apart, [1] and [1, rows] (flax's variables are [1]). Without slots the
-  # scales stand in for them: their gradient as scales is zero, as slots the amaxes.
-  split = lambda a: jax.lax.split(a, [1] * len(FP8_TENSORS))
-  return _fp8_dot(jnp.asarray(x, kernel.dtype), kernel, *split(scales),
-                  *split(scales if amax_slots is None else amax_slots), dims)
-
-
-def _amax_as(t: Array, slot: Array) -> Array:
-  """The largest magnitude of `t`, in `slot`'s shape and dtype: [1], one value; [1, rows],
-  one per row of `rows` equal rows (fewer where `rows` does not divide t's size: zeros after
-  them, which no amax is below)."""
-  a = jnp.abs(t)
-  if slot.ndim == 1:
-    return jnp.max(a).astype(slot.dtype).reshape(slot.shape)
-  rows = math.gcd(t.size, slot.shape[-1])
-  partial = jnp.max(a.reshape(rows, t.size // rows), axis=1).astype(slot.dtype)
-  if rows < slot.shape[-1]:
-    partial = jnp.pad(partial, (0, slot.shape[-1] - rows))
-  return partial.reshape(slot.shape)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _fp8_dot(x: Array, kernel: Array, x_scale: Array, kernel_scale: Array, grad_scale: Array,
-             x_slot: Array, kernel_slot: Array, grad_slot: Array, dims) -> Array:
-  return _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, x_slot, kernel_slot,
-                      grad_slot, dims)[0]
-
-
-def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, x_slot, kernel_slot, grad_slot,
-                 dims):
-  dtype = kernel.dtype
-  (_, e4m3), _, _ = FP8_TENSORS
-  qx = fp8_ops.quantize(x, e4m3, x_scale, dtype)
-  qk = fp8_ops.quantize(kernel, e4m3, kernel_scale, dtype)
-  y = jax.lax.dot_general(qx, qk, dims, preferred_element_type=dtype,
-                          precision=jax.lax.Precision.DEFAULT)
-  y = fp8_ops.dequantize(y, dtype, x_scale * kernel_scale)
-  # (The slots' values are never read: the output gradient's slot comes along for its shape.)
-  return y, (x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, _amax_as(x, x_slot),
-             _amax_as(kernel, kernel_slot), grad_slot)
-
-
-def _fp8_dot_bwd(dims, res, g):
-  x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax, grad_slot = res
-  dtype = kernel.dtype
-  qg = fp8_ops.quantize(g, FP8_TENSORS[2][1], grad_scale, dtype)
-  dx = fp8_ops.dot_general_transpose_lhs(qg, x, qk, dimension_numbers=dims,
-                                         precision=jax.lax.Precision.HIGHEST,
-                                         preferred_element_type=dtype)
-  dx = fp8_ops.dequantize(dx, dtype, kernel_scale * grad_scale)
-  dk = fp8_ops.dot_general_transpose_rhs(qg, qx, kernel, dimension_numbers=dims,
-                                         precision=jax.lax.Precision.HIGHEST,
-                                         preferred_element_type=dtype)
-  dk = fp8_ops.dequantize(dk, dtype, x_scale * grad_scale)
-  zero = jnp.zeros_like(x_scale)
-  # The scales' "gradients": none; the slots': this step's amaxes.
-  return dx, dk, zero, zero, zero, x_amax, kernel_amax, _amax_as(g, grad_slot)
-
-
-_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
-
-# The encoder's FP8 variables (FP8_COLLECTION): [layers, matmuls, 3] scales and, beside them,
-# [layers, matmuls, 3, FP8_AMAX_HISTORY] amax histories, newest first; in a training step also
-# [layers, matmuls, 3, FP8_AMAX_ROWS] amax slots (`fp8_step_scales`), never part of the state.
-FP8_SCALE, FP8_HISTORY, FP8_AMAX_SLOTS = 'fp8_scale', 'fp8_amax_history', 'fp8_amax_slots'
-_FP8_MAX = tuple(float(jnp.finfo(t).max) for _, t in FP8_TENSORS)
-
-
-def _next_scales(scale: Array, history: Array) -> Array:
-  """flax's `compute_scale` of each history's largest amax (the previous scale where that is 0
-  or not finite), for every matmul and tensor at once."""
-  return fp8_ops.compute_scale(jnp.max(history, axis=-1), scale,
-                               jnp.asarray(_FP8_MAX, jnp.float32))
-
-
-def fp8_step_scales(meta: Any) -> Any:
-  """The FP8 collection a training step applies the model to: `meta` (the state's, as
-  `model.initial_fp8_meta` makes it and `fp8_advance` continues it) with each scale computed
-  from its amax history, as flax's op computes it at the start of its forward pass, and the
-  amax slots (zeros) whose "gradient" is this step's amaxes (`fp8_dot_general`)."""
-  flat = traverse_util.flatten_dict(meta)
-  out = {}
-  for k, v in flat.items():
-    if k[-1] == FP8_SCALE:
-      out[k] = _next_scales(v, flat[k[:-1] + (FP8_HISTORY,)])
-      out[k[:-1] + (FP8_AMAX_SLOTS,)] = jnp.zeros(v.shape + (FP8_AMAX_ROWS,), jnp.float32)
-    else:
-      out[k] = v
-  return traverse_util.unflatten_dict(out)
-
-
-def fp8_amaxes(grads: Any) -> Any:
-  """This step's amax of every FP8 tensor, [layers, matmuls, 3] under each scale's key, from
-  the backward pass's "gradient" of the collection (`fp8_dot_general`): the largest of its
-  amax slots' rows, or where a matmul was given no slots the scales' own (the other is
-  zero)."""
-  flat = traverse_util.flatten_dict(grads)
-  amax = lambda k: (flat[k] if k[:-1] + (FP8_AMAX_SLOTS,) not in flat else jnp.maximum(
-      flat[k], jnp.max(flat[k[:-1] + (FP8_AMAX_SLOTS,)], axis=-1)))
-  return traverse_util.unflatten_dict({k: amax(k) for k in flat if k[-1] == FP8_SCALE})
-
-
-def fp8_advance(stepped: Any, grads: Any) -> Any:
-  """The FP8 state after a step (or micro-batch) applied to `stepped` (`fp8_step_scales`'
-  result): its scales, and each history rolled with this step's amax in front (flax's
-  `update_fp8_meta`); the slots are not state. `grads`: what the backward pass returned for
-  the collection (`fp8_amaxes`)."""
-  flat = traverse_util.flatten_dict(stepped)
-  got = traverse_util.flatten_dict(fp8_amaxes(grads))
-  return traverse_util.unflatten_dict({
-      k: jnp.roll(v, -1, axis=-1).at[..., 0].set(got[k[:-1] + (FP8_SCALE,)])
-      if k[-1] == FP8_HISTORY else v
-      for k, v in flat.items() if k[-1] != FP8_AMAX_SLOTS})
-
-
-def _fp8_rows(fp8: tuple, n: int) -> list[tuple]:
-  """(scales, amax slots or None), each split along its first axis into `n` rows."""
-  scales, slots = fp8
-  rows = lambda a: [r[0] for r in jax.lax.split(a, [1] * n)]
-  return list(zip(rows(scales), [None] * n if slots is None else rows(slots)))
-
-
-def fp8_matmuls_per_layer(config: BertConfig) -> int:
-  """The encoder layer's FP8 matmuls: the attention's input projection(s) (one stacked QKV
-  or three), its output, the MLP's input (one, gated or not) and output."""
-  return (3 if config.qkv_projection == 'separate' else 1) + 3
-
-
-def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
-  """Whether `module`'s encoder matmuls run in FP8: with matmul_precision='fp8', in training
-  (and at init, which creates their scales), never in evaluation or prediction."""
-  return config.matmul_precision == 'fp8' and (not deterministic or module.is_initializing())
 
 
 def dense(config: BertConfig, features, axes, name: str, in_axes=-1,
@@ -571,6 +395,8 @@ class Mlp(nn.Module):
       # The biases are in y already: the activation's own is none. XLA's GELU (gelu_impl's
       # kernel fuses a dense layer's bias add and GELU: config_checks refuses it here).
       h = activate(c, y[:, :, 0], None, c.hidden_act) * y[:, :, 1]
+    elif fp8[0] is not None and _fused_fp8_gelu(self, c):
+      return _fp8_gelu_mlp(c, x, fp8)
     else:
       h = dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
                 activation=c.hidden_act, use_bias=c.use_bias,
@@ -579,6 +405,28 @@ class Mlp(nn.Module):
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
     return dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False,
                   use_bias=c.use_bias)(h, fp8[1])
+
+
+def _fused_fp8_gelu(module: nn.Module, c: BertConfig) -> bool:
+  """Whether the FP8 MLP runs as `fp8.fp8_gelu_mlp`: the paper's MLP with gelu_impl's Pallas
+  kernels, which then write the quantized tensors themselves."""
+  return (c.hidden_act == 'gelu' and not c.portable_gelu and not module.is_initializing() and
+          c.resolved('gelu_impl') == 'pallas')
+
+
+def _fp8_gelu_mlp(c: BertConfig, x: Array, fp8_scales: list[tuple]) -> tuple[Array, Array]:
+  """The paper's MLP in FP8 with the GELU's kernels quantizing (`fp8.fp8_gelu_mlp`), on the
+  parameters `dense` would create; returns (projection, its bias) as `Mlp` does."""
+  shapes = ((x.shape[-1], c.intermediate_size, ('embed', 'mlp'), 'intermediate'),
+            (c.intermediate_size, c.hidden_size, ('mlp', 'embed'), 'output'))
+  (k1, b1), (k2, b2) = [DenseParams(c, (n_in,), (n_out,), axes, name=name)()
+                        for n_in, n_out, axes, name in shapes]
+  b1 = jnp.zeros((c.intermediate_size,), jnp.float32) if b1 is None else b1
+  k1, k2 = (k.astype(c.compute_dtype) for k in (k1, k2))
+  y = fp8_gelu_mlp(x, k1, b1, k2, fp8_scales[0], fp8_scales[1],
+                   axes=('batch', 'length', 'act_mlp'),
+                   interpret=attention.target_platform() != 'gpu')
+  return y, b2
 
 
 class EncoderLayer(nn.Module):
@@ -609,7 +457,7 @@ class EncoderLayer(nn.Module):
     c = self.config
     local = self.local if self.local is not None else local
     fp8 = ([None] * fp8_matmuls_per_layer(c) if fp8_scales is None else
-           _fp8_rows(fp8_scales, fp8_scales[0].shape[0]))
+           fp8_rows(fp8_scales, fp8_scales[0].shape[0]))
     attention_fp8, mlp_fp8 = fp8[:-2], fp8[-2:]
     drop = lambda: hidden_dropout_seed(self, c, self.deterministic)
     embed = lambda x: constrain(x, ('batch', 'length', 'act_embed'))
@@ -684,7 +532,7 @@ class Encoder(nn.Module):
       hidden = [stacked[i] for i in range(c.num_hidden_layers)] if return_hidden_states else []
     else:
       hidden = []
-      per_layer = None if fp8 is None else _fp8_rows(fp8, c.num_hidden_layers)
+      per_layer = None if fp8 is None else fp8_rows(fp8, c.num_hidden_layers)
       for i in range(c.num_hidden_layers):
         carry, h = layer_cls(c, deterministic, True, kinds[i], name=f'layer_{i}')(
             carry, sequence_ids, positions, None, None if fp8 is None else per_layer[i])

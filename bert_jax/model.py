@@ -55,10 +55,12 @@ from bert_jax import attention
 from bert_jax import config_checks
 from bert_jax import layers
 from bert_jax.errors import UserError
-# The layers' names that users of the model reach for, here too (layers.py defines them).
-from bert_jax.layers import (  # pylint: disable=unused-import
-    Embeddings, Encoder, FP8_AMAX_HISTORY, FP8_AMAX_ROWS, FP8_COLLECTION, MATMUL_PRECISIONS,
-    SelfAttention, fp8_advance, fp8_amaxes, fp8_dot_general, fp8_step_scales)
+# The layers' names that users of the model reach for, here too (layers.py and fp8.py define
+# them).
+from bert_jax.fp8 import (  # pylint: disable=unused-import
+    FP8_AMAX_HISTORY, FP8_AMAX_ROWS, FP8_COLLECTION, MATMUL_PRECISIONS, fp8_advance, fp8_amaxes,
+    fp8_dot_general, fp8_step_scales)
+from bert_jax.layers import Embeddings, Encoder, SelfAttention  # pylint: disable=unused-import
 
 Array = jax.Array
 

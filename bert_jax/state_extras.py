@@ -191,8 +191,8 @@ COMPUTE_COPY = Extra(
 # FP8 scales and amax histories
 # ---------------------------------------------------------------------------------------------
 # Run state like the optimizer's (a resumed run continues them exactly), never weights: the
-# model reads the scales `layers.fp8_step_scales` computes from the histories, and the backward
-# pass returns this step's amaxes, which `layers.fp8_advance` rolls into the histories (with
+# model reads the scales `fp8.fp8_step_scales` computes from the histories, and the backward
+# pass returns this step's amaxes, which `fp8.fp8_advance` rolls into the histories (with
 # micro-batches, each one's state feeding the next). Two stacked arrays for all the matmuls of
 # the encoder, so that these are a few kernels, not a few per matmul. Small: replicated, and
 # every device updates them alike (the amax of a sharded tensor is a global max). A checkpoint

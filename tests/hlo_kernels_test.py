@@ -185,3 +185,33 @@ def test_the_adds_between_layernorm_kernels_and_the_vocabulary_pad_are_found():
       '0_0x0_34', '0_0x0_33').replace('bf16[4,64]', 'bf16[4,63]')
   budget = hlo_kernels.step_budget(other)
   assert (budget['residual_grad_adds'], budget['vocab_pads']) == (0, 0), budget
+
+
+_FP8_HLO = '''HloModule step
+
+%fused_quantize (p0: bf16[8,16]) -> f8e4m3fn[8,16] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  ROOT %convert.1 = f8e4m3fn[8,16]{1,0} convert(%p0), metadata={op_name="jit(step)/jvp(M)/layer_0/mlp/output/convert_element_type"}
+}
+
+ENTRY %main (a: bf16[32], b: bf16[8,16]) -> (bf16[32], f8e4m3fn[8,16]) {
+  %a = bf16[32]{0} parameter(0)
+  %b = bf16[8,16]{1,0} parameter(1)
+  %ln = bf16[32]{0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/jvp(M)/layer_0/output_layer_norm/residual_layer_norm/pallas_call"}
+  %loop_convert_fusion = f8e4m3fn[8,16]{1,0} fusion(%b), kind=kLoop, calls=%fused_quantize, metadata={op_name="jit(step)/jvp(M)/layer_0/mlp/output/convert_element_type"}
+  ROOT %t = (bf16[32]{0}, f8e4m3fn[8,16]{1,0}) tuple(%ln, %loop_convert_fusion)
+}
+'''
+
+
+def test_an_fp8_quantizing_pass_over_the_mlps_intermediate_is_found():
+  """step_budget's fp8_mlp_quantize_passes: an XLA fusion of the MLP writing an FP8 array of
+  at least twice the hidden states (here 128 elements against the LayerNorm's 32); not one
+  under half that size, nor outside the MLP, nor a Pallas kernel's."""
+  assert hlo_kernels.step_budget(_FP8_HLO)['fp8_mlp_quantize_passes'] == 1
+  for changed in (_FP8_HLO.replace('[8,16]', '[4,8]'),
+                  _FP8_HLO.replace('mlp/output', 'attention/qkv'),
+                  _FP8_HLO.replace('kind=kLoop, calls=%fused_quantize',
+                                   'custom_call_target="__gpu$xla.gpu.triton"').replace(
+                                       'fusion(%b)', 'custom-call(%b)')):
+    assert hlo_kernels.step_budget(changed)['fp8_mlp_quantize_passes'] == 0, changed

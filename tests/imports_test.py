@@ -26,7 +26,7 @@ LAYERS = (
     ('weights and checkpoints', {'publish', 'convert', 'pretrained', 'modernbert',
                                  'tensor_files', 'checkpoint', 'orbax_hooks', 'run_files',
                                  'run_lock'}),
-    ('model', {'model', 'layers', 'attention', 'rotary', 'activations', 'layer_norm',
+    ('model', {'model', 'layers', 'attention', 'rotary', 'activations', 'fp8', 'layer_norm',
                'flops'}),
     ('data', {'input_pipeline', 'input_inspect', 'documents', 'pairing', 'masking', 'packing',
               'tokenization', 'vocab', 'sample_corpus', 'batching', 'tables'}),

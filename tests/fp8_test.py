@@ -1,0 +1,182 @@
+"""fp8.fp8_gelu_mlp: the FP8 feed-forward block whose GELU kernels write the quantized tensors.
+
+It must compute what the unfused layers compute (`fp8_dot_general`, the Pallas `bias_gelu`,
+`fp8_dot_general`): output, every gradient and every amax, bit for bit. The Pallas kernels run
+in interpret mode here (CPU): the kernel code a GPU lowers through Triton, masked rows and
+columns included.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bert_jax import activations
+from bert_jax import fp8
+
+_AXES = ('batch', 'length', 'act_mlp')
+_DIMS = (((2,), (0,)), ((), ()))
+
+
+def _inputs(shape, dtype=jnp.bfloat16, seed=0):
+  b, t, h, i = shape
+  rng = np.random.RandomState(seed)
+  as_ = lambda a: jnp.asarray(a.astype(np.float32), dtype)
+  x = as_(rng.randn(b, t, h))
+  k1 = as_(rng.randn(h, i) * 0.2)
+  b1 = jnp.asarray(rng.randn(i).astype(np.float32) * 0.5)
+  k2 = as_(rng.randn(i, h) * 0.05)
+  g = as_(rng.randn(b, t, h))
+  # Scales that put each tensor's values across the FP8 range and clip the largest few.
+  s1 = jnp.asarray([0.008, 0.0015, 0.00005], jnp.float32)
+  s2 = jnp.asarray([0.004, 0.0003, 0.00005], jnp.float32)
+  return (x, k1, b1, k2, s1, s2), g
+
+
+def _fused(x, k1, b1, k2, s1, s2, slots1, slots2, axes=_AXES):
+  return fp8.fp8_gelu_mlp(x, k1, b1, k2, (s1, slots1), (s2, slots2), axes=axes,
+                          interpret=True)
+
+
+def _unfused(x, k1, b1, k2, s1, s2, slots1, slots2, axes=None):
+  y = fp8.fp8_dot_general(x, k1, _DIMS, s1, slots1)
+  h = activations.bias_gelu(y, b1, impl='pallas', axes=axes)
+  return fp8.fp8_dot_general(h, k2, _DIMS, s2, slots2)
+
+
+def _run(f, args, g, with_slots):
+  """f's output and the gradients of every argument; each slot's amaxes reduced (the rows of
+  a slot are any partition of its tensor: `fp8_amaxes` takes their largest)."""
+  slots = (jnp.zeros((3, fp8.FP8_AMAX_ROWS)),) * 2 if with_slots else (None, None)
+  if with_slots:
+    y, vjp = jax.vjp(f, *args, *slots)
+    grads = vjp(g)
+    return (y,) + grads[:6] + tuple(s.max(axis=-1) for s in grads[6:])
+  y, vjp = jax.vjp(lambda *a: f(*a, None, None), *args)
+  return (y,) + vjp(g)
+
+
+_NAMES = ('output', 'dx', 'd kernel_in', 'd bias_in', 'd kernel_out', 'd scales_in',
+          'd scales_out', 'amaxes_in', 'amaxes_out')
+
+
+def _assert_identical(got, want):
+  assert len(got) == len(want)
+  for name, a, b in zip(_NAMES, got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  err_msg=name)
+
+
+@pytest.mark.parametrize('shape,with_slots', [
+    ((2, 8, 32, 64), True),
+    # Rows (4 x 6 = 24) not a multiple of the backward's 64 and columns (1,100) not of the
+    # tiles' 1,024: the masked rows and columns; slots None: the scales' "gradients" are the
+    # amaxes (a matmul given no slots).
+    ((4, 6, 24, 1100), False),
+])
+def test_fused_mlp_is_the_unfused_layers_bit_for_bit(shape, with_slots):
+  args, g = _inputs(shape)
+  got = _run(_fused, args, g, with_slots)
+  want = _run(_unfused, args, g, with_slots)
+  _assert_identical(got, want)
+  if with_slots:  # The scales' "gradients" are zero, the slots' this step's amaxes.
+    assert not np.any(np.asarray(got[5])) and not np.any(np.asarray(got[6]))
+    amaxes = got[7:]
+  else:  # A matmul given no slots: its scales' "gradients" are the amaxes.
+    amaxes = got[5:]
+  assert all(np.all(np.asarray(a) > 0) for a in amaxes), amaxes
+
+
+def test_fused_mlp_takes_the_gelu_kernels_and_no_separate_quantizing_of_its_tensors():
+  """The jaxpr: two Pallas calls (the GELU's forward and backward), and no convert to FP8 of an
+  [tokens, intermediate] array outside them (the unfused layers have two)."""
+  args, g = _inputs((2, 8, 32, 64))
+  slots = (jnp.zeros((3, fp8.FP8_AMAX_ROWS)),) * 2
+
+  def fwd_bwd(f):
+    return jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](g))(*args, *slots)
+
+  def all_eqns(jaxpr):
+    for e in jaxpr.eqns:
+      yield e
+      for p in e.params.values():
+        for sub in (p if isinstance(p, (list, tuple)) else [p]):
+          inner = getattr(sub, 'jaxpr', None)
+          if inner is not None:
+            yield from all_eqns(getattr(inner, 'jaxpr', inner))
+
+  fused, unfused = fwd_bwd(_fused), fwd_bwd(_unfused)
+  calls = lambda j: sum(1 for e in all_eqns(j.jaxpr) if e.primitive.name == 'pallas_call')
+  assert calls(fused) == calls(unfused) == 2
+  converts = lambda j: sum(
+      1 for e in all_eqns(j.jaxpr) if e.primitive.name == 'convert_element_type' and
+      e.params['new_dtype'] in (jnp.float8_e4m3fn, jnp.float8_e5m2) and
+      e.invars[0].aval.ndim == 3 and e.invars[0].aval.shape[-1] == 64)
+  assert (converts(fused), converts(unfused)) == (0, 2)
+
+
+def test_fused_mlp_on_a_mesh_runs_per_device_as_the_unfused_layers():
+  """Under a data x fsdp x tensor mesh the GELU kernels run per device (shard_map): rows over
+  data and fsdp, columns over tensor; their amaxes by blocks come back side by side and the
+  bias gradient summed; what the step computes is the unfused layers' on the same mesh."""
+  from bert_jax import config_files  # pylint: disable=g-import-not-at-top
+  from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  args, g = _inputs((4, 6, 24, 80), seed=1)
+  config = config_files.load_config('configs/smoke.py', {'mesh.data': 2, 'mesh.fsdp': 2,
+                                                         'mesh.tensor': 2})
+  mesh = sharding_lib.make_mesh(config.mesh, jax.devices()[:8])
+  with sharding_lib.activate(mesh, sharding_lib.rules_from_config(config.mesh)):
+    jaxpr = str(jax.make_jaxpr(lambda: _run(_fused, args, g, True))())
+    got = jax.jit(lambda: _run(_fused, args, g, True))()
+    want = jax.jit(lambda: _run(lambda *a: _unfused(*a, axes=_AXES), args, g, True))()
+  assert 'shard_map' in jaxpr and 'pallas_call' in jaxpr
+  _assert_identical(got, want)
+
+
+def test_an_fp8_training_step_with_pallas_gelu_is_the_unfused_layers_bit_for_bit(monkeypatch):
+  """BERT with matmul_precision='fp8' and gelu_impl='pallas' (bf16, dropout on): every MLP
+  runs as fp8_gelu_mlp, on the parameters the unfused layers use (the same tree and names),
+  and a training step's loss, parameter gradients and amaxes (each slot row of each layer's
+  MLP matmuls) are the unfused layers', bit for bit."""
+  from bert_jax import layers  # pylint: disable=g-import-not-at-top
+  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  config = model_lib.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=37,
+                                max_position_embeddings=40, dtype='bfloat16',
+                                matmul_precision='fp8', gelu_impl='pallas')
+  rng = np.random.RandomState(0)
+  ids = jnp.asarray(rng.randint(5, 99, size=(3, 12)), jnp.int32)
+  mask = jnp.ones((3, 12), jnp.int32).at[2, 7:].set(0)
+  segments = jnp.zeros((3, 12), jnp.int32).at[:, 6:].set(1) * mask
+  positions = jnp.asarray([[1, 4, 9], [0, 2, 3], [1, 5, 6]], jnp.int32)
+  module = model_lib.BertForPreTraining(config)
+  variables = module.init(jax.random.key(4), ids, mask, segments, positions)
+  params = variables['params']
+  scales = fp8.fp8_step_scales(model_lib.initial_fp8_meta(variables[fp8.FP8_COLLECTION]))
+  weights = jax.random.normal(jax.random.key(1), (3, 3, 99))
+
+  def step():
+    def loss(p, s):
+      logits = module.apply({'params': p, fp8.FP8_COLLECTION: s}, ids, mask, segments,
+                            positions, deterministic=False,
+                            rngs={'dropout': jax.random.key(0)})[0]
+      return jnp.sum(logits.astype(jnp.float32) * weights)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, scales)
+
+  calls = []
+  fused = layers._fp8_gelu_mlp  # pylint: disable=protected-access
+  monkeypatch.setattr(layers, '_fp8_gelu_mlp', lambda *a: calls.append(1) or fused(*a))
+  got = step()
+  assert len(calls) == config.num_hidden_layers
+  monkeypatch.setattr(layers, '_fused_fp8_gelu', lambda module, c: False)
+  want = step()
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for path, a in jax.tree_util.tree_leaves_with_path(got):
+    b = dict(jax.tree_util.tree_leaves_with_path(want))[path]
+    if path[-1] == jax.tree_util.DictKey(fp8.FP8_AMAX_SLOTS):
+      a, b = a.max(axis=-1), b.max(axis=-1)  # Rows are any partition of each tensor.
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  err_msg=jax.tree_util.keystr(path))
+  amaxes = fp8.fp8_amaxes(got[1][1])['bert']['encoder']['fp8_scale']
+  assert np.all(np.asarray(amaxes) > 0), amaxes
