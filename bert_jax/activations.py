@@ -226,7 +226,19 @@ def _quantize(v, s, dtype, fp8_max):
   casts to the format."""
   v = v.astype(dtype).astype(jnp.float32)
   q = (v / s.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
-  return v, jnp.clip(q, -fp8_max, fp8_max)
+  # Selects, not min/max: Triton's drop a NaN, XLA's clip (and FP8's NaN) keep it.
+  return v, jnp.where(q > fp8_max, fp8_max, jnp.where(q < -fp8_max, -fp8_max, q))
+
+
+def _abs_and_nans(v, mask):
+  """|v| (0 where masked) and 1 where v is NaN: the amax is NaN if any value is (as XLA's
+  reduction gives it), which Triton's max alone would drop."""
+  return (jnp.where(mask, jnp.abs(v), 0.0),
+          jnp.where(mask & (v != v), 1.0, 0.0))  # pylint: disable=comparison-with-itself
+
+
+def _amax(largest, nans):
+  return jnp.where(jnp.max(nans) > 0, jnp.nan, jnp.max(largest))
 
 
 def _fwd_fp8_kernel(x_ref, b_ref, s_ref, q_ref, amax_ref, *, n_rows, n_cols, dtype, fp8_max):
@@ -238,7 +250,7 @@ def _fwd_fp8_kernel(x_ref, b_ref, s_ref, q_ref, amax_ref, *, n_rows, n_cols, dty
                    fp8_max)
   _store(q_ref, idx, q, mask)
   program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
-  _store(amax_ref, program, jnp.max(jnp.where(mask, jnp.abs(h), 0.0)), None)
+  _store(amax_ref, program, _amax(*_abs_and_nans(h, mask)), None)
 
 
 def _bwd_fp8_kernel(x_ref, b_ref, g_ref, s_ref, q_ref, part_ref, amax_ref, *, n_rows, n_cols,
@@ -250,19 +262,21 @@ def _bwd_fp8_kernel(x_ref, b_ref, g_ref, s_ref, q_ref, part_ref, amax_ref, *, n_
   first = pl.program_id(0) * _BWD_ROWS
 
   def body(i, carry):
-    acc, amax = carry
+    acc, largest, nans = carry
     idx, mask = _tile(n_rows, n_cols, first + i * _TILE_ROWS, cols)
     dx = _load(g_ref, idx, mask) * gelu_fast_grad(_load(x_ref, idx, mask) + bias[None, :])
     dx = jnp.where(mask, dx, 0.0)
     rounded, q = _quantize(dx, scale, dtype, fp8_max)
     _store(q_ref, idx, q, mask)
-    return acc + dx, jnp.maximum(amax, jnp.abs(rounded))
+    magnitude, nan = _abs_and_nans(rounded, mask)
+    return acc + dx, jnp.maximum(largest, magnitude), jnp.maximum(nans, nan)
 
   zeros = jnp.zeros((_TILE_ROWS, _TILE_COLS), jnp.float32)
-  acc, amax = jax.lax.fori_loop(0, _BWD_ROWS // _TILE_ROWS, body, (zeros, zeros))
+  acc, largest, nans = jax.lax.fori_loop(0, _BWD_ROWS // _TILE_ROWS, body,
+                                         (zeros, zeros, zeros))
   _store(part_ref, pl.program_id(0) * n_cols + cols, jnp.sum(acc, axis=0), cmask)
   program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
-  _store(amax_ref, program, jnp.max(amax), None)
+  _store(amax_ref, program, _amax(largest, nans), None)
 
 
 def _call(kernel, inputs, out_shape, grid, interpret, name, stages):

@@ -69,14 +69,16 @@ _NO_DROPOUT = ("the fused {impl} kernel applies no attention dropout in JAX (the
 # The platform a program is being lowered for when that is not this process's backend: an
 # ahead-of-time compile for GPUs from a CPU host (`aot.py`). The fused kernel follows the
 # target.
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    'bert_jax_attention_target', default=None)
+_TARGET: contextvars.ContextVar[tuple[str, tuple[int, int] | None] | None] = (
+    contextvars.ContextVar('bert_jax_attention_target', default=None))
 
 
 @contextlib.contextmanager
-def lowering_for(platform: str) -> Iterator[None]:
-  """Within it, attention is traced for `platform` ('gpu', 'tpu') whatever the backend."""
-  token = _TARGET.set(platform)
+def lowering_for(platform: str,
+                 compute_capability: tuple[int, int] | None = None) -> Iterator[None]:
+  """Within it, attention is traced for `platform` ('gpu', 'tpu') whatever the backend; for
+  a GPU, of `compute_capability` (major, minor) if given."""
+  token = _TARGET.set((platform, compute_capability))
   try:
     yield
   finally:
@@ -85,7 +87,20 @@ def lowering_for(platform: str) -> Iterator[None]:
 
 def target_platform() -> str:
   """The platform being lowered for: `lowering_for`'s, else this process's backend."""
-  return _TARGET.get() or jax.default_backend()
+  target = _TARGET.get()
+  return target[0] if target else jax.default_backend()
+
+
+def target_compute_capability() -> tuple[int, int] | None:
+  """The compute capability of the GPU being lowered for: `lowering_for`'s, else this
+  process's first GPU's; None when neither says (not a GPU, or a GPU compile that named none)."""
+  target = _TARGET.get()
+  if target:
+    return target[1]
+  if jax.default_backend() != 'gpu':
+    return None
+  capability = getattr(jax.devices()[0], 'compute_capability', None)
+  return tuple(int(v) for v in str(capability).split('.')[:2]) if capability else None
 
 
 def check_config(impl: str, attention_dropout: float, platform: str,

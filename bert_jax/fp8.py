@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from bert_jax import activations
+from bert_jax import attention
 from bert_jax import config_checks
 
 if TYPE_CHECKING:
@@ -201,6 +202,22 @@ def use_fp8(module: nn.Module, config: BertConfig, deterministic: bool) -> bool:
   """Whether `module`'s encoder matmuls run in FP8: with matmul_precision='fp8', in training
   (and at init, which creates their scales), never in evaluation or prediction."""
   return config.matmul_precision == 'fp8' and (not deterministic or module.is_initializing())
+
+
+# jax's Pallas lowering through Triton converts to float8_e4m3fn only from compute capability
+# 8.9 on, and XLA runs FP8 GEMMs from Hopper (9.0) on; before that XLA emulates the FP8 dots
+# and the unfused layers quantize.
+GELU_FP8_MIN_CAPABILITY = (9, 0)
+
+
+def gelu_kernels_can_quantize() -> bool:
+  """Whether `fp8_gelu_mlp`'s GELU kernels can write FP8 where the model is lowered for: a GPU
+  of GELU_FP8_MIN_CAPABILITY or later (or one that names none: a compile for a GPU not named),
+  or elsewhere, where Pallas interprets them (tests)."""
+  if attention.target_platform() != 'gpu':
+    return True
+  capability = attention.target_compute_capability()
+  return capability is None or capability >= GELU_FP8_MIN_CAPABILITY
 
 
 def _amax_like(t: Array, slot: Array) -> Array:

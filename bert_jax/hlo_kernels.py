@@ -228,10 +228,11 @@ def step_budget(text: str, scatter_min_bytes: float = 16 * 2**20) -> dict:
   residual_grad_adds: kernels that only add activation-sized arrays, between two LayerNorm
     kernels (an input from one, the result read by another): the two gradients of a
     LayerNorm output (the residual path's and the next sub-layer's) summed on their own.
-  fp8_mlp_quantize_passes: XLA fusions of the MLP that write an FP8 array of at least twice
-    the hidden states' size: its [tokens, intermediate] tensors (GELU's output, the first
-    matmul's output gradient) quantized in a pass of their own, not by the GELU kernels that
-    compute them (fp8.fp8_gelu_mlp).
+  fp8_mlp_quantize_passes: XLA fusions of the MLP, not GELU kernels, that write an FP8 array
+    of the GELU's [tokens, intermediate] size (the largest array a GELU kernel reads or writes,
+    at least twice the hidden states'): GELU's output or the first matmul's output gradient
+    quantized in a pass of its own, not by the GELU kernels that compute them
+    (fp8.fp8_gelu_mlp). The kernels' own quantizing ([hidden, intermediate]) is not one.
   vocab_pads: pads that widen the minor dimension of an activation-sized array to a multiple
     of 64 (the MLM logits' gradient padded back to the decoder matmul's padded vocabulary).
   """
@@ -346,11 +347,15 @@ def _pass_counts(computations, entry: str, shapes: dict[str, str]) -> dict:
           todo.append(u.name)
     return out
 
+  # The MLP's [tokens, intermediate] tensor: the largest array a GELU kernel reads or writes.
+  intermediate = max((n for i in kernels if group[i.name] == 'gelu' for n in sizes(i)),
+                     default=0)
   per_layer, gelu_passes, erf_passes, qkv, adds, pads, quantizes = {}, 0, 0, 0, 0, 0, 0
   for inst in kernels:
-    if inst.opcode == 'fusion' and '/mlp/' in inst.op_name and any(
-        dtype.startswith('f8') and math.prod(int(d) for d in dims.split(',') if d) >= 2 * hidden
-        for dtype, dims in _ARRAY.findall(inst.shape)):
+    if (inst.opcode == 'fusion' and group[inst.name] != 'gelu' and '/mlp/' in inst.op_name and
+        any(dtype.startswith('f8') and
+            math.prod(int(d) for d in dims.split(',') if d) == intermediate >= 2 * hidden
+            for dtype, dims in _ARRAY.findall(inst.shape))):
       quantizes += 1
     body = _fused(computations, inst) if inst.opcode == 'fusion' else []
     opcodes = {i.opcode for i in body} or {inst.opcode}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from bert_jax import activations
 from bert_jax import attention
 from bert_jax import config_checks
+from bert_jax import fp8
 from bert_jax import layer_norm
 from bert_jax import rotary
 from bert_jax.errors import UserError
@@ -409,9 +410,9 @@ class Mlp(nn.Module):
 
 def _fused_fp8_gelu(module: nn.Module, c: BertConfig) -> bool:
   """Whether the FP8 MLP runs as `fp8.fp8_gelu_mlp`: the paper's MLP with gelu_impl's Pallas
-  kernels, which then write the quantized tensors themselves."""
+  kernels, which then write the quantized tensors themselves, where they can (Hopper on)."""
   return (c.hidden_act == 'gelu' and not c.portable_gelu and not module.is_initializing() and
-          c.resolved('gelu_impl') == 'pallas')
+          c.resolved('gelu_impl') == 'pallas' and fp8.gelu_kernels_can_quantize())
 
 
 def _fp8_gelu_mlp(c: BertConfig, x: Array, fp8_scales: list[tuple]) -> tuple[Array, Array]:

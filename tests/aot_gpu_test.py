@@ -241,6 +241,21 @@ def test_fp8_encoder_matmuls_compile_to_fp8_gemms_for_an_h100():
   assert ratio <= 1.06, ratio
 
 
+def test_fp8_with_the_pallas_gelu_compiles_for_an_a100_unfused():
+  """Before Hopper the FP8 MLP runs unfused (fp8.gelu_kernels_can_quantize): Triton cannot
+  convert to FP8 on an A100 (compute capability 8.0), and the fused GELU kernels' compile
+  aborted the process there ("Conversion from/to f8e4m3nv is only supported on compute
+  capability >= 89"). The A100 compile names its capability to the model (aot); XLA emulates
+  the FP8 dots there, so no GEMM has FP8 operands."""
+  (r,) = aot.compile_for_topology(_config(**{
+      'model.attention_impl': 'cudnn', 'model.layer_norm_impl': 'pallas',
+      'model.gelu_impl': 'pallas', 'model.matmul_precision': 'fp8'}), 'a100')
+  layers = 2
+  assert r['kernels']['fp8_matmuls'] == 0 and r['memory']['fits']
+  # The LayerNorms' and the bf16 GELU's Pallas calls: 2 x 2 per layer, 2 per MLP and MLM head.
+  assert r['flops']['pallas_kernel_calls'] == 2 * 2 * layers + 2 * (layers + 1)
+
+
 def test_gpu_topologies():
   assert aot.parse_topology('h100') == aot.Target('gpu', 'h100', '1x1x1')
   assert aot.parse_topology('a100:8') == aot.Target('gpu', 'a100', '1x1x8')

@@ -180,3 +180,58 @@ def test_an_fp8_training_step_with_pallas_gelu_is_the_unfused_layers_bit_for_bit
                                   err_msg=jax.tree_util.keystr(path))
   amaxes = fp8.fp8_amaxes(got[1][1])['bert']['encoder']['fp8_scale']
   assert np.all(np.asarray(amaxes) > 0), amaxes
+
+
+def test_nans_and_overflows_are_quantized_and_counted_as_xla_quantizes_them():
+  """The kernels' own outputs: a NaN stays NaN in FP8 and makes its block's amax NaN (Triton's
+  min and max drop NaNs: the kernels use selects and a NaN flag); a value past the format's
+  largest is clipped to it, its amax the value's own."""
+  x = jnp.zeros((2, 4, 40), jnp.bfloat16).at[0, 1, 3].set(jnp.nan).at[1, 2, 5].set(1e4)
+  bias = jnp.zeros((40,), jnp.float32)
+  scale = jnp.ones((1,), jnp.float32)
+  e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+  q, amax = activations.bias_gelu_fp8(x, bias, scale, e4m3, axes=_AXES, interpret=True)
+  q = np.asarray(q, np.float32)
+  assert np.isnan(q[0, 1, 3]) and q[1, 2, 5] == float(jnp.finfo(e4m3).max)
+  assert np.isnan(np.asarray(amax)).sum() == 1
+  assert np.nanmax(np.asarray(amax)) == float(jnp.bfloat16(1e4))  # GELU(y) = y there.
+  g = jnp.ones_like(x).at[1, 0, 0].set(jnp.nan).at[0, 3, 7].set(1e5)
+  q, dbias, amax = activations.bias_gelu_fp8_grad(jnp.ones_like(x), bias, g, scale, e5m2,
+                                                  axes=_AXES, interpret=True)
+  q = np.asarray(q, np.float32)
+  assert np.isnan(q[1, 0, 0]) and q[0, 3, 7] == float(jnp.finfo(e5m2).max)
+  assert np.isnan(np.asarray(amax)).any() and np.isnan(np.asarray(dbias)[0])
+  # The unfused layers' quantizing of the same values, for comparison.
+  want = np.asarray(fp8.fp8_ops.quantize(jnp.asarray([jnp.nan, 1e5], jnp.bfloat16), e5m2,
+                                         scale, jnp.bfloat16), np.float32)
+  assert np.isnan(want[0]) and want[1] == q[0, 3, 7]
+
+
+def test_gpus_before_hopper_run_the_unfused_layers():
+  """Pallas' Triton lowering cannot convert to FP8 before compute capability 8.9, nor XLA run
+  FP8 GEMMs before Hopper: lowered for an A100 (8.0) the MLP takes the unfused layers (XLA
+  emulates FP8 there), for an H100 (9.0) or a GPU that names none the fused one."""
+  from bert_jax import attention  # pylint: disable=g-import-not-at-top
+  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  config = model_lib.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1,
+                                num_attention_heads=4, intermediate_size=37,
+                                max_position_embeddings=40, dtype='bfloat16',
+                                matmul_precision='fp8', gelu_impl='pallas',
+                                layer_norm_impl='xla')
+  ids = jnp.ones((2, 8), jnp.int32)
+  module = model_lib.BertForPreTraining(config)
+  variables = module.init(jax.random.key(0), ids, ids, ids * 0, ids[:, :2])
+  scales = fp8.fp8_step_scales(model_lib.initial_fp8_meta(variables[fp8.FP8_COLLECTION]))
+
+  def kernels(capability):
+    with attention.lowering_for('gpu', capability):
+      assert fp8.gelu_kernels_can_quantize() == (capability is None or capability >= (9, 0))
+      jaxpr = jax.make_jaxpr(lambda p, s: jax.grad(lambda p: jnp.sum(module.apply(
+          {'params': p, fp8.FP8_COLLECTION: s}, ids, ids, ids * 0, ids[:, :2],
+          deterministic=False, rngs={'dropout': jax.random.key(1)})[0]))(p))(
+              variables['params'], scales)
+    text = str(jaxpr)
+    return text.count('name=bias_gelu_fp8_fwd'), text.count('name=bias_gelu_fwd')
+
+  assert kernels((8, 0)) == (0, 2)  # The unfused GELU: the MLP's and the MLM transform's.
+  assert kernels((9, 0)) == kernels(None) == (1, 1)

@@ -198,7 +198,8 @@ ENTRY %main (a: bf16[32], b: bf16[8,16]) -> (bf16[32], f8e4m3fn[8,16]) {
   %a = bf16[32]{0} parameter(0)
   %b = bf16[8,16]{1,0} parameter(1)
   %ln = bf16[32]{0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/jvp(M)/layer_0/output_layer_norm/residual_layer_norm/pallas_call"}
-  %loop_convert_fusion = f8e4m3fn[8,16]{1,0} fusion(%b), kind=kLoop, calls=%fused_quantize, metadata={op_name="jit(step)/jvp(M)/layer_0/mlp/output/convert_element_type"}
+  %gelu = bf16[8,16]{1,0} custom-call(%b), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/jvp(M)/layer_0/mlp/intermediate/bias_gelu/pallas_call"}
+  %loop_convert_fusion = f8e4m3fn[8,16]{1,0} fusion(%gelu), kind=kLoop, calls=%fused_quantize, metadata={op_name="jit(step)/jvp(M)/layer_0/mlp/output/convert_element_type"}
   ROOT %t = (bf16[32]{0}, f8e4m3fn[8,16]{1,0}) tuple(%ln, %loop_convert_fusion)
 }
 '''
@@ -206,12 +207,14 @@ ENTRY %main (a: bf16[32], b: bf16[8,16]) -> (bf16[32], f8e4m3fn[8,16]) {
 
 def test_an_fp8_quantizing_pass_over_the_mlps_intermediate_is_found():
   """step_budget's fp8_mlp_quantize_passes: an XLA fusion of the MLP writing an FP8 array of
-  at least twice the hidden states (here 128 elements against the LayerNorm's 32); not one
-  under half that size, nor outside the MLP, nor a Pallas kernel's."""
+  the GELU kernel's [tokens, intermediate] size (here 128 elements, at least twice the
+  LayerNorm's 32); not one of another size (a kernel's quantizing), nor under twice the
+  hidden states, nor outside the MLP, nor a Pallas kernel's."""
   assert hlo_kernels.step_budget(_FP8_HLO)['fp8_mlp_quantize_passes'] == 1
-  for changed in (_FP8_HLO.replace('[8,16]', '[4,8]'),
+  for changed in (_FP8_HLO.replace('f8e4m3fn[8,16]', 'f8e4m3fn[8,12]'),
+                  _FP8_HLO.replace('[8,16]', '[4,8]'),
                   _FP8_HLO.replace('mlp/output', 'attention/qkv'),
                   _FP8_HLO.replace('kind=kLoop, calls=%fused_quantize',
                                    'custom_call_target="__gpu$xla.gpu.triton"').replace(
-                                       'fusion(%b)', 'custom-call(%b)')):
+                                       'fusion(%gelu)', 'custom-call(%gelu)')):
     assert hlo_kernels.step_budget(changed)['fp8_mlp_quantize_passes'] == 0, changed
