@@ -193,32 +193,6 @@ def _store(ref, idx, value, mask):
   plgpu.store(ref.at[idx], value.astype(ref.dtype), mask=mask)
 
 
-def _fwd_kernel(x_ref, b_ref, y_ref, *, n_rows, n_cols):
-  cols = pl.program_id(1) * _TILE_COLS + jnp.arange(_TILE_COLS)
-  bias = _load(b_ref, cols, cols < n_cols)
-  idx, mask = _tile(n_rows, n_cols, pl.program_id(0) * _TILE_ROWS, cols)
-  _store(y_ref, idx, gelu_fast(_load(x_ref, idx, mask) + bias[None, :]), mask)
-
-
-def _bwd_kernel(x_ref, b_ref, g_ref, dx_ref, part_ref, *, n_rows, n_cols):
-  cols = pl.program_id(1) * _TILE_COLS + jnp.arange(_TILE_COLS)
-  cmask = cols < n_cols
-  bias = _load(b_ref, cols, cmask)
-  first = pl.program_id(0) * _BWD_ROWS
-
-  def body(i, acc):
-    idx, mask = _tile(n_rows, n_cols, first + i * _TILE_ROWS, cols)
-    dx = _load(g_ref, idx, mask) * gelu_fast_grad(_load(x_ref, idx, mask) + bias[None, :])
-    dx = jnp.where(mask, dx, 0.0)
-    _store(dx_ref, idx, dx, mask)
-    return acc + dx
-
-  acc = jax.lax.fori_loop(0, _BWD_ROWS // _TILE_ROWS, body,
-                          jnp.zeros((_TILE_ROWS, _TILE_COLS), jnp.float32))
-  # Partials laid out [programs along the rows, C].
-  _store(part_ref, pl.program_id(0) * n_cols + cols, jnp.sum(acc, axis=0), cmask)
-
-
 def _quantize(v, s, dtype, fp8_max):
   """flax's `fp8_ops.quantize(v.astype(dtype), ..., s, dtype)` (the quantizing of the tensor
   as an unfused step stores it) on float32 values: v and the scale rounded to `dtype`, their
@@ -241,42 +215,57 @@ def _amax(largest, nans):
   return jnp.where(jnp.max(nans) > 0, jnp.nan, jnp.max(largest))
 
 
-def _fwd_fp8_kernel(x_ref, b_ref, s_ref, q_ref, amax_ref, *, n_rows, n_cols, dtype, fp8_max):
+def _fwd_kernel(x_ref, b_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=None):
+  """refs: the output (y_ref), or with `fp8_max` (an FP8 format's largest magnitude) the scale
+  it quantizes by, the quantized output and one amax per program (s_ref, q_ref, amax_ref)."""
   cols = pl.program_id(1) * _TILE_COLS + jnp.arange(_TILE_COLS)
   bias = _load(b_ref, cols, cols < n_cols)
-  scale = _load(s_ref, jnp.zeros_like(cols), None)
   idx, mask = _tile(n_rows, n_cols, pl.program_id(0) * _TILE_ROWS, cols)
-  h, q = _quantize(gelu_fast(_load(x_ref, idx, mask) + bias[None, :]), scale[None, :], dtype,
-                   fp8_max)
+  y = gelu_fast(_load(x_ref, idx, mask) + bias[None, :])
+  if fp8_max is None:
+    (y_ref,) = refs
+    _store(y_ref, idx, y, mask)
+    return
+  s_ref, q_ref, amax_ref = refs
+  scale = _load(s_ref, jnp.zeros_like(cols), None)
+  h, q = _quantize(y, scale[None, :], dtype, fp8_max)
   _store(q_ref, idx, q, mask)
   program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
   _store(amax_ref, program, _amax(*_abs_and_nans(h, mask)), None)
 
 
-def _bwd_fp8_kernel(x_ref, b_ref, g_ref, s_ref, q_ref, part_ref, amax_ref, *, n_rows, n_cols,
-                    dtype, fp8_max):
+def _bwd_kernel(x_ref, b_ref, g_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=None):
+  """refs: dx_ref, part_ref; or with `fp8_max` s_ref (the scale dx is quantized by), q_ref
+  (the quantized dx), part_ref and amax_ref (one amax per program)."""
+  quantize = fp8_max is not None
+  s_ref, dx_ref, part_ref, amax_ref = refs if quantize else (None, *refs, None)
   cols = pl.program_id(1) * _TILE_COLS + jnp.arange(_TILE_COLS)
   cmask = cols < n_cols
   bias = _load(b_ref, cols, cmask)
-  scale = _load(s_ref, jnp.zeros_like(cols), None)[None, :]
+  scale = _load(s_ref, jnp.zeros_like(cols), None)[None, :] if quantize else None
   first = pl.program_id(0) * _BWD_ROWS
 
   def body(i, carry):
-    acc, largest, nans = carry
     idx, mask = _tile(n_rows, n_cols, first + i * _TILE_ROWS, cols)
     dx = _load(g_ref, idx, mask) * gelu_fast_grad(_load(x_ref, idx, mask) + bias[None, :])
     dx = jnp.where(mask, dx, 0.0)
+    if not quantize:
+      _store(dx_ref, idx, dx, mask)
+      return (carry[0] + dx,)
+    acc, largest, nans = carry
     rounded, q = _quantize(dx, scale, dtype, fp8_max)
-    _store(q_ref, idx, q, mask)
+    _store(dx_ref, idx, q, mask)
     magnitude, nan = _abs_and_nans(rounded, mask)
     return acc + dx, jnp.maximum(largest, magnitude), jnp.maximum(nans, nan)
 
   zeros = jnp.zeros((_TILE_ROWS, _TILE_COLS), jnp.float32)
-  acc, largest, nans = jax.lax.fori_loop(0, _BWD_ROWS // _TILE_ROWS, body,
-                                         (zeros, zeros, zeros))
-  _store(part_ref, pl.program_id(0) * n_cols + cols, jnp.sum(acc, axis=0), cmask)
-  program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
-  _store(amax_ref, program, _amax(largest, nans), None)
+  carry = jax.lax.fori_loop(0, _BWD_ROWS // _TILE_ROWS, body,
+                            (zeros,) * (3 if quantize else 1))
+  # Partials laid out [programs along the rows, C].
+  _store(part_ref, pl.program_id(0) * n_cols + cols, jnp.sum(carry[0], axis=0), cmask)
+  if quantize:
+    program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
+    _store(amax_ref, program, _amax(*carry[1:]), None)
 
 
 def _call(kernel, inputs, out_shape, grid, interpret, name, stages):
@@ -294,36 +283,22 @@ def _check_index_range(x):
                      "model.gelu_impl='xla' or a smaller per-device batch")
 
 
-def _pallas_forward(x, bias, *, interpret):
-  _check_index_range(x)
-  n_cols = x.shape[-1]
-  n_rows = x.size // n_cols
-  kernel = functools.partial(_fwd_kernel, n_rows=n_rows, n_cols=n_cols)
-  y = _call(kernel, [x.reshape(-1), bias], jax.ShapeDtypeStruct((x.size,), x.dtype),
-            (pl.cdiv(n_rows, _TILE_ROWS), pl.cdiv(n_cols, _TILE_COLS)), interpret,
-            'bias_gelu_fwd', 1)
-  return y.reshape(x.shape)
+def _fp8_params(x, q_dtype) -> dict:
+  return {} if q_dtype is None else dict(dtype=x.dtype, fp8_max=float(jnp.finfo(q_dtype).max))
 
 
-def _pallas_backward(x, bias, g, *, interpret):
-  n_cols = x.shape[-1]
-  n_rows = x.size // n_cols
-  programs = pl.cdiv(n_rows, _BWD_ROWS)
-  kernel = functools.partial(_bwd_kernel, n_rows=n_rows, n_cols=n_cols)
-  out_shape = (jax.ShapeDtypeStruct((x.size,), x.dtype),
-               jax.ShapeDtypeStruct((programs * n_cols,), jnp.float32))
-  dx, parts = _call(kernel, [x.reshape(-1), bias, g.reshape(-1)], out_shape,
-                    (programs, pl.cdiv(n_cols, _TILE_COLS)), interpret, 'bias_gelu_bwd', 2)
-  return dx.reshape(x.shape), parts.reshape(programs, n_cols).sum(axis=0)
-
-
-def _fp8_forward(x, bias, scale, *, q_dtype, interpret):
+def _pallas_forward(x, bias, scale=None, *, interpret, q_dtype=None):
+  """gelu(x + bias); with `q_dtype` (and `scale`) quantized to it, and one amax per program."""
   _check_index_range(x)
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   grid = (pl.cdiv(n_rows, _TILE_ROWS), pl.cdiv(n_cols, _TILE_COLS))
-  kernel = functools.partial(_fwd_fp8_kernel, n_rows=n_rows, n_cols=n_cols, dtype=x.dtype,
-                             fp8_max=float(jnp.finfo(q_dtype).max))
+  kernel = functools.partial(_fwd_kernel, n_rows=n_rows, n_cols=n_cols,
+                             **_fp8_params(x, q_dtype))
+  if q_dtype is None:
+    y = _call(kernel, [x.reshape(-1), bias], jax.ShapeDtypeStruct((x.size,), x.dtype), grid,
+              interpret, 'bias_gelu_fwd', 1)
+    return y.reshape(x.shape)
   q, amax = _call(kernel, [x.reshape(-1), bias, scale],
                   (jax.ShapeDtypeStruct((x.size,), q_dtype),
                    jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.float32)),
@@ -331,15 +306,22 @@ def _fp8_forward(x, bias, scale, *, q_dtype, interpret):
   return q.reshape(x.shape), amax
 
 
-def _fp8_backward(x, bias, g, scale, *, q_dtype, interpret):
+def _pallas_backward(x, bias, g, scale=None, *, interpret, q_dtype=None):
+  """(dx, the bias gradient); with `q_dtype` (and `scale`) dx quantized to it, and one amax
+  per program after them."""
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   grid = (pl.cdiv(n_rows, _BWD_ROWS), pl.cdiv(n_cols, _TILE_COLS))
-  kernel = functools.partial(_bwd_fp8_kernel, n_rows=n_rows, n_cols=n_cols, dtype=x.dtype,
-                             fp8_max=float(jnp.finfo(q_dtype).max))
+  kernel = functools.partial(_bwd_kernel, n_rows=n_rows, n_cols=n_cols,
+                             **_fp8_params(x, q_dtype))
+  parts = jax.ShapeDtypeStruct((grid[0] * n_cols,), jnp.float32)
+  if q_dtype is None:
+    dx, parts = _call(kernel, [x.reshape(-1), bias, g.reshape(-1)],
+                      (jax.ShapeDtypeStruct((x.size,), x.dtype), parts), grid, interpret,
+                      'bias_gelu_bwd', 2)
+    return dx.reshape(x.shape), parts.reshape(grid[0], n_cols).sum(axis=0)
   q, parts, amax = _call(kernel, [x.reshape(-1), bias, g.reshape(-1), scale],
-                         (jax.ShapeDtypeStruct((x.size,), q_dtype),
-                          jax.ShapeDtypeStruct((grid[0] * n_cols,), jnp.float32),
+                         (jax.ShapeDtypeStruct((x.size,), q_dtype), parts,
                           jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.float32)),
                          grid, interpret, 'bias_gelu_fp8_bwd', 2)
   return q.reshape(x.shape), parts.reshape(grid[0], n_cols).sum(axis=0), amax
@@ -353,8 +335,8 @@ def bias_gelu_fp8(x: Array, bias: Array, scale: Array, q_dtype, *,
   max is the amax)). Not differentiable: `fp8.fp8_gelu_mlp`'s backward calls
   `bias_gelu_fp8_grad`. bias: [C] float32; scale: [1] float32; axes: x's logical axes."""
   with jax.named_scope('bias_gelu'):
-    return _run(functools.partial(_fp8_forward, q_dtype=q_dtype, interpret=interpret), axes,
-                ('x', 'parts'), x, bias, scale)
+    return _run(functools.partial(_pallas_forward, q_dtype=q_dtype, interpret=interpret),
+                axes, ('x', 'parts'), x, bias, scale)
 
 
 def bias_gelu_fp8_grad(x: Array, bias: Array, g: Array, scale: Array, q_dtype, *,
@@ -365,7 +347,7 @@ def bias_gelu_fp8_grad(x: Array, bias: Array, g: Array, scale: Array, q_dtype, *
   gradient [C], summed in float32; the largest magnitudes of the rounded dx by blocks)."""
   with jax.named_scope('bias_gelu_bwd'):
     q, dbias, amax = _run(
-        functools.partial(_fp8_backward, q_dtype=q_dtype, interpret=interpret), axes,
+        functools.partial(_pallas_backward, q_dtype=q_dtype, interpret=interpret), axes,
         ('x', 'sum', 'parts'), x, bias, g, scale)
   return q, dbias, amax
 

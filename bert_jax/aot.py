@@ -171,9 +171,7 @@ def _compile(config: ml_collections.ConfigDict, vocab_size: int, devices, seq_le
   pretraining.check_batch(config, mesh)
   batch = _abstract_batch(config, seq_len, preds, sharding_lib.batch_sharding(mesh))
   platform = 'gpu' if devices[0].platform in ('gpu', 'cuda') else devices[0].platform
-  capability = getattr(devices[0], 'compute_capability', None) if platform == 'gpu' else None
-  capability = (tuple(int(v) for v in str(capability).split('.')[:2]) if capability
-                else None)
+  capability = attention.compute_capability(devices[0]) if platform == 'gpu' else None
   with attention.lowering_for(platform, capability):
     # Built for the target: the model config's 'auto' resolves for it (`model.resolve`).
     built = pretraining.build_step(config, mesh, vocab_size)

@@ -97,9 +97,12 @@ def target_compute_capability() -> tuple[int, int] | None:
   target = _TARGET.get()
   if target:
     return target[1]
-  if jax.default_backend() != 'gpu':
-    return None
-  capability = getattr(jax.devices()[0], 'compute_capability', None)
+  return compute_capability(jax.devices()[0]) if jax.default_backend() == 'gpu' else None
+
+
+def compute_capability(device) -> tuple[int, int] | None:
+  """A GPU device's compute capability (its '9.0' as (9, 0)); None for other devices."""
+  capability = getattr(device, 'compute_capability', None)
   return tuple(int(v) for v in str(capability).split('.')[:2]) if capability else None
 
 

@@ -91,6 +91,25 @@ def _amax_as(t: Array, slot: Array) -> Array:
   return partial.reshape(slot.shape)
 
 
+def _fp8_matmul(qa: Array, qb: Array, dims, scale: Array, dtype) -> Array:
+  """The FP8 GEMM of quantized operands, dequantized by the product of their scales."""
+  y = jax.lax.dot_general(qa, qb, dims, preferred_element_type=dtype,
+                          precision=jax.lax.Precision.DEFAULT)
+  return fp8_ops.dequantize(y, dtype, scale)
+
+
+def _fp8_matmul_grads(qg: Array, qx: Array, qk: Array, dims, x_scale: Array,
+                      kernel_scale: Array, grad_scale: Array, dtype) -> tuple[Array, Array]:
+  """The input and kernel gradients of `_fp8_matmul(qx, qk, dims, ...)` from its quantized
+  output gradient `qg`, as FP8 GEMMs dequantized in `dtype` (flax's transposes)."""
+  kw = dict(dimension_numbers=dims, precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=dtype)
+  dx = fp8_ops.dot_general_transpose_lhs(qg, qx, qk, **kw)
+  dk = fp8_ops.dot_general_transpose_rhs(qg, qx, qk, **kw)
+  return (fp8_ops.dequantize(dx, dtype, kernel_scale * grad_scale),
+          fp8_ops.dequantize(dk, dtype, x_scale * grad_scale))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _fp8_dot(x: Array, kernel: Array, x_scale: Array, kernel_scale: Array, grad_scale: Array,
              x_slot: Array, kernel_slot: Array, grad_slot: Array, dims) -> Array:
@@ -104,26 +123,17 @@ def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, x_slot, kernel_sl
   (_, e4m3), _, _ = FP8_TENSORS
   qx = fp8_ops.quantize(x, e4m3, x_scale, dtype)
   qk = fp8_ops.quantize(kernel, e4m3, kernel_scale, dtype)
-  y = jax.lax.dot_general(qx, qk, dims, preferred_element_type=dtype,
-                          precision=jax.lax.Precision.DEFAULT)
-  y = fp8_ops.dequantize(y, dtype, x_scale * kernel_scale)
+  y = _fp8_matmul(qx, qk, dims, x_scale * kernel_scale, dtype)
   # (The slots' values are never read: the output gradient's slot comes along for its shape.)
-  return y, (x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, _amax_as(x, x_slot),
+  return y, (qx, qk, x_scale, kernel_scale, grad_scale, _amax_as(x, x_slot),
              _amax_as(kernel, kernel_slot), grad_slot)
 
 
 def _fp8_dot_bwd(dims, res, g):
-  x, qx, kernel, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax, grad_slot = res
-  dtype = kernel.dtype
+  qx, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax, grad_slot = res
+  dtype = g.dtype  # The output's, the kernel's dtype.
   qg = fp8_ops.quantize(g, FP8_TENSORS[2][1], grad_scale, dtype)
-  dx = fp8_ops.dot_general_transpose_lhs(qg, x, qk, dimension_numbers=dims,
-                                         precision=jax.lax.Precision.HIGHEST,
-                                         preferred_element_type=dtype)
-  dx = fp8_ops.dequantize(dx, dtype, kernel_scale * grad_scale)
-  dk = fp8_ops.dot_general_transpose_rhs(qg, qx, kernel, dimension_numbers=dims,
-                                         precision=jax.lax.Precision.HIGHEST,
-                                         preferred_element_type=dtype)
-  dk = fp8_ops.dequantize(dk, dtype, x_scale * grad_scale)
+  dx, dk = _fp8_matmul_grads(qg, qx, qk, dims, x_scale, kernel_scale, grad_scale, dtype)
   zero = jnp.zeros_like(x_scale)
   # The scales' "gradients": none; the slots': this step's amaxes.
   return dx, dk, zero, zero, zero, x_amax, kernel_amax, _amax_as(g, grad_slot)
@@ -256,12 +266,6 @@ def _mlp_dims(x: Array):
   return (((x.ndim - 1,), (0,)), ((), ()))
 
 
-def _fp8_matmul(qa: Array, qb: Array, dims, scale: Array, dtype) -> Array:
-  y = jax.lax.dot_general(qa, qb, dims, preferred_element_type=dtype,
-                          precision=jax.lax.Precision.DEFAULT)
-  return fp8_ops.dequantize(y, dtype, scale)
-
-
 def _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, axes, interpret):
   dtype = k1.dtype
   (_, e4m3), _, _ = FP8_TENSORS
@@ -283,22 +287,13 @@ def _gelu_mlp_bwd(axes, interpret, res, g):
   qx, qk1, y1, b1, qh, qk2, s1, s2, amaxes, grad_slot1, grad_slot2 = res
   dtype = y1.dtype
   e5m2 = FP8_TENSORS[2][1]
-  transposed = dict(precision=jax.lax.Precision.HIGHEST, preferred_element_type=dtype)
   with jax.named_scope('output'):
     qg2 = fp8_ops.quantize(g, e5m2, s2[2], dtype)
-    dims2 = _mlp_dims(qh)
-    dh = fp8_ops.dequantize(fp8_ops.dot_general_transpose_lhs(
-        qg2, qh, qk2, dimension_numbers=dims2, **transposed), dtype, s2[1] * s2[2])
-    dk2 = fp8_ops.dequantize(fp8_ops.dot_general_transpose_rhs(
-        qg2, qh, qk2, dimension_numbers=dims2, **transposed), dtype, s2[0] * s2[2])
+    dh, dk2 = _fp8_matmul_grads(qg2, qh, qk2, _mlp_dims(qh), s2[0], s2[1], s2[2], dtype)
   with jax.named_scope('intermediate'):
     qg1, db1, g1_amax = activations.bias_gelu_fp8_grad(y1, b1, dh, s1[2:], e5m2, axes=axes,
                                                        interpret=interpret)
-    dims1 = _mlp_dims(qx)
-    dx = fp8_ops.dequantize(fp8_ops.dot_general_transpose_lhs(
-        qg1, qx, qk1, dimension_numbers=dims1, **transposed), dtype, s1[1] * s1[2])
-    dk1 = fp8_ops.dequantize(fp8_ops.dot_general_transpose_rhs(
-        qg1, qx, qk1, dimension_numbers=dims1, **transposed), dtype, s1[0] * s1[2])
+    dx, dk1 = _fp8_matmul_grads(qg1, qx, qk1, _mlp_dims(qx), s1[0], s1[1], s1[2], dtype)
   x_amax, k1_amax, h_amax, k2_amax = amaxes
   # The scales' "gradients": none; the slots': this step's amaxes (as `fp8_dot_general`'s).
   return (dx, dk1, db1, dk2, jnp.zeros_like(s1), jnp.zeros_like(s2),
