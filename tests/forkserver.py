@@ -44,6 +44,8 @@ _LATE_JAX = {'JAX_COMPILATION_CACHE_DIR': str, 'JAX_PERSISTENT_CACHE_MIN_COMPILE
 _LATE = set(_LATE_JAX) | {'XLA_FLAGS', 'PYTEST_CURRENT_TEST', 'PWD', 'OLDPWD', 'SHLVL', '_'}
 _LATE_PREFIX = 'BERT_JAX_'
 _PR_SET_PDEATHSIG = 1  # prctl(2)
+# The cyclic collector's thresholds in the forks, as in the test workers (tests/conftest.py).
+GC_THRESHOLD = (20_000, 20, 20)
 # Signals a test may send; the client passes them on to the fork.
 _PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
               signal.SIGUSR2)
@@ -240,6 +242,7 @@ def serve(path: str) -> tuple[dict, dict[str, str | None], list[int]]:
   # and copying each memory page they touch.
   gc.collect()
   gc.freeze()
+  gc.set_threshold(*GC_THRESHOLD)
   wake_r, wake_w = os.pipe()
   os.set_blocking(wake_w, False)
   signal.set_wakeup_fd(wake_w)

@@ -87,10 +87,22 @@ def read(path: str) -> OfflineRun:
   return run
 
 
+def _started(path: str) -> tuple[str, int]:
+  """When the run of a run file started: wandb names its folder offline-run-<second it
+  started>-<run ID>, and a later start of that run in the same second <...>-<run ID>-1, -2, ...
+  (which plain sorting puts first: '-' comes before '/')."""
+  folder = os.path.basename(os.path.dirname(path))
+  run_id = os.path.basename(path)[len('run-'):-len('.wandb')]
+  stamp, _, rest = folder[len('offline-run-'):].partition('-')
+  assert rest.startswith(run_id), f'{path}: not in a folder wandb names'
+  return stamp, int(rest[len(run_id):].lstrip('-') or 0)
+
+
 def offline_runs(folder: str, timeout: float = 60) -> list[OfflineRun]:
-  """Every offline run under `folder`/wandb, oldest first (wandb names them by start time),
-  once each is finished: wandb-core may still be writing a run's file after `finish()`."""
-  paths = sorted(glob.glob(os.path.join(folder, 'wandb', 'offline-run-*', 'run-*.wandb')))
+  """Every offline run under `folder`/wandb, oldest first, once each is finished: wandb-core
+  may still be writing a run's file after `finish()`."""
+  paths = sorted(glob.glob(os.path.join(folder, 'wandb', 'offline-run-*', 'run-*.wandb')),
+                 key=_started)
   deadline = time.monotonic() + timeout
   while True:
     runs = [read(p) for p in paths]
