@@ -193,7 +193,7 @@ def _store(ref, idx, value, mask):
   plgpu.store(ref.at[idx], value.astype(ref.dtype), mask=mask)
 
 
-def _quantize(v, s, dtype, fp8_max):
+def quantize_rounded(v: Array, s: Array, dtype, fp8_max: float) -> tuple[Array, Array]:
   """flax's `fp8_ops.quantize(v.astype(dtype), ..., s, dtype)` (the quantizing of the tensor
   as an unfused step stores it) on float32 values: v and the scale rounded to `dtype`, their
   quotient rounded to it, clipped to the FP8 format's largest magnitude. The caller's store
@@ -204,14 +204,15 @@ def _quantize(v, s, dtype, fp8_max):
   return v, jnp.where(q > fp8_max, fp8_max, jnp.where(q < -fp8_max, -fp8_max, q))
 
 
-def _abs_and_nans(v, mask):
+def abs_and_nans(v: Array, mask: Array) -> tuple[Array, Array]:
   """|v| (0 where masked) and 1 where v is NaN: the amax is NaN if any value is (as XLA's
   reduction gives it), which Triton's max alone would drop."""
   return (jnp.where(mask, jnp.abs(v), 0.0),
           jnp.where(mask & (v != v), 1.0, 0.0))  # pylint: disable=comparison-with-itself
 
 
-def _amax(largest, nans):
+def amax_of(largest: Array, nans: Array) -> Array:
+  """The amax of a tile from `abs_and_nans`' two arrays: NaN if any value was."""
   return jnp.where(jnp.max(nans) > 0, jnp.nan, jnp.max(largest))
 
 
@@ -228,10 +229,10 @@ def _fwd_kernel(x_ref, b_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=None):
     return
   s_ref, q_ref, amax_ref = refs
   scale = _load(s_ref, jnp.zeros_like(cols), None)
-  h, q = _quantize(y, scale[None, :], dtype, fp8_max)
+  h, q = quantize_rounded(y, scale[None, :], dtype, fp8_max)
   _store(q_ref, idx, q, mask)
   program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
-  _store(amax_ref, program, _amax(*_abs_and_nans(h, mask)), None)
+  _store(amax_ref, program, amax_of(*abs_and_nans(h, mask)), None)
 
 
 def _bwd_kernel(x_ref, b_ref, g_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=None):
@@ -253,9 +254,9 @@ def _bwd_kernel(x_ref, b_ref, g_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=
       _store(dx_ref, idx, dx, mask)
       return (carry[0] + dx,)
     acc, largest, nans = carry
-    rounded, q = _quantize(dx, scale, dtype, fp8_max)
+    rounded, q = quantize_rounded(dx, scale, dtype, fp8_max)
     _store(dx_ref, idx, q, mask)
-    magnitude, nan = _abs_and_nans(rounded, mask)
+    magnitude, nan = abs_and_nans(rounded, mask)
     return acc + dx, jnp.maximum(largest, magnitude), jnp.maximum(nans, nan)
 
   zeros = jnp.zeros((_TILE_ROWS, _TILE_COLS), jnp.float32)
@@ -265,7 +266,7 @@ def _bwd_kernel(x_ref, b_ref, g_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=
   _store(part_ref, pl.program_id(0) * n_cols + cols, jnp.sum(carry[0], axis=0), cmask)
   if quantize:
     program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
-    _store(amax_ref, program, _amax(*carry[1:]), None)
+    _store(amax_ref, program, amax_of(*carry[1:]), None)
 
 
 def _call(kernel, inputs, out_shape, grid, interpret, name, stages):

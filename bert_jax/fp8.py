@@ -61,7 +61,9 @@ FP8_TENSORS = (('input', jnp.float8_e4m3fn), ('kernel', jnp.float8_e4m3fn),
 
 
 def fp8_dot_general(x: Array, kernel: Array, dims, scales: Array,
-                    amax_slots: Array | None = None) -> Array:
+                    amax_slots: Array | None = None, grad_channel: bool = False,
+                    x_quantized: tuple[Array, Array] | None = None
+                    ) -> Array | tuple[Array, tuple]:
   """`lax.dot_general(x, kernel, dims)` in FP8 with delayed scaling (see MATMUL_PRECISIONS),
   in the kernel's dtype: x and kernel quantized to e4m3 by `scales`[0] and [1], the output
   gradient to e5m2 by [2]. This step's amaxes of x, kernel and output gradient (what
@@ -69,26 +71,43 @@ def fp8_dot_general(x: Array, kernel: Array, dims, scales: Array,
   FP8_AMAX_ROWS] (zeros: `fp8_step_scales`), each tensor's largest magnitude per row
   (`fp8_amaxes` reduces them); without slots, the "gradient" of `scales` [3], one value each.
   The numerics of flax's `Fp8DirectDotGeneralOp` given the scales it computes
-  (`fp8_step_scales`)."""
+  (`fp8_step_scales`).
+
+  grad_channel: return (y, channel), the channel (the output gradient's scale [1], a carrier
+  [y.shape] of its FP8 format, a carrier of its amax slot's shape) for the fused LayerNorm
+  that y goes to (`layer_norm.residual_layer_norm`'s fp8_grad): its backward kernel writes
+  the output gradient quantized, and the carriers' cotangents bring it and its amax here, so
+  that no pass of its own quantizes it. y's own cotangent is then not read.
+  x_quantized: (x quantized by scales[0], amaxes of x by blocks) as the fused LayerNorm that
+  computed x wrote them (`layer_norm.residual_layer_norm`'s fp8_out): used instead of
+  quantizing x here. Not differentiated: x's gradient is returned to x.
+  """
   # Each scale and slot apart, [1] and [1, rows] (flax's variables are [1]). Without slots the
   # scales stand in for them: their gradient as scales is zero, as slots the amaxes.
   split = lambda a: jax.lax.split(a, [1] * len(FP8_TENSORS))
+  given = None if x_quantized is None else jax.lax.stop_gradient(tuple(x_quantized))
   return _fp8_dot(jnp.asarray(x, kernel.dtype), kernel, *split(scales),
-                  *split(scales if amax_slots is None else amax_slots), dims)
+                  *split(scales if amax_slots is None else amax_slots), given, dims,
+                  grad_channel)
 
 
 def _amax_as(t: Array, slot: Array) -> Array:
-  """The largest magnitude of `t`, in `slot`'s shape and dtype: [1], one value; [1, rows],
-  one per row of `rows` equal rows (fewer where `rows` does not divide t's size: zeros after
-  them, which no amax is below)."""
-  a = jnp.abs(t)
-  if slot.ndim == 1:
-    return jnp.max(a).astype(slot.dtype).reshape(slot.shape)
-  rows = math.gcd(t.size, slot.shape[-1])
-  partial = jnp.max(a.reshape(rows, t.size // rows), axis=1).astype(slot.dtype)
-  if rows < slot.shape[-1]:
-    partial = jnp.pad(partial, (0, slot.shape[-1] - rows))
-  return partial.reshape(slot.shape)
+  """The largest magnitude of `t`, in `slot`'s shape and dtype (`amax_in`)."""
+  return amax_in(t, slot.shape).astype(slot.dtype)
+
+
+def amax_in(t: Array, shape: tuple[int, ...]) -> Array:
+  """The largest magnitude of `t` as an amax slot of `shape` holds it, float32: [1], one
+  value; [1, rows], one per row of `rows` equal rows (fewer where `rows` does not divide t's
+  size: zeros after them, which no amax is below)."""
+  a = jnp.abs(t).astype(jnp.float32)
+  if len(shape) == 1:
+    return jnp.max(a).reshape(shape)
+  rows = math.gcd(t.size, shape[-1])
+  partial = jnp.max(a.reshape(rows, t.size // rows), axis=1)
+  if rows < shape[-1]:
+    partial = jnp.pad(partial, (0, shape[-1] - rows))
+  return partial.reshape(shape)
 
 
 def _fp8_matmul(qa: Array, qb: Array, dims, scale: Array, dtype) -> Array:
@@ -110,33 +129,55 @@ def _fp8_matmul_grads(qg: Array, qx: Array, qk: Array, dims, x_scale: Array,
           fp8_ops.dequantize(dk, dtype, x_scale * grad_scale))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
 def _fp8_dot(x: Array, kernel: Array, x_scale: Array, kernel_scale: Array, grad_scale: Array,
-             x_slot: Array, kernel_slot: Array, grad_slot: Array, dims) -> Array:
+             x_slot: Array, kernel_slot: Array, grad_slot: Array, given, dims, channel: bool):
   return _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, x_slot, kernel_slot,
-                      grad_slot, dims)[0]
+                      grad_slot, given, dims, channel)[0]
+
+
+def _grad_channel(y: Array, grad_scale: Array, grad_slot: Array) -> tuple:
+  """fp8_dot_general's grad_channel: the scale, a zeros carrier of the quantized gradient and
+  the slot itself as its amax's carrier (their values are never read)."""
+  return grad_scale, jnp.zeros(y.shape, FP8_TENSORS[2][1]), grad_slot
+
+
+def _quantized_input(x: Array, scale: Array, slot: Array, given) -> tuple[Array, Array]:
+  """(x quantized to e4m3 by `scale`, its amax as `slot` holds it): quantized here, or as the
+  kernel that wrote x gave them (`given`: (quantized x, amaxes by blocks))."""
+  if given is not None:
+    qx, parts = given
+    return qx, amax_in(parts, slot.shape).astype(slot.dtype)
+  return fp8_ops.quantize(x, FP8_TENSORS[0][1], scale, x.dtype), _amax_as(x, slot)
 
 
 def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, x_slot, kernel_slot, grad_slot,
-                 dims):
+                 given, dims, channel):
   dtype = kernel.dtype
   (_, e4m3), _, _ = FP8_TENSORS
-  qx = fp8_ops.quantize(x, e4m3, x_scale, dtype)
+  qx, x_amax = _quantized_input(x, x_scale, x_slot, given)
   qk = fp8_ops.quantize(kernel, e4m3, kernel_scale, dtype)
   y = _fp8_matmul(qx, qk, dims, x_scale * kernel_scale, dtype)
   # (The slots' values are never read: the output gradient's slot comes along for its shape.)
-  return y, (qx, qk, x_scale, kernel_scale, grad_scale, _amax_as(x, x_slot),
-             _amax_as(kernel, kernel_slot), grad_slot)
+  out = (y, _grad_channel(y, grad_scale, grad_slot)) if channel else y
+  return out, (qx, qk, x_scale, kernel_scale, grad_scale, x_amax,
+               _amax_as(kernel, kernel_slot), grad_slot, given)
 
 
-def _fp8_dot_bwd(dims, res, g):
-  qx, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax, grad_slot = res
-  dtype = g.dtype  # The output's, the kernel's dtype.
-  qg = fp8_ops.quantize(g, FP8_TENSORS[2][1], grad_scale, dtype)
+def _fp8_dot_bwd(dims, channel, res, g):
+  qx, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax, grad_slot, given = res
+  if channel:  # The LayerNorm's backward kernel quantized the gradient (fp8_dot_general).
+    g, (_, qg, g_amax) = g
+    dtype = g.dtype
+  else:
+    dtype = g.dtype  # The output's, the kernel's dtype.
+    qg = fp8_ops.quantize(g, FP8_TENSORS[2][1], grad_scale, dtype)
+    g_amax = _amax_as(g, grad_slot)
   dx, dk = _fp8_matmul_grads(qg, qx, qk, dims, x_scale, kernel_scale, grad_scale, dtype)
   zero = jnp.zeros_like(x_scale)
   # The scales' "gradients": none; the slots': this step's amaxes.
-  return dx, dk, zero, zero, zero, x_amax, kernel_amax, _amax_as(g, grad_slot)
+  return (dx, dk, zero, zero, zero, x_amax, kernel_amax, g_amax.astype(grad_slot.dtype),
+          jax.tree.map(jnp.zeros_like, given))
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -237,7 +278,8 @@ def _amax_like(t: Array, slot: Array) -> Array:
 
 def fp8_gelu_mlp(x: Array, kernel_in: Array, bias_in: Array, kernel_out: Array,
                  fp8_in: tuple, fp8_out: tuple, *, axes: tuple[str | None, ...],
-                 interpret: bool) -> Array:
+                 interpret: bool, grad_channel: bool = False,
+                 x_quantized: tuple[Array, Array] | None = None) -> Array | tuple[Array, tuple]:
   """gelu(x @ kernel_in + bias_in) @ kernel_out, both matmuls in FP8 as `fp8_dot_general`
   computes them, with the GELU's Pallas kernels (`activations.bias_gelu_fp8`) writing the
   quantized tensors: the forward writes gelu's output only in FP8 (the second matmul's
@@ -250,27 +292,31 @@ def fp8_gelu_mlp(x: Array, kernel_in: Array, bias_in: Array, kernel_out: Array,
   fp8_in, fp8_out: each matmul's (scales [3], amax slots [3, FP8_AMAX_ROWS] or None), as
   `fp8_dot_general` takes them. kernel_in/out in the compute dtype; bias_in float32; axes: the
   logical axes of the intermediate activation (the GELU kernels run under the mesh with
-  them); interpret: Pallas' interpreter (not a GPU)."""
+  them); interpret: Pallas' interpreter (not a GPU); grad_channel: the second matmul's,
+  x_quantized: the first's, as `fp8_dot_general` has them."""
   (s1, slots1), (s2, slots2) = fp8_in, fp8_out
   return _gelu_mlp(jnp.asarray(x, kernel_in.dtype), kernel_in, bias_in.astype(jnp.float32),
                    kernel_out, s1, s2, s1 if slots1 is None else slots1,
-                   s2 if slots2 is None else slots2, tuple(axes), interpret)
+                   s2 if slots2 is None else slots2,
+                   None if x_quantized is None else jax.lax.stop_gradient(tuple(x_quantized)),
+                   tuple(axes), interpret, grad_channel)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _gelu_mlp(x, k1, b1, k2, s1, s2, slots1, slots2, axes, interpret):
-  return _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, axes, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _gelu_mlp(x, k1, b1, k2, s1, s2, slots1, slots2, given, axes, interpret, channel):
+  return _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, given, axes, interpret,
+                       channel)[0]
 
 
 def _mlp_dims(x: Array):
   return (((x.ndim - 1,), (0,)), ((), ()))
 
 
-def _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, axes, interpret):
+def _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, given, axes, interpret, channel):
   dtype = k1.dtype
   (_, e4m3), _, _ = FP8_TENSORS
   with jax.named_scope('intermediate'):  # The scopes of the unfused layers' kernels.
-    qx = fp8_ops.quantize(x, e4m3, s1[0], dtype)
+    qx, x_amax = _quantized_input(x, s1[:1], slots1[:1], given)
     qk1 = fp8_ops.quantize(k1, e4m3, s1[1], dtype)
     y1 = _fp8_matmul(qx, qk1, _mlp_dims(x), s1[0] * s1[1], dtype)
     qh, h_amax = activations.bias_gelu_fp8(y1, b1, s2[:1], e4m3, axes=axes,
@@ -278,17 +324,22 @@ def _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, axes, interpret):
   with jax.named_scope('output'):
     qk2 = fp8_ops.quantize(k2, e4m3, s2[1], dtype)
     y2 = _fp8_matmul(qh, qk2, _mlp_dims(qh), s2[0] * s2[1], dtype)
-  amaxes = (_amax_like(x, slots1[0]), _amax_like(k1, slots1[1]),
+  amaxes = (x_amax.reshape(slots1[0].shape), _amax_like(k1, slots1[1]),
             _amax_like(h_amax, slots2[0]), _amax_like(k2, slots2[1]))
-  return y2, (qx, qk1, y1, b1, qh, qk2, s1, s2, amaxes, slots1[2], slots2[2])
+  out = (y2, _grad_channel(y2, s2[2:], slots2[2:])) if channel else y2
+  return out, (qx, qk1, y1, b1, qh, qk2, s1, s2, amaxes, slots1[2], slots2[2], given)
 
 
-def _gelu_mlp_bwd(axes, interpret, res, g):
-  qx, qk1, y1, b1, qh, qk2, s1, s2, amaxes, grad_slot1, grad_slot2 = res
+def _gelu_mlp_bwd(axes, interpret, channel, res, g):
+  qx, qk1, y1, b1, qh, qk2, s1, s2, amaxes, grad_slot1, grad_slot2, given = res
   dtype = y1.dtype
   e5m2 = FP8_TENSORS[2][1]
   with jax.named_scope('output'):
-    qg2 = fp8_ops.quantize(g, e5m2, s2[2], dtype)
+    if channel:  # The LayerNorm's backward kernel quantized the gradient (fp8_dot_general).
+      _, (_, qg2, g2_amax) = g
+    else:
+      qg2 = fp8_ops.quantize(g, e5m2, s2[2], dtype)
+      g2_amax = _amax_like(g, grad_slot2)
     dh, dk2 = _fp8_matmul_grads(qg2, qh, qk2, _mlp_dims(qh), s2[0], s2[1], s2[2], dtype)
   with jax.named_scope('intermediate'):
     qg1, db1, g1_amax = activations.bias_gelu_fp8_grad(y1, b1, dh, s1[2:], e5m2, axes=axes,
@@ -298,7 +349,8 @@ def _gelu_mlp_bwd(axes, interpret, res, g):
   # The scales' "gradients": none; the slots': this step's amaxes (as `fp8_dot_general`'s).
   return (dx, dk1, db1, dk2, jnp.zeros_like(s1), jnp.zeros_like(s2),
           jnp.stack([x_amax, k1_amax, _amax_like(g1_amax, grad_slot1)]),
-          jnp.stack([h_amax, k2_amax, _amax_like(g, grad_slot2)]))
+          jnp.stack([h_amax, k2_amax, g2_amax.reshape(grad_slot2.shape).astype(
+              grad_slot2.dtype)]), jax.tree.map(jnp.zeros_like, given))
 
 
 _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)

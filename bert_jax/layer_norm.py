@@ -43,13 +43,16 @@ selected against a tensor of zeros.
 """
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from bert_jax import activations
 from bert_jax import attention
 from bert_jax import config_checks
+from bert_jax import fp8
 
 Array = jax.Array
 
@@ -243,12 +246,17 @@ def _tile_sum(x_ref, r_ref, seed_ref, idx, mask, rows, cols, bias, t, rows_per_s
 
 
 def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_seed,
-                rows_per_shard_batch):
+                rows_per_shard_batch, dtype=None, fp8_max=None):
+  """With `fp8_max` (an FP8 format's largest magnitude) y is also written quantized by the
+  scale after beta's ref, as flax's `fp8_ops.quantize` quantizes the rounded y, with one amax
+  per program (the last ref)."""
   refs = list(refs)
   x_ref, r_ref = refs.pop(0), refs.pop(0)
   bias_ref = refs.pop(0) if has_bias else None
   seed_ref = refs.pop(0) if has_seed else None
-  scale_ref, beta_ref, y_ref = refs
+  scale_ref, beta_ref = refs.pop(0), refs.pop(0)
+  qs_ref = refs.pop(0) if fp8_max is not None else None
+  y_ref = refs.pop(0)
   cols = jnp.arange(block)
   cmask = cols < n_cols
   scale, beta = _load(scale_ref, cols, cmask), _load(beta_ref, cols, cmask)
@@ -257,27 +265,43 @@ def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_see
   h, _ = _tile_sum(x_ref, r_ref, seed_ref, idx, mask, tile_rows, cols, bias,
                    keep_threshold(rate) if has_seed else 0, rows_per_shard_batch)
   xhat, _ = _row_stats(h, cmask, n_cols, eps)
-  _store(y_ref, idx, xhat * scale[None, :] + beta[None, :], mask)
+  y = xhat * scale[None, :] + beta[None, :]
+  _store(y_ref, idx, y, mask)
+  if fp8_max is not None:
+    q_ref, amax_ref = refs
+    q_scale = _load(qs_ref, jnp.zeros_like(cols), cols >= 0)[None, :]
+    rounded, q = activations.quantize_rounded(y, q_scale, dtype, fp8_max)
+    _store(q_ref, idx, q, mask)
+    _store(amax_ref, pl.program_id(0), activations.amax_of(
+        *activations.abs_and_nans(rounded, mask)), None)
 
 
 def _bwd_kernel(*refs, n_rows, n_cols, block, rows, tile, rate, eps, has_bias, has_seed,
-                has_dy2, rows_per_shard_batch):
+                has_dy2, rows_per_shard_batch, dtype=None, fp8_max=None):
+  """With `fp8_max` (an FP8 format's largest magnitude) dx is written quantized by the scale
+  after the gradients' refs, as `activations.bias_gelu_fp8_grad` writes its dx, with one amax
+  per program (the last ref)."""
   refs = list(refs)
   x_ref, r_ref = refs.pop(0), refs.pop(0)
   bias_ref = refs.pop(0) if has_bias else None
   seed_ref = refs.pop(0) if has_seed else None
   scale_ref, dy_ref = refs.pop(0), refs.pop(0)
   dy2_ref = refs.pop(0) if has_dy2 else None
-  dx_ref, dr_ref, dpart_ref = refs
+  quantize = fp8_max is not None
+  qs_ref = refs.pop(0) if quantize else None
+  dx_ref, dr_ref, dpart_ref = refs[:3]
+  amax_ref = refs[3] if quantize else None
   cols = jnp.arange(block)
   cmask = cols < n_cols
   scale = _load(scale_ref, cols, cmask)
   bias = _load(bias_ref, cols, cmask) if has_bias else None
+  # The scale, broadcast: every lane loads element 0.
+  q_scale = _load(qs_ref, jnp.zeros_like(cols), cols >= 0)[None, :] if quantize else None
   t = keep_threshold(rate) if has_seed else 0
   program = pl.program_id(0)
 
   def body(i, acc):
-    dbias, dscale, dbeta = acc
+    dbias, dscale, dbeta = acc[:3]
     idx, mask, tile_rows = _tile(program * rows + i * tile, tile, n_rows, n_cols, cols, cmask)
     h, mult = _tile_sum(x_ref, r_ref, seed_ref, idx, mask, tile_rows, cols, bias, t,
                         rows_per_shard_batch)
@@ -291,17 +315,26 @@ def _bwd_kernel(*refs, n_rows, n_cols, block, rows, tile, rate, eps, has_bias, h
     dh = jnp.where(mask, (g - xhat * c1 - c2) * rstd, 0.0)
     _store(dr_ref, idx, dh, mask)
     dz = dh if mult is None else dh * mult
-    _store(dx_ref, idx, dz, mask)
-    return (dbias + jnp.sum(dz, axis=0), dscale + jnp.sum(dy * xhat, axis=0),
+    sums = (dbias + jnp.sum(dz, axis=0), dscale + jnp.sum(dy * xhat, axis=0),
             dbeta + jnp.sum(dy, axis=0))
+    if not quantize:
+      _store(dx_ref, idx, dz, mask)
+      return sums
+    rounded, q = activations.quantize_rounded(dz, q_scale, dtype, fp8_max)
+    _store(dx_ref, idx, q, mask)
+    magnitude, nan = activations.abs_and_nans(rounded, mask)
+    return sums + (jnp.maximum(acc[3], magnitude), jnp.maximum(acc[4], nan))
 
   zeros = jnp.zeros((block,), jnp.float32)
-  dbias, dscale, dbeta = jax.lax.fori_loop(0, rows // tile, body, (zeros, zeros, zeros))
+  tile_zeros = jnp.zeros((tile, block), jnp.float32)
+  acc = jax.lax.fori_loop(0, rows // tile, body,
+                          (zeros,) * 3 + ((tile_zeros,) * 2 if quantize else ()))
   # Partials laid out [programs, 3, H]: dbias, dscale, dbeta of this program's rows.
   base = program * 3 * n_cols + cols
-  _store(dpart_ref, base, dbias, cmask)
-  _store(dpart_ref, base + n_cols, dscale, cmask)
-  _store(dpart_ref, base + 2 * n_cols, dbeta, cmask)
+  for i in range(3):
+    _store(dpart_ref, base + i * n_cols, acc[i], cmask)
+  if quantize:
+    _store(amax_ref, program, activations.amax_of(*acc[3:]), None)
 
 
 def _warps(elements: int) -> int:
@@ -341,8 +374,15 @@ def _rows_per_batch_row(x) -> int:
   return x.shape[-2] if x.ndim >= 3 else 1
 
 
-def _pallas_forward(x, residual, bias, scale, beta, seed, *, rate, eps, out_dtype, interpret,
-                    shard=None):
+def _fp8_params(dtype, q_dtype) -> dict:
+  """The kernels' quantizing arguments: the dtype a value is rounded to first and the FP8
+  format's largest magnitude (none without `q_dtype`)."""
+  return {} if q_dtype is None else dict(dtype=dtype, fp8_max=float(jnp.finfo(q_dtype).max))
+
+
+def _pallas_forward(x, residual, bias, scale, beta, seed, q_scale=None, *, rate, eps,
+                    out_dtype, interpret, q_dtype=None, shard=None):
+  """y; with `q_dtype` (and `q_scale` [1]) (y, y quantized to it, one amax per program)."""
   _check_index_range(x)
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
@@ -350,17 +390,28 @@ def _pallas_forward(x, residual, bias, scale, beta, seed, *, rate, eps, out_dtyp
   kernel = functools.partial(_fwd_kernel, n_rows=n_rows, n_cols=n_cols, block=block,
                              rows=_FWD_ROWS, rate=rate, eps=eps, has_bias=bias is not None,
                              has_seed=seed is not None,
-                             rows_per_shard_batch=_rows_per_batch_row(x))
+                             rows_per_shard_batch=_rows_per_batch_row(x),
+                             **_fp8_params(out_dtype, q_dtype))
   shard = shard or (0, 0, _rows_per_batch_row(x))
   ins = _flat_inputs(x, residual, bias, seed, shard) + [scale, beta]
-  y = _call(kernel, ins, jax.ShapeDtypeStruct((x.size,), out_dtype),
-            (pl.cdiv(n_rows, _FWD_ROWS),), _warps(_FWD_ROWS * block), 1, interpret,
-            'residual_layer_norm_fwd')
-  return y.reshape(x.shape)
+  programs = pl.cdiv(n_rows, _FWD_ROWS)
+  out_shape = jax.ShapeDtypeStruct((x.size,), out_dtype)
+  if q_dtype is not None:
+    ins.append(q_scale)
+    out_shape = (out_shape, jax.ShapeDtypeStruct((x.size,), q_dtype),
+                 jax.ShapeDtypeStruct((programs,), jnp.float32))
+  out = _call(kernel, ins, out_shape, (programs,), _warps(_FWD_ROWS * block), 1, interpret,
+              'residual_layer_norm_fwd')
+  if q_dtype is None:
+    return out.reshape(x.shape)
+  y, q, amax = out
+  return y.reshape(x.shape), q.reshape(x.shape), amax
 
 
-def _pallas_backward(x, residual, bias, scale, seed, dy, dy2, *, rate, eps, interpret,
-                     shard=None):
+def _pallas_backward(x, residual, bias, scale, seed, dy, dy2, q_scale=None, *, rate, eps,
+                     interpret, q_dtype=None, shard=None):
+  """(dx, d residual, dbias, dscale, dbeta); with `q_dtype` (and `q_scale` [1]) dx quantized to
+  it, and one amax per program after them."""
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   block = pl.next_power_of_2(n_cols)
@@ -371,34 +422,40 @@ def _pallas_backward(x, residual, bias, scale, seed, dy, dy2, *, rate, eps, inte
                              rows=rows, tile=tile, rate=rate, eps=eps,
                              has_bias=bias is not None, has_seed=seed is not None,
                              has_dy2=dy2 is not None,
-                             rows_per_shard_batch=_rows_per_batch_row(x))
+                             rows_per_shard_batch=_rows_per_batch_row(x),
+                             **_fp8_params(x.dtype, q_dtype))
   shard = shard or (0, 0, _rows_per_batch_row(x))
   ins = _flat_inputs(x, residual, bias, seed, shard) + [scale, dy.reshape(-1)]
   if dy2 is not None:
     ins.append(dy2.reshape(-1))
-  out_shape = (jax.ShapeDtypeStruct((x.size,), x.dtype),
+  out_shape = (jax.ShapeDtypeStruct((x.size,), q_dtype or x.dtype),
                jax.ShapeDtypeStruct((x.size,), residual.dtype),
                jax.ShapeDtypeStruct((programs * 3 * n_cols,), jnp.float32))
-  dx, dr, parts = _call(kernel, ins, out_shape, (programs,), _warps(tile * block), 2,
-                        interpret, 'residual_layer_norm_bwd')
+  if q_dtype is not None:
+    ins.append(q_scale)
+    out_shape += (jax.ShapeDtypeStruct((programs,), jnp.float32),)
+  dx, dr, parts, *amax = _call(kernel, ins, out_shape, (programs,), _warps(tile * block), 2,
+                               interpret, 'residual_layer_norm_bwd')
   dbias, dscale, dbeta = parts.reshape(programs, 3, n_cols).sum(axis=0)
-  return dx.reshape(x.shape), dr.reshape(residual.shape), dbias, dscale, dbeta
+  return (dx.reshape(x.shape), dr.reshape(residual.shape), dbias, dscale, dbeta, *amax)
 
 
-def _sharded(fn, n_out_rows: int):
+def _sharded(fn, outs: tuple[str, ...]):
   """`fn` per device under the mesh's 'batch' and 'length' rules (rows split, hidden whole).
 
   The kernels have no partitioning rules of their own: without this, a sharded step would
-  gather every row to every device. `fn` returns one row-shaped array (n_out_rows=0: the
-  forward) or two row-shaped arrays and three [H] sums over rows (n_out_rows=2: the backward),
-  whose per-device parts are added with a psum.
+  gather every row to every device. `fn`'s results, as `outs` names them: 'rows', a
+  row-shaped array; 'sum', an [H] sum over rows, whose per-device parts are added with a
+  psum; 'parts', a 1-D array of per-device partial results (amaxes), the devices' arrays side
+  by side. One result is returned as it is, several as a tuple.
   """
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.get_abstract_mesh()
   batch, length, _ = nn.logical_to_mesh_axes(('batch', 'length', 'act_embed'))
-  rows, vec = jax.sharding.PartitionSpec(batch, length, None), jax.sharding.PartitionSpec()
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   axes = tuple(a for part in (batch, length) if part is not None
                for a in ((part,) if isinstance(part, str) else part))
+  specs = {'rows': P(batch, length, None), 'sum': P(), 'parts': P(axes or None)}
 
   def local(*args):
     # Where this shard's rows sit in the whole array: the dropout mask numbers them so.
@@ -406,16 +463,16 @@ def _sharded(fn, n_out_rows: int):
     index = lambda part: (jax.lax.axis_index(part) if part is not None else 0)
     length_parts = 1 if length is None else jax.lax.psum(1, length)
     shard = (index(batch) * b, index(length) * t, t * length_parts)
-    outs = fn(*args, shard=shard)
-    if not n_out_rows:
-      return outs
-    return tuple(outs[:n_out_rows]) + tuple(
-        jax.lax.psum(o, axes) if axes else o for o in outs[n_out_rows:])
+    got = fn(*args, shard=shard)
+    got = tuple(jax.lax.psum(o, axes) if kind == 'sum' and axes else o
+                for o, kind in zip(got if len(outs) > 1 else (got,), outs))
+    return got if len(outs) > 1 else got[0]
 
   def wrapped(*args):
-    in_specs = tuple(rows if a.ndim == 3 else vec for a in args)
-    out_specs = (rows,) * n_out_rows + (vec,) * 3 if n_out_rows else rows
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+    in_specs = tuple(specs['rows'] if a.ndim == 3 else P() for a in args)
+    out_specs = tuple(specs[o] for o in outs)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs,
+                         out_specs=out_specs if len(outs) > 1 else out_specs[0],
                          check_vma=False)(*args)
   return wrapped
 
@@ -425,60 +482,97 @@ def _sharded(fn, n_out_rows: int):
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _fused(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret):
-  return _fused_fwd(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _fused(x, residual, bias, scale, beta, seed, fp8_io, rate, eps, out_dtype, interpret,
+           fp8_spec):
+  return _fused_fwd(x, residual, bias, scale, beta, seed, fp8_io, rate, eps, out_dtype,
+                    interpret, fp8_spec)[0]
 
 
-def _fused_fwd(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret):
+def _fused_fwd(x, residual, bias, scale, beta, seed, fp8_io, rate, eps, out_dtype, interpret,
+               fp8_spec):
+  """fp8_io: (the FP8 gradient channel or None, the output's FP8 scale [1] or None);
+  fp8_spec: their static parts ((format, slot shape) or None, format or None)."""
+  fp8_grad, out_scale = fp8_io
+  q_dtype = fp8_spec[1]
   fwd = functools.partial(_pallas_forward, rate=rate, eps=eps, out_dtype=out_dtype,
-                          interpret=interpret)
-  y = _run_rows(fwd, 0, x, residual, bias, scale, beta, seed)
-  return y, (x, residual, bias, scale, seed)
+                          interpret=interpret, q_dtype=q_dtype)
+  outs = ('rows',) if q_dtype is None else ('rows', 'rows', 'parts')
+  y = _run_rows(fwd, outs, x, residual, bias, scale, beta, seed, out_scale)
+  # Of the FP8 channel only the scale is kept: the carriers are zeros nothing reads.
+  return y, (x, residual, bias, scale, seed, None if fp8_grad is None else fp8_grad[0])
 
 
-def _fused_bwd(rate, eps, out_dtype, interpret, saved, dy, dy2=None):
+def _fused_bwd(rate, eps, out_dtype, interpret, fp8_spec, saved, dy, dy2=None):
   del out_dtype
-  x, residual, bias, scale, seed = saved
-  bwd = functools.partial(_pallas_backward, rate=rate, eps=eps, interpret=interpret)
-  dx, dr, dbias, dscale, dbeta = _run_rows(bwd, 2, x, residual, bias, scale, seed, dy, dy2)
+  x, residual, bias, scale, seed, q_scale = saved
+  grad_spec, out_q_dtype = fp8_spec
+  q_dtype = None if grad_spec is None else grad_spec[0]
+  bwd = functools.partial(_pallas_backward, rate=rate, eps=eps, interpret=interpret,
+                          q_dtype=q_dtype)
+  outs = ('rows', 'rows', 'sum', 'sum', 'sum') + (() if q_dtype is None else ('parts',))
+  dx, dr, dbias, dscale, dbeta, *amax = _run_rows(bwd, outs, x, residual, bias, scale, seed,
+                                                  dy, dy2, q_scale)
   dbias = None if bias is None else dbias.astype(bias.dtype)
   dseed = None if seed is None else jnp.zeros(seed.shape, jax.dtypes.float0)
-  return dx, dr, dbias, dscale.astype(scale.dtype), dbeta.astype(scale.dtype), dseed
+  fp8_grad = None
+  if q_dtype is not None:
+    # The quantized dx and its amax go to the FP8 matmul through the channel's carriers; x
+    # itself gets none (the matmul reads the channel only).
+    fp8_grad = (jnp.zeros_like(q_scale), dx, fp8.amax_in(amax[0], grad_spec[1]))
+    dx = jnp.zeros(x.shape, x.dtype)
+  out_scale = None if out_q_dtype is None else jnp.zeros((1,), jnp.float32)
+  return (dx, dr, dbias, dscale.astype(scale.dtype), dbeta.astype(scale.dtype), dseed,
+          (fp8_grad, out_scale))
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+def _fused_single_bwd(rate, eps, out_dtype, interpret, fp8_spec, saved, cotangent):
+  # With a quantized output, the cotangents of (y, its FP8 copy, amaxes): the copy's consumer
+  # took a stop_gradient of it.
+  dy = cotangent if fp8_spec[1] is None else cotangent[0]
+  return _fused_bwd(rate, eps, out_dtype, interpret, fp8_spec, saved, dy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _fused_pair(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret):
+_fused.defvjp(_fused_fwd, _fused_single_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _fused_pair(x, residual, bias, scale, beta, seed, fp8_io, rate, eps, out_dtype, interpret,
+                fp8_spec):
   """_fused's output twice (residual_copy=True): each copy's gradient reaches the backward
   kernel as an input of its own."""
-  y = _fused(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret)
-  return y, y
+  y = _fused(x, residual, bias, scale, beta, seed, fp8_io, rate, eps, out_dtype, interpret,
+             fp8_spec)
+  return (y, y) if fp8_spec[1] is None else (y[0],) + y
 
 
-def _fused_pair_fwd(x, residual, bias, scale, beta, seed, rate, eps, out_dtype, interpret):
+def _fused_pair_fwd(x, residual, bias, scale, beta, seed, fp8_io, rate, eps, out_dtype,
+                    interpret, fp8_spec):
   # symbolic_zeros=True: the primals come as CustomVJPPrimal(value, perturbed).
-  values = [None if a is None else a.value for a in (x, residual, bias, scale, beta, seed)]
-  y, saved = _fused_fwd(*values, rate, eps, out_dtype, interpret)
-  return (y, y), saved
+  primal = jax.custom_derivatives.CustomVJPPrimal
+  values = jax.tree.map(lambda a: a.value, (x, residual, bias, scale, beta, seed, fp8_io),
+                        is_leaf=lambda a: isinstance(a, primal))
+  y, saved = _fused_fwd(*values, rate, eps, out_dtype, interpret, fp8_spec)
+  return ((y, y) if fp8_spec[1] is None else (y[0],) + y), saved
 
 
-def _fused_pair_bwd(rate, eps, out_dtype, interpret, saved, cotangents):
+def _fused_pair_bwd(rate, eps, out_dtype, interpret, fp8_spec, saved, cotangents):
   # A copy nothing reads (the last layer's residual copy) has a symbolic zero gradient: the
-  # kernel then reads one dy, not a tensor of zeros.
-  given = [c for c in cotangents if not isinstance(c, jax.custom_derivatives.SymbolicZero)]
+  # kernel then reads one dy, not a tensor of zeros. (The FP8 copy's and its amaxes': never
+  # read, as in _fused_single_bwd.)
+  given = [c for c in cotangents[:2]
+           if not isinstance(c, jax.custom_derivatives.SymbolicZero)]
   if not given:
     given = [jnp.zeros(saved[0].shape, out_dtype)]
-  return _fused_bwd(rate, eps, out_dtype, interpret, saved, *given)
+  return _fused_bwd(rate, eps, out_dtype, interpret, fp8_spec, saved, *given)
 
 
 _fused_pair.defvjp(_fused_pair_fwd, _fused_pair_bwd, symbolic_zeros=True)
 
 
-def _run_rows(fn, n_out_rows, *args):
-  """Calls `fn` on the arguments (None ones passed through) per device under a mesh."""
+def _run_rows(fn, outs: tuple[str, ...], *args):
+  """Calls `fn` on the arguments (None ones passed through), per device under a mesh
+  (`_sharded`, whose `outs` name fn's results)."""
   present = [i for i, a in enumerate(args) if a is not None]
 
   def call(*given, **kwargs):
@@ -490,13 +584,15 @@ def _run_rows(fn, n_out_rows, *args):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or args[0].ndim != 3:
     return call(*(args[i] for i in present))
-  return _sharded(call, n_out_rows)(*(args[i] for i in present))
+  return _sharded(call, outs)(*(args[i] for i in present))
 
 
 def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Array,
                         beta: Array, seed: Array | None = None, *, rate: float = 0.0,
                         eps: float = 1e-12, impl: str = 'xla', out_dtype=None,
-                        residual_copy: bool = False) -> Array | tuple[Array, Array]:
+                        residual_copy: bool = False,
+                        fp8_grad: tuple[Array, Array, Array] | None = None,
+                        fp8_out: tuple[Array, Any] | None = None) -> Array | tuple:
   """LayerNorm(residual + dropout(x + bias)) over the last axis, statistics in float32.
 
   x, residual: [..., H] (the same shape); bias, scale, beta: [H] (bias may be None); seed: the
@@ -504,6 +600,14 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
   impl: 'xla' or 'pallas' (module docstring). Returns out_dtype (default: x's dtype); with
   residual_copy, the output twice (y, y): give the second to the next LayerNorm as its
   residual, and the backward kernel adds the two gradients (module docstring).
+  fp8_grad: the channel of the FP8 matmul that computed x (`fp8.fp8_dot_general`'s
+  `grad_channel`; pallas only): the backward kernel writes dx quantized by the channel's
+  scale, with its amax, and gives both to the matmul through the channel's carriers instead of
+  writing dx in x's dtype for the matmul to quantize in a pass of its own.
+  fp8_out: (scale [1] float32, FP8 format) of the FP8 matmul that the output goes to
+  (pallas only): the forward kernel also writes the output quantized, with one amax per block
+  of rows, and both are returned after the output(s): give them to the matmul
+  (`fp8.fp8_dot_general`'s x_quantized), which then quantizes nothing of its own.
   """
   assert impl in IMPLEMENTATIONS, impl
   out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -516,8 +620,17 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
     seed = None
   gpu = attention.target_platform() == 'gpu'
   if impl == 'xla':
+    assert fp8_grad is None and fp8_out is None, 'FP8 quantizing takes the pallas kernels'
     y = _xla(x, residual, bias, scale, beta, seed, rate=rate, eps=eps, out_dtype=out_dtype)
     return (y, y) if residual_copy else y
+  grad_spec = None
+  if fp8_grad is not None:
+    _, carrier, slot = fp8_grad
+    if carrier.shape != x.shape:
+      raise ValueError(f'the FP8 gradient carrier {carrier.shape} is not shaped as x {x.shape}')
+    grad_spec = (jnp.dtype(carrier.dtype), tuple(slot.shape))
+  out_scale, out_q_dtype = fp8_out if fp8_out is not None else (None, None)
+  fp8_spec = (grad_spec, None if out_q_dtype is None else jnp.dtype(out_q_dtype))
   fused = _fused_pair if residual_copy else _fused
-  return fused(x, residual, bias, scale, beta, seed, float(rate), float(eps), out_dtype,
-               not gpu)
+  return fused(x, residual, bias, scale, beta, seed, (fp8_grad, out_scale), float(rate),
+               float(eps), out_dtype, not gpu, fp8_spec)

@@ -116,8 +116,11 @@ class ResidualLayerNorm(nn.Module):
   residual_copy: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, residual: Array, x_bias: Array | None,
-               seed: Array | None) -> Array | tuple[Array, Array]:
+  def __call__(self, x: Array, residual: Array, x_bias: Array | None, seed: Array | None,
+               fp8_grad: tuple | None = None, fp8_out: Array | None = None) -> Array | tuple:
+    """`fp8_grad`: the channel of the FP8 matmul that computed x, if it has one; `fp8_out`:
+    the input scale [1] of the FP8 matmul the output goes to, whose quantized input and
+    amaxes are then returned after the output(s) (`layer_norm.residual_layer_norm`)."""
     c = self.config
     scale, bias = _norm_params(self, c, x.shape[-1])
     rate = c.hidden_dropout_prob if seed is not None else 0.0
@@ -126,7 +129,8 @@ class ResidualLayerNorm(nn.Module):
     impl = 'xla' if self.is_initializing() else c.resolved('layer_norm_impl')
     return layer_norm.residual_layer_norm(
         x, residual, x_bias, scale, bias, seed, rate=rate, eps=c.layer_norm_eps, impl=impl,
-        out_dtype=c.compute_dtype, residual_copy=self.residual_copy)
+        out_dtype=c.compute_dtype, residual_copy=self.residual_copy, fp8_grad=fp8_grad,
+        fp8_out=None if fp8_out is None else (fp8_out, FP8_TENSORS[0][1]))
 
 
 class DenseGeneral(nn.Module):
@@ -150,9 +154,12 @@ class DenseGeneral(nn.Module):
   activation_axes: tuple[str | None, ...] | None = None
 
   @nn.compact
-  def __call__(self, x: Array, fp8_scales: tuple | None = None) -> Array:
+  def __call__(self, x: Array, fp8_scales: tuple | None = None,
+               grad_channel: bool = False, x_quantized: tuple | None = None) -> Array:
     """`fp8_scales`: the matmul's FP8 scales [3] and amax slots [3, FP8_AMAX_ROWS] or None
-    (`fp8_dot_general`), or None (no FP8)."""
+    (`fp8_dot_general`), or None (no FP8). grad_channel (FP8, add_bias=False): return the
+    matmul's gradient channel third, for the ResidualLayerNorm that the output goes to;
+    x_quantized: x in FP8 and its amaxes, from the ResidualLayerNorm that computed x."""
     c, n = self.config, self.num_in
     kernel = self.param('kernel', normal_init(c, self.axes), x.shape[-n:] + self.features,
                         jnp.float32)
@@ -162,7 +169,12 @@ class DenseGeneral(nn.Module):
     x, kernel = promote_dtype(x, kernel, dtype=c.compute_dtype)
     dims = ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
     y = (jax.lax.dot_general(x, kernel, dims) if fp8_scales is None
-         else fp8_dot_general(x, kernel, dims, *fp8_scales))
+         else fp8_dot_general(x, kernel, dims, *fp8_scales, grad_channel=grad_channel,
+                              x_quantized=x_quantized))
+    if grad_channel:
+      assert not self.add_bias, 'a gradient channel is for the LayerNorm that adds the bias'
+      y, channel = y
+      return y, f32_bias, channel
     if not self.add_bias:
       return y, f32_bias
     # The paper's dense GELU takes model.gelu_impl's kernel: the float32 bias as it is stored
@@ -302,7 +314,7 @@ class DenseParams(nn.Module):
 
 
 def _stacked_matmul(module: nn.Module, x: Array, params: list, fp8_scales: tuple | None,
-                    scope: str) -> Array:
+                    scope: str, x_quantized: tuple | None = None) -> Array:
   """x @ the kernels of `params` (DenseParams' (kernel, bias) pairs) stacked on a new axis 1,
   as one matmul (named `scope`; in FP8 with `fp8_scales`, its scales and amax slots), plus
   their biases (if any):
@@ -315,7 +327,7 @@ def _stacked_matmul(module: nn.Module, x: Array, params: list, fp8_scales: tuple
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   with jax.named_scope(scope):  # Named so that the GPU step budget test finds it as one.
     y = (jax.lax.dot_general(x, kernel, dims) if fp8_scales is None
-         else fp8_dot_general(x, kernel, dims, *fp8_scales))
+         else fp8_dot_general(x, kernel, dims, *fp8_scales, x_quantized=x_quantized))
     return y if bias is None else y + bias
 
 
@@ -326,11 +338,13 @@ class SelfAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, sequence_ids: Array, positions: Array | None = None,
-               local: bool | Array = False, fp8_scales: list[tuple] | None = None) -> Array:
+               local: bool | Array = False, fp8_scales: list[tuple] | None = None,
+               grad_channel: bool = False, x_quantized: tuple | None = None) -> Array:
     """`positions` [B, T]: rotary models' token positions; `local`: whether this layer
     attends locally (a traced bool in scanned layers of both kinds); `fp8_scales`: the FP8
     scales and amax slots of its matmuls, input projection(s) first
-    (`fp8_matmuls_per_layer`), or None."""
+    (`fp8_matmuls_per_layer`), or None; grad_channel: the output projection's, x_quantized:
+    the stacked QKV projection's (`DenseGeneral`)."""
     c = self.config
     heads, head_dim = c.num_attention_heads, c.head_dim
     # Q, K and V are one matmul against the three kernels stacked as [embed, 3, heads, kv]:
@@ -351,7 +365,7 @@ class SelfAttention(nn.Module):
                  for p, s, name in zip(params, fp8, ('query', 'key', 'value')))
       fp8 = fp8[3:]
     else:
-      qkv = _stacked_matmul(self, x, params, fp8[0], 'qkv')
+      qkv = _stacked_matmul(self, x, params, fp8[0], 'qkv', x_quantized)
       fp8 = fp8[1:]
       qkv = constrain(qkv, ('batch', 'length', None, 'act_heads', 'kv'))
       q, k, v = (constrain(qkv[:, :, i], ('batch', 'length', 'act_heads', 'kv'))
@@ -373,7 +387,7 @@ class SelfAttention(nn.Module):
     out = constrain(out, ('batch', 'length', 'act_heads', 'kv'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
     return dense(c, c.hidden_size, ('heads', 'kv', 'embed'), 'output', in_axes=(-2, -1),
-                  add_bias=False, use_bias=c.use_bias)(out, fp8[0])
+                  add_bias=False, use_bias=c.use_bias)(out, fp8[0], grad_channel)
 
 
 class Mlp(nn.Module):
@@ -383,29 +397,32 @@ class Mlp(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, fp8_scales: list[tuple] | None = None) -> Array:
+  def __call__(self, x: Array, fp8_scales: list[tuple] | None = None,
+               grad_channel: bool = False, x_quantized: tuple | None = None) -> Array:
     """`fp8_scales`: the FP8 scales and amax slots of its input and output matmuls, or
-    None."""
+    None; grad_channel: the output projection's, x_quantized: the input projection's
+    (`DenseGeneral`)."""
     c = self.config
     fp8 = fp8_scales or [None, None]
     if c.mlp_type == 'gated':
       params = [DenseParams(c, (x.shape[-1],), (c.intermediate_size,), ('embed', 'mlp'),
                             name=name)() for name in ('intermediate', 'gate')]
-      y = constrain(_stacked_matmul(self, x, params, fp8[0], 'gated'),
+      y = constrain(_stacked_matmul(self, x, params, fp8[0], 'gated', x_quantized),
                      ('batch', 'length', None, 'act_mlp'))
       # The biases are in y already: the activation's own is none. XLA's GELU (gelu_impl's
       # kernel fuses a dense layer's bias add and GELU: config_checks refuses it here).
       h = activate(c, y[:, :, 0], None, c.hidden_act) * y[:, :, 1]
     elif fp8[0] is not None and _fused_fp8_gelu(self, c):
-      return _fp8_gelu_mlp(c, x, fp8)
+      return _fp8_gelu_mlp(c, x, fp8, grad_channel, x_quantized)
     else:
       h = dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
                 activation=c.hidden_act, use_bias=c.use_bias,
-                activation_axes=('batch', 'length', 'act_mlp'))(x, fp8[0])
+                activation_axes=('batch', 'length', 'act_mlp'))(x, fp8[0],
+                                                               x_quantized=x_quantized)
     h = constrain(h, ('batch', 'length', 'act_mlp'))
     # (projection, its bias): the bias is added in the layer's ResidualLayerNorm.
     return dense(c, c.hidden_size, ('mlp', 'embed'), 'output', add_bias=False,
-                  use_bias=c.use_bias)(h, fp8[1])
+                  use_bias=c.use_bias)(h, fp8[1], grad_channel)
 
 
 def _fused_fp8_gelu(module: nn.Module, c: BertConfig) -> bool:
@@ -415,9 +432,11 @@ def _fused_fp8_gelu(module: nn.Module, c: BertConfig) -> bool:
           c.resolved('gelu_impl') == 'pallas' and fp8.gelu_kernels_can_quantize())
 
 
-def _fp8_gelu_mlp(c: BertConfig, x: Array, fp8_scales: list[tuple]) -> tuple[Array, Array]:
+def _fp8_gelu_mlp(c: BertConfig, x: Array, fp8_scales: list[tuple], grad_channel: bool,
+                  x_quantized: tuple | None) -> tuple:
   """The paper's MLP in FP8 with the GELU's kernels quantizing (`fp8.fp8_gelu_mlp`), on the
-  parameters `dense` would create; returns (projection, its bias) as `Mlp` does."""
+  parameters `dense` would create; returns (projection, its bias[, gradient channel]) as
+  `Mlp` does."""
   shapes = ((x.shape[-1], c.intermediate_size, ('embed', 'mlp'), 'intermediate'),
             (c.intermediate_size, c.hidden_size, ('mlp', 'embed'), 'output'))
   (k1, b1), (k2, b2) = [DenseParams(c, (n_in,), (n_out,), axes, name=name)()
@@ -426,8 +445,18 @@ def _fp8_gelu_mlp(c: BertConfig, x: Array, fp8_scales: list[tuple]) -> tuple[Arr
   k1, k2 = (k.astype(c.compute_dtype) for k in (k1, k2))
   y = fp8_gelu_mlp(x, k1, b1, k2, fp8_scales[0], fp8_scales[1],
                    axes=('batch', 'length', 'act_mlp'),
-                   interpret=attention.target_platform() != 'gpu')
-  return y, b2
+                   interpret=attention.target_platform() != 'gpu', grad_channel=grad_channel,
+                   x_quantized=x_quantized)
+  return (y[0], b2, y[1]) if grad_channel else (y, b2)
+
+
+def _grad_channels(module: nn.Module, c: BertConfig, fp8_scales: tuple | None) -> bool:
+  """Whether a post-LN layer's LayerNorm kernels quantize for its FP8 matmuls: each
+  backward kernel the output gradient of the projection before it (`fp8.fp8_dot_general`'s
+  grad_channel), each forward kernel the input of the matmul after it (x_quantized): with the
+  Pallas LayerNorm, where Triton can write FP8 (as the GELU kernels, Hopper on)."""
+  return (fp8_scales is not None and not module.is_initializing() and
+          c.resolved('layer_norm_impl') == 'pallas' and fp8.gelu_kernels_can_quantize())
 
 
 class EncoderLayer(nn.Module):
@@ -452,9 +481,12 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, carry, sequence_ids: Array, positions: Array | None,
-               local: Array | None = None, fp8_scales: tuple | None = None):
+               local: Array | None = None, fp8_scales: tuple | None = None,
+               next_input_scale: Array | None = None):
     """`fp8_scales`: this layer's FP8 scales [matmuls, 3] and amax slots [matmuls, 3,
-    FP8_AMAX_ROWS] or None (`Encoder`), or None."""
+    FP8_AMAX_ROWS] or None (`Encoder`), or None; `next_input_scale`: the next layer's QKV
+    input scale [1] (unrolled FP8 layers), which the output LayerNorm then quantizes its
+    output by, for the carry's third element (the next layer's x_quantized)."""
     c = self.config
     local = self.local if self.local is not None else local
     fp8 = ([None] * fp8_matmuls_per_layer(c) if fp8_scales is None else
@@ -464,16 +496,27 @@ class EncoderLayer(nn.Module):
     embed = lambda x: constrain(x, ('batch', 'length', 'act_embed'))
     attention_ = SelfAttention(c, self.deterministic, name='attention')
     if not c.pre_layer_norm:
-      x, residual = carry
-      # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op.
-      attn, attn_bias = attention_(x, sequence_ids, positions, local, attention_fp8)
-      x, residual = map(embed, ResidualLayerNorm(c, name='attention_layer_norm')(
-          attn, residual, attn_bias, drop()))
-      y, y_bias = Mlp(c, self.deterministic, name='mlp')(x, mlp_fp8)
-      x, residual = map(embed, ResidualLayerNorm(c, name='output_layer_norm')(
-          y, residual, y_bias, drop()))
+      x, residual, *x_quantized = carry
+      # Each sub-layer ends in LayerNorm(x + dropout(projection + bias)), one fused op. In
+      # FP8 its kernels quantize the projection's output gradient and the next matmul's
+      # input (_grad_channels).
+      channel = _grad_channels(self, c, fp8_scales)
+      in_place = channel and c.qkv_projection == 'stacked'  # One QKV input scale.
+      attn, attn_bias, *attn_channel = attention_(
+          x, sequence_ids, positions, local, attention_fp8, channel,
+          x_quantized[0] if x_quantized and in_place else None)
+      x, residual, *x_quantized = ResidualLayerNorm(c, name='attention_layer_norm')(
+          attn, residual, attn_bias, drop(), *attn_channel,
+          fp8_out=mlp_fp8[0][0][:1] if channel else None)
+      y, y_bias, *y_channel = Mlp(c, self.deterministic, name='mlp')(
+          embed(x), mlp_fp8, channel, tuple(x_quantized) or None)
+      out_scale = next_input_scale if channel and in_place else None
+      x, residual, *x_quantized = ResidualLayerNorm(c, name='output_layer_norm')(
+          y, embed(residual), y_bias, drop(), *y_channel, fp8_out=out_scale)
+      x, residual = embed(x), embed(residual)
       # The carry for the next layer, and the per-layer output (hidden states).
-      return (x, residual), (x if self.hidden_states else None)
+      carry = (x, residual) + ((tuple(x_quantized),) if x_quantized else ())
+      return carry, (x if self.hidden_states else None)
     h, normed = carry
     rate = 0.0 if self.deterministic else c.hidden_dropout_prob
     mlp = Mlp(c, self.deterministic, name='mlp')
@@ -535,8 +578,12 @@ class Encoder(nn.Module):
       hidden = []
       per_layer = None if fp8 is None else fp8_rows(fp8, c.num_hidden_layers)
       for i in range(c.num_hidden_layers):
+        # The next layer's QKV input scale: this layer's output LayerNorm quantizes for it.
+        following = (per_layer[i + 1][0][0, :1]
+                     if fp8 is not None and i + 1 < c.num_hidden_layers else None)
         carry, h = layer_cls(c, deterministic, True, kinds[i], name=f'layer_{i}')(
-            carry, sequence_ids, positions, None, None if fp8 is None else per_layer[i])
+            carry, sequence_ids, positions, None, None if fp8 is None else per_layer[i],
+            following)
         hidden.append(h)
       if not return_hidden_states:
         hidden = []

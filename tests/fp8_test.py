@@ -235,3 +235,67 @@ def test_gpus_before_hopper_run_the_unfused_layers():
 
   assert kernels((8, 0)) == (0, 2)  # The unfused GELU: the MLP's and the MLM transform's.
   assert kernels((9, 0)) == kernels(None) == (1, 1)
+
+
+@pytest.mark.parametrize('gelu_impl', ['pallas', 'xla'])
+def test_layer_norm_kernels_quantizing_for_the_matmuls_change_no_bit(
+    monkeypatch, gelu_impl):
+  """BERT with matmul_precision='fp8' and the Pallas LayerNorm (bf16, dropout on): each
+  post-LN sub-layer's projection (the attention output; the MLP output, fused with the GELU
+  kernels or not) takes its output gradient quantized, with its amax, from the LayerNorm
+  backward kernel (fp8_dot_general's grad_channel), and the MLP's input and the next layer's
+  QKV input come quantized from the LayerNorm forward kernel (x_quantized); a training step's
+  loss, parameter gradients and amaxes are those of the matmuls quantizing themselves, bit
+  for bit."""
+  from bert_jax import layers  # pylint: disable=g-import-not-at-top
+  from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
+  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  config = model_lib.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=37,
+                                max_position_embeddings=40, dtype='bfloat16',
+                                matmul_precision='fp8', gelu_impl=gelu_impl,
+                                layer_norm_impl='pallas')
+  rng = np.random.RandomState(0)
+  ids = jnp.asarray(rng.randint(5, 99, size=(3, 12)), jnp.int32)
+  mask = jnp.ones((3, 12), jnp.int32).at[2, 7:].set(0)
+  segments = jnp.zeros((3, 12), jnp.int32).at[:, 6:].set(1) * mask
+  positions = jnp.asarray([[1, 4, 9], [0, 2, 3], [1, 5, 6]], jnp.int32)
+  module = model_lib.BertForPreTraining(config)
+  variables = module.init(jax.random.key(4), ids, mask, segments, positions)
+  params = variables['params']
+  scales = fp8.fp8_step_scales(model_lib.initial_fp8_meta(variables[fp8.FP8_COLLECTION]))
+  weights = jax.random.normal(jax.random.key(1), (3, 3, 99))
+
+  def step():
+    def loss(p, s):
+      logits = module.apply({'params': p, fp8.FP8_COLLECTION: s}, ids, mask, segments,
+                            positions, deterministic=False,
+                            rngs={'dropout': jax.random.key(0)})[0]
+      return jnp.sum(logits.astype(jnp.float32) * weights)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, scales)
+
+  quantizing = {'_pallas_forward': [], '_pallas_backward': []}
+  for name, kernel in [(n, getattr(layer_norm, n)) for n in quantizing]:
+    monkeypatch.setattr(layer_norm, name, lambda *a, name=name, kernel=kernel, **k: (
+        quantizing[name].append(k['q_dtype']) or kernel(*a, **k)))
+  got = step()
+  # Forward: every LayerNorm of the encoder but the last quantizes for the matmul after it
+  # (the MLP's input, the next layer's QKV); backward: every one for the projection before.
+  layers_ = config.num_hidden_layers
+  assert quantizing == {'_pallas_forward': [jnp.float8_e4m3fn] * (2 * layers_ - 1) + [None],
+                        '_pallas_backward': [jnp.float8_e5m2] * 2 * layers_}, quantizing
+  monkeypatch.setattr(layers, '_grad_channels', lambda *a: False)
+  for calls in quantizing.values():
+    calls.clear()
+  want = step()
+  assert quantizing == {'_pallas_forward': [None] * 2 * layers_,
+                        '_pallas_backward': [None] * 2 * layers_}, quantizing
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for path, a in jax.tree_util.tree_leaves_with_path(got):
+    b = dict(jax.tree_util.tree_leaves_with_path(want))[path]
+    if path[-1] == jax.tree_util.DictKey(fp8.FP8_AMAX_SLOTS):
+      a, b = a.max(axis=-1), b.max(axis=-1)  # Rows are any partition of each tensor.
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  err_msg=jax.tree_util.keystr(path))
+  amaxes = fp8.fp8_amaxes(got[1][1])['bert']['encoder']['fp8_scale']
+  assert np.all(np.asarray(amaxes) > 0), amaxes

@@ -252,3 +252,59 @@ def test_residual_copy_takes_both_gradients_into_the_backward_kernel():
   both_call = backward_call(lambda *a: layer_norm.residual_layer_norm(
       *a, seed, rate=0.1, impl='pallas', residual_copy=True), (dy, dy2))
   assert len(both_call.invars) == len(backward_call(second_unused, dy).invars) + 1
+
+
+def test_pallas_quantizing_for_fp8_matmuls_on_a_mesh_is_the_one_device_result():
+  """The kernels' FP8 outputs (fp8_out: the output quantized, amaxes by blocks; fp8_grad: dx
+  quantized into the channel's carrier, its amax into the slot's) per device under a data x
+  fsdp x tensor mesh: the blocks' amaxes side by side, the same values as on one device."""
+  from bert_jax import config_files  # pylint: disable=g-import-not-at-top
+  from bert_jax import fp8  # pylint: disable=g-import-not-at-top
+  from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  x, residual, bias, scale, beta, seed, dy = _inputs(24, 40, jnp.bfloat16, seed=6)
+  x, residual, dy = (jnp.concatenate([a, a[::-1] * 0.5] * 2) for a in (x, residual, dy))
+  out_scale, grad_scale = jnp.asarray([0.01], jnp.float32), jnp.asarray([0.0002], jnp.float32)
+  carrier = jnp.zeros(x.shape, jnp.float8_e5m2)
+  slot = jnp.zeros((1, fp8.FP8_AMAX_ROWS), jnp.float32)
+
+  def run():
+    def f(x, residual, carrier, slot):
+      y, copy, qy, parts = layer_norm.residual_layer_norm(
+          x, residual, bias, scale, beta, seed, rate=0.1, impl='pallas', residual_copy=True,
+          fp8_grad=(grad_scale, carrier, slot), fp8_out=(out_scale, jnp.float8_e4m3fn))
+      return y, copy, qy, jnp.max(parts)
+    out, vjp = jax.vjp(f, x, residual, carrier, slot)
+    dx, dr, q_dx, amaxes = vjp((dy, dy * 0.5, jnp.zeros_like(out[2]), jnp.zeros(())))
+    return out + (dx, dr, q_dx, jnp.max(amaxes))
+
+  one = jax.jit(run)()
+  config = config_files.load_config('configs/smoke.py', {'mesh.data': 2, 'mesh.fsdp': 2,
+                                                         'mesh.tensor': 2})
+  mesh = sharding_lib.make_mesh(config.mesh, jax.devices()[:8])
+  with sharding_lib.activate(mesh, sharding_lib.rules_from_config(config.mesh)):
+    jaxpr = str(jax.make_jaxpr(run)())
+    many = jax.jit(run)()
+  assert 'shard_map' in jaxpr and 'pallas_call' in jaxpr
+  names = ('y', 'copy', 'quantized y', 'amax of y', 'dx', 'd residual', 'quantized dx',
+           'amax of dx')
+  for name, a, b in zip(names, one, many):
+    assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  err_msg=name)
+  # The quantized copies are the outputs quantized as flax quantizes them; the channel's dx
+  # is the one a bf16 dx would be, and x itself gets none.
+  y, _, qy, y_amax, dx, _, q_dx, dx_amax = one
+  from flax.linen import fp8_ops  # pylint: disable=g-import-not-at-top
+  np.testing.assert_array_equal(
+      np.asarray(qy, np.float32),
+      np.asarray(fp8_ops.quantize(y, jnp.float8_e4m3fn, out_scale, jnp.bfloat16), np.float32))
+  assert float(y_amax) == float(jnp.max(jnp.abs(y.astype(jnp.float32))))
+  assert not np.any(np.asarray(dx, np.float32)) and float(dx_amax) > 0
+  _, vjp = jax.vjp(lambda x, r: layer_norm.residual_layer_norm(
+      x, r, bias, scale, beta, seed, rate=0.1, impl='pallas', residual_copy=True), x, residual)
+  plain_dx = vjp((dy, dy * 0.5))[0]
+  np.testing.assert_array_equal(
+      np.asarray(q_dx, np.float32),
+      np.asarray(fp8_ops.quantize(plain_dx, jnp.float8_e5m2, grad_scale, jnp.bfloat16),
+                 np.float32))
+  assert float(dx_amax) == float(jnp.max(jnp.abs(plain_dx.astype(jnp.float32))))
