@@ -216,9 +216,10 @@ def amax_of(largest: Array, nans: Array) -> Array:
   return jnp.where(jnp.max(nans) > 0, jnp.nan, jnp.max(largest))
 
 
-def _fwd_kernel(x_ref, b_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=None):
-  """refs: the output (y_ref), or with `fp8_max` (an FP8 format's largest magnitude) the scale
-  it quantizes by, the quantized output and one amax per program (s_ref, q_ref, amax_ref)."""
+def _fwd_kernel(x_ref, b_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=None, q_index=0):
+  """refs: the output (y_ref), or with `fp8_max` (an FP8 format's largest magnitude) the table
+  of scales whose element `q_index` it quantizes by, the quantized output and one amax per
+  program (s_ref, q_ref, amax_ref)."""
   cols = pl.program_id(1) * _TILE_COLS + jnp.arange(_TILE_COLS)
   bias = _load(b_ref, cols, cols < n_cols)
   idx, mask = _tile(n_rows, n_cols, pl.program_id(0) * _TILE_ROWS, cols)
@@ -228,22 +229,24 @@ def _fwd_kernel(x_ref, b_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=None):
     _store(y_ref, idx, y, mask)
     return
   s_ref, q_ref, amax_ref = refs
-  scale = _load(s_ref, jnp.zeros_like(cols), None)
+  scale = _load(s_ref, jnp.full_like(cols, q_index), None)
   h, q = quantize_rounded(y, scale[None, :], dtype, fp8_max)
   _store(q_ref, idx, q, mask)
   program = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
   _store(amax_ref, program, amax_of(*abs_and_nans(h, mask)), None)
 
 
-def _bwd_kernel(x_ref, b_ref, g_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=None):
-  """refs: dx_ref, part_ref; or with `fp8_max` s_ref (the scale dx is quantized by), q_ref
-  (the quantized dx), part_ref and amax_ref (one amax per program)."""
+def _bwd_kernel(x_ref, b_ref, g_ref, *refs, n_rows, n_cols, dtype=None, fp8_max=None,
+                q_index=0):
+  """refs: dx_ref, part_ref; or with `fp8_max` s_ref (the table of scales whose element
+  `q_index` dx is quantized by), q_ref (the quantized dx), part_ref and amax_ref (one amax
+  per program)."""
   quantize = fp8_max is not None
   s_ref, dx_ref, part_ref, amax_ref = refs if quantize else (None, *refs, None)
   cols = pl.program_id(1) * _TILE_COLS + jnp.arange(_TILE_COLS)
   cmask = cols < n_cols
   bias = _load(b_ref, cols, cmask)
-  scale = _load(s_ref, jnp.zeros_like(cols), None)[None, :] if quantize else None
+  scale = _load(s_ref, jnp.full_like(cols, q_index), None)[None, :] if quantize else None
   first = pl.program_id(0) * _BWD_ROWS
 
   def body(i, carry):
@@ -284,18 +287,19 @@ def _check_index_range(x):
                      "model.gelu_impl='xla' or a smaller per-device batch")
 
 
-def _fp8_params(x, q_dtype) -> dict:
-  return {} if q_dtype is None else dict(dtype=x.dtype, fp8_max=float(jnp.finfo(q_dtype).max))
+def _fp8_params(x, q_dtype, q_index) -> dict:
+  return {} if q_dtype is None else dict(dtype=x.dtype, fp8_max=float(jnp.finfo(q_dtype).max),
+                                         q_index=q_index)
 
 
-def _pallas_forward(x, bias, scale=None, *, interpret, q_dtype=None):
+def _pallas_forward(x, bias, scale=None, *, interpret, q_dtype=None, q_index=0):
   """gelu(x + bias); with `q_dtype` (and `scale`) quantized to it, and one amax per program."""
   _check_index_range(x)
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   grid = (pl.cdiv(n_rows, _TILE_ROWS), pl.cdiv(n_cols, _TILE_COLS))
   kernel = functools.partial(_fwd_kernel, n_rows=n_rows, n_cols=n_cols,
-                             **_fp8_params(x, q_dtype))
+                             **_fp8_params(x, q_dtype, q_index))
   if q_dtype is None:
     y = _call(kernel, [x.reshape(-1), bias], jax.ShapeDtypeStruct((x.size,), x.dtype), grid,
               interpret, 'bias_gelu_fwd', 1)
@@ -307,14 +311,14 @@ def _pallas_forward(x, bias, scale=None, *, interpret, q_dtype=None):
   return q.reshape(x.shape), amax
 
 
-def _pallas_backward(x, bias, g, scale=None, *, interpret, q_dtype=None):
+def _pallas_backward(x, bias, g, scale=None, *, interpret, q_dtype=None, q_index=0):
   """(dx, the bias gradient); with `q_dtype` (and `scale`) dx quantized to it, and one amax
   per program after them."""
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   grid = (pl.cdiv(n_rows, _BWD_ROWS), pl.cdiv(n_cols, _TILE_COLS))
   kernel = functools.partial(_bwd_kernel, n_rows=n_rows, n_cols=n_cols,
-                             **_fp8_params(x, q_dtype))
+                             **_fp8_params(x, q_dtype, q_index))
   parts = jax.ShapeDtypeStruct((grid[0] * n_cols,), jnp.float32)
   if q_dtype is None:
     dx, parts = _call(kernel, [x.reshape(-1), bias, g.reshape(-1)],
@@ -329,26 +333,32 @@ def _pallas_backward(x, bias, g, scale=None, *, interpret, q_dtype=None):
 
 
 def bias_gelu_fp8(x: Array, bias: Array, scale: Array, q_dtype, *,
-                  axes: tuple[str | None, ...], interpret: bool) -> tuple[Array, Array]:
+                  axes: tuple[str | None, ...], interpret: bool,
+                  scale_index: int = 0) -> tuple[Array, Array]:
   """The Pallas forward of `bias_gelu` with its output quantized for an FP8 matmul: (gelu(x +
   bias) quantized to `q_dtype` by `scale` as flax's `fp8_ops.quantize` quantizes the
   x.dtype result, the largest magnitudes of that result by blocks (1-D, any length: their
   max is the amax)). Not differentiable: `fp8.fp8_gelu_mlp`'s backward calls
-  `bias_gelu_fp8_grad`. bias: [C] float32; scale: [1] float32; axes: x's logical axes."""
+  `bias_gelu_fp8_grad`. bias: [C] float32; scale: a 1-D float32 table whose element
+  `scale_index` is the scale (read in place: a slice given to a kernel is a copy of its own);
+  axes: x's logical axes."""
   with jax.named_scope('bias_gelu'):
-    return _run(functools.partial(_pallas_forward, q_dtype=q_dtype, interpret=interpret),
+    return _run(functools.partial(_pallas_forward, q_dtype=q_dtype, interpret=interpret,
+                                  q_index=scale_index),
                 axes, ('x', 'parts'), x, bias, scale)
 
 
 def bias_gelu_fp8_grad(x: Array, bias: Array, g: Array, scale: Array, q_dtype, *,
-                       axes: tuple[str | None, ...],
-                       interpret: bool) -> tuple[Array, Array, Array]:
+                       axes: tuple[str | None, ...], interpret: bool,
+                       scale_index: int = 0) -> tuple[Array, Array, Array]:
   """The Pallas backward of `bias_gelu` with its input gradient quantized for an FP8 matmul:
   (dx = g gelu'(x + bias), rounded to x.dtype, quantized to `q_dtype` by `scale`; the bias
-  gradient [C], summed in float32; the largest magnitudes of the rounded dx by blocks)."""
+  gradient [C], summed in float32; the largest magnitudes of the rounded dx by blocks).
+  scale, scale_index: as `bias_gelu_fp8` has them."""
   with jax.named_scope('bias_gelu_bwd'):
     q, dbias, amax = _run(
-        functools.partial(_pallas_backward, q_dtype=q_dtype, interpret=interpret), axes,
+        functools.partial(_pallas_backward, q_dtype=q_dtype, interpret=interpret,
+                          q_index=scale_index), axes,
         ('x', 'sum', 'parts'), x, bias, g, scale)
   return q, dbias, amax
 
@@ -358,9 +368,9 @@ def _sharded(fn, axes: tuple[str | None, ...], outs: tuple[str, ...]):
   axes say, columns as the last). `fn`'s results, as `outs` names them: 'x', an x-shaped
   array; 'sum', a [C] sum over the rows, whose per-device parts are added with a psum;
   'parts', a 1-D array of per-device partial results (amaxes), the devices' arrays side by
-  side. Its arguments: x-shaped ones, [C] ones (split as the columns are) and others
-  (scalars, replicated). Without this, a sharded step would gather every row to every device
-  (a Pallas call has no partitioning rule)."""
+  side. Its arguments: x-shaped ones, the bias (the second: split as the columns are) and
+  others (scale tables, replicated). Without this, a sharded step would gather every row to
+  every device (a Pallas call has no partitioning rule)."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.get_abstract_mesh()
   spec = nn.logical_to_mesh_axes(axes)
@@ -378,9 +388,9 @@ def _sharded(fn, axes: tuple[str | None, ...], outs: tuple[str, ...]):
                  for o, kind in zip(out, outs))
 
   def wrapped(*args):
-    x_ndim, n_cols = args[0].ndim, args[0].shape[-1]
-    in_specs = tuple(x_spec if a.ndim == x_ndim else
-                     col_spec if a.shape == (n_cols,) else P() for a in args)
+    x_ndim = args[0].ndim
+    in_specs = tuple(x_spec if a.ndim == x_ndim else col_spec if i == 1 else P()
+                     for i, a in enumerate(args))
     out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                         check_vma=False)(*args)
     return out if len(outs) > 1 else out[0]

@@ -46,7 +46,10 @@ Array = jax.Array
 #   The collection is bert_jax's own: its "gradient" is amaxes, not a new value, so flax's and
 #   optax's helpers for overwrite-with-gradient collections must not take it.
 #   With gelu_impl='pallas' the paper's MLP is one function (`fp8_gelu_mlp`) whose GELU kernels
-#   write its [tokens, intermediate] tensors only in FP8, with their amaxes.
+#   write its [tokens, intermediate] tensors only in FP8, with their amaxes. With
+#   layer_norm_impl='pallas' the post-LN layer's LayerNorm kernels likewise write the input of
+#   the matmul after them in FP8 (`fp8_dot_general`'s x_quantized) and the output gradient of
+#   the projection before them (its grad_channel), reading the scales in place from the table.
 #   Hopper GPUs and later run these as FP8 GEMMs; elsewhere XLA emulates them (correct, slower).
 MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
 FP8_COLLECTION = 'fp8'
@@ -73,11 +76,11 @@ def fp8_dot_general(x: Array, kernel: Array, dims, scales: Array,
   The numerics of flax's `Fp8DirectDotGeneralOp` given the scales it computes
   (`fp8_step_scales`).
 
-  grad_channel: return (y, channel), the channel (the output gradient's scale [1], a carrier
-  [y.shape] of its FP8 format, a carrier of its amax slot's shape) for the fused LayerNorm
-  that y goes to (`layer_norm.residual_layer_norm`'s fp8_grad): its backward kernel writes
-  the output gradient quantized, and the carriers' cotangents bring it and its amax here, so
-  that no pass of its own quantizes it. y's own cotangent is then not read.
+  grad_channel: return (y, channel), the channel (a carrier [y.shape] of the output
+  gradient's FP8 format, a carrier of its amax slot's shape) for the fused LayerNorm that y
+  goes to (`layer_norm.residual_layer_norm`'s fp8_grad, with scales[2]): its backward kernel
+  writes the output gradient quantized, and the carriers' cotangents bring it and its amax
+  here, so that no pass of its own quantizes it. y's own cotangent is then not read.
   x_quantized: (x quantized by scales[0], amaxes of x by blocks) as the fused LayerNorm that
   computed x wrote them (`layer_norm.residual_layer_norm`'s fp8_out): used instead of
   quantizing x here. Not differentiated: x's gradient is returned to x.
@@ -136,10 +139,10 @@ def _fp8_dot(x: Array, kernel: Array, x_scale: Array, kernel_scale: Array, grad_
                       grad_slot, given, dims, channel)[0]
 
 
-def _grad_channel(y: Array, grad_scale: Array, grad_slot: Array) -> tuple:
-  """fp8_dot_general's grad_channel: the scale, a zeros carrier of the quantized gradient and
-  the slot itself as its amax's carrier (their values are never read)."""
-  return grad_scale, jnp.zeros(y.shape, FP8_TENSORS[2][1]), grad_slot
+def _grad_channel(y: Array, grad_slot: Array) -> tuple:
+  """fp8_dot_general's grad_channel: a zeros carrier of the quantized gradient and the slot
+  itself as its amax's carrier (their values are never read)."""
+  return jnp.zeros(y.shape, FP8_TENSORS[2][1]), grad_slot
 
 
 def _quantized_input(x: Array, scale: Array, slot: Array, given) -> tuple[Array, Array]:
@@ -159,7 +162,7 @@ def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, x_slot, kernel_sl
   qk = fp8_ops.quantize(kernel, e4m3, kernel_scale, dtype)
   y = _fp8_matmul(qx, qk, dims, x_scale * kernel_scale, dtype)
   # (The slots' values are never read: the output gradient's slot comes along for its shape.)
-  out = (y, _grad_channel(y, grad_scale, grad_slot)) if channel else y
+  out = (y, _grad_channel(y, grad_slot)) if channel else y
   return out, (qx, qk, x_scale, kernel_scale, grad_scale, x_amax,
                _amax_as(kernel, kernel_slot), grad_slot, given)
 
@@ -167,7 +170,7 @@ def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, x_slot, kernel_sl
 def _fp8_dot_bwd(dims, channel, res, g):
   qx, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax, grad_slot, given = res
   if channel:  # The LayerNorm's backward kernel quantized the gradient (fp8_dot_general).
-    g, (_, qg, g_amax) = g
+    g, (qg, g_amax) = g
     dtype = g.dtype
   else:
     dtype = g.dtype  # The output's, the kernel's dtype.
@@ -279,7 +282,9 @@ def _amax_like(t: Array, slot: Array) -> Array:
 def fp8_gelu_mlp(x: Array, kernel_in: Array, bias_in: Array, kernel_out: Array,
                  fp8_in: tuple, fp8_out: tuple, *, axes: tuple[str | None, ...],
                  interpret: bool, grad_channel: bool = False,
-                 x_quantized: tuple[Array, Array] | None = None) -> Array | tuple[Array, tuple]:
+                 x_quantized: tuple[Array, Array] | None = None,
+                 kernel_scales: tuple[Array, int, int] | None = None
+                 ) -> Array | tuple[Array, tuple]:
   """gelu(x @ kernel_in + bias_in) @ kernel_out, both matmuls in FP8 as `fp8_dot_general`
   computes them, with the GELU's Pallas kernels (`activations.bias_gelu_fp8`) writing the
   quantized tensors: the forward writes gelu's output only in FP8 (the second matmul's
@@ -293,64 +298,74 @@ def fp8_gelu_mlp(x: Array, kernel_in: Array, bias_in: Array, kernel_out: Array,
   `fp8_dot_general` takes them. kernel_in/out in the compute dtype; bias_in float32; axes: the
   logical axes of the intermediate activation (the GELU kernels run under the mesh with
   them); interpret: Pallas' interpreter (not a GPU); grad_channel: the second matmul's,
-  x_quantized: the first's, as `fp8_dot_general` has them."""
+  x_quantized: the first's, as `fp8_dot_general` has them; kernel_scales: (a 1-D table of
+  scales, the index of the second matmul's input scale in it, that of the first's output
+  gradient scale), which the GELU kernels read in place (a slice of a scale given to a kernel
+  is a copy kernel of its own), or None (they read fp8_out's and fp8_in's)."""
   (s1, slots1), (s2, slots2) = fp8_in, fp8_out
+  if kernel_scales is None:
+    kernel_scales = (jnp.stack([s2[0], s1[2]]), 0, 1)
+  table, fwd_index, bwd_index = kernel_scales
   return _gelu_mlp(jnp.asarray(x, kernel_in.dtype), kernel_in, bias_in.astype(jnp.float32),
                    kernel_out, s1, s2, s1 if slots1 is None else slots1,
                    s2 if slots2 is None else slots2,
                    None if x_quantized is None else jax.lax.stop_gradient(tuple(x_quantized)),
-                   tuple(axes), interpret, grad_channel)
+                   jax.lax.stop_gradient(table), tuple(axes), interpret, grad_channel,
+                   (int(fwd_index), int(bwd_index)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def _gelu_mlp(x, k1, b1, k2, s1, s2, slots1, slots2, given, axes, interpret, channel):
-  return _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, given, axes, interpret,
-                       channel)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
+def _gelu_mlp(x, k1, b1, k2, s1, s2, slots1, slots2, given, table, axes, interpret, channel,
+              indices):
+  return _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, given, table, axes, interpret,
+                       channel, indices)[0]
 
 
 def _mlp_dims(x: Array):
   return (((x.ndim - 1,), (0,)), ((), ()))
 
 
-def _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, given, axes, interpret, channel):
+def _gelu_mlp_fwd(x, k1, b1, k2, s1, s2, slots1, slots2, given, table, axes, interpret,
+                  channel, indices):
   dtype = k1.dtype
   (_, e4m3), _, _ = FP8_TENSORS
   with jax.named_scope('intermediate'):  # The scopes of the unfused layers' kernels.
     qx, x_amax = _quantized_input(x, s1[:1], slots1[:1], given)
     qk1 = fp8_ops.quantize(k1, e4m3, s1[1], dtype)
     y1 = _fp8_matmul(qx, qk1, _mlp_dims(x), s1[0] * s1[1], dtype)
-    qh, h_amax = activations.bias_gelu_fp8(y1, b1, s2[:1], e4m3, axes=axes,
-                                           interpret=interpret)
+    qh, h_amax = activations.bias_gelu_fp8(y1, b1, table, e4m3, axes=axes,
+                                           interpret=interpret, scale_index=indices[0])
   with jax.named_scope('output'):
     qk2 = fp8_ops.quantize(k2, e4m3, s2[1], dtype)
     y2 = _fp8_matmul(qh, qk2, _mlp_dims(qh), s2[0] * s2[1], dtype)
   amaxes = (x_amax.reshape(slots1[0].shape), _amax_like(k1, slots1[1]),
             _amax_like(h_amax, slots2[0]), _amax_like(k2, slots2[1]))
-  out = (y2, _grad_channel(y2, s2[2:], slots2[2:])) if channel else y2
-  return out, (qx, qk1, y1, b1, qh, qk2, s1, s2, amaxes, slots1[2], slots2[2], given)
+  out = (y2, _grad_channel(y2, slots2[2:])) if channel else y2
+  return out, (qx, qk1, y1, b1, qh, qk2, s1, s2, amaxes, slots1[2], slots2[2], given, table)
 
 
-def _gelu_mlp_bwd(axes, interpret, channel, res, g):
-  qx, qk1, y1, b1, qh, qk2, s1, s2, amaxes, grad_slot1, grad_slot2, given = res
+def _gelu_mlp_bwd(axes, interpret, channel, indices, res, g):
+  qx, qk1, y1, b1, qh, qk2, s1, s2, amaxes, grad_slot1, grad_slot2, given, table = res
   dtype = y1.dtype
   e5m2 = FP8_TENSORS[2][1]
   with jax.named_scope('output'):
     if channel:  # The LayerNorm's backward kernel quantized the gradient (fp8_dot_general).
-      _, (_, qg2, g2_amax) = g
+      _, (qg2, g2_amax) = g
     else:
       qg2 = fp8_ops.quantize(g, e5m2, s2[2], dtype)
       g2_amax = _amax_like(g, grad_slot2)
     dh, dk2 = _fp8_matmul_grads(qg2, qh, qk2, _mlp_dims(qh), s2[0], s2[1], s2[2], dtype)
   with jax.named_scope('intermediate'):
-    qg1, db1, g1_amax = activations.bias_gelu_fp8_grad(y1, b1, dh, s1[2:], e5m2, axes=axes,
-                                                       interpret=interpret)
+    qg1, db1, g1_amax = activations.bias_gelu_fp8_grad(y1, b1, dh, table, e5m2, axes=axes,
+                                                       interpret=interpret,
+                                                       scale_index=indices[1])
     dx, dk1 = _fp8_matmul_grads(qg1, qx, qk1, _mlp_dims(qx), s1[0], s1[1], s1[2], dtype)
   x_amax, k1_amax, h_amax, k2_amax = amaxes
   # The scales' "gradients": none; the slots': this step's amaxes (as `fp8_dot_general`'s).
   return (dx, dk1, db1, dk2, jnp.zeros_like(s1), jnp.zeros_like(s2),
           jnp.stack([x_amax, k1_amax, _amax_like(g1_amax, grad_slot1)]),
           jnp.stack([h_amax, k2_amax, g2_amax.reshape(grad_slot2.shape).astype(
-              grad_slot2.dtype)]), jax.tree.map(jnp.zeros_like, given))
+              grad_slot2.dtype)]), jax.tree.map(jnp.zeros_like, given), jnp.zeros_like(table))
 
 
 _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)

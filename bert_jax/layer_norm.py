@@ -19,6 +19,11 @@ backward kernel reads both and adds them in registers, where autodiff would othe
 two in a separate [tokens, hidden] kernel between every two LayerNorm backward kernels (0.8 ms
 of BERT-base's step on an H200, issue 45).
 
+For FP8 matmuls (`fp8.py`) the Pallas kernels also quantize: the forward writes y in FP8 too
+(the next matmul's input, `fp8_out`), the backward dx only in FP8 (the output gradient of the
+projection that computed x, `fp8_grad`), each with its amax by blocks of rows: the values
+flax's `fp8_ops.quantize` gives the rounded tensor, without a pass of their own.
+
 Implementations (`model.layer_norm_impl`):
   xla     the formula in jnp (every backend, the reference in tests);
   pallas  one Pallas kernel each way, lowered through Triton on NVIDIA GPUs (in interpret mode
@@ -246,10 +251,10 @@ def _tile_sum(x_ref, r_ref, seed_ref, idx, mask, rows, cols, bias, t, rows_per_s
 
 
 def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_seed,
-                rows_per_shard_batch, dtype=None, fp8_max=None):
+                rows_per_shard_batch, dtype=None, fp8_max=None, q_index=0):
   """With `fp8_max` (an FP8 format's largest magnitude) y is also written quantized by the
-  scale after beta's ref, as flax's `fp8_ops.quantize` quantizes the rounded y, with one amax
-  per program (the last ref)."""
+  scale at `q_index` of the table after beta's ref, as flax's `fp8_ops.quantize` quantizes
+  the rounded y, with one amax per program (the last ref)."""
   refs = list(refs)
   x_ref, r_ref = refs.pop(0), refs.pop(0)
   bias_ref = refs.pop(0) if has_bias else None
@@ -269,7 +274,7 @@ def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_see
   _store(y_ref, idx, y, mask)
   if fp8_max is not None:
     q_ref, amax_ref = refs
-    q_scale = _load(qs_ref, jnp.zeros_like(cols), cols >= 0)[None, :]
+    q_scale = _load(qs_ref, jnp.full_like(cols, q_index), cols >= 0)[None, :]
     rounded, q = activations.quantize_rounded(y, q_scale, dtype, fp8_max)
     _store(q_ref, idx, q, mask)
     _store(amax_ref, pl.program_id(0), activations.amax_of(
@@ -277,10 +282,10 @@ def _fwd_kernel(*refs, n_rows, n_cols, block, rows, rate, eps, has_bias, has_see
 
 
 def _bwd_kernel(*refs, n_rows, n_cols, block, rows, tile, rate, eps, has_bias, has_seed,
-                has_dy2, rows_per_shard_batch, dtype=None, fp8_max=None):
+                has_dy2, rows_per_shard_batch, dtype=None, fp8_max=None, q_index=0):
   """With `fp8_max` (an FP8 format's largest magnitude) dx is written quantized by the scale
-  after the gradients' refs, as `activations.bias_gelu_fp8_grad` writes its dx, with one amax
-  per program (the last ref)."""
+  at `q_index` of the table after the gradients' refs, as `activations.bias_gelu_fp8_grad`
+  writes its dx, with one amax per program (the last ref)."""
   refs = list(refs)
   x_ref, r_ref = refs.pop(0), refs.pop(0)
   bias_ref = refs.pop(0) if has_bias else None
@@ -295,8 +300,9 @@ def _bwd_kernel(*refs, n_rows, n_cols, block, rows, tile, rate, eps, has_bias, h
   cmask = cols < n_cols
   scale = _load(scale_ref, cols, cmask)
   bias = _load(bias_ref, cols, cmask) if has_bias else None
-  # The scale, broadcast: every lane loads element 0.
-  q_scale = _load(qs_ref, jnp.zeros_like(cols), cols >= 0)[None, :] if quantize else None
+  # The scale, broadcast: every lane loads the same element.
+  q_scale = (_load(qs_ref, jnp.full_like(cols, q_index), cols >= 0)[None, :] if quantize
+             else None)
   t = keep_threshold(rate) if has_seed else 0
   program = pl.program_id(0)
 
@@ -374,15 +380,17 @@ def _rows_per_batch_row(x) -> int:
   return x.shape[-2] if x.ndim >= 3 else 1
 
 
-def _fp8_params(dtype, q_dtype) -> dict:
-  """The kernels' quantizing arguments: the dtype a value is rounded to first and the FP8
-  format's largest magnitude (none without `q_dtype`)."""
-  return {} if q_dtype is None else dict(dtype=dtype, fp8_max=float(jnp.finfo(q_dtype).max))
+def _fp8_params(dtype, q_dtype, q_index) -> dict:
+  """The kernels' quantizing arguments: the dtype a value is rounded to first, the FP8
+  format's largest magnitude and the scale's index in its table (none without `q_dtype`)."""
+  return {} if q_dtype is None else dict(dtype=dtype, fp8_max=float(jnp.finfo(q_dtype).max),
+                                         q_index=q_index)
 
 
 def _pallas_forward(x, residual, bias, scale, beta, seed, q_scale=None, *, rate, eps,
-                    out_dtype, interpret, q_dtype=None, shard=None):
-  """y; with `q_dtype` (and `q_scale` [1]) (y, y quantized to it, one amax per program)."""
+                    out_dtype, interpret, q_dtype=None, q_index=0, shard=None):
+  """y; with `q_dtype` (and `q_scale`, a 1-D table of scales, and the index of the one to
+  quantize by) (y, y quantized to it, one amax per program)."""
   _check_index_range(x)
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
@@ -391,7 +399,7 @@ def _pallas_forward(x, residual, bias, scale, beta, seed, q_scale=None, *, rate,
                              rows=_FWD_ROWS, rate=rate, eps=eps, has_bias=bias is not None,
                              has_seed=seed is not None,
                              rows_per_shard_batch=_rows_per_batch_row(x),
-                             **_fp8_params(out_dtype, q_dtype))
+                             **_fp8_params(out_dtype, q_dtype, q_index))
   shard = shard or (0, 0, _rows_per_batch_row(x))
   ins = _flat_inputs(x, residual, bias, seed, shard) + [scale, beta]
   programs = pl.cdiv(n_rows, _FWD_ROWS)
@@ -409,9 +417,9 @@ def _pallas_forward(x, residual, bias, scale, beta, seed, q_scale=None, *, rate,
 
 
 def _pallas_backward(x, residual, bias, scale, seed, dy, dy2, q_scale=None, *, rate, eps,
-                     interpret, q_dtype=None, shard=None):
-  """(dx, d residual, dbias, dscale, dbeta); with `q_dtype` (and `q_scale` [1]) dx quantized to
-  it, and one amax per program after them."""
+                     interpret, q_dtype=None, q_index=0, shard=None):
+  """(dx, d residual, dbias, dscale, dbeta); with `q_dtype` (and `q_scale`, `q_index` as
+  `_pallas_forward` has them) dx quantized to it, and one amax per program after them."""
   n_cols = x.shape[-1]
   n_rows = x.size // n_cols
   block = pl.next_power_of_2(n_cols)
@@ -423,7 +431,7 @@ def _pallas_backward(x, residual, bias, scale, seed, dy, dy2, q_scale=None, *, r
                              has_bias=bias is not None, has_seed=seed is not None,
                              has_dy2=dy2 is not None,
                              rows_per_shard_batch=_rows_per_batch_row(x),
-                             **_fp8_params(x.dtype, q_dtype))
+                             **_fp8_params(x.dtype, q_dtype, q_index))
   shard = shard or (0, 0, _rows_per_batch_row(x))
   ins = _flat_inputs(x, residual, bias, seed, shard) + [scale, dy.reshape(-1)]
   if dy2 is not None:
@@ -491,39 +499,41 @@ def _fused(x, residual, bias, scale, beta, seed, fp8_io, rate, eps, out_dtype, i
 
 def _fused_fwd(x, residual, bias, scale, beta, seed, fp8_io, rate, eps, out_dtype, interpret,
                fp8_spec):
-  """fp8_io: (the FP8 gradient channel or None, the output's FP8 scale [1] or None);
-  fp8_spec: their static parts ((format, slot shape) or None, format or None)."""
-  fp8_grad, out_scale = fp8_io
-  q_dtype = fp8_spec[1]
+  """fp8_io: ((scale table, carrier, slot carrier) of the FP8 gradient channel or None, the
+  output's scale table or None); fp8_spec: their static parts ((format, slot shape, index)
+  or None, (format, index) or None)."""
+  fp8_grad, out_table = fp8_io
+  q_dtype, q_index = fp8_spec[1] or (None, 0)
   fwd = functools.partial(_pallas_forward, rate=rate, eps=eps, out_dtype=out_dtype,
-                          interpret=interpret, q_dtype=q_dtype)
+                          interpret=interpret, q_dtype=q_dtype, q_index=q_index)
   outs = ('rows',) if q_dtype is None else ('rows', 'rows', 'parts')
-  y = _run_rows(fwd, outs, x, residual, bias, scale, beta, seed, out_scale)
-  # Of the FP8 channel only the scale is kept: the carriers are zeros nothing reads.
-  return y, (x, residual, bias, scale, seed, None if fp8_grad is None else fp8_grad[0])
+  y = _run_rows(fwd, outs, x, residual, bias, scale, beta, seed, out_table)
+  # Of the FP8 channel only the scales are kept: the carriers are zeros nothing reads.
+  return y, (x, residual, bias, scale, seed, None if fp8_grad is None else fp8_grad[0],
+             out_table)
 
 
 def _fused_bwd(rate, eps, out_dtype, interpret, fp8_spec, saved, dy, dy2=None):
   del out_dtype
-  x, residual, bias, scale, seed, q_scale = saved
-  grad_spec, out_q_dtype = fp8_spec
-  q_dtype = None if grad_spec is None else grad_spec[0]
+  x, residual, bias, scale, seed, grad_table, out_table = saved
+  grad_spec = fp8_spec[0]
+  q_dtype, slot_shape, q_index = grad_spec or (None, None, 0)
   bwd = functools.partial(_pallas_backward, rate=rate, eps=eps, interpret=interpret,
-                          q_dtype=q_dtype)
+                          q_dtype=q_dtype, q_index=q_index)
   outs = ('rows', 'rows', 'sum', 'sum', 'sum') + (() if q_dtype is None else ('parts',))
   dx, dr, dbias, dscale, dbeta, *amax = _run_rows(bwd, outs, x, residual, bias, scale, seed,
-                                                  dy, dy2, q_scale)
+                                                  dy, dy2, grad_table)
   dbias = None if bias is None else dbias.astype(bias.dtype)
   dseed = None if seed is None else jnp.zeros(seed.shape, jax.dtypes.float0)
   fp8_grad = None
   if q_dtype is not None:
     # The quantized dx and its amax go to the FP8 matmul through the channel's carriers; x
     # itself gets none (the matmul reads the channel only).
-    fp8_grad = (jnp.zeros_like(q_scale), dx, fp8.amax_in(amax[0], grad_spec[1]))
+    fp8_grad = (jnp.zeros_like(grad_table), dx, fp8.amax_in(amax[0], slot_shape))
     dx = jnp.zeros(x.shape, x.dtype)
-  out_scale = None if out_q_dtype is None else jnp.zeros((1,), jnp.float32)
+  out_table = None if out_table is None else jnp.zeros_like(out_table)
   return (dx, dr, dbias, dscale.astype(scale.dtype), dbeta.astype(scale.dtype), dseed,
-          (fp8_grad, out_scale))
+          (fp8_grad, out_table))
 
 
 def _fused_single_bwd(rate, eps, out_dtype, interpret, fp8_spec, saved, cotangent):
@@ -591,8 +601,8 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
                         beta: Array, seed: Array | None = None, *, rate: float = 0.0,
                         eps: float = 1e-12, impl: str = 'xla', out_dtype=None,
                         residual_copy: bool = False,
-                        fp8_grad: tuple[Array, Array, Array] | None = None,
-                        fp8_out: tuple[Array, Any] | None = None) -> Array | tuple:
+                        fp8_grad: tuple[Array, int, Array, Array] | None = None,
+                        fp8_out: tuple[Array, int, Any] | None = None) -> Array | tuple:
   """LayerNorm(residual + dropout(x + bias)) over the last axis, statistics in float32.
 
   x, residual: [..., H] (the same shape); bias, scale, beta: [H] (bias may be None); seed: the
@@ -600,13 +610,15 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
   impl: 'xla' or 'pallas' (module docstring). Returns out_dtype (default: x's dtype); with
   residual_copy, the output twice (y, y): give the second to the next LayerNorm as its
   residual, and the backward kernel adds the two gradients (module docstring).
-  fp8_grad: the channel of the FP8 matmul that computed x (`fp8.fp8_dot_general`'s
-  `grad_channel`; pallas only): the backward kernel writes dx quantized by the channel's
-  scale, with its amax, and gives both to the matmul through the channel's carriers instead of
-  writing dx in x's dtype for the matmul to quantize in a pass of its own.
-  fp8_out: (scale [1] float32, FP8 format) of the FP8 matmul that the output goes to
-  (pallas only): the forward kernel also writes the output quantized, with one amax per block
-  of rows, and both are returned after the output(s): give them to the matmul
+  fp8_grad: (scales, index, *channel) for the FP8 matmul that computed x (`fp8.
+  fp8_dot_general`'s `grad_channel`; pallas only): the backward kernel writes dx quantized by
+  scales[index] (scales: a 1-D float32 table, which the kernel reads in place: a slice given
+  to a kernel is a copy of its own), with its amax, and gives both to the matmul through the
+  channel's carriers instead of writing dx in x's dtype for the matmul to quantize in a pass
+  of its own.
+  fp8_out: (scales, index, FP8 format) of the FP8 matmul that the output goes to (pallas
+  only): the forward kernel also writes the output quantized by scales[index], with one amax
+  per block of rows, and both are returned after the output(s): give them to the matmul
   (`fp8.fp8_dot_general`'s x_quantized), which then quantizes nothing of its own.
   """
   assert impl in IMPLEMENTATIONS, impl
@@ -623,14 +635,20 @@ def residual_layer_norm(x: Array, residual: Array, bias: Array | None, scale: Ar
     assert fp8_grad is None and fp8_out is None, 'FP8 quantizing takes the pallas kernels'
     y = _xla(x, residual, bias, scale, beta, seed, rate=rate, eps=eps, out_dtype=out_dtype)
     return (y, y) if residual_copy else y
-  grad_spec = None
+  grad_spec = out_spec = grad_io = out_table = None
   if fp8_grad is not None:
-    _, carrier, slot = fp8_grad
+    grad_table, grad_index, carrier, slot = fp8_grad
     if carrier.shape != x.shape:
       raise ValueError(f'the FP8 gradient carrier {carrier.shape} is not shaped as x {x.shape}')
-    grad_spec = (jnp.dtype(carrier.dtype), tuple(slot.shape))
-  out_scale, out_q_dtype = fp8_out if fp8_out is not None else (None, None)
-  fp8_spec = (grad_spec, None if out_q_dtype is None else jnp.dtype(out_q_dtype))
+    grad_spec = (jnp.dtype(carrier.dtype), tuple(slot.shape), int(grad_index))
+    grad_io = (grad_table, carrier, slot)
+  if fp8_out is not None:
+    out_table, out_index, out_q_dtype = fp8_out
+    out_spec = (jnp.dtype(out_q_dtype), int(out_index))
+  for table, index in ((grad_io and grad_io[0], grad_spec and grad_spec[2]),
+                       (out_table, out_spec and out_spec[1])):
+    if table is not None and not (table.ndim == 1 and 0 <= index < table.shape[0]):
+      raise ValueError(f'FP8 scale {index} of a table {table.shape}: not a 1-D table holding it')
   fused = _fused_pair if residual_copy else _fused
-  return fused(x, residual, bias, scale, beta, seed, (fp8_grad, out_scale), float(rate),
-               float(eps), out_dtype, not gpu, fp8_spec)
+  return fused(x, residual, bias, scale, beta, seed, (grad_io, out_table), float(rate),
+               float(eps), out_dtype, not gpu, (grad_spec, out_spec))

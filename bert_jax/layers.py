@@ -117,10 +117,11 @@ class ResidualLayerNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, residual: Array, x_bias: Array | None, seed: Array | None,
-               fp8_grad: tuple | None = None, fp8_out: Array | None = None) -> Array | tuple:
-    """`fp8_grad`: the channel of the FP8 matmul that computed x, if it has one; `fp8_out`:
-    the input scale [1] of the FP8 matmul the output goes to, whose quantized input and
-    amaxes are then returned after the output(s) (`layer_norm.residual_layer_norm`)."""
+               fp8_grad: tuple | None = None, fp8_out: tuple | None = None) -> Array | tuple:
+    """`fp8_grad`: (scale table, index, *channel) of the FP8 matmul that computed x, if it
+    has a channel; `fp8_out`: (scale table, index) of the input scale of the FP8 matmul the
+    output goes to, whose quantized input and amaxes are then returned after the output(s)
+    (`layer_norm.residual_layer_norm`)."""
     c = self.config
     scale, bias = _norm_params(self, c, x.shape[-1])
     rate = c.hidden_dropout_prob if seed is not None else 0.0
@@ -130,7 +131,7 @@ class ResidualLayerNorm(nn.Module):
     return layer_norm.residual_layer_norm(
         x, residual, x_bias, scale, bias, seed, rate=rate, eps=c.layer_norm_eps, impl=impl,
         out_dtype=c.compute_dtype, residual_copy=self.residual_copy, fp8_grad=fp8_grad,
-        fp8_out=None if fp8_out is None else (fp8_out, FP8_TENSORS[0][1]))
+        fp8_out=None if fp8_out is None else (*fp8_out, FP8_TENSORS[0][1]))
 
 
 class DenseGeneral(nn.Module):
@@ -398,10 +399,11 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, fp8_scales: list[tuple] | None = None,
-               grad_channel: bool = False, x_quantized: tuple | None = None) -> Array:
+               grad_channel: bool = False, x_quantized: tuple | None = None,
+               kernel_scales: tuple | None = None) -> Array:
     """`fp8_scales`: the FP8 scales and amax slots of its input and output matmuls, or
     None; grad_channel: the output projection's, x_quantized: the input projection's
-    (`DenseGeneral`)."""
+    (`DenseGeneral`); kernel_scales: the GELU kernels' (`fp8.fp8_gelu_mlp`)."""
     c = self.config
     fp8 = fp8_scales or [None, None]
     if c.mlp_type == 'gated':
@@ -413,7 +415,7 @@ class Mlp(nn.Module):
       # kernel fuses a dense layer's bias add and GELU: config_checks refuses it here).
       h = activate(c, y[:, :, 0], None, c.hidden_act) * y[:, :, 1]
     elif fp8[0] is not None and _fused_fp8_gelu(self, c):
-      return _fp8_gelu_mlp(c, x, fp8, grad_channel, x_quantized)
+      return _fp8_gelu_mlp(c, x, fp8, grad_channel, x_quantized, kernel_scales)
     else:
       h = dense(c, c.intermediate_size, ('embed', 'mlp'), 'intermediate',
                 activation=c.hidden_act, use_bias=c.use_bias,
@@ -433,7 +435,7 @@ def _fused_fp8_gelu(module: nn.Module, c: BertConfig) -> bool:
 
 
 def _fp8_gelu_mlp(c: BertConfig, x: Array, fp8_scales: list[tuple], grad_channel: bool,
-                  x_quantized: tuple | None) -> tuple:
+                  x_quantized: tuple | None, kernel_scales: tuple | None) -> tuple:
   """The paper's MLP in FP8 with the GELU's kernels quantizing (`fp8.fp8_gelu_mlp`), on the
   parameters `dense` would create; returns (projection, its bias[, gradient channel]) as
   `Mlp` does."""
@@ -446,7 +448,7 @@ def _fp8_gelu_mlp(c: BertConfig, x: Array, fp8_scales: list[tuple], grad_channel
   y = fp8_gelu_mlp(x, k1, b1, k2, fp8_scales[0], fp8_scales[1],
                    axes=('batch', 'length', 'act_mlp'),
                    interpret=attention.target_platform() != 'gpu', grad_channel=grad_channel,
-                   x_quantized=x_quantized)
+                   x_quantized=x_quantized, kernel_scales=kernel_scales)
   return (y[0], b2, y[1]) if grad_channel else (y, b2)
 
 
@@ -478,15 +480,20 @@ class EncoderLayer(nn.Module):
   # Whether the layer attends locally; None: the `local` argument says (a traced bool, in
   # scanned layers of both kinds).
   local: bool | None = False
+  # The layer's index in unrolled layers (None: scanned), where its FP8 scales sit in
+  # `fp8_table`.
+  layer_index: int | None = None
 
   @nn.compact
   def __call__(self, carry, sequence_ids: Array, positions: Array | None,
                local: Array | None = None, fp8_scales: tuple | None = None,
-               next_input_scale: Array | None = None):
+               fp8_table: Array | None = None):
     """`fp8_scales`: this layer's FP8 scales [matmuls, 3] and amax slots [matmuls, 3,
-    FP8_AMAX_ROWS] or None (`Encoder`), or None; `next_input_scale`: the next layer's QKV
-    input scale [1] (unrolled FP8 layers), which the output LayerNorm then quantizes its
-    output by, for the carry's third element (the next layer's x_quantized)."""
+    FP8_AMAX_ROWS] or None (`Encoder`), or None; `fp8_table`: every layer's scales flattened
+    (unrolled FP8 layers), from which its Pallas kernels read the scales they quantize by in
+    place (else they read this layer's), and with a next layer the output LayerNorm quantizes
+    its output for that layer's QKV projection: the carry's third element (its
+    x_quantized)."""
     c = self.config
     local = self.local if self.local is not None else local
     fp8 = ([None] * fp8_matmuls_per_layer(c) if fp8_scales is None else
@@ -502,17 +509,29 @@ class EncoderLayer(nn.Module):
       # input (_grad_channels).
       channel = _grad_channels(self, c, fp8_scales)
       in_place = channel and c.qkv_projection == 'stacked'  # One QKV input scale.
+      if channel:
+        table, first, has_next = (fp8_scales[0].reshape(-1), 0, False)
+        if fp8_table is not None:
+          table, first = fp8_table, self.layer_index * fp8_scales[0].size
+          has_next = self.layer_index + 1 < c.num_hidden_layers
+        # The flat index of the scale of matmul m's tensor t (FP8_TENSORS) in `table`.
+        at = lambda m, t: first + m * len(FP8_TENSORS) + t
+        out_m, in_m = len(attention_fp8) - 1, len(attention_fp8)  # Attention output, MLP.
       attn, attn_bias, *attn_channel = attention_(
           x, sequence_ids, positions, local, attention_fp8, channel,
           x_quantized[0] if x_quantized and in_place else None)
       x, residual, *x_quantized = ResidualLayerNorm(c, name='attention_layer_norm')(
-          attn, residual, attn_bias, drop(), *attn_channel,
-          fp8_out=mlp_fp8[0][0][:1] if channel else None)
+          attn, residual, attn_bias, drop(),
+          (table, at(out_m, 2), *attn_channel[0]) if channel else None,
+          fp8_out=(table, at(in_m, 0)) if channel else None)
       y, y_bias, *y_channel = Mlp(c, self.deterministic, name='mlp')(
-          embed(x), mlp_fp8, channel, tuple(x_quantized) or None)
-      out_scale = next_input_scale if channel and in_place else None
+          embed(x), mlp_fp8, channel, tuple(x_quantized) or None,
+          (table, at(in_m + 1, 0), at(in_m, 2)) if channel else None)
+      # The next layer's QKV input scale: its row follows this layer's in the table.
+      out_scale = (table, at(len(fp8), 0)) if in_place and has_next else None
       x, residual, *x_quantized = ResidualLayerNorm(c, name='output_layer_norm')(
-          y, embed(residual), y_bias, drop(), *y_channel, fp8_out=out_scale)
+          y, embed(residual), y_bias, drop(),
+          (table, at(in_m + 1, 2), *y_channel[0]) if channel else None, fp8_out=out_scale)
       x, residual = embed(x), embed(residual)
       # The carry for the next layer, and the per-layer output (hidden states).
       carry = (x, residual) + ((tuple(x_quantized),) if x_quantized else ())
@@ -578,12 +597,10 @@ class Encoder(nn.Module):
       hidden = []
       per_layer = None if fp8 is None else fp8_rows(fp8, c.num_hidden_layers)
       for i in range(c.num_hidden_layers):
-        # The next layer's QKV input scale: this layer's output LayerNorm quantizes for it.
-        following = (per_layer[i + 1][0][0, :1]
-                     if fp8 is not None and i + 1 < c.num_hidden_layers else None)
-        carry, h = layer_cls(c, deterministic, True, kinds[i], name=f'layer_{i}')(
+        # Every scale flattened, which the layers' Pallas kernels read in place.
+        carry, h = layer_cls(c, deterministic, True, kinds[i], i, name=f'layer_{i}')(
             carry, sequence_ids, positions, None, None if fp8 is None else per_layer[i],
-            following)
+            None if fp8 is None else fp8[0].reshape(-1))
         hidden.append(h)
       if not return_hidden_states:
         hidden = []

@@ -237,16 +237,17 @@ def test_gpus_before_hopper_run_the_unfused_layers():
   assert kernels((9, 0)) == kernels(None) == (1, 1)
 
 
-@pytest.mark.parametrize('gelu_impl', ['pallas', 'xla'])
+@pytest.mark.parametrize('gelu_impl,remat_policy', [('pallas', 'none'), ('xla', 'none'),
+                                                    ('pallas', 'full')])
 def test_layer_norm_kernels_quantizing_for_the_matmuls_change_no_bit(
-    monkeypatch, gelu_impl):
+    monkeypatch, gelu_impl, remat_policy):
   """BERT with matmul_precision='fp8' and the Pallas LayerNorm (bf16, dropout on): each
   post-LN sub-layer's projection (the attention output; the MLP output, fused with the GELU
   kernels or not) takes its output gradient quantized, with its amax, from the LayerNorm
   backward kernel (fp8_dot_general's grad_channel), and the MLP's input and the next layer's
   QKV input come quantized from the LayerNorm forward kernel (x_quantized); a training step's
   loss, parameter gradients and amaxes are those of the matmuls quantizing themselves, bit
-  for bit."""
+  for bit; rematerialized layers too (the scales' table is an argument, where it sits not)."""
   from bert_jax import layers  # pylint: disable=g-import-not-at-top
   from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
   from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
@@ -254,7 +255,7 @@ def test_layer_norm_kernels_quantizing_for_the_matmuls_change_no_bit(
                                 num_attention_heads=4, intermediate_size=37,
                                 max_position_embeddings=40, dtype='bfloat16',
                                 matmul_precision='fp8', gelu_impl=gelu_impl,
-                                layer_norm_impl='pallas')
+                                layer_norm_impl='pallas', remat_policy=remat_policy)
   rng = np.random.RandomState(0)
   ids = jnp.asarray(rng.randint(5, 99, size=(3, 12)), jnp.int32)
   mask = jnp.ones((3, 12), jnp.int32).at[2, 7:].set(0)
@@ -282,14 +283,15 @@ def test_layer_norm_kernels_quantizing_for_the_matmuls_change_no_bit(
   # Forward: every LayerNorm of the encoder but the last quantizes for the matmul after it
   # (the MLP's input, the next layer's QKV); backward: every one for the projection before.
   layers_ = config.num_hidden_layers
-  assert quantizing == {'_pallas_forward': [jnp.float8_e4m3fn] * (2 * layers_ - 1) + [None],
-                        '_pallas_backward': [jnp.float8_e5m2] * 2 * layers_}, quantizing
+  if remat_policy == 'none':  # (Rematerialized layers run their forward kernels again.)
+    assert quantizing == {'_pallas_forward': [jnp.float8_e4m3fn] * (2 * layers_ - 1) + [None],
+                          '_pallas_backward': [jnp.float8_e5m2] * 2 * layers_}, quantizing
+  assert set(quantizing['_pallas_backward']) == {jnp.dtype(jnp.float8_e5m2)}, quantizing
   monkeypatch.setattr(layers, '_grad_channels', lambda *a: False)
   for calls in quantizing.values():
     calls.clear()
   want = step()
-  assert quantizing == {'_pallas_forward': [None] * 2 * layers_,
-                        '_pallas_backward': [None] * 2 * layers_}, quantizing
+  assert set(quantizing['_pallas_forward'] + quantizing['_pallas_backward']) == {None}
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for path, a in jax.tree_util.tree_leaves_with_path(got):
     b = dict(jax.tree_util.tree_leaves_with_path(want))[path]

@@ -256,14 +256,17 @@ def test_residual_copy_takes_both_gradients_into_the_backward_kernel():
 
 def test_pallas_quantizing_for_fp8_matmuls_on_a_mesh_is_the_one_device_result():
   """The kernels' FP8 outputs (fp8_out: the output quantized, amaxes by blocks; fp8_grad: dx
-  quantized into the channel's carrier, its amax into the slot's) per device under a data x
-  fsdp x tensor mesh: the blocks' amaxes side by side, the same values as on one device."""
+  quantized into the channel's carrier, its amax into the slot's; each by its scale in a
+  table) per device under a data x fsdp x tensor mesh: the blocks' amaxes side by side, the
+  same values as on one device, and those of flax's quantizing."""
   from bert_jax import config_files  # pylint: disable=g-import-not-at-top
   from bert_jax import fp8  # pylint: disable=g-import-not-at-top
   from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   x, residual, bias, scale, beta, seed, dy = _inputs(24, 40, jnp.bfloat16, seed=6)
   x, residual, dy = (jnp.concatenate([a, a[::-1] * 0.5] * 2) for a in (x, residual, dy))
-  out_scale, grad_scale = jnp.asarray([0.01], jnp.float32), jnp.asarray([0.0002], jnp.float32)
+  # The kernels read their scales from a table in place, each at its index.
+  table = jnp.asarray([1.0, 0.01, 3.0, 0.0002, 5.0], jnp.float32)
+  out_scale, grad_scale = table[1:2], table[3:4]
   carrier = jnp.zeros(x.shape, jnp.float8_e5m2)
   slot = jnp.zeros((1, fp8.FP8_AMAX_ROWS), jnp.float32)
 
@@ -271,7 +274,7 @@ def test_pallas_quantizing_for_fp8_matmuls_on_a_mesh_is_the_one_device_result():
     def f(x, residual, carrier, slot):
       y, copy, qy, parts = layer_norm.residual_layer_norm(
           x, residual, bias, scale, beta, seed, rate=0.1, impl='pallas', residual_copy=True,
-          fp8_grad=(grad_scale, carrier, slot), fp8_out=(out_scale, jnp.float8_e4m3fn))
+          fp8_grad=(table, 3, carrier, slot), fp8_out=(table, 1, jnp.float8_e4m3fn))
       return y, copy, qy, jnp.max(parts)
     out, vjp = jax.vjp(f, x, residual, carrier, slot)
     dx, dr, q_dx, amaxes = vjp((dy, dy * 0.5, jnp.zeros_like(out[2]), jnp.zeros(())))
