@@ -465,7 +465,9 @@ class EncoderLayer(nn.Module):
   """The paper's post-LN Transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x)).
 
   The carry is (x, residual), the layer input twice (ResidualLayerNorm's two outputs): x for
-  the attention, residual for its LayerNorm. With pre_layer_norm it is (h, LN(h)), the
+  the attention, residual for its LayerNorm; in unrolled FP8 layers with the Pallas
+  LayerNorm also (x in FP8, its amaxes) for the QKV projection (`__call__`'s fp8_table).
+  With pre_layer_norm it is (h, LN(h)), the
   residual stream and its normalization: h += Attn(LN(h)); h += MLP(LN(h)). Each LN is of
   the sum the sub-layer before ends in, so it is still one fused LayerNorm(residual +
   dropout(projection + bias)) (`layer_norm.py`), and the stream the same sum
@@ -491,8 +493,9 @@ class EncoderLayer(nn.Module):
     """`fp8_scales`: this layer's FP8 scales [matmuls, 3] and amax slots [matmuls, 3,
     FP8_AMAX_ROWS] or None (`Encoder`), or None; `fp8_table`: every layer's scales flattened
     (unrolled FP8 layers), from which its Pallas kernels read the scales they quantize by in
-    place (else they read this layer's), and with a next layer the output LayerNorm quantizes
-    its output for that layer's QKV projection: the carry's third element (its
+    place (else they read this layer's own, flattened), and with a next layer (not
+    rematerialized: a carry is saved whole) whose QKV is one stacked matmul, the output
+    LayerNorm quantizes its output for that projection: the carry's third element (its
     x_quantized)."""
     c = self.config
     local = self.local if self.local is not None else local
@@ -513,7 +516,10 @@ class EncoderLayer(nn.Module):
         table, first, has_next = (fp8_scales[0].reshape(-1), 0, False)
         if fp8_table is not None:
           table, first = fp8_table, self.layer_index * fp8_scales[0].size
-          has_next = self.layer_index + 1 < c.num_hidden_layers
+          # Rematerialized layers keep their inputs for the backward pass: the FP8 copy in the
+          # carry would be one more [tokens, hidden] tensor a layer.
+          has_next = (self.layer_index + 1 < c.num_hidden_layers and
+                      c.remat_policy == 'none')
         # The flat index of the scale of matmul m's tensor t (FP8_TENSORS) in `table`.
         at = lambda m, t: first + m * len(FP8_TENSORS) + t
         out_m, in_m = len(attention_fp8) - 1, len(attention_fp8)  # Attention output, MLP.

@@ -238,6 +238,9 @@ def test_fp8_encoder_matmuls_compile_to_fp8_gemms_for_an_h100():
   # BERT-base/128: 1,545 -> 902 -> 768 -> 756 -> 696 against bf16's 655 (README).
   bf16 = _tiny_h100_report('cudnn')
   added = r['kernels']['kernels'] - bf16['kernels']['kernels']
+  assert _version() in FP8_ADDED_KERNELS, (
+      f'no FP8 kernel budget for jax {_version()} (FP8 adds {added} now): add one to '
+      'FP8_ADDED_KERNELS')
   assert added <= FP8_ADDED_KERNELS[_version()], (
       added, r['kernels']['kernels_by_group'], bf16['kernels']['kernels_by_group'])
   # The MLP's [tokens, intermediate] tensors, GELU's output and the first matmul's output

@@ -237,17 +237,21 @@ def test_gpus_before_hopper_run_the_unfused_layers():
   assert kernels((9, 0)) == kernels(None) == (1, 1)
 
 
-@pytest.mark.parametrize('gelu_impl,remat_policy', [('pallas', 'none'), ('xla', 'none'),
-                                                    ('pallas', 'full')])
+@pytest.mark.parametrize('gelu_impl,remat_policy,other', [
+    ('pallas', 'none', {}), ('xla', 'none', {}), ('pallas', 'full', {}),
+    # Three QKV matmuls (6 a layer: other indices into the scales), scanned layers (each
+    # reads its own scales); a gated MLP without biases.
+    ('pallas', 'none', dict(qkv_projection='separate', scan_layers=True)),
+    ('xla', 'none', dict(mlp_type='gated', use_bias=False))])
 def test_layer_norm_kernels_quantizing_for_the_matmuls_change_no_bit(
-    monkeypatch, gelu_impl, remat_policy):
+    monkeypatch, gelu_impl, remat_policy, other):
   """BERT with matmul_precision='fp8' and the Pallas LayerNorm (bf16, dropout on): each
   post-LN sub-layer's projection (the attention output; the MLP output, fused with the GELU
   kernels or not) takes its output gradient quantized, with its amax, from the LayerNorm
   backward kernel (fp8_dot_general's grad_channel), and the MLP's input and the next layer's
   QKV input come quantized from the LayerNorm forward kernel (x_quantized); a training step's
   loss, parameter gradients and amaxes are those of the matmuls quantizing themselves, bit
-  for bit; rematerialized layers too (the scales' table is an argument, where it sits not)."""
+  for bit; rematerialized and scanned layers, three QKV matmuls and a gated MLP too."""
   from bert_jax import layers  # pylint: disable=g-import-not-at-top
   from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
   from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
@@ -255,7 +259,8 @@ def test_layer_norm_kernels_quantizing_for_the_matmuls_change_no_bit(
                                 num_attention_heads=4, intermediate_size=37,
                                 max_position_embeddings=40, dtype='bfloat16',
                                 matmul_precision='fp8', gelu_impl=gelu_impl,
-                                layer_norm_impl='pallas', remat_policy=remat_policy)
+                                layer_norm_impl='pallas', remat_policy=remat_policy,
+                                **other)
   rng = np.random.RandomState(0)
   ids = jnp.asarray(rng.randint(5, 99, size=(3, 12)), jnp.int32)
   mask = jnp.ones((3, 12), jnp.int32).at[2, 7:].set(0)
@@ -283,7 +288,8 @@ def test_layer_norm_kernels_quantizing_for_the_matmuls_change_no_bit(
   # Forward: every LayerNorm of the encoder but the last quantizes for the matmul after it
   # (the MLP's input, the next layer's QKV); backward: every one for the projection before.
   layers_ = config.num_hidden_layers
-  if remat_policy == 'none':  # (Rematerialized layers run their forward kernels again.)
+  if remat_policy == 'none' and not other:  # (Rematerialized layers run their forward
+    # kernels again, and quantize for no next layer: the carry would be saved.)
     assert quantizing == {'_pallas_forward': [jnp.float8_e4m3fn] * (2 * layers_ - 1) + [None],
                           '_pallas_backward': [jnp.float8_e5m2] * 2 * layers_}, quantizing
   assert set(quantizing['_pallas_backward']) == {jnp.dtype(jnp.float8_e5m2)}, quantizing

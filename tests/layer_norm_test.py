@@ -311,3 +311,19 @@ def test_pallas_quantizing_for_fp8_matmuls_on_a_mesh_is_the_one_device_result():
       np.asarray(fp8_ops.quantize(plain_dx, jnp.float8_e5m2, grad_scale, jnp.bfloat16),
                  np.float32))
   assert float(dx_amax) == float(jnp.max(jnp.abs(plain_dx.astype(jnp.float32))))
+
+
+def test_fp8_quantizing_is_refused_by_the_xla_implementation():
+  """The FP8 gradient channel and output take the Pallas kernels; with 'xla' the channel would
+  leave its matmul zero gradients, so asking for either is an error (not an assert that
+  `python -O` drops)."""
+  x, residual, bias, scale, beta, seed, _ = _inputs(4, 16, jnp.bfloat16)
+  table = jnp.ones((3,), jnp.float32)
+  for kw in (dict(fp8_out=(table, 0, jnp.float8_e4m3fn)),
+             dict(fp8_grad=(table, 2, jnp.zeros(x.shape, jnp.float8_e5m2), table[:1]))):
+    with pytest.raises(ValueError, match="only with impl='pallas'"):
+      layer_norm.residual_layer_norm(x, residual, bias, scale, beta, seed, rate=0.1,
+                                     impl='xla', **kw)
+  with pytest.raises(ValueError, match='not a 1-D table holding it'):
+    layer_norm.residual_layer_norm(x, residual, bias, scale, beta, seed, rate=0.1,
+                                   impl='pallas', fp8_out=(table, 3, jnp.float8_e4m3fn))
