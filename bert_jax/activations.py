@@ -287,8 +287,11 @@ def _check_index_range(x):
                      "model.gelu_impl='xla' or a smaller per-device batch")
 
 
-def _fp8_params(x, q_dtype, q_index) -> dict:
-  return {} if q_dtype is None else dict(dtype=x.dtype, fp8_max=float(jnp.finfo(q_dtype).max),
+def kernel_fp8_params(dtype, q_dtype, q_index: int) -> dict:
+  """The quantizing kernels' (GELU's, LayerNorm's) static arguments: the dtype a value is
+  rounded to first, the FP8 format's largest magnitude and the scale's index in its table
+  (none without `q_dtype`)."""
+  return {} if q_dtype is None else dict(dtype=dtype, fp8_max=float(jnp.finfo(q_dtype).max),
                                          q_index=q_index)
 
 
@@ -299,7 +302,7 @@ def _pallas_forward(x, bias, scale=None, *, interpret, q_dtype=None, q_index=0):
   n_rows = x.size // n_cols
   grid = (pl.cdiv(n_rows, _TILE_ROWS), pl.cdiv(n_cols, _TILE_COLS))
   kernel = functools.partial(_fwd_kernel, n_rows=n_rows, n_cols=n_cols,
-                             **_fp8_params(x, q_dtype, q_index))
+                             **kernel_fp8_params(x.dtype, q_dtype, q_index))
   if q_dtype is None:
     y = _call(kernel, [x.reshape(-1), bias], jax.ShapeDtypeStruct((x.size,), x.dtype), grid,
               interpret, 'bias_gelu_fwd', 1)
@@ -318,7 +321,7 @@ def _pallas_backward(x, bias, g, scale=None, *, interpret, q_dtype=None, q_index
   n_rows = x.size // n_cols
   grid = (pl.cdiv(n_rows, _BWD_ROWS), pl.cdiv(n_cols, _TILE_COLS))
   kernel = functools.partial(_bwd_kernel, n_rows=n_rows, n_cols=n_cols,
-                             **_fp8_params(x, q_dtype, q_index))
+                             **kernel_fp8_params(x.dtype, q_dtype, q_index))
   parts = jax.ShapeDtypeStruct((grid[0] * n_cols,), jnp.float32)
   if q_dtype is None:
     dx, parts = _call(kernel, [x.reshape(-1), bias, g.reshape(-1)],

@@ -380,13 +380,6 @@ def _rows_per_batch_row(x) -> int:
   return x.shape[-2] if x.ndim >= 3 else 1
 
 
-def _fp8_params(dtype, q_dtype, q_index) -> dict:
-  """The kernels' quantizing arguments: the dtype a value is rounded to first, the FP8
-  format's largest magnitude and the scale's index in its table (none without `q_dtype`)."""
-  return {} if q_dtype is None else dict(dtype=dtype, fp8_max=float(jnp.finfo(q_dtype).max),
-                                         q_index=q_index)
-
-
 def _pallas_forward(x, residual, bias, scale, beta, seed, q_scale=None, *, rate, eps,
                     out_dtype, interpret, q_dtype=None, q_index=0, shard=None):
   """y; with `q_dtype` (and `q_scale`, a 1-D table of scales, and the index of the one to
@@ -399,7 +392,7 @@ def _pallas_forward(x, residual, bias, scale, beta, seed, q_scale=None, *, rate,
                              rows=_FWD_ROWS, rate=rate, eps=eps, has_bias=bias is not None,
                              has_seed=seed is not None,
                              rows_per_shard_batch=_rows_per_batch_row(x),
-                             **_fp8_params(out_dtype, q_dtype, q_index))
+                             **activations.kernel_fp8_params(out_dtype, q_dtype, q_index))
   shard = shard or (0, 0, _rows_per_batch_row(x))
   ins = _flat_inputs(x, residual, bias, seed, shard) + [scale, beta]
   programs = pl.cdiv(n_rows, _FWD_ROWS)
@@ -431,7 +424,7 @@ def _pallas_backward(x, residual, bias, scale, seed, dy, dy2, q_scale=None, *, r
                              has_bias=bias is not None, has_seed=seed is not None,
                              has_dy2=dy2 is not None,
                              rows_per_shard_batch=_rows_per_batch_row(x),
-                             **_fp8_params(x.dtype, q_dtype, q_index))
+                             **activations.kernel_fp8_params(x.dtype, q_dtype, q_index))
   shard = shard or (0, 0, _rows_per_batch_row(x))
   ins = _flat_inputs(x, residual, bias, seed, shard) + [scale, dy.reshape(-1)]
   if dy2 is not None:

@@ -134,17 +134,15 @@ def test_fused_mlp_on_a_mesh_runs_per_device_as_the_unfused_layers():
   _assert_identical(got, want)
 
 
-def test_an_fp8_training_step_with_pallas_gelu_is_the_unfused_layers_bit_for_bit(monkeypatch):
-  """BERT with matmul_precision='fp8' and gelu_impl='pallas' (bf16, dropout on): every MLP
-  runs as fp8_gelu_mlp, on the parameters the unfused layers use (the same tree and names),
-  and a training step's loss, parameter gradients and amaxes (each slot row of each layer's
-  MLP matmuls) are the unfused layers', bit for bit."""
-  from bert_jax import layers  # pylint: disable=g-import-not-at-top
+def _bert_fp8_step(**settings):
+  """A bf16 BERT-tiny with matmul_precision='fp8' and `settings`, and a function that runs
+  one jitted training step with dropout: (loss, (parameter gradients, FP8 scales' gradients:
+  the amax slots))."""
   from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   config = model_lib.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
                                 num_attention_heads=4, intermediate_size=37,
                                 max_position_embeddings=40, dtype='bfloat16',
-                                matmul_precision='fp8', gelu_impl='pallas')
+                                matmul_precision='fp8', **settings)
   rng = np.random.RandomState(0)
   ids = jnp.asarray(rng.randint(5, 99, size=(3, 12)), jnp.int32)
   mask = jnp.ones((3, 12), jnp.int32).at[2, 7:].set(0)
@@ -164,13 +162,12 @@ def test_an_fp8_training_step_with_pallas_gelu_is_the_unfused_layers_bit_for_bit
       return jnp.sum(logits.astype(jnp.float32) * weights)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, scales)
 
-  calls = []
-  fused = layers._fp8_gelu_mlp  # pylint: disable=protected-access
-  monkeypatch.setattr(layers, '_fp8_gelu_mlp', lambda *a: calls.append(1) or fused(*a))
-  got = step()
-  assert len(calls) == config.num_hidden_layers
-  monkeypatch.setattr(layers, '_fused_fp8_gelu', lambda module, c: False)
-  want = step()
+  return config, step
+
+
+def _assert_same_step(got, want):
+  """The two steps' loss, gradients and amaxes are the same bit for bit (the amax slots' rows
+  compared by their max), and every amax was measured."""
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for path, a in jax.tree_util.tree_leaves_with_path(got):
     b = dict(jax.tree_util.tree_leaves_with_path(want))[path]
@@ -180,6 +177,23 @@ def test_an_fp8_training_step_with_pallas_gelu_is_the_unfused_layers_bit_for_bit
                                   err_msg=jax.tree_util.keystr(path))
   amaxes = fp8.fp8_amaxes(got[1][1])['bert']['encoder']['fp8_scale']
   assert np.all(np.asarray(amaxes) > 0), amaxes
+
+
+def test_an_fp8_training_step_with_pallas_gelu_is_the_unfused_layers_bit_for_bit(monkeypatch):
+  """BERT with matmul_precision='fp8' and gelu_impl='pallas' (bf16, dropout on): every MLP
+  runs as fp8_gelu_mlp, on the parameters the unfused layers use (the same tree and names),
+  and a training step's loss, parameter gradients and amaxes (each slot row of each layer's
+  MLP matmuls) are the unfused layers', bit for bit."""
+  from bert_jax import layers  # pylint: disable=g-import-not-at-top
+  config, step = _bert_fp8_step(gelu_impl='pallas')
+  calls = []
+  fused = layers._fp8_gelu_mlp  # pylint: disable=protected-access
+  monkeypatch.setattr(layers, '_fp8_gelu_mlp', lambda *a: calls.append(1) or fused(*a))
+  got = step()
+  assert len(calls) == config.num_hidden_layers
+  monkeypatch.setattr(layers, '_fused_fp8_gelu', lambda module, c: False)
+  want = step()
+  _assert_same_step(got, want)
 
 
 def test_nans_and_overflows_are_quantized_and_counted_as_xla_quantizes_them():
@@ -254,31 +268,8 @@ def test_layer_norm_kernels_quantizing_for_the_matmuls_change_no_bit(
   for bit; rematerialized and scanned layers, three QKV matmuls and a gated MLP too."""
   from bert_jax import layers  # pylint: disable=g-import-not-at-top
   from bert_jax import layer_norm  # pylint: disable=g-import-not-at-top
-  from bert_jax import model as model_lib  # pylint: disable=g-import-not-at-top
-  config = model_lib.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
-                                num_attention_heads=4, intermediate_size=37,
-                                max_position_embeddings=40, dtype='bfloat16',
-                                matmul_precision='fp8', gelu_impl=gelu_impl,
-                                layer_norm_impl='pallas', remat_policy=remat_policy,
-                                **other)
-  rng = np.random.RandomState(0)
-  ids = jnp.asarray(rng.randint(5, 99, size=(3, 12)), jnp.int32)
-  mask = jnp.ones((3, 12), jnp.int32).at[2, 7:].set(0)
-  segments = jnp.zeros((3, 12), jnp.int32).at[:, 6:].set(1) * mask
-  positions = jnp.asarray([[1, 4, 9], [0, 2, 3], [1, 5, 6]], jnp.int32)
-  module = model_lib.BertForPreTraining(config)
-  variables = module.init(jax.random.key(4), ids, mask, segments, positions)
-  params = variables['params']
-  scales = fp8.fp8_step_scales(model_lib.initial_fp8_meta(variables[fp8.FP8_COLLECTION]))
-  weights = jax.random.normal(jax.random.key(1), (3, 3, 99))
-
-  def step():
-    def loss(p, s):
-      logits = module.apply({'params': p, fp8.FP8_COLLECTION: s}, ids, mask, segments,
-                            positions, deterministic=False,
-                            rngs={'dropout': jax.random.key(0)})[0]
-      return jnp.sum(logits.astype(jnp.float32) * weights)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, scales)
+  config, step = _bert_fp8_step(gelu_impl=gelu_impl, layer_norm_impl='pallas',
+                                remat_policy=remat_policy, **other)
 
   quantizing = {'_pallas_forward': [], '_pallas_backward': []}
   for name, kernel in [(n, getattr(layer_norm, n)) for n in quantizing]:
@@ -298,12 +289,4 @@ def test_layer_norm_kernels_quantizing_for_the_matmuls_change_no_bit(
     calls.clear()
   want = step()
   assert set(quantizing['_pallas_forward'] + quantizing['_pallas_backward']) == {None}
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for path, a in jax.tree_util.tree_leaves_with_path(got):
-    b = dict(jax.tree_util.tree_leaves_with_path(want))[path]
-    if path[-1] == jax.tree_util.DictKey(fp8.FP8_AMAX_SLOTS):
-      a, b = a.max(axis=-1), b.max(axis=-1)  # Rows are any partition of each tensor.
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                  err_msg=jax.tree_util.keystr(path))
-  amaxes = fp8.fp8_amaxes(got[1][1])['bert']['encoder']['fp8_scale']
-  assert np.all(np.asarray(amaxes) > 0), amaxes
+  _assert_same_step(got, want)
