@@ -71,8 +71,9 @@ def fp8_dot_general(x: Array, kernel: Array, dims, scales: Array,
   in the kernel's dtype: x and kernel quantized to e4m3 by `scales`[0] and [1], the output
   gradient to e5m2 by [2]. This step's amaxes of x, kernel and output gradient (what
   `fp8_advance` puts in the histories) are the "gradient" of `amax_slots` [3,
-  FP8_AMAX_ROWS] (zeros: `fp8_step_scales`), each tensor's largest magnitude per row
-  (`fp8_amaxes` reduces them); without slots, the "gradient" of `scales` [3], one value each.
+  FP8_AMAX_ROWS] (zeros: `fp8_step_scales`), each tensor's largest magnitude per row, the
+  output gradient's per output feature (`amax_in`; `fp8_amaxes` reduces them); without slots,
+  the "gradient" of `scales` [3], one value each.
   The numerics of flax's `Fp8DirectDotGeneralOp` given the scales it computes
   (`fp8_step_scales`).
 
@@ -99,15 +100,23 @@ def _amax_as(t: Array, slot: Array) -> Array:
   return amax_in(t, slot.shape).astype(slot.dtype)
 
 
-def amax_in(t: Array, shape: tuple[int, ...]) -> Array:
+def amax_in(t: Array, shape: tuple[int, ...], columns: int | None = None) -> Array:
   """The largest magnitude of `t` as an amax slot of `shape` holds it, float32: [1], one
   value; [1, rows], one per row of `rows` equal rows (fewer where `rows` does not divide t's
-  size: zeros after them, which no amax is below)."""
+  size: zeros after them, which no amax is below). columns: [1, rows] holds instead one per
+  column of t as [-1, columns] (where `rows` holds them: the product of t's trailing axes),
+  the max over the leading axes: a dense layer's bias gradient reduces its output gradient
+  that way, and XLA then computes both, and the quantizing, in one pass over it (by rows,
+  the amax is a pass of its own)."""
   a = jnp.abs(t).astype(jnp.float32)
   if len(shape) == 1:
     return jnp.max(a).reshape(shape)
-  rows = math.gcd(t.size, shape[-1])
-  partial = jnp.max(a.reshape(rows, t.size // rows), axis=1)
+  if columns is not None and columns <= shape[-1] and t.size % columns == 0:
+    rows = columns
+    partial = jnp.max(a.reshape(-1, rows), axis=0)
+  else:
+    rows = math.gcd(t.size, shape[-1])
+    partial = jnp.max(a.reshape(rows, t.size // rows), axis=1)
   if rows < shape[-1]:
     partial = jnp.pad(partial, (0, shape[-1] - rows))
   return partial.reshape(shape)
@@ -175,7 +184,10 @@ def _fp8_dot_bwd(dims, channel, res, g):
   else:
     dtype = g.dtype  # The output's, the kernel's dtype.
     qg = fp8_ops.quantize(g, FP8_TENSORS[2][1], grad_scale, dtype)
-    g_amax = _amax_as(g, grad_slot)
+    # By the kernel's output features: as the bias gradient reduces g (one pass for both).
+    g_amax = amax_in(g, grad_slot.shape, math.prod(
+        d for i, d in enumerate(qk.shape) if i not in dims[0][1] + dims[1][1])).astype(
+            grad_slot.dtype)
   dx, dk = _fp8_matmul_grads(qg, qx, qk, dims, x_scale, kernel_scale, grad_scale, dtype)
   zero = jnp.zeros_like(x_scale)
   # The scales' "gradients": none; the slots': this step's amaxes.
@@ -353,7 +365,8 @@ def _gelu_mlp_bwd(axes, interpret, channel, indices, res, g):
       _, (qg2, g2_amax) = g
     else:
       qg2 = fp8_ops.quantize(g, e5m2, s2[2], dtype)
-      g2_amax = _amax_like(g, grad_slot2)
+      g2_amax = amax_in(g, (1,) + grad_slot2.shape, qk2.shape[-1]).reshape(
+          grad_slot2.shape).astype(grad_slot2.dtype)
     dh, dk2 = _fp8_matmul_grads(qg2, qh, qk2, _mlp_dims(qh), s2[0], s2[1], s2[2], dtype)
   with jax.named_scope('intermediate'):
     qg1, db1, g1_amax = activations.bias_gelu_fp8_grad(y1, b1, dh, table, e5m2, axes=axes,

@@ -196,6 +196,26 @@ def test_an_fp8_training_step_with_pallas_gelu_is_the_unfused_layers_bit_for_bit
   _assert_same_step(got, want)
 
 
+def test_an_output_gradients_amax_is_reduced_as_its_bias_gradient():
+  """amax_in(columns=) holds one amax per column, the max over the tensor's leading axes, as a
+  dense layer's bias gradient reduces its output gradient (XLA then computes both in one pass:
+  tests/aot_gpu_test.py), zeros after them; the largest is the one by rows. Columns that the
+  slot cannot hold, or that do not divide the tensor, are reduced by rows."""
+  t = jax.random.normal(jax.random.key(3), (4, 6, 3, 5), jnp.float32).at[2, 1, 0, 3].set(-9.0)
+  got = np.asarray(fp8.amax_in(t, (1, 32), columns=15))
+  assert got.shape == (1, 32)
+  np.testing.assert_array_equal(got[0, :15], np.abs(np.asarray(t)).max(axis=(0, 1)).ravel())
+  assert not got[0, 15:].any()
+  by_rows = np.asarray(fp8.amax_in(t, (1, 32)))
+  assert got.max() == by_rows.max() == 9.0
+  assert not np.array_equal(got, by_rows)
+  np.testing.assert_array_equal(fp8.amax_in(t, (1, 8), columns=15), fp8.amax_in(t, (1, 8)))
+  np.testing.assert_array_equal(fp8.amax_in(t, (1, 32), columns=7), by_rows)
+  # Columns that no trailing axes make: t as [-1, 10].
+  np.testing.assert_array_equal(np.asarray(fp8.amax_in(t, (1, 32), columns=10))[0, :10],
+                                np.abs(np.asarray(t)).reshape(-1, 10).max(axis=0))
+
+
 def test_nans_and_overflows_are_quantized_and_counted_as_xla_quantizes_them():
   """The kernels' own outputs: a NaN stays NaN in FP8 and makes its block's amax NaN (Triton's
   min and max drop NaNs: the kernels use selects and a NaN flag); a value past the format's
