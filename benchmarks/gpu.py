@@ -47,7 +47,9 @@ How the numbers are made:
   delayed scaling (Hopper and later). `program.fp8_matmuls` counts the FP8 GEMMs compiled.
   --loss_steps=N then also trains each case N steps from the same initial state on the same
   cycle of --loss_batches synthetic batches and records every step's loss (`losses`), so that
-  bf16's and FP8's curves compare in one file.
+  bf16's and FP8's curves compare in one file; --loss_seeds=2 also trains each bf16 case from
+  another seed, and `loss_comparison` says whether FP8's mean loss over each third of the
+  steps stays within bf16's seed-to-seed difference (+ LOSS_TOLERANCE).
 - Dropout: hidden 0.1 (the paper's); attention dropout 0 for every case, since the fused
   kernels have none (README "Attention"); --attention_dropout_case adds the paper's exact
   recipe (xla, attention dropout 0.1) at base/128 to show what it costs.
@@ -410,7 +412,7 @@ class JaxCase:
 
   def __init__(self, args, spec: dict):
     self.args, self.spec = args, dict(spec)
-    self.result = dict(framework='bert_jax', **spec)
+    self.result = dict(framework='bert_jax', **spec, case=self.name())
 
   def build(self, rows: int):
     import jax  # pylint: disable=g-import-not-at-top
@@ -423,6 +425,8 @@ class JaxCase:
                                    s['scan_layers'], s.get('layer_norm_impl', 'auto'),
                                    s.get('matmul_precision', 'default'),
                                    s.get('qkv_projection', 'stacked'))
+    if 'seed' in s:  # `losses`' other seeds (the dropout masks); the rest keep the default's.
+      self.config.train.seed = s['seed']
     pretraining.check_attention(self.config, jax.default_backend())
     self.mesh = sharding_lib.make_mesh(self.config.mesh)
     self.rules = sharding_lib.rules_from_config(self.config.mesh)
@@ -517,7 +521,22 @@ class JaxCase:
 
   def losses(self):
     """Every step's loss over --loss_steps steps from a fresh state (key 0: the same initial
-    parameters for every case of a model size), cycling through --loss_batches batches."""
+    parameters for every case of a model size), cycling through --loss_batches batches.
+    With --loss_seeds=N a case at the default precision also trains from N - 1 other seeds
+    (`train.seed` and the initial key: other weights and dropout masks), one compile each:
+    `losses_other_seeds`, the spread that `loss_comparison` holds FP8's curve to."""
+    self.result['losses'] = self._train_losses(0)
+    self.result['loss_batches'] = self.args.loss_batches
+    if self.args.loss_seeds > 1 and self.spec.get('matmul_precision', 'default') == 'default':
+      others = []
+      for seed in range(1, self.args.loss_seeds):
+        case = JaxCase(self.args, dict(self.spec, seed=seed))
+        case.build(self.rows)
+        case.compile()
+        others.append(case._train_losses(seed))  # pylint: disable=protected-access
+      self.result['losses_other_seeds'] = others
+
+  def _train_losses(self, seed: int) -> list[float]:
     import jax  # pylint: disable=g-import-not-at-top
     from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
     a = self.args
@@ -525,13 +544,12 @@ class JaxCase:
     batches = [sharding_lib.make_global_batch(self.make_batch(100 + i), bsh)
                for i in range(a.loss_batches)]
     with sharding_lib.activate(self.mesh, self.rules):
-      state = jax.jit(self.init, out_shardings=self.shardings)(jax.random.key(0))
+      state = jax.jit(self.init, out_shardings=self.shardings)(jax.random.key(seed))
     losses = []
     for i in range(a.loss_steps):
       state, metrics = self.compiled(state, batches[i % len(batches)])
       losses.append(metrics['loss'])  # Read at the end: the host does not wait each step.
-    self.result['losses'] = [float(x) for x in jax.device_get(losses)]
-    self.result['loss_batches'] = a.loss_batches
+    return [float(x) for x in jax.device_get(losses)]
 
   def name(self) -> str:
     s = self.spec
@@ -630,6 +648,44 @@ def run_bert_jax(args, specs: list[dict], deadline: float, log, save) -> list[di
     save(results)
     c.lowered = c.compiled = None
   return results
+
+
+# What FP8's mean loss over a third of the curve may differ from bf16's beyond bf16's own
+# seed-to-seed difference there (as the smoke run's check against its recording, train_test).
+LOSS_TOLERANCE = 0.02
+
+
+def loss_comparison(results: list[dict]) -> list[dict]:
+  """Each FP8 case with `losses` against the same case at the default precision: over each
+  third of the steps, the two mean losses and their gap, beside the default's own gap between
+  seeds (the largest over `losses_other_seeds`; none without --loss_seeds). `within_noise`:
+  every gap at most the seeds' gap + LOSS_TOLERANCE."""
+  name = lambda r: r.get('case')
+  default = {name(r): r for r in results
+             if r.get('losses') and r.get('matmul_precision', 'default') == 'default'}
+  out = []
+  for r in results:
+    if not r.get('losses') or r.get('matmul_precision') != 'fp8':
+      continue
+    base = default.get(name(r).replace('_fp8', '', 1))
+    if base is None or len(base['losses']) != len(r['losses']):
+      out.append(dict(case=name(r), error='no default-precision case with as many losses'))
+      continue
+    n = len(r['losses'])
+    thirds = [(i * n // 3, (i + 1) * n // 3) for i in range(3)]
+    mean = lambda losses, a, b: float(np.mean(losses[a:b]))
+    windows = []
+    for a, b in thirds:
+      w = dict(steps=[a + 1, b], fp8=mean(r['losses'], a, b), default=mean(base['losses'], a, b))
+      w['gap'] = abs(w['fp8'] - w['default'])
+      others = base.get('losses_other_seeds') or []
+      w['seed_gap'] = max((abs(mean(o, a, b) - w['default']) for o in others), default=None)
+      windows.append(w)
+    within = (None if windows[0]['seed_gap'] is None else
+              all(w['gap'] <= w['seed_gap'] + LOSS_TOLERANCE for w in windows))
+    out.append(dict(case=name(r), windows=windows, within_noise=within,
+                    max_step_gap=max(abs(x - y) for x, y in zip(r['losses'], base['losses']))))
+  return out
 
 
 def _device_bytes(jax) -> int | None:
@@ -885,6 +941,10 @@ def parse_args(argv=None):
                       'state and record every loss (0: none)')
   p.add_argument('--loss_batches', type=int, default=8,
                  help='synthetic batches that --loss_steps cycles through')
+  p.add_argument('--loss_seeds', type=int, default=1,
+                 help='with --loss_steps, train each default-precision case from this many '
+                      'seeds (other weights and dropout): the noise FP8 is held to '
+                      '(`loss_comparison`)')
   p.add_argument('--frameworks', default='bert_jax,transformers')
   p.add_argument('--attention_dropout_case', action=argparse.BooleanOptionalAction,
                  default=True)
@@ -915,6 +975,8 @@ def parse_args(argv=None):
   args.fill = pairs(args.padded_fill, float)
   args.packed_fill = pairs(args.packed_fill, float) if args.packed_fill else {}
   args.attention = args.attention.split(',')
+  if args.loss_seeds < 1:
+    p.error(f'--loss_seeds: {args.loss_seeds} is not a count of seeds (1 or more)')
   from bert_jax import config_checks  # pylint: disable=g-import-not-at-top  (no JAX)
   from bert_jax.errors import UserError  # pylint: disable=g-import-not-at-top
   for impl in args.attention:
@@ -1027,6 +1089,10 @@ def main(argv=None):
     # Written after every case, so that a run stopped from outside keeps what it measured.
     results.extend(run_bert_jax(args, jax_specs, deadline, log,
                                 lambda rs: save(dict(report, results=done + rs))))
+    if args.loss_steps:
+      report['loss_comparison'] = loss_comparison(results)
+      for c in report['loss_comparison']:
+        log(f'loss: {json.dumps(c)}')
   report['seconds'] = time.time() - start
   path = save(report)
   print('\n'.join(['', f'{path} ({report["seconds"]:.0f} s):'] + [_line(r) for r in results]))
