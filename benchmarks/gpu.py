@@ -560,7 +560,7 @@ class JaxCase:
             (f"_{s['matmul_precision']}" if s.get('matmul_precision', 'default') != 'default'
              else '') +
             (f"_qkv{s['qkv_projection']}" if s.get('qkv_projection', 'stacked') != 'stacked'
-             else ''))
+             else '') + (f"_seed{s['seed']}" if s.get('seed') else ''))
 
 
 def _rates(bert_config, host_batches, rows, step, round_times, peak) -> dict:
@@ -656,35 +656,47 @@ LOSS_TOLERANCE = 0.02
 
 
 def loss_comparison(results: list[dict]) -> list[dict]:
-  """Each FP8 case with `losses` against the same case at the default precision: over each
-  third of the steps, the two mean losses and their gap, beside the default's own gap between
-  seeds (the largest over `losses_other_seeds`; none without --loss_seeds). `within_noise`:
-  every gap at most the seeds' gap + LOSS_TOLERANCE."""
-  name = lambda r: r.get('case')
-  default = {name(r): r for r in results
+  """Each FP8 case with `losses` against the same case (name and rows) at the default
+  precision: over each third of the steps, the two mean losses and their gap, beside the
+  default's own gap between seeds (the largest over `losses_other_seeds`; none without
+  --loss_seeds). `within_noise`: every gap at most the seeds' gap + LOSS_TOLERANCE; False
+  where FP8's curve is not finite, None where the default's curves cannot say."""
+  default = {r['case']: r for r in results
              if r.get('losses') and r.get('matmul_precision', 'default') == 'default'}
   out = []
   for r in results:
     if not r.get('losses') or r.get('matmul_precision') != 'fp8':
       continue
-    base = default.get(name(r).replace('_fp8', '', 1))
-    if base is None or len(base['losses']) != len(r['losses']):
-      out.append(dict(case=name(r), error='no default-precision case with as many losses'))
-      continue
+    base = default.get(r['case'].replace('_fp8', '', 1))
     n = len(r['losses'])
-    thirds = [(i * n // 3, (i + 1) * n // 3) for i in range(3)]
+    if base is None or len(base['losses']) != n or base.get('rows') != r.get('rows'):
+      out.append(dict(case=r['case'], within_noise=None,
+                      error='no default-precision case with as many losses of as many rows'))
+      continue
+    if n < 3:
+      out.append(dict(case=r['case'], within_noise=None,
+                      error=f'{n} losses: fewer than the 3 that make thirds'))
+      continue
+    others = base.get('losses_other_seeds') or []
+    if not np.all(np.isfinite(r['losses'])):
+      out.append(dict(case=r['case'], within_noise=False, error='non-finite FP8 losses'))
+      continue
+    if not all(np.all(np.isfinite(c)) for c in [base['losses']] + others):
+      out.append(dict(case=r['case'], within_noise=None,
+                      error='non-finite losses at the default precision'))
+      continue
     mean = lambda losses, a, b: float(np.mean(losses[a:b]))
     windows = []
-    for a, b in thirds:
+    for a, b in [(i * n // 3, (i + 1) * n // 3) for i in range(3)]:
       w = dict(steps=[a + 1, b], fp8=mean(r['losses'], a, b), default=mean(base['losses'], a, b))
       w['gap'] = abs(w['fp8'] - w['default'])
-      others = base.get('losses_other_seeds') or []
       w['seed_gap'] = max((abs(mean(o, a, b) - w['default']) for o in others), default=None)
       windows.append(w)
-    within = (None if windows[0]['seed_gap'] is None else
+    within = (None if not others else
               all(w['gap'] <= w['seed_gap'] + LOSS_TOLERANCE for w in windows))
-    out.append(dict(case=name(r), windows=windows, within_noise=within,
-                    max_step_gap=max(abs(x - y) for x, y in zip(r['losses'], base['losses']))))
+    out.append(dict(case=r['case'], windows=windows, within_noise=within,
+                    max_step_gap=float(np.max(np.abs(np.subtract(r['losses'],
+                                                                 base['losses']))))))
   return out
 
 

@@ -287,7 +287,8 @@ def _check_index_range(x):
                      "model.gelu_impl='xla' or a smaller per-device batch")
 
 
-def kernel_fp8_params(dtype, q_dtype, q_index: int) -> dict:
+def kernel_fp8_params(dtype: jax.typing.DTypeLike, q_dtype: jax.typing.DTypeLike | None,
+                      q_index: int) -> dict:
   """The quantizing kernels' (GELU's, LayerNorm's) static arguments: the dtype a value is
   rounded to first, the FP8 format's largest magnitude and the scale's index in its table
   (none without `q_dtype`)."""

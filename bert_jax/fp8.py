@@ -39,8 +39,9 @@ Array = jax.Array
 #   after its backward pass, whose "gradient" of the collection is this step's amaxes
 #   (`state_extras.FP8_SCALES`), never an optimizer update. flax's op keeps six variables per
 #   matmul and updates each with kernels of its own (~640 tiny kernels a BERT-base step).
-#   The amaxes come back as each tensor's largest magnitude per row of FP8_AMAX_ROWS rows (the
-#   "gradient" of zeros, the amax slots, that `fp8_step_scales` adds), and `fp8_advance`
+#   The amaxes come back as each tensor's largest magnitude per row of FP8_AMAX_ROWS rows, an
+#   output gradient's per output feature (`amax_in`; the "gradient" of zeros, the amax slots,
+#   that `fp8_step_scales` adds), and `fp8_advance`
 #   reduces them all in one kernel: XLA reduces a large tensor to one value in two kernels,
 #   the second a tiny one, 144 of them a BERT-base step.
 #   The collection is bert_jax's own: its "gradient" is amaxes, not a new value, so flax's and
@@ -55,8 +56,9 @@ MATMUL_PRECISIONS = config_checks.CHOICES['model.matmul_precision']
 FP8_COLLECTION = 'fp8'
 FP8_AMAX_HISTORY = 1024  # Transformer Engine's default history length.
 # Rows of a tensor's amax slot: BERT-base/128's largest FP8 tensors (the MLP's [256 x 128,
-# 3072] activation and its gradient) reduce in rows of 12,288, which XLA does in one kernel
-# with the tensor's quantizing; and 4 bytes x 3 x 8,192 a matmul is small beside its kernels.
+# 3072] activation) reduce in rows of 12,288, which XLA does in one kernel with the tensor's
+# quantizing (an output gradient per output feature, with its bias gradient: `amax_in`); and
+# 4 bytes x 3 x 8,192 a matmul is small beside its kernels.
 FP8_AMAX_ROWS = 8192
 # The FP8 formats of a matmul's three tensors, in the order of the stacked variables' last axis.
 FP8_TENSORS = (('input', jnp.float8_e4m3fn), ('kernel', jnp.float8_e4m3fn),
@@ -100,20 +102,21 @@ def _amax_as(t: Array, slot: Array) -> Array:
   return amax_in(t, slot.shape).astype(slot.dtype)
 
 
-def amax_in(t: Array, shape: tuple[int, ...], columns: int | None = None) -> Array:
+def amax_in(t: Array, shape: tuple[int, ...], feature_axes: int = 0) -> Array:
   """The largest magnitude of `t` as an amax slot of `shape` holds it, float32: [1], one
   value; [1, rows], one per row of `rows` equal rows (fewer where `rows` does not divide t's
-  size: zeros after them, which no amax is below). columns: [1, rows] holds instead one per
-  column of t as [-1, columns] (where `rows` holds them: the product of t's trailing axes),
-  the max over the leading axes: a dense layer's bias gradient reduces its output gradient
-  that way, and XLA then computes both, and the quantizing, in one pass over it (by rows,
-  the amax is a pass of its own)."""
+  size: zeros after them, which no amax is below). feature_axes=k: [1, rows] holds instead
+  one per element of t's last k axes, the max over the others (where `rows` holds them;
+  else by rows): a dense layer's bias gradient reduces its output gradient over the same
+  axes, and XLA then computes both, and the quantizing, in one pass over it (by rows, the
+  amax is a pass of its own). Reduced over t's own axes, not a reshape of them, so that a
+  feature axis sharded over the mesh stays sharded."""
   a = jnp.abs(t).astype(jnp.float32)
   if len(shape) == 1:
     return jnp.max(a).reshape(shape)
-  if columns is not None and columns <= shape[-1] and t.size % columns == 0:
-    rows = columns
-    partial = jnp.max(a.reshape(-1, rows), axis=0)
+  rows = math.prod(t.shape[t.ndim - feature_axes:])
+  if 0 < feature_axes < t.ndim and rows <= shape[-1]:
+    partial = jnp.max(a, axis=tuple(range(t.ndim - feature_axes))).reshape(rows)
   else:
     rows = math.gcd(t.size, shape[-1])
     partial = jnp.max(a.reshape(rows, t.size // rows), axis=1)
@@ -184,10 +187,8 @@ def _fp8_dot_bwd(dims, channel, res, g):
   else:
     dtype = g.dtype  # The output's, the kernel's dtype.
     qg = fp8_ops.quantize(g, FP8_TENSORS[2][1], grad_scale, dtype)
-    # By the kernel's output features: as the bias gradient reduces g (one pass for both).
-    g_amax = amax_in(g, grad_slot.shape, math.prod(
-        d for i, d in enumerate(qk.shape) if i not in dims[0][1] + dims[1][1])).astype(
-            grad_slot.dtype)
+    # Per output feature (the kernel's free axes, g's last): as the bias gradient reduces g.
+    g_amax = amax_in(g, grad_slot.shape, qk.ndim - len(dims[0][1]) - len(dims[1][1]))
   dx, dk = _fp8_matmul_grads(qg, qx, qk, dims, x_scale, kernel_scale, grad_scale, dtype)
   zero = jnp.zeros_like(x_scale)
   # The scales' "gradients": none; the slots': this step's amaxes.
@@ -365,8 +366,7 @@ def _gelu_mlp_bwd(axes, interpret, channel, indices, res, g):
       _, (qg2, g2_amax) = g
     else:
       qg2 = fp8_ops.quantize(g, e5m2, s2[2], dtype)
-      g2_amax = amax_in(g, (1,) + grad_slot2.shape, qk2.shape[-1]).reshape(
-          grad_slot2.shape).astype(grad_slot2.dtype)
+      g2_amax = amax_in(g, (1,) + grad_slot2.shape, 1)  # Per feature, as `_fp8_dot_bwd`'s.
     dh, dk2 = _fp8_matmul_grads(qg2, qh, qk2, _mlp_dims(qh), s2[0], s2[1], s2[2], dtype)
   with jax.named_scope('intermediate'):
     qg1, db1, g1_amax = activations.bias_gelu_fp8_grad(y1, b1, dh, table, e5m2, axes=axes,

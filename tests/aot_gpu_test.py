@@ -231,7 +231,7 @@ def test_fp8_encoder_matmuls_compile_to_fp8_gemms_for_an_h100():
   # and the projection gradients they compute (layers._grad_channels), and they and the GELU
   # kernels read their scales in place from the stacked table (a slice given to a kernel is
   # a copy kernel of its own); dQKV's amax is reduced per output feature in the pass that
-  # quantizes it and sums its bias gradient (fp8.amax_in's columns): what FP8 adds to the
+  # quantizes it and sums its bias gradient (fp8.amax_in's feature_axes): what FP8 adds to the
   # step's kernels is the quantizing of the attention's output and of dQKV, the GEMMs' scale
   # slices and the amaxes' second stages, 15 kernels on the floor and 12 on the current
   # stack on 2026-12-02 (FP8_ADDED_KERNELS; 17 and 14 with dQKV's amax a pass of its own, 24

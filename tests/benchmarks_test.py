@@ -297,7 +297,8 @@ _CPU_LOSS_FLAGS = ['--sizes=tiny', '--seq_lens=64', '--rows=64:8', '--prediction
                    '--matmul_precision=default,fp8', '--loss_steps=300', '--loss_seeds=2',
                    '--frameworks=bert_jax', '--no-attention_dropout_case',
                    '--no-attention_check', '--no-profile', '--warmup=1', '--steps=2',
-                   '--rounds=1', '--vocab_size=512', '--dtype=bfloat16', '--compile_workers=1']
+                   '--rounds=1', '--vocab_size=512', '--dtype=bfloat16', '--compile_workers=1',
+                   '--time_budget_s=800']
 
 
 def test_an_fp8_runs_loss_curve_stays_within_bf16s_seed_noise_in_the_cpu_emulation(tmp_path):
@@ -318,6 +319,7 @@ def test_an_fp8_runs_loss_curve_stays_within_bf16s_seed_noise_in_the_cpu_emulati
   with open(tmp_path / 'gpu_benchmark.json') as f:
     report = json.load(f)
   bf16, fp8 = report['results']
+  assert not {'error', 'skipped', 'losses_error'} & (set(bf16) | set(fp8)), report['results']
   assert [bf16['case'], fp8['case']] == ['tiny_64_packed_xla_unscanned',
                                          'tiny_64_packed_xla_unscanned_fp8'], report['results']
   for losses in (bf16['losses'], bf16['losses_other_seeds'][0], fp8['losses']):
@@ -335,8 +337,9 @@ def test_an_fp8_runs_loss_curve_stays_within_bf16s_seed_noise_in_the_cpu_emulati
 
 def test_loss_comparison_flags_a_curve_outside_the_seed_noise():
   """`loss_comparison` pairs each FP8 case with its default-precision case by name and judges
-  each third of the curve: a gap past the seed gap + LOSS_TOLERANCE is not within the noise;
-  without other seeds it cannot say; a case without its default counterpart is named."""
+  each third of the curve: a gap past the seed gap + LOSS_TOLERANCE is not within the noise,
+  nor a curve that diverged; without other seeds it cannot say, nor without a default case
+  of as many rows and losses, nor with fewer losses than thirds."""
   gpu = _gpu_module()
   base = dict(case='b', matmul_precision='default', losses=[3.0] * 6,
               losses_other_seeds=[[3.01] * 6])
@@ -349,7 +352,14 @@ def test_loss_comparison_flags_a_curve_outside_the_seed_noise():
   (unknown,) = gpu.loss_comparison([dict(base, losses_other_seeds=None), fp8([3.0] * 6)])
   assert unknown['within_noise'] is None
   (alone,) = gpu.loss_comparison([base, fp8([3.0] * 6, case='c_fp8')])
-  assert alone == dict(case='c_fp8', error='no default-precision case with as many losses')
+  assert alone == dict(case='c_fp8', within_noise=None,
+                       error='no default-precision case with as many losses of as many rows')
+  (halved,) = gpu.loss_comparison([dict(base, rows=4), dict(fp8([3.0] * 6), rows=8)])
+  assert halved['within_noise'] is None and 'rows' in halved['error']
+  (short,) = gpu.loss_comparison([dict(base, losses=[3.0] * 2), fp8([3.0] * 2)])
+  assert short['within_noise'] is None and 'fewer than the 3' in short['error']
+  (diverged,) = gpu.loss_comparison([base, fp8([3.0] * 5 + [float('nan')])])
+  assert diverged['within_noise'] is False and diverged['error'] == 'non-finite FP8 losses'
 
 
 def _load_benchmark(name):

@@ -197,23 +197,30 @@ def test_an_fp8_training_step_with_pallas_gelu_is_the_unfused_layers_bit_for_bit
 
 
 def test_an_output_gradients_amax_is_reduced_as_its_bias_gradient():
-  """amax_in(columns=) holds one amax per column, the max over the tensor's leading axes, as a
-  dense layer's bias gradient reduces its output gradient (XLA then computes both in one pass:
-  tests/aot_gpu_test.py), zeros after them; the largest is the one by rows. Columns that the
-  slot cannot hold, or that do not divide the tensor, are reduced by rows."""
+  """amax_in(feature_axes=k) holds one amax per element of the tensor's last k axes, the max
+  over the others, as a dense layer's bias gradient reduces its output gradient (XLA then
+  computes both in one pass: tests/aot_gpu_test.py), zeros after them; the largest is the one
+  by rows. Features that the slot cannot hold are reduced by rows. fp8_dot_general's output
+  gradient comes back so, per feature of the kernel's free axes."""
   t = jax.random.normal(jax.random.key(3), (4, 6, 3, 5), jnp.float32).at[2, 1, 0, 3].set(-9.0)
-  got = np.asarray(fp8.amax_in(t, (1, 32), columns=15))
+  got = np.asarray(fp8.amax_in(t, (1, 32), feature_axes=2))
   assert got.shape == (1, 32)
   np.testing.assert_array_equal(got[0, :15], np.abs(np.asarray(t)).max(axis=(0, 1)).ravel())
   assert not got[0, 15:].any()
   by_rows = np.asarray(fp8.amax_in(t, (1, 32)))
   assert got.max() == by_rows.max() == 9.0
   assert not np.array_equal(got, by_rows)
-  np.testing.assert_array_equal(fp8.amax_in(t, (1, 8), columns=15), fp8.amax_in(t, (1, 8)))
-  np.testing.assert_array_equal(fp8.amax_in(t, (1, 32), columns=7), by_rows)
-  # Columns that no trailing axes make: t as [-1, 10].
-  np.testing.assert_array_equal(np.asarray(fp8.amax_in(t, (1, 32), columns=10))[0, :10],
-                                np.abs(np.asarray(t)).reshape(-1, 10).max(axis=0))
+  np.testing.assert_array_equal(fp8.amax_in(t, (1, 8), feature_axes=2), fp8.amax_in(t, (1, 8)))
+  # The matmul: x [2, 3, 8] . kernel [8, 4, 5] -> y [2, 3, 4, 5]; g's amax per (4, 5) feature.
+  x = jax.random.normal(jax.random.key(4), (2, 3, 8), jnp.float32)
+  k = jax.random.normal(jax.random.key(5), (8, 4, 5), jnp.float32)
+  g = jax.random.normal(jax.random.key(6), (2, 3, 4, 5), jnp.float32)
+  slots = jnp.zeros((3, 32), jnp.float32)
+  amaxes = jax.grad(lambda s: jnp.sum(fp8.fp8_dot_general(
+      x, k, (((2,), (0,)), ((), ())), jnp.ones((3,)), s) * g))(slots)
+  np.testing.assert_array_equal(np.asarray(amaxes[2, :20]),
+                                np.abs(np.asarray(g)).max(axis=(0, 1)).ravel())
+  assert not np.asarray(amaxes[2, 20:]).any()
 
 
 def test_nans_and_overflows_are_quantized_and_counted_as_xla_quantizes_them():

@@ -512,7 +512,8 @@ def test_fp8_keeps_the_parameters_and_adds_scales_only_to_encoder_matmuls():
                        for p in parts)
     grads = jax.jit(jax.grad(lambda s: _fp8_loss(config, params, s)))(
         model_lib.fp8_step_scales(meta))
-    # They come back per row of the amax slots, which fp8_amaxes reduces.
+    # They come back per row of the amax slots (an output gradient's per feature), which
+    # fp8_amaxes reduces.
     assert grads['bert']['encoder']['fp8_amax_slots'].shape == (
         layers, len(names), 3, model_lib.FP8_AMAX_ROWS)
     assert not np.any(grads['bert']['encoder']['fp8_scale'])
