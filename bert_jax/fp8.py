@@ -151,6 +151,15 @@ def _fp8_dot(x: Array, kernel: Array, x_scale: Array, kernel_scale: Array, grad_
                       grad_slot, given, dims, channel)[0]
 
 
+def _quantized_grad(g: Array, scale: Array, slot: Array, feature_axes: int
+                    ) -> tuple[Array, Array]:
+  """(An output gradient quantized to e5m2 by `scale`, its amax as `slot` holds it): the
+  amax per element of g's last `feature_axes` axes, the output features, over which the bias
+  gradient reduces g too (`amax_in`), so that XLA reads g once for all three."""
+  amax = amax_in(g, (1,) + slot.shape[-1:], feature_axes).reshape(slot.shape)
+  return fp8_ops.quantize(g, FP8_TENSORS[2][1], scale, g.dtype), amax.astype(slot.dtype)
+
+
 def _grad_channel(y: Array, grad_slot: Array) -> tuple:
   """fp8_dot_general's grad_channel: a zeros carrier of the quantized gradient and the slot
   itself as its amax's carrier (their values are never read)."""
@@ -186,13 +195,13 @@ def _fp8_dot_bwd(dims, channel, res, g):
     dtype = g.dtype
   else:
     dtype = g.dtype  # The output's, the kernel's dtype.
-    qg = fp8_ops.quantize(g, FP8_TENSORS[2][1], grad_scale, dtype)
-    # Per output feature (the kernel's free axes, g's last): as the bias gradient reduces g.
-    g_amax = amax_in(g, grad_slot.shape, qk.ndim - len(dims[0][1]) - len(dims[1][1]))
+    # Per output feature: the kernel's free axes, g's last.
+    qg, g_amax = _quantized_grad(g, grad_scale, grad_slot,
+                                 qk.ndim - len(dims[0][1]) - len(dims[1][1]))
   dx, dk = _fp8_matmul_grads(qg, qx, qk, dims, x_scale, kernel_scale, grad_scale, dtype)
   zero = jnp.zeros_like(x_scale)
   # The scales' "gradients": none; the slots': this step's amaxes.
-  return (dx, dk, zero, zero, zero, x_amax, kernel_amax, g_amax.astype(grad_slot.dtype),
+  return (dx, dk, zero, zero, zero, x_amax, kernel_amax, g_amax,
           jax.tree.map(jnp.zeros_like, given))
 
 
@@ -365,8 +374,7 @@ def _gelu_mlp_bwd(axes, interpret, channel, indices, res, g):
     if channel:  # The LayerNorm's backward kernel quantized the gradient (fp8_dot_general).
       _, (qg2, g2_amax) = g
     else:
-      qg2 = fp8_ops.quantize(g, e5m2, s2[2], dtype)
-      g2_amax = amax_in(g, (1,) + grad_slot2.shape, 1)  # Per feature, as `_fp8_dot_bwd`'s.
+      qg2, g2_amax = _quantized_grad(g, s2[2], grad_slot2, 1)
     dh, dk2 = _fp8_matmul_grads(qg2, qh, qk2, _mlp_dims(qh), s2[0], s2[1], s2[2], dtype)
   with jax.named_scope('intermediate'):
     qg1, db1, g1_amax = activations.bias_gelu_fp8_grad(y1, b1, dh, table, e5m2, axes=axes,
