@@ -49,7 +49,8 @@ How the numbers are made:
   cycle of --loss_batches synthetic batches and records every step's loss (`losses`), so that
   bf16's and FP8's curves compare in one file; --loss_seeds=2 also trains each bf16 case from
   another seed, and `loss_comparison` says whether FP8's mean loss over each third of the
-  steps stays within bf16's seed-to-seed difference (+ LOSS_TOLERANCE).
+  steps stays within bf16's seed-to-seed difference (+ LOSS_TOLERANCE). The curves count
+  against --time_budget_s too: one it stops is dropped and `losses_skipped` says where.
 - Dropout: hidden 0.1 (the paper's); attention dropout 0 for every case, since the fused
   kernels have none (README "Attention"); --attention_dropout_case adds the paper's exact
   recipe (xla, attention dropout 0.1) at base/128 to show what it costs.
@@ -519,27 +520,39 @@ class JaxCase:
                        device=jax.devices()[0].device_kind)
     return state
 
-  def losses(self):
+  def losses(self, deadline: float):
     """Every step's loss over --loss_steps steps from a fresh state (key 0: the same initial
     parameters for every case of a model size), cycling through --loss_batches batches.
     With --loss_seeds=N a case at the default precision also trains from N - 1 other seeds
     (`train.seed` and the initial key: other weights and dropout masks), one compile each:
-    `losses_other_seeds`, the spread that `loss_comparison` holds FP8's curve to."""
-    self.result['losses'] = self._train_losses(0)
-    self.result['loss_batches'] = self.args.loss_batches
-    if self.args.loss_seeds > 1 and self.spec.get('matmul_precision', 'default') == 'default':
-      others = []
-      for seed in range(1, self.args.loss_seeds):
-        case = JaxCase(self.args, dict(self.spec, seed=seed))
-        case.build(self.rows)
-        case.compile()
-        others.append(case._train_losses(seed))  # pylint: disable=protected-access
-      self.result['losses_other_seeds'] = others
+    `losses_other_seeds`, the spread that `loss_comparison` holds FP8's curve to. Past
+    `deadline` (--time_budget_s) a curve stops: `losses_skipped` says where, and only whole
+    curves are kept."""
+    try:
+      self.result['losses'] = self._train_losses(0, deadline)
+      self.result['loss_batches'] = self.args.loss_batches
+      if self.args.loss_seeds > 1 and self.spec.get('matmul_precision', 'default') == 'default':
+        others = []
+        for seed in range(1, self.args.loss_seeds):
+          self._check_budget(deadline, 0, seed)  # Before the seed's compile.
+          case = JaxCase(self.args, dict(self.spec, seed=seed))
+          case.build(self.rows)
+          case.compile()
+          others.append(case._train_losses(seed, deadline))  # pylint: disable=protected-access
+        self.result['losses_other_seeds'] = others
+    except _BudgetSpent as e:
+      self.result['losses_skipped'] = str(e)
 
-  def _train_losses(self, seed: int) -> list[float]:
+  def _check_budget(self, deadline: float, step: int, seed: int):
+    if time.time() > deadline:
+      raise _BudgetSpent(f'time budget (--time_budget_s) spent after {step} of '
+                         f'{self.args.loss_steps} steps of seed {seed}')
+
+  def _train_losses(self, seed: int, deadline: float) -> list[float]:
     import jax  # pylint: disable=g-import-not-at-top
     from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
     a = self.args
+    self._check_budget(deadline, 0, seed)
     bsh = sharding_lib.batch_sharding(self.mesh)
     batches = [sharding_lib.make_global_batch(self.make_batch(100 + i), bsh)
                for i in range(a.loss_batches)]
@@ -547,6 +560,10 @@ class JaxCase:
       state = jax.jit(self.init, out_shardings=self.shardings)(jax.random.key(seed))
     losses = []
     for i in range(a.loss_steps):
+      if i and i % LOSS_CHECK_STEPS == 0:
+        # The device's progress, not the host's dispatch, which runs ahead of it.
+        jax.block_until_ready(losses[-1])
+        self._check_budget(deadline, i, seed)
       state, metrics = self.compiled(state, batches[i % len(batches)])
       losses.append(metrics['loss'])  # Read at the end: the host does not wait each step.
     return [float(x) for x in jax.device_get(losses)]
@@ -561,6 +578,15 @@ class JaxCase:
              else '') +
             (f"_qkv{s['qkv_projection']}" if s.get('qkv_projection', 'stacked') != 'stacked'
              else '') + (f"_seed{s['seed']}" if s.get('seed') else ''))
+
+
+# How often (in steps) a loss curve waits for the device and checks --time_budget_s: a wait
+# every step would hold the host's dispatch to the device's pace.
+LOSS_CHECK_STEPS = 50
+
+
+class _BudgetSpent(Exception):
+  """--time_budget_s ran out during a loss curve."""
 
 
 def _rates(bert_config, host_batches, rows, step, round_times, peak) -> dict:
@@ -640,7 +666,7 @@ def run_bert_jax(args, specs: list[dict], deadline: float, log, save) -> list[di
       # the GPU with one), and a failure here leaves the case's timings as they are.
       state, state_size = None, None
       try:
-        c.losses()
+        c.losses(deadline)
       except Exception as e:  # pylint: disable=broad-except
         c.result['losses_error'] = _error(e)
     results.append(c.result)
@@ -977,7 +1003,8 @@ def parse_args(argv=None):
   p.add_argument('--trace_dir', default='', help='where profiles go; default OUTPUT/traces')
   p.add_argument('--compile_workers', type=int, default=8)
   p.add_argument('--time_budget_s', type=float, default=500,
-                 help='cases not started by then are skipped (and listed as such)')
+                 help='cases not started by then are skipped (and listed as such), and loss '
+                 'curves not finished (--loss_steps) stop (`losses_skipped`)')
   p.add_argument('--torch_worker', default='', help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   pairs = lambda s, cast: {int(k): cast(v) for k, v in (x.split(':') for x in s.split(','))}

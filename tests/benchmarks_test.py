@@ -6,10 +6,13 @@ from breaking silently when the package they drive changes.
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
 import sys
+import time
+import types
 
 import numpy as np
 import pytest
@@ -319,7 +322,8 @@ def test_an_fp8_runs_loss_curve_stays_within_bf16s_seed_noise_in_the_cpu_emulati
   with open(tmp_path / 'gpu_benchmark.json') as f:
     report = json.load(f)
   bf16, fp8 = report['results']
-  assert not {'error', 'skipped', 'losses_error'} & (set(bf16) | set(fp8)), report['results']
+  assert not {'error', 'skipped', 'losses_error', 'losses_skipped'} & (set(bf16) | set(fp8)), \
+      report['results']
   assert [bf16['case'], fp8['case']] == ['tiny_64_packed_xla_unscanned',
                                          'tiny_64_packed_xla_unscanned_fp8'], report['results']
   for losses in (bf16['losses'], bf16['losses_other_seeds'][0], fp8['losses']):
@@ -333,6 +337,34 @@ def test_an_fp8_runs_loss_curve_stays_within_bf16s_seed_noise_in_the_cpu_emulati
   assert [w['steps'] for w in comparison['windows']] == [[1, 100], [101, 200], [201, 300]]
   # The figures are the curves': FP8's are not bf16's (its rounding shows) nor its seed's.
   assert 0 < comparison['max_step_gap'] and all(w['seed_gap'] > 0 for w in comparison['windows'])
+
+
+def test_loss_curves_stop_at_the_time_budget_and_only_whole_ones_are_kept(monkeypatch):
+  """--time_budget_s holds during the loss curves too (each waits for the device every
+  LOSS_CHECK_STEPS steps and checks it): a curve the budget stops is dropped and the case
+  says where in `losses_skipped`; one it does not stop is kept whole."""
+  gpu = _gpu_module()
+  args = gpu.parse_args(['--output=unused'] + _CPU_LOSS_FLAGS[:7] + [
+      '--matmul_precision=default', '--loss_steps=4', '--loss_batches=2', '--vocab_size=512',
+      '--dtype=float32', '--no-attention_dropout_case', '--scan_layers=false'])
+  (spec,), _ = gpu.case_specs(args)
+  case = gpu.JaxCase(args, spec)
+  case.build(spec['rows'])
+  case.compile()
+  # A clock one second on at each reading, read only by the checks: one a step here.
+  monkeypatch.setattr(gpu, 'LOSS_CHECK_STEPS', 1)
+  clock = itertools.count()
+  monkeypatch.setattr(gpu, 'time', types.SimpleNamespace(
+      time=lambda: next(clock), perf_counter=time.perf_counter))
+  case.result = {}
+  # Checked at 0 s (before its state), then at 1 and 2 s (before steps 2 and 3).
+  case.losses(deadline=1.5)
+  assert case.result == {'losses_skipped': 'time budget (--time_budget_s) spent after 2 of 4 '
+                                           'steps of seed 0'}
+  case.result = {}
+  case.losses(deadline=6.5)  # From 3 s: its 4 checks at 3-6 s.
+  assert len(case.result['losses']) == 4 and 'losses_skipped' not in case.result
+  assert np.all(np.isfinite(case.result['losses'])), case.result
 
 
 def test_loss_comparison_flags_a_curve_outside_the_seed_noise():
