@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 from absl import logging
+from etils import epath
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 import numpy as np
@@ -95,29 +96,36 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   except json.JSONDecodeError as e:
     raise UserError(f'{config_path}: not valid JSON: {e}') from e
   ckpt_dir = os.path.join(path, checkpoint.CHECKPOINT_DIR)
-  # Read-only, said in full (Orbax warns of each option it has to turn off itself).
-  manager = ocp.CheckpointManager(ckpt_dir, item_names=('params', 'opt_state', 'meta'),
-                                  options=ocp.CheckpointManagerOptions(
-                                      read_only=True, save_interval_steps=0, create=False))
-  step = manager.latest_step() if step is None else step
+  steps = checkpoint_steps(path)
   if step is None:
-    raise UserError(f'{ckpt_dir} holds no complete checkpoint')
+    if not steps:
+      raise UserError(f'{ckpt_dir} holds no complete checkpoint')
+    step = steps[-1]
+  elif step not in steps:
+    raise UserError(f'{ckpt_dir} holds no complete checkpoint of step {step} (its steps: '
+                    f'{", ".join(map(str, steps)) or "none"})')
+  item = os.path.join(ckpt_dir, str(step), 'params')
+  # The params item alone, by its own handler: a manager over the whole step warns of every
+  # other item it holds (optimizer state, FP8 scales), which it has no handler for.
+  handler = ocp.StandardCheckpointHandler()
   try:
-    metadata = manager.item_metadata(step)['params']
+    if not fileio.isdir(item):
+      raise KeyError('params')
+    metadata = handler.metadata(epath.Path(item))
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
     abstract = jax.tree.map(
         lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), metadata,
         is_leaf=lambda m: hasattr(m, 'shape'))
-    restored = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract)))
+    restored = handler.restore(epath.Path(item), args=ocp.args.StandardRestore(abstract))
   except Exception as e:  # pylint: disable=broad-except  (re-raised unless files are missing)
     reason = _damage(e)
     if reason is None:
       raise  # Not the files (Cloud Storage failing, a bug): its own message or traceback.
     raise UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint ({reason}); move '
                     'that folder aside to use an earlier step') from e
-  params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored['params'])
-  manager.close()
+  finally:
+    handler.close()
+  params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored)
   params = dict(params)
   if 'bert' in params:
     params = model_lib.unstack_layers(params, config.num_hidden_layers)

@@ -69,7 +69,7 @@ def test_only_a_checkpoint_with_files_missing_is_called_damaged(pretrained, tmp_
   shutil.copytree(pretrained[0], workdir)
   step = os.path.join(workdir, 'checkpoints', '1')
   with monkeypatch.context() as patch:
-    patch.setattr(ocp.CheckpointManager, 'restore',
+    patch.setattr(ocp.StandardCheckpointHandler, 'restore',
                   lambda *a, **k: (_ for _ in ()).throw(RuntimeError('a bug')))
     with pytest.raises(RuntimeError, match='^a bug$'):
       run_files.load_pretrained_from_workdir(workdir)
@@ -80,3 +80,20 @@ def test_only_a_checkpoint_with_files_missing_is_called_damaged(pretrained, tmp_
   shutil.rmtree(os.path.join(step, 'params'))
   with pytest.raises(UserError, match=r'damaged or incomplete checkpoint \(it holds no params\)'):
     run_files.load_pretrained_from_workdir(workdir)
+
+
+def test_a_workdir_loads_without_orbax_warnings_and_names_a_missing_step(pretrained, caplog):
+  """Only the params item is read, by its own handler: no warning of the step's other items
+  (optimizer state, meta; FP8 scales), which a manager over the whole step printed twice each
+  in every command and notebook that loaded a workdir. A step the workdir does not hold is
+  named with the ones it does (not called damaged)."""
+  from bert_jax.errors import UserError  # pylint: disable=g-import-not-at-top
+  workdir, _ = pretrained
+  with caplog.at_level('WARNING'):
+    config, params = run_files.load_pretrained_from_workdir(workdir)
+    assert run_files.load_pretrained_from_workdir(workdir, step=1)[0] == config
+  assert not [r.getMessage() for r in caplog.records if r.levelname != 'INFO'], caplog.text
+  assert sorted(params) == ['bert', 'mlm', 'nsp']
+  with pytest.raises(UserError, match=r'/checkpoints holds no complete checkpoint of step 3 '
+                                      r'\(its steps: 1\)$'):
+    run_files.load_pretrained_from_workdir(workdir, step=3)
