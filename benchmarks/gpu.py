@@ -529,6 +529,7 @@ class JaxCase:
     `deadline` (--time_budget_s) a curve stops: `losses_skipped` says where, and only whole
     curves are kept."""
     try:
+      self._check_budget(deadline, 0, 0)
       self.result['losses'] = self._train_losses(0, deadline)
       self.result['loss_batches'] = self.args.loss_batches
       if self.args.loss_seeds > 1 and self.spec.get('matmul_precision', 'default') == 'default':
@@ -552,7 +553,6 @@ class JaxCase:
     import jax  # pylint: disable=g-import-not-at-top
     from bert_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
     a = self.args
-    self._check_budget(deadline, 0, seed)
     bsh = sharding_lib.batch_sharding(self.mesh)
     batches = [sharding_lib.make_global_batch(self.make_batch(100 + i), bsh)
                for i in range(a.loss_batches)]

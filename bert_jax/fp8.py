@@ -192,12 +192,11 @@ def _fp8_dot_bwd(dims, channel, res, g):
   qx, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax, grad_slot, given = res
   if channel:  # The LayerNorm's backward kernel quantized the gradient (fp8_dot_general).
     g, (qg, g_amax) = g
-    dtype = g.dtype
   else:
-    dtype = g.dtype  # The output's, the kernel's dtype.
     # Per output feature: the kernel's free axes, g's last.
     qg, g_amax = _quantized_grad(g, grad_scale, grad_slot,
                                  qk.ndim - len(dims[0][1]) - len(dims[1][1]))
+  dtype = g.dtype  # The output's, the kernel's dtype.
   dx, dk = _fp8_matmul_grads(qg, qx, qk, dims, x_scale, kernel_scale, grad_scale, dtype)
   zero = jnp.zeros_like(x_scale)
   # The scales' "gradients": none; the slots': this step's amaxes.

@@ -104,13 +104,15 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
   elif step not in steps:
     raise UserError(f'{ckpt_dir} holds no complete checkpoint of step {step} (its steps: '
                     f'{", ".join(map(str, steps)) or "none"})')
+  damaged = lambda reason: UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint '
+                                     f'({reason}); move that folder aside to use an earlier step')
   item = os.path.join(ckpt_dir, str(step), 'params')
+  if not fileio.isdir(item):
+    raise damaged('it holds no params')
   # The params item alone, by its own handler: a manager over the whole step warns of every
   # other item it holds (optimizer state, FP8 scales), which it has no handler for.
   handler = ocp.StandardCheckpointHandler()
   try:
-    if not fileio.isdir(item):
-      raise KeyError('params')
     metadata = handler.metadata(epath.Path(item))
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
     abstract = jax.tree.map(
@@ -121,8 +123,7 @@ def load_pretrained_from_workdir(path: str, step: int | None = None
     reason = _damage(e)
     if reason is None:
       raise  # Not the files (Cloud Storage failing, a bug): its own message or traceback.
-    raise UserError(f'{ckpt_dir}/{step}: damaged or incomplete checkpoint ({reason}); move '
-                    'that folder aside to use an earlier step') from e
+    raise damaged(reason) from e
   finally:
     handler.close()
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored)
@@ -142,8 +143,6 @@ def _damage(error: BaseException) -> str | None:
   folder copied or deleted in part), else None: only then is it "damaged"."""
   if gcs.failing_object(error) is not None:
     return None  # Cloud Storage failing past the retries: the files may be whole.
-  if isinstance(error, KeyError) and 'params' in str(error):
-    return 'it holds no params'
   if isinstance(error, FileNotFoundError) or any(s in str(error) for s in _DAMAGE_SIGNS):
     return (str(error).splitlines() or [type(error).__name__])[0][:300]
   return None
