@@ -126,7 +126,7 @@ COMMANDS: dict[str, Run | NotHere] = {
     'bert-jax pretrain': Run('pretrain', f'--workdir={{tmp}}/smoke {_TINY_PRETRAIN} '
                              '--config.train.stop_at_step=2',
                              _PRETRAIN_SAYS),
-    'python3 -m pytest -q -n 2 --dist worksteal tests': NotHere(
+    'python3 -m pytest -q -n 2 --dist worksteal --durations=20 tests': NotHere(
         _SUITE + '; .ci/run runs exactly this on the floor stack'),
     # "Run the same command again and it resumes": on the run above, one step further.
     'bert-jax pretrain --workdir=/tmp/run --config.train.steps=1000 --config.model.size=mini':
