@@ -578,18 +578,13 @@ def test_watch_recovers_a_preempted_finetuning_run(gcs, tmp_path):
   assert stopped, first[-5000:]
   assert f'Resumed from step {stopped.group(1)} ' in second
   assert fileio.read_json(f'{workdir}/metrics.json') == expected
-  rows = [json.loads(line) for line in fileio.read_text(f'{workdir}/metrics.jsonl').splitlines()]
-  reference_rows = _jsonl(os.path.join(reference, 'metrics.jsonl'))
+  rows, reference_rows = ([row for _, row in fileio.read_jsonl_objects(f'{w}/metrics.jsonl')]
+                          for w in (workdir, reference))
   assert [r['step'] for r in rows if 'loss' in r] == list(range(1, 17))
   dev = lambda rows: [r for r in rows if r.get('split') == 'dev']
   assert dev(rows) == dev(reference_rows)
   assert [r['loss'] for r in rows if 'loss' in r] == [
       r['loss'] for r in reference_rows if 'loss' in r]
-
-
-def _jsonl(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
 
 
 # ---- GPU: SLURM -----------------------------------------------------------------------------

@@ -556,9 +556,9 @@ def test_packed_phases_switch_sequence_length_count_real_tokens_and_resume_in_th
   lengths = [round(r['tokens_per_second'] / r['steps_per_second'] / 8) for r in train_rows]
   assert lengths == [32] * 6 + [64] * 6
   for row in train_rows:
-    # Packed rows: nearly every slot a real token (unpacked, 32-token rows of the sample corpus
-    # are about 7% padding), at least one sequence per row (sequences of the sample corpus
-    # mostly fill 32 tokens: 1.02 per row).
+    # Packed rows, in both phases: nearly every slot a real token (unpacked, 32-token rows of
+    # the sample corpus are about 7% padding), at least one sequence per row (sequences of the
+    # sample corpus mostly fill 32 tokens: 1.02 per row).
     assert 0.95 * row['tokens_per_second'] < row['real_tokens_per_second'] <= (
         row['tokens_per_second']), row
     assert row['sequences_per_second'] >= 0.999 * 8 * row['steps_per_second'], row
