@@ -203,7 +203,7 @@ def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_
                         float(data.short_seq_prob), not data.packing)
   pair_seed = _seed_tensor(seed, process_index, 1)
   examples = docs.batch(docs_per_batch).enumerate().map(
-      lambda i, docs: pair(pair_seed, i, docs['text'], docs['id']),
+      documents.as_written(lambda i, docs: pair(pair_seed, i, docs['text'], docs['id'])),
       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
   if train:
     examples = examples.shuffle(data.shuffle_buffer,
@@ -214,8 +214,8 @@ def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_
 
   def masked(batches):
     return batches.enumerate().map(
-        lambda i, b: mask(mask_seed, i, b['input_ids'], b['num_a'], b['length'],
-                          b['next_sentence_labels']),
+        documents.as_written(lambda i, b: mask(mask_seed, i, b['input_ids'], b['num_a'], b['length'],
+                                      b['next_sentence_labels'])),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
   if data.packing:
@@ -279,7 +279,7 @@ def _packed_batches(windows: tf.data.Dataset, data, *, batch_size, seq_len, max_
   max_sequences = int(data.packing_max_sequences)
   pack = _pack_function(seq_len, max_predictions, max_sequences, pad_id)
   pack_seed = _seed_tensor(seed, process_index, 3)
-  rows = windows.enumerate().map(lambda i, w: pack(pack_seed, i, w),
+  rows = windows.enumerate().map(documents.as_written(lambda i, w: pack(pack_seed, i, w)),
                                  num_parallel_calls=tf.data.AUTOTUNE,
                                  deterministic=True).unbatch()
   if train:
@@ -378,14 +378,15 @@ def _tfrecord_dataset(data, *, batch_size, seq_len, max_predictions, train, proc
     ds = ds.shuffle(len(files), seed=_shuffle_seed(seed, process_index, 0),
                     reshuffle_each_iteration=True)
   ds = ds.interleave(
-      lambda f: tf.data.TFRecordDataset(
-          f, tf.where(tf.strings.regex_full_match(f, r'.*\.gz'), 'GZIP', '')),
+      documents.as_written(lambda f: tf.data.TFRecordDataset(
+          f, tf.where(tf.strings.regex_full_match(f, r'.*\.gz'), 'GZIP', ''))),
       cycle_length=min(len(files), 16), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   if holdout is not None or by_record and process_count > 1:
     # Records are selected like documents, by a hash of their bytes; in blocks, since a
     # per-record filter call costs more than the hash.
     keep = documents.selector(holdout, (process_index, process_count) if by_record else None)
-    ds = ds.batch(1024).map(lambda r: tf.boolean_mask(r, keep(documents.document_ids(r))))
+    ds = ds.batch(1024).map(
+        documents.as_written(lambda r: tf.boolean_mask(r, keep(documents.document_ids(r)))))
     ds = ds.unbatch()
   what = 'held-out records (1 in 100 by hash)' if holdout else 'records'
   documents.require_element(ds, f'no {what} in {flag}={spec!r} ({files})' +
@@ -393,6 +394,7 @@ def _tfrecord_dataset(data, *, batch_size, seq_len, max_predictions, train, proc
   features = {name: tf.io.FixedLenFeature([size], dtype)
               for name, (size, dtype) in _record_spec(seq_len, max_predictions).items()}
 
+  @documents.as_written
   def parse(records):
     parsed = tf.io.parse_example(records, features)
     out = {k: tf.cast(v, tf.float32 if k == 'masked_lm_weights' else tf.int32)

@@ -137,6 +137,7 @@ class Plan:
     begin = tf.gather(tf.constant(self.file_begin), file_index)
     end = tf.gather(tf.constant(self.file_end), file_index)
 
+    @tf.autograph.experimental.do_not_convert  # Graph as written (documents.as_written).
     def read(i):
       texts = tf.numpy_function(reader.read, [i], tf.string, stateful=False)
       return tf.ensure_shape(texts, [None])
