@@ -116,6 +116,16 @@ def _classes() -> _Classes:
 
 
 @functools.lru_cache(maxsize=None)
+def _cased_characters() -> list[str]:
+  """The characters (surrogates and dropped ones aside) that `str.lower` changes: pure Python
+  over every code point, cached apart from the ops that use them (tests/forkserver.py makes
+  them once for every command it forks)."""
+  return [chr(cp) for cp in range(0x110000)
+          if not 0xD800 <= cp <= 0xDFFF and chr(cp).lower() != chr(cp)
+          and not is_dropped(chr(cp))]
+
+
+@functools.lru_cache(maxsize=None)
 def lower_case_mismatches() -> dict[str, str]:
   """Characters whose `tf.strings.lower` differs from Python's `str.lower`.
 
@@ -123,9 +133,7 @@ def lower_case_mismatches() -> dict[str, str]:
   Vithkuqi letters of Unicode 14 are not lower-cased), so these few characters
   are mapped in-graph before `tf.strings.lower` where they matter.
   """
-  cased = [chr(cp) for cp in range(0x110000)
-           if not 0xD800 <= cp <= 0xDFFF and chr(cp).lower() != chr(cp)
-           and not is_dropped(chr(cp))]
+  cased = _cased_characters()
   with tf.init_scope():
     lowered = tf.strings.lower([c.encode() for c in cased],
                                encoding='utf-8').numpy()
