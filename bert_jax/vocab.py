@@ -91,7 +91,9 @@ def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
 def count_words(texts: Iterable[str], lower_case: bool = True,
                 batch_size: int = 4096) -> dict[str, int]:
   """Counts of the words BERT's basic tokenization makes of `texts`."""
-  @tf.function(input_signature=[tf.TensorSpec([None], tf.string)])
+  # A graph as written: AutoGraph's rewrite of it (and of the tokenization it calls) cost
+  # about 0.6 s of the 1.5 s of counting the sample corpus.
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.string)], autograph=False)
   def split_and_count(lines):
     words = tokenization.split_words(lines, lower_case).flat_values
     unique, _, counts = tf.unique_with_counts(words, out_idx=tf.int64)

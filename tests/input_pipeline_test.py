@@ -23,6 +23,7 @@ from bert_jax import input_pipeline
 from bert_jax import packing
 from bert_jax import tables
 from bert_jax import tokenization
+from bert_jax import vocab
 from bert_jax.errors import UserError
 
 import records
@@ -773,7 +774,8 @@ def _autograph_conversions(capsys, build) -> list[str]:
 def test_autograph_rewrites_none_of_the_inputs_functions(corpora, tmp_path, capsys):
   """The input's tf.data functions are graphs as written (documents.as_written): AutoGraph's
   rewrite of them cost about 1.2 s of a CPU in every process that built an input (2026-12-03).
-  Text files paired, masked and packed; TFRecords less the held-out share; Parquet tables."""
+  Text files paired, masked and packed; TFRecords less the held-out share; Parquet tables; the
+  word count that trains a vocabulary."""
   pa = pytest.importorskip('pyarrow')
   pq = pytest.importorskip('pyarrow.parquet')
   # The log is read as AutoGraph writes it: a function it does convert is named.
@@ -797,8 +799,9 @@ def test_autograph_rewrites_none_of_the_inputs_functions(corpora, tmp_path, caps
     input_pipeline.make_pretraining_dataset(
         records_data, batch_size=8, seq_len=16, max_predictions=3, train=True)
     documents.table_documents([str(tmp_path / 'table.parquet')], 'text')
+    vocab.count_words(['A vocabulary is trained on words.'])
 
   converted = _autograph_conversions(capsys, build)
   mine = [name for name in converted
-          if any(name.split('.')[0] in vars(module) for module in (documents, input_pipeline, tables))]
+          if any(name.split('.')[0] in vars(module) for module in (documents, input_pipeline, tables, vocab))]
   assert not mine, converted
