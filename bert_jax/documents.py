@@ -55,6 +55,10 @@ _CUT_LOOKBACK = 256
 _ID_BUCKETS = 2**62
 # A sentence ends at . ! ? (and closing quotes or brackets) followed by whitespace.
 _SENTENCE_BREAK = r'([.!?][\"\'\)\]\x{201D}\x{2019}\x{00BB}]*)[ \t\r\f\v]+'
+# The input's tf.data functions are written as graphs (tf.cond and tf.where, no Python control
+# flow over tensors), so AutoGraph's rewrite of each function tf.data is given (parsing its
+# module's source) only costs time: about 1.2 s of a CPU in every process that builds an input.
+as_written = tf.autograph.experimental.do_not_convert
 
 
 def input_kind(spec: str) -> str:
@@ -137,10 +141,6 @@ def expand_files(spec: str, flag: str = 'data.input') -> list[str]:
 
 
 _SNIFF_BYTES = 1 << 16
-# The input's tf.data functions are written as graphs (tf.cond and tf.where, no Python control
-# flow over tensors), so AutoGraph's rewrite of each function tf.data is given (parsing its
-# module's source) only costs time: about 1.2 s of a CPU in every process that builds an input.
-as_written = tf.autograph.experimental.do_not_convert
 
 
 def check_text(path: str, flag: str) -> None:
@@ -514,7 +514,7 @@ def tfds_documents(spec: str, data: ml_collections.ConfigDict, *, holdout: bool 
   keep = selector(holdout)
   return ds.batch(256).map(
       as_written(lambda ex: _in_pieces(_select(split_into_sentences(ex[key]), keep))),
-                           num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
 
 
 def table_documents(files: list[str], column: str, *, holdout: bool | None = None,

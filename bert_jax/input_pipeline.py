@@ -214,8 +214,8 @@ def _text_dataset(data, *, batch_size, seq_len, max_predictions, train, process_
 
   def masked(batches):
     return batches.enumerate().map(
-        documents.as_written(lambda i, b: mask(mask_seed, i, b['input_ids'], b['num_a'], b['length'],
-                                      b['next_sentence_labels'])),
+        documents.as_written(lambda i, b: mask(mask_seed, i, b['input_ids'], b['num_a'],
+                                               b['length'], b['next_sentence_labels'])),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
   if data.packing:

@@ -785,7 +785,7 @@ def test_autograph_rewrites_none_of_the_inputs_functions(corpora, tmp_path, caps
       capsys, lambda: tf.data.Dataset.range(2).map(plus_one)))
   path = str(tmp_path / 'data.tfrecord')
   records.write_pretraining_records(path, [dict(
-      input_ids=np.arange(16), input_mask=np.ones(16, int), segment_ids=np.zeros(16, int),
+      input_ids=np.arange(16) + i, input_mask=np.ones(16, int), segment_ids=np.zeros(16, int),
       masked_lm_positions=np.array([1, 2, 0]), masked_lm_ids=np.array([7, 8, 0]),
       next_sentence_labels=[i % 2], masked_lm_weights=np.array([1.0, 1.0, 0.0], np.float32))
       for i in range(200)])
@@ -802,6 +802,6 @@ def test_autograph_rewrites_none_of_the_inputs_functions(corpora, tmp_path, caps
     vocab.count_words(['A vocabulary is trained on words.'])
 
   converted = _autograph_conversions(capsys, build)
-  mine = [name for name in converted
-          if any(name.split('.')[0] in vars(module) for module in (documents, input_pipeline, tables, vocab))]
+  modules = (documents, input_pipeline, tables, vocab)
+  mine = [name for name in converted if any(name.split('.')[0] in vars(m) for m in modules)]
   assert not mine, converted
